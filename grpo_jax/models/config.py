@@ -1,0 +1,155 @@
+"""Architecture of the decoder: one frozen config whose switches cover every supported family.
+
+The model code never branches on the family name; it reads the switches below. `family` is kept
+only so that `save_pretrained` can write a config.json of the same `model_type`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Family = Literal["llama", "qwen2", "qwen3", "gemma3_text"]
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3_text")
+
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+
+RopeType = Literal["default", "linear", "llama3"]
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+Activation = Literal["silu", "gelu_pytorch_tanh", "gelu"]
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary embedding of one layer type, as Hugging Face's `rope_parameters` describe it."""
+
+    theta: float
+    rope_type: RopeType = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _check_choice("rope_type", self.rope_type, ROPE_TYPES)
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+        if self.rope_type != "default" and self.factor <= 0:
+            raise ValueError(f"rope factor must be positive, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                "llama3 rope needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Decoder-only transformer; see `grpo_jax.models.hf` for how HF config.json maps here."""
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Gemma's RMSNorm scales by (1 + w) and stores w around 0.
+    norm_plus_one: bool = False
+    # Gemma multiplies token embeddings by sqrt(hidden_size).
+    scale_embeddings: bool = False
+    # Gemma's sandwich norms: a norm on the attention output and on the MLP output.
+    post_norms: bool = False
+    activation: Activation = "silu"
+    # Attention scores are scaled by query_pre_attn_scalar**-0.5 (Gemma), else head_dim**-0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    layer_types: tuple[LayerType, ...] | None = None  # None: every layer is full attention
+    sliding_window: int | None = None
+    # (layer type, rope) pairs, one per layer type in use; a dict is accepted and stored as pairs so
+    # that the config stays hashable (NNX keeps it as static graph data).
+    rope: tuple[tuple[str, RopeConfig], ...] = (("full_attention", RopeConfig(theta=10_000.0)),)
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.rope, dict):
+            object.__setattr__(self, "rope", tuple(sorted(self.rope.items())))
+        layer_types = self.layer_types or ("full_attention",) * self.num_layers
+        object.__setattr__(self, "layer_types", tuple(layer_types))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        _check_choice("model_type", self.family, SUPPORTED_FAMILIES)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_layers={self.num_layers}"
+            )
+        for t in self.layer_types:
+            _check_choice("layer type", t, LAYER_TYPES)
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError("sliding_attention layers need a positive sliding_window")
+        missing = sorted(set(self.layer_types) - set(dict(self.rope)))
+        if missing:
+            raise ValueError(f"rope has no parameters for layer types {missing}")
+        for cap_name in ("attn_logit_softcap", "final_logit_softcap"):
+            cap = getattr(self, cap_name)
+            if cap is not None and cap <= 0:
+                raise ValueError(f"{cap_name} must be positive or None, got {cap}")
+
+    @property
+    def query_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Distinct layer types in a fixed order; layer i uses kinds.index(layer_types[i])."""
+        return tuple(t for t in LAYER_TYPES if t in self.layer_types)
+
+    def rope_of(self, kind: str) -> RopeConfig:
+        return dict(self.rope)[kind]
+
+    def window_of(self, kind: str) -> int | None:
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        return dataclasses.replace(self, **changes)

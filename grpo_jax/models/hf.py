@@ -1,0 +1,261 @@
+"""Hugging Face checkpoints: `from_pretrained` and `save_pretrained` for safetensors directories.
+
+Weights are read tensor by tensor (safetensors memory-maps them), checked against the shapes the
+config implies, converted to our layout and stacked over layers. Nothing is random-initialised:
+a missing tensor, a tensor of the wrong shape, or a tensor we would not use is an error that names
+it. HF linear weights are [out, in]; ours put the input axes first and split heads out
+([E, H, D] for q, [H, D, E] for o), so conversion is a transpose plus a reshape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.hf_config import config_from_hf, config_to_hf
+from grpo_jax.models.transformer import Transformer, layer_param_specs
+
+# Our per-layer parameter -> (HF name inside `layers.{i}.`, number of leading "input" axes of our
+# layout; None for vectors). Gemma's sandwich norms reuse HF names with other meanings, see below.
+_LAYER_NAMES = {
+    "attn_norm": ("input_layernorm.weight", None),
+    "q_proj": ("self_attn.q_proj.weight", 1),
+    "k_proj": ("self_attn.k_proj.weight", 1),
+    "v_proj": ("self_attn.v_proj.weight", 1),
+    "o_proj": ("self_attn.o_proj.weight", 2),
+    "q_bias": ("self_attn.q_proj.bias", None),
+    "k_bias": ("self_attn.k_proj.bias", None),
+    "v_bias": ("self_attn.v_proj.bias", None),
+    "o_bias": ("self_attn.o_proj.bias", None),
+    "q_norm": ("self_attn.q_norm.weight", None),
+    "k_norm": ("self_attn.k_norm.weight", None),
+    "mlp_norm": ("post_attention_layernorm.weight", None),
+    "gate_proj": ("mlp.gate_proj.weight", 1),
+    "up_proj": ("mlp.up_proj.weight", 1),
+    "down_proj": ("mlp.down_proj.weight", 1),
+    "gate_bias": ("mlp.gate_proj.bias", None),
+    "up_bias": ("mlp.up_proj.bias", None),
+    "down_bias": ("mlp.down_proj.bias", None),
+}
+# In Gemma, post_attention_layernorm normalises the attention output and the pre-MLP norm has its own name.
+_SANDWICH_NAMES = {
+    "attn_post_norm": ("post_attention_layernorm.weight", None),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", None),
+    "mlp_post_norm": ("post_feedforward_layernorm.weight", None),
+}
+# Non-persistent buffers that old checkpoints sometimes contain.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_PREFIXES = ("model.", "")
+
+
+def _hf_shape(shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
+    if n_in is None:
+        return (math.prod(shape),)
+    return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def _to_ours(w: np.ndarray, shape: tuple[int, ...], n_in: int | None) -> np.ndarray:
+    return w.reshape(shape) if n_in is None else w.T.reshape(shape)
+
+
+def _to_hf(w: np.ndarray, n_in: int | None) -> np.ndarray:
+    if n_in is None:
+        return w.reshape(-1)
+    return np.ascontiguousarray(w.reshape(math.prod(w.shape[:n_in]), -1).T)
+
+
+def _layer_table(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+    """our per-layer param -> (our shape without L, HF suffix, n_in), for this config."""
+    names = dict(_LAYER_NAMES)
+    if config.post_norms:
+        names.update(_SANDWICH_NAMES)
+    return {name: (shape, *names[name]) for name, (shape, _) in layer_param_specs(config).items()}
+
+
+class _Reader:
+    """The tensors of a checkpoint directory: one file, or shards listed by an index."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
+            extra = f" (found {other}: convert them to safetensors with transformers' save_pretrained)" if other else ""
+            raise FileNotFoundError(f"no *.safetensors weights in {path}{extra}")
+        self.location: dict[str, str] = {}
+        for f in files:
+            fp = path / f
+            if not fp.exists():
+                raise FileNotFoundError(f"{index.name} lists {f}, which is missing from {path}")
+            with safe_open(fp, framework="numpy") as h:
+                for k in h.keys():
+                    self.location[k] = str(fp)
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.location)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        f = self.location[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, framework="numpy").__enter__()
+        return self._handles[f]
+
+
+def _load(reader: _Reader, name: str, hf_shape: tuple[int, ...], used: set[str]) -> np.ndarray:
+    if name not in reader.location:
+        raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {hf_shape})")
+    found = reader.shape(name)
+    if found != hf_shape:
+        raise ValueError(f"tensor {name!r} has shape {found}, but config.json implies {hf_shape}")
+    used.add(name)
+    return reader.get(name)
+
+
+def load_config(path: str | os.PathLike) -> TransformerConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} is not a directory; pass a Hugging Face model directory "
+            "(config.json + *.safetensors), e.g. one written by save_pretrained"
+        )
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    return config_from_hf(json.loads(cfg_file.read_text()))
+
+
+def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
+                    remat: bool = False) -> Transformer:
+    """Load an HF-format directory (config.json + one or sharded safetensors) into a Transformer."""
+    path = Path(path)
+    config = load_config(path)
+    reader = _Reader(path)
+    prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in reader.location), None)
+    if prefix is None:
+        raise ValueError(f"checkpoint in {path} has no embed_tokens.weight (looked for 'model.embed_tokens.weight')")
+    np_dtype = jnp.dtype(param_dtype)
+    used: set[str] = set()
+    E, V = config.hidden_size, config.vocab_size
+
+    def stacked(shape, suffix, n_in):
+        hf = _hf_shape(shape, n_in)
+        return np.stack([
+            _to_ours(_load(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in).astype(np_dtype)
+            for i in range(config.num_layers)
+        ])
+
+    values = {("layers", name): stacked(*spec) for name, spec in _layer_table(config).items()}
+    embed = _load(reader, f"{prefix}embed_tokens.weight", (V, E), used)
+    values[("embed",)] = embed.astype(np_dtype)
+    values[("final_norm",)] = _load(reader, f"{prefix}norm.weight", (E,), used).astype(np_dtype)
+    if config.tie_word_embeddings:
+        if "lm_head.weight" in reader.location:
+            head = _load(reader, "lm_head.weight", (V, E), used)
+            if not np.array_equal(head, embed):
+                raise ValueError("config.json ties word embeddings but lm_head.weight differs from embed_tokens.weight")
+    else:
+        values[("lm_head",)] = _load(reader, "lm_head.weight", (V, E), used).T.astype(np_dtype)
+
+    unused = sorted(n for n in reader.names() - used if not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise ValueError(
+            f"checkpoint has {len(unused)} tensors that a {config.family} model with this config does not use, "
+            f"e.g. {unused[:5]}; is config.json the one these weights were saved with?"
+        )
+
+    abstract = nnx.eval_shape(
+        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    if set(flat) != set(values):
+        raise AssertionError(f"loader and model disagree on parameters: {sorted(set(flat) ^ set(values))}")
+    for key, var in flat.items():
+        if tuple(var.shape) != values[key].shape:
+            raise AssertionError(f"{key}: converted shape {values[key].shape} != model shape {var.shape}")
+        var.set_value(jnp.asarray(values[key]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's parameters under Hugging Face names and layouts (NumPy, storage dtype)."""
+    config = model.config
+    out: dict[str, np.ndarray] = {"model.embed_tokens.weight": np.asarray(jax.device_get(model.embed[...]))}
+    layer_arrays = {k: np.asarray(jax.device_get(v)) for k, v in model.layers.arrays().items()}
+    for i in range(config.num_layers):
+        for name, (_, suffix, n_in) in _layer_table(config).items():
+            out[f"model.layers.{i}.{suffix}"] = _to_hf(layer_arrays[name][i], n_in)
+    out["model.norm.weight"] = np.asarray(jax.device_get(model.final_norm[...]))
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(model.lm_head[...])).T)
+    return out
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+                    tokenizer=None) -> Path:
+    """Write an HF-format directory that transformers' AutoModelForCausalLM loads with the same logits.
+
+    Tensors keep the model's storage dtype; more than `max_shard_bytes` of them are split into
+    shards with a `model.safetensors.index.json`, as transformers does. A tokenizer, if given, is
+    saved beside the weights.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        stale.unlink()
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / fname), metadata=meta)
+            weight_map.update({n: fname for n in shard})
+        total = sum(t.nbytes for t in tensors.values())
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[model.param_dtype.name]
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype_name=dtype_name), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """transformers' AutoTokenizer for a model directory (no hub access)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no usable tokenizer in {path}: {e}") from e

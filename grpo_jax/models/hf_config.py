@@ -1,0 +1,221 @@
+"""Hugging Face config.json <-> TransformerConfig.
+
+Reads both layouts: transformers 4 (`rope_theta`, `rope_scaling`, `rope_local_base_freq`,
+`sliding_window_pattern`), which most published checkpoints use, and transformers 5
+(`rope_parameters`, nested by layer type for Gemma 3). Defaults for absent keys are those of the
+transformers config classes. Writes the transformers 4 layout, which transformers 5 also reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_jax.models.config import SUPPORTED_FAMILIES, RopeConfig, TransformerConfig
+
+# Keys of config.json that change the architecture but that no supported checkpoint needs; a
+# config that sets them to a non-default value is refused rather than silently run without them.
+_REFUSED = {
+    "partial_rotary_factor": (None, 1.0),
+    "use_bidirectional_attention": (None, False),
+}
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """config.json describes a model this package does not implement."""
+
+
+def _required(d: dict, key: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ValueError(f"config.json has no {key!r}; it is required for model_type {d.get('model_type')!r}")
+    return d[key]
+
+
+def _rope_from_dict(params: dict, *, theta: float, max_pos: int) -> RopeConfig:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported rope types: default, linear, llama3"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    kwargs: dict[str, Any] = {"theta": float(params.get("rope_theta", theta)), "rope_type": rope_type}
+    if rope_type != "default":
+        kwargs["factor"] = float(_required(params, "factor"))
+    if rope_type == "llama3":
+        kwargs["low_freq_factor"] = float(_required(params, "low_freq_factor"))
+        kwargs["high_freq_factor"] = float(_required(params, "high_freq_factor"))
+        kwargs["original_max_position_embeddings"] = int(params.get("original_max_position_embeddings", max_pos))
+    return RopeConfig(**kwargs)
+
+
+def _global_rope(d: dict, max_pos: int) -> RopeConfig:
+    # transformers prefers rope_scaling over rope_parameters when both are present.
+    params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    return _rope_from_dict(params, theta=float(d.get("rope_theta", 10_000.0)), max_pos=max_pos)
+
+
+def _gemma3_ropes(d: dict, max_pos: int) -> dict[str, RopeConfig]:
+    nested = d.get("rope_parameters") or {}
+    if nested and not set(nested) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"Gemma 3 rope_parameters must be nested by layer type, got keys {sorted(nested)}")
+    full = dict(nested.get("full_attention") or {"rope_type": "default"})
+    if d.get("rope_scaling"):
+        full.update(d["rope_scaling"])
+    local = dict(nested.get("sliding_attention") or {"rope_type": "default"})
+    return {
+        "full_attention": _rope_from_dict(full, theta=float(d.get("rope_theta", 1_000_000.0)), max_pos=max_pos),
+        "sliding_attention": _rope_from_dict(local, theta=float(d.get("rope_local_base_freq", 10_000.0)),
+                                             max_pos=max_pos),
+    }
+
+
+def config_from_hf(d: dict) -> TransformerConfig:
+    """TransformerConfig from a parsed config.json (either transformers layout)."""
+    family = d.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        hint = " (for Gemma 3, use the text-only Gemma3ForCausalLM checkpoint)" if family == "gemma3" else ""
+        raise UnsupportedModelError(
+            f"model_type {family!r} is not supported{hint}; supported model types: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    for key, allowed in _REFUSED.items():
+        if d.get(key) not in allowed:
+            raise UnsupportedModelError(f"config.json sets {key}={d[key]!r}, which grpo_jax does not implement")
+    E = int(_required(d, "hidden_size"))
+    H = int(_required(d, "num_attention_heads"))
+    L = int(_required(d, "num_hidden_layers"))
+    default_head_dim = {"qwen3": 128, "gemma3_text": 256}.get(family, E // H)
+    head_dim = int(d.get("head_dim") or default_head_dim)
+    max_pos = int(d.get("max_position_embeddings") or {"llama": 2048, "gemma3_text": 131_072}.get(family, 32_768))
+    gemma = family == "gemma3_text"
+    common = dict(
+        family=family,
+        vocab_size=int(_required(d, "vocab_size")),
+        hidden_size=E,
+        intermediate_size=int(_required(d, "intermediate_size")),
+        num_layers=L,
+        num_heads=H,
+        num_kv_heads=int(d.get("num_key_value_heads") or H),
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+        max_position_embeddings=max_pos,
+        initializer_range=float(d.get("initializer_range", 0.02)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
+        pad_token_id=d.get("pad_token_id"),
+    )
+    if gemma:
+        window = d.get("sliding_window", 4096)
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            pattern = int(d.get("sliding_window_pattern", 6))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+        return TransformerConfig(
+            **common,
+            qk_norm=True,
+            norm_plus_one=True,
+            scale_embeddings=True,
+            post_norms=True,
+            qkv_bias=bool(d.get("attention_bias", False)),
+            o_bias=bool(d.get("attention_bias", False)),
+            activation=d.get("hidden_activation", "gelu_pytorch_tanh"),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+            attn_logit_softcap=d.get("attn_logit_softcapping"),
+            final_logit_softcap=d.get("final_logit_softcapping"),
+            layer_types=tuple(layer_types),
+            sliding_window=window,
+            rope={k: v for k, v in _gemma3_ropes(d, max_pos).items() if k in layer_types},
+        )
+
+    # Llama and Qwen: one rope for every layer; Qwen may use sliding windows on its upper layers.
+    window = None
+    layer_types = ["full_attention"] * L
+    if family in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        window = d.get("sliding_window", 4096)
+        if window is not None:
+            layer_types = d.get("layer_types") or [
+                "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
+                for i in range(L)
+            ]
+    attention_bias = bool(d.get("attention_bias", False))
+    rope = _global_rope(d, max_pos)
+    return TransformerConfig(
+        **common,
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=False if family == "qwen2" else attention_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)) if family == "llama" else False,
+        qk_norm=family == "qwen3",
+        activation=d.get("hidden_act", "silu"),
+        layer_types=tuple(layer_types),
+        sliding_window=window,
+        rope={t: rope for t in set(layer_types)},
+    )
+
+
+def _rope_to_dict(r: RopeConfig) -> dict | None:
+    if r.rope_type == "default":
+        return None
+    out: dict[str, Any] = {"rope_type": r.rope_type, "factor": r.factor}
+    if r.rope_type == "llama3":
+        out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                   original_max_position_embeddings=r.original_max_position_embeddings)
+    return out
+
+
+def config_to_hf(cfg: TransformerConfig, *, dtype_name: str) -> dict:
+    """config.json contents (transformers 4 layout, also read by transformers 5)."""
+    gemma = cfg.family == "gemma3_text"
+    d: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "torch_dtype": dtype_name,
+        "layer_types": list(cfg.layer_types),
+    }
+    if gemma:
+        ropes = dict(cfg.rope)
+        full = ropes.get("full_attention")
+        local = ropes.get("sliding_attention")
+        d.update(
+            hidden_activation=cfg.activation,
+            attention_bias=cfg.qkv_bias,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            attn_logit_softcapping=cfg.attn_logit_softcap,
+            final_logit_softcapping=cfg.final_logit_softcap,
+            sliding_window=cfg.sliding_window,
+            rope_theta=full.theta if full else 1_000_000.0,
+            rope_local_base_freq=local.theta if local else 10_000.0,
+            rope_scaling=_rope_to_dict(full) if full else None,
+        )
+        return d
+    rope = cfg.rope_of(cfg.layer_types[0])
+    d.update(hidden_act=cfg.activation, rope_theta=rope.theta, rope_scaling=_rope_to_dict(rope))
+    if cfg.family == "llama":
+        d.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if cfg.family == "qwen3":
+        d.update(attention_bias=cfg.qkv_bias)
+    if cfg.family in ("qwen2", "qwen3"):
+        sliding = cfg.sliding_window is not None and "sliding_attention" in cfg.layer_types
+        d.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
+                 max_window_layers=cfg.layer_types.index("sliding_attention") if sliding else cfg.num_layers)
+    return d
