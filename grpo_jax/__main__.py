@@ -1,0 +1,3 @@
+from grpo_jax.cli import main
+
+raise SystemExit(main())
