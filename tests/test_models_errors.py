@@ -124,3 +124,22 @@ def test_save_pretrained_replaces_stale_shards(good_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
     assert not (tmp_path / "model.safetensors.index.json").exists()
     from_pretrained(tmp_path)
+
+
+def test_tokenizer_saved_beside_the_model_loads_offline(good_dir, tmp_path):
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from grpo_jax.models import load_tokenizer
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "two": 4, "plus": 5, "is": 6, "four": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+    save_pretrained(from_pretrained(good_dir), tmp_path / "m", tokenizer=fast)
+    loaded = load_tokenizer(tmp_path / "m")
+    assert loaded("two plus two is four")["input_ids"] == [4, 5, 4, 6, 7]
+    assert loaded.eos_token_id == 2
+    with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
+        load_tokenizer(good_dir)  # weights and config only

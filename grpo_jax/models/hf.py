@@ -118,8 +118,12 @@ class _Reader:
     def _handle(self, name: str):
         f = self.location[name]
         if f not in self._handles:
-            self._handles[f] = safe_open(f, framework="numpy").__enter__()
+            self._handles[f] = safe_open(f, framework="numpy")
         return self._handles[f]
+
+    def close(self) -> None:
+        # safe_open handles release their memory maps when dropped.
+        self._handles.clear()
 
 
 def _load(reader: _Reader, name: str, hf_shape: tuple[int, ...], used: set[str]) -> np.ndarray:
@@ -151,10 +155,28 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     path = Path(path)
     config = load_config(path)
     reader = _Reader(path)
+    try:
+        values = _read_values(reader, config, path, jnp.dtype(param_dtype))
+    finally:
+        reader.close()
+    abstract = nnx.eval_shape(
+        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    if set(flat) != set(values):
+        raise AssertionError(f"loader and model disagree on parameters: {sorted(set(flat) ^ set(values))}")
+    for key, var in flat.items():
+        if tuple(var.shape) != values[key].shape:
+            raise AssertionError(f"{key}: converted shape {values[key].shape} != model shape {var.shape}")
+        var.set_value(jnp.asarray(values[key]))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _read_values(reader: _Reader, config: TransformerConfig, path: Path, np_dtype) -> dict:
+    """Every parameter as a NumPy array in our layout, keyed by NNX state path."""
     prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in reader.location), None)
     if prefix is None:
         raise ValueError(f"checkpoint in {path} has no embed_tokens.weight (looked for 'model.embed_tokens.weight')")
-    np_dtype = jnp.dtype(param_dtype)
     used: set[str] = set()
     E, V = config.hidden_size, config.vocab_size
 
@@ -183,18 +205,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
             f"checkpoint has {len(unused)} tensors that a {config.family} model with this config does not use, "
             f"e.g. {unused[:5]}; is config.json the one these weights were saved with?"
         )
-
-    abstract = nnx.eval_shape(
-        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    if set(flat) != set(values):
-        raise AssertionError(f"loader and model disagree on parameters: {sorted(set(flat) ^ set(values))}")
-    for key, var in flat.items():
-        if tuple(var.shape) != values[key].shape:
-            raise AssertionError(f"{key}: converted shape {values[key].shape} != model shape {var.shape}")
-        var.set_value(jnp.asarray(values[key]))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return values
 
 
 def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
@@ -251,10 +262,23 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     return path
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """transformers' AutoTokenizer for a model directory (no hub access)."""
+    """transformers' AutoTokenizer for a model directory (no hub access).
+
+    transformers 5 builds an empty tokenizer from config.json alone when no tokenizer files exist;
+    that is refused here rather than handed to a trainer.
+    """
     from transformers import AutoTokenizer
 
+    path = Path(path)
+    if not any((path / f).exists() for f in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no usable tokenizer in {path}: none of {list(_TOKENIZER_FILES)} exists; "
+            "save one there with tokenizer.save_pretrained(path) or save_pretrained(model, path, tokenizer=...)"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
