@@ -1,0 +1,213 @@
+"""Group sampling: G completions per prompt from one shared prefill, decoded in one jitted loop.
+
+`generate(model, prompts, config, rng) -> Rollout`. Row i*G + j of every output is sample j of
+prompt i.
+
+How it runs:
+- Prompts are left-padded to the smallest bucket of `config.prompt_buckets` that fits the longest
+  one, so a run compiles at most one program per bucket (len(prompt_buckets) programs for a fixed
+  number of prompts and a fixed SamplingConfig).
+- Each distinct prompt is prefilled once ([N, P] tokens); the KV cache and the last logits are then
+  repeated to the N*G sample rows. Prefill cost does not grow with G.
+- Decoding is one `lax.while_loop` inside the same jit: sample a token for every row, feed it back
+  through `model.extend`, stop as soon as every row has emitted a stop token or `max_new_tokens`
+  are done. The cache is loop state, so XLA updates it in place.
+- Attention at each decode step currently covers the whole cache capacity (prompt bucket +
+  max_new_tokens), not only its filled part; `benchmarks/sampler.py` measures what that costs.
+
+Log-probabilities: `logprobs[r, t]` is log softmax(logits / temperature) at the sampled token, the
+distribution the trainer recomputes. top-k / top-p only restrict which tokens can be drawn (the
+draw is from the renormalised, truncated distribution); the reported log-prob stays that of the
+untruncated tempered distribution, so it matches the trainer's recomputation exactly. With
+temperature 0 (greedy) the log-prob is that of the untempered distribution.
+Per-step randomness is `fold_in(rng, step)`: the same rng gives the same rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.models.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    group_size: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_buckets", tuple(sorted(int(b) for b in self.prompt_buckets)))
+        if self.group_size < 1:
+            raise ValueError(f"sampling.group_size must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if not self.prompt_buckets or self.prompt_buckets[0] < 1:
+            raise ValueError(f"sampling.prompt_buckets must be positive lengths, got {self.prompt_buckets}")
+
+
+@flax.struct.dataclass
+class Rollout:
+    tokens: jax.Array  # int32 [N*G, M]; pad_token_id after the stop token
+    logprobs: jax.Array  # float32 [N*G, M]; 0 where mask is 0
+    mask: jax.Array  # int32 [N*G, M]; 1 for completion tokens up to and including the stop token
+    lengths: jax.Array  # int32 [N*G]
+    truncated: jax.Array  # bool [N*G]; hit max_new_tokens without a stop token
+    prompt_ids: jax.Array  # int32 [N, P], left-padded to the bucket
+    prompt_mask: jax.Array  # int32 [N, P]
+
+    @property
+    def group_size(self) -> int:
+        return self.tokens.shape[0] // self.prompt_ids.shape[0]
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pad token-id lists to the smallest bucket that fits the longest -> (ids [N, P], mask [N, P])."""
+    if not len(prompts):
+        raise ValueError("generate() needs at least one prompt")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+    longest = max(lengths)
+    fitting = [b for b in sorted(buckets) if b >= longest]
+    if not fitting:
+        raise ValueError(
+            f"a prompt has {longest} tokens, more than the largest prompt bucket {max(buckets)}; "
+            "raise sampling.prompt_buckets or filter long prompts before sampling"
+        )
+    P = fitting[0]
+    ids = np.full((len(prompts), P), pad_id, np.int32)
+    mask = np.zeros((len(prompts), P), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = p
+        mask[i, P - len(p):] = 1
+    return ids, mask
+
+
+def sample_tokens(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row -> (tokens [B] int32, log-probs [B] under softmax(logits / T))."""
+    chex.assert_rank(logits_BV, 2)
+    logits_BV = logits_BV.astype(jnp.float32)
+    if temperature == 0:
+        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    else:
+        scaled_BV = logits_BV / temperature
+        logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+        tokens_B = jax.random.categorical(key, _truncate(scaled_BV, top_k, top_p), axis=-1).astype(jnp.int32)
+    return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Set logits outside the top-k and the top-p nucleus to -inf (ties at the boundary are kept)."""
+    V = scaled_BV.shape[-1]
+    if top_k and top_k < V:
+        kth_B1 = jax.lax.top_k(scaled_BV, top_k)[0][:, -1:]
+        scaled_BV = jnp.where(scaled_BV < kth_B1, -jnp.inf, scaled_BV)
+    if top_p < 1.0:
+        sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass strictly above each token
+        # The smallest prefix whose mass reaches top_p: keep a token while the mass before it is < p.
+        n_keep_B1 = jnp.maximum(jnp.sum(before_BV < top_p, axis=-1, keepdims=True), 1)
+        cutoff_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+        scaled_BV = jnp.where(scaled_BV < cutoff_B1, -jnp.inf, scaled_BV)
+    return scaled_BV
+
+
+def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array, *,
+             share_prefill: bool = True) -> Rollout:
+    """Sample `config.group_size` completions for each prompt.
+
+    `prompts` is a list of token-id lists, or a tuple (ids [N, P], mask [N, P]) already left-padded
+    (P should then be one of the buckets to bound compiles). `share_prefill=False` is the reference
+    path that repeats every prompt G times before prefill; it exists to test and benchmark the
+    shared path and gives the same rollout.
+    """
+    if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
+        ids, mask = np.asarray(prompts[0], np.int32), np.asarray(prompts[1], np.int32)
+        chex.assert_equal_shape([ids, mask])
+        chex.assert_rank(ids, 2)
+    else:
+        ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_token_id)
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, share_prefill: bool) -> Rollout:
+    model = nnx.merge(graphdef, state)
+    N, P = ids_NP.shape
+    G, M = config.group_size, config.max_new_tokens
+    R = N * G
+    if share_prefill:
+        cache = model.init_cache(N, P + M)
+        logits_NPV, cache = model.extend(ids_NP, cache, mask_NP)
+        last_RV = jnp.repeat(logits_NPV[:, -1], G, axis=0)
+        cache = cache.replace(
+            k_LBSKD=jnp.repeat(cache.k_LBSKD, G, axis=1), v_LBSKD=jnp.repeat(cache.v_LBSKD, G, axis=1),
+            mask_BS=jnp.repeat(cache.mask_BS, G, axis=0), pos_BS=jnp.repeat(cache.pos_BS, G, axis=0),
+            next_pos_B=jnp.repeat(cache.next_pos_B, G, axis=0))
+    else:
+        cache = model.init_cache(R, P + M)
+        logits_RPV, cache = model.extend(jnp.repeat(ids_NP, G, axis=0), cache, jnp.repeat(mask_NP, G, axis=0))
+        last_RV = logits_RPV[:, -1]
+
+    stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
+    sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
+                               top_p=config.top_p)
+
+    def emit(t, last_RV, done_R, tokens_RM, logprobs_RM):
+        tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t))
+        tok_R = jnp.where(done_R, config.pad_token_id, tok_R)
+        logp_R = jnp.where(done_R, 0.0, logp_R)
+        tokens_RM = tokens_RM.at[:, t].set(tok_R)
+        logprobs_RM = logprobs_RM.at[:, t].set(logp_R)
+        done_R = done_R | jnp.isin(tok_R, stop_ids)
+        return tok_R, done_R, tokens_RM, logprobs_RM
+
+    tokens_RM = jnp.full((R, M), config.pad_token_id, jnp.int32)
+    logprobs_RM = jnp.zeros((R, M), jnp.float32)
+    done_R = jnp.zeros((R,), jnp.bool_)
+    # mask_RM[:, t] = the row was still running when token t was emitted.
+    running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
+    tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
+
+    def cond(carry):
+        t, _, done_R, *_ = carry
+        return (t < M) & ~jnp.all(done_R)
+
+    def body(carry):
+        t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache = carry
+        running_RM = running_RM.at[:, t].set(~done_R)
+        logits_R1V, cache = model.extend(tok_R[:, None], cache)
+        tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_R1V[:, 0], done_R, tokens_RM, logprobs_RM)
+        return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache
+
+    _, _, done_R, tokens_RM, logprobs_RM, running_RM, _ = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache))
+    mask_RM = running_RM.astype(jnp.int32)
+    return Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
+                   truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)
