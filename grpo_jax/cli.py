@@ -85,6 +85,23 @@ def _smoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from grpo_jax import bench
+
+    preset = args.preset or ("small" if args.which == "sampler" else "tiny")
+    common = dict(preset=preset, dtype=args.dtype, iters=args.iters)
+    if args.which == "sampler":
+        result = bench.sampler(prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
+                               new_tokens=args.new_tokens, **common)
+    else:
+        result = bench.forward(batch=args.batch, seq=args.seq, **common)
+    print(json.dumps(result))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-jax", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-jax {grpo_jax.__version__}")
@@ -95,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--new-tokens", type=int, default=16, help="at least 2")
     smoke.add_argument("--seed", type=int, default=0)
     smoke.set_defaults(func=_smoke)
+
+    bench = sub.add_parser("bench", help="throughput against transformers on the same weights (JSON)")
+    bench.add_argument("which", choices=["sampler", "forward"])
+    bench.add_argument("--preset", default=None, help="model shape: tiny, small, qwen3-0.6b, llama3.2-1b")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--iters", type=int, default=3)
+    bench.add_argument("--output", default=None, help="also write the JSON result to this file")
+    bench.add_argument("--prompts", type=int, default=4, help="sampler: distinct prompts")
+    bench.add_argument("--group-size", type=int, default=16, help="sampler: samples per prompt")
+    bench.add_argument("--prompt-len", type=int, default=32, help="sampler: prompt tokens")
+    bench.add_argument("--new-tokens", type=int, default=128, help="sampler: generated tokens per row")
+    bench.add_argument("--batch", type=int, default=8, help="forward: rows")
+    bench.add_argument("--seq", type=int, default=128, help="forward: tokens per row")
+    bench.set_defaults(func=_bench)
     return parser
 
 

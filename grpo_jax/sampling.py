@@ -163,17 +163,12 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
     G, M = config.group_size, config.max_new_tokens
     R = N * G
     if share_prefill:
-        cache = model.init_cache(N, P + M)
-        logits_NPV, cache = model.extend(ids_NP, cache, mask_NP)
-        last_RV = jnp.repeat(logits_NPV[:, -1], G, axis=0)
-        cache = cache.replace(
-            k_LBSKD=jnp.repeat(cache.k_LBSKD, G, axis=1), v_LBSKD=jnp.repeat(cache.v_LBSKD, G, axis=1),
-            mask_BS=jnp.repeat(cache.mask_BS, G, axis=0), pos_BS=jnp.repeat(cache.pos_BS, G, axis=0),
-            next_pos_B=jnp.repeat(cache.next_pos_B, G, axis=0))
+        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P + M, repeats=G, last_only=True)
+        last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
     else:
-        cache = model.init_cache(R, P + M)
-        logits_RPV, cache = model.extend(jnp.repeat(ids_NP, G, axis=0), cache, jnp.repeat(mask_NP, G, axis=0))
-        last_RV = logits_RPV[:, -1]
+        logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
+                                          capacity=P + M, last_only=True)
+        last_RV = logits_R1V[:, 0]
 
     stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
     sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,

@@ -209,3 +209,29 @@ def test_random_init_model_is_usable_and_config_validates():
         cfg.replace(layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ValueError, match="activation"):
         cfg.replace(activation="relu")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _prefill(graphdef, state, ids, mask, capacity, repeats):
+    return nnx.merge(graphdef, state).prefill(ids, mask, capacity=capacity, repeats=repeats)
+
+
+def test_prefill_with_repeats_then_decode_matches_full_pass(hf_case):
+    """prefill(repeats=G) copies each prompt's cache to G rows; decoding each row differently still
+    matches the full pass of that row's tokens."""
+    _, hf_model, path = hf_case
+    ours = from_pretrained(path)
+    V = hf_model.config.vocab_size
+    prompt_ids, prompt_mask = left_padded_batch(V, [6, 3], seed=3)
+    G, steps = 2, 5
+    new = np.random.default_rng(4).integers(3, V, (4, steps)).astype(np.int32)
+    graphdef, state = nnx.split(ours)
+    logits, cache = _prefill(graphdef, state, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), 6 + steps, G)
+    assert cache.batch == 4 and int(cache.index) == 6
+    rows = np.repeat(prompt_ids, G, axis=0)
+    row_mask = np.repeat(prompt_mask, G, axis=0)
+    full = forward(ours, np.concatenate([rows, new], 1), np.concatenate([row_mask, np.ones_like(new)], 1))
+    assert_close(np.repeat(np.asarray(logits), G, axis=0), full[:, :6], row_mask, rel=1e-5)
+    for t in range(steps):
+        logits, cache = _extend(graphdef, state, jnp.asarray(new[:, t:t + 1]), cache, jnp.ones((4, 1), jnp.int32))
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, 6 + t], atol=1e-5 * max(1, np.abs(full).max()))

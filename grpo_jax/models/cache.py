@@ -17,8 +17,8 @@ from grpo_jax.models.config import TransformerConfig
 
 @flax.struct.dataclass
 class KVCache:
-    k_LBSKD: jax.Array
-    v_LBSKD: jax.Array
+    k_LBKSD: jax.Array
+    v_LBKSD: jax.Array
     mask_BS: jax.Array  # bool: the slot holds a real (non-padding) token
     pos_BS: jax.Array  # int32 rotary position of the slot's token (for sliding-window masks)
     next_pos_B: jax.Array  # int32
@@ -27,10 +27,11 @@ class KVCache:
     @classmethod
     def init(cls, config: TransformerConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
         """An empty cache for `batch` rows of up to `capacity` tokens (prompt + generated)."""
-        shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+        # kv-head-major so that attention is a batched matmul over (row, kv head) with no transposes.
+        shape = (config.num_layers, batch, config.num_kv_heads, capacity, config.head_dim)
         return cls(
-            k_LBSKD=jnp.zeros(shape, dtype),
-            v_LBSKD=jnp.zeros(shape, dtype),
+            k_LBKSD=jnp.zeros(shape, dtype),
+            v_LBKSD=jnp.zeros(shape, dtype),
             mask_BS=jnp.zeros((batch, capacity), jnp.bool_),
             pos_BS=jnp.zeros((batch, capacity), jnp.int32),
             next_pos_B=jnp.zeros((batch,), jnp.int32),

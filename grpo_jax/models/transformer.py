@@ -151,9 +151,7 @@ class Transformer(nnx.Module):
         if positions_BT is None:
             positions_BT = _positions(mask_BT, jnp.zeros((B,), jnp.int32))
         chex.assert_shape(positions_BT, (B, T))
-        slots_T = jnp.arange(T)
-        h_BTE, _ = self._run(input_ids_BT, positions_BT, q_slots_T=slots_T, kv_slots_S=slots_T,
-                             kv_mask_BS=mask_BT, kv_pos_BS=positions_BT, cache=None)
+        h_BTE, _ = self._run(input_ids_BT, positions_BT, mask_BT, old=None, collect_kv=False)
         return h_BTE
 
     def logits(self, h_BTE: jax.Array) -> jax.Array:
@@ -172,12 +170,43 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache.init(self.config, batch, capacity, self.dtype)
 
+    def prefill(self, input_ids_BT: jax.Array, attention_mask_BT: jax.Array | None = None, *, capacity: int,
+                repeats: int = 1, last_only: bool = False) -> tuple[jax.Array, KVCache]:
+        """Run a (left-padded) prompt batch and return (logits, a cache of `capacity` slots holding it).
+
+        With `repeats` = G the cache has B*G rows, row b*G + g holding prompt b: the prompt is run
+        once and its keys/values are copied to its G rows. `last_only` returns logits [B, 1, V] of
+        the last position instead of [B, T, V] (the sampler needs no more).
+        """
+        chex.assert_rank(input_ids_BT, 2)
+        B, T = input_ids_BT.shape
+        if T > capacity:
+            raise ValueError(f"a prompt of {T} tokens does not fit a cache of capacity {capacity}")
+        mask_BT = _as_mask(attention_mask_BT, (B, T))
+        positions_BT = _positions(mask_BT, jnp.zeros((B,), jnp.int32))
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids_BT, positions_BT, mask_BT, old=None, collect_kv=True)
+        if last_only:
+            h_BTE = h_BTE[:, -1:]
+        cache = KVCache.init(self.config, B * repeats, capacity, self.dtype)
+
+        def fill(buf, x, batch_axis, slot_axis):
+            x = jnp.repeat(x, repeats, axis=batch_axis) if repeats > 1 else x
+            return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0, axis=slot_axis)
+
+        cache = KVCache(k_LBKSD=fill(cache.k_LBKSD, k_LBKTD, 1, 3), v_LBKSD=fill(cache.v_LBKSD, v_LBKTD, 1, 3),
+                        mask_BS=fill(cache.mask_BS, mask_BT, 0, 1), pos_BS=fill(cache.pos_BS, positions_BT, 0, 1),
+                        next_pos_B=jnp.repeat(mask_BT.sum(axis=1, dtype=jnp.int32), repeats),
+                        index=jnp.asarray(T, jnp.int32))
+        return self.logits(h_BTE), cache
+
     def extend(self, input_ids_BT: jax.Array, cache: KVCache,
                attention_mask_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Append T tokens (a prompt chunk, or T=1 when decoding) to `cache` -> (logits [B,T,V], cache).
 
         Slots [index, index + T) must fit in the cache's capacity: writes past the end are clamped
-        by XLA, so callers size the cache statically (prompt bucket + max_new_tokens).
+        by XLA, so callers size the cache statically (prompt bucket + max_new_tokens). The cache is
+        only read inside the layer scan and written once after it, so under a jitted loop with the
+        cache as loop state XLA updates it in place.
         """
         chex.assert_rank(input_ids_BT, 2)
         B, T = input_ids_BT.shape
@@ -187,61 +216,69 @@ class Transformer(nnx.Module):
             )
         new_mask_BT = _as_mask(attention_mask_BT, (B, T))
         positions_BT = _positions(new_mask_BT, cache.next_pos_B)
-        pos_BS = jax.lax.dynamic_update_slice(cache.pos_BS, positions_BT, (0, cache.index))
-        mask_BS = jax.lax.dynamic_update_slice(cache.mask_BS, new_mask_BT, (0, cache.index))
-        h_BTE, (k, v) = self._run(input_ids_BT, positions_BT, q_slots_T=cache.index + jnp.arange(T),
-                                  kv_slots_S=jnp.arange(cache.capacity), kv_mask_BS=mask_BS,
-                                  kv_pos_BS=pos_BS, cache=cache)
-        new_cache = KVCache(k_LBSKD=k, v_LBSKD=v, mask_BS=mask_BS, pos_BS=pos_BS,
-                            next_pos_B=cache.next_pos_B + new_mask_BT.sum(axis=1, dtype=jnp.int32),
-                            index=cache.index + T)
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids_BT, positions_BT, new_mask_BT, old=cache, collect_kv=True)
+        at = (0, 0, 0, cache.index, 0)
+        new_cache = KVCache(
+            k_LBKSD=jax.lax.dynamic_update_slice(cache.k_LBKSD, k_LBKTD.astype(cache.k_LBKSD.dtype), at),
+            v_LBKSD=jax.lax.dynamic_update_slice(cache.v_LBKSD, v_LBKTD.astype(cache.v_LBKSD.dtype), at),
+            mask_BS=jax.lax.dynamic_update_slice(cache.mask_BS, new_mask_BT, (0, cache.index)),
+            pos_BS=jax.lax.dynamic_update_slice(cache.pos_BS, positions_BT, (0, cache.index)),
+            next_pos_B=cache.next_pos_B + new_mask_BT.sum(axis=1, dtype=jnp.int32),
+            index=cache.index + T)
         return self.logits(h_BTE), new_cache
 
     # ------------------------------------------------------------------ internals
-    def _run(self, input_ids_BT, positions_BT, *, q_slots_T, kv_slots_S, kv_mask_BS, kv_pos_BS,
-             cache: KVCache | None):
+    def _run(self, input_ids_BT, positions_BT, new_mask_BT, *, old: KVCache | None, collect_kv: bool):
+        """Embed, run the layers, final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] of the new tokens or None).
+
+        Attention of the new tokens covers two key blocks: the new tokens themselves (causal) and,
+        with `old`, the cache's filled slots. The cache is never copied or written here.
+        """
         cfg, dtype = self.config, self.dtype
+        B, T = input_ids_BT.shape
         x_BTE = self.embed[...].astype(dtype)[input_ids_BT]
         if cfg.scale_embeddings:
             # HF rounds sqrt(E) to the parameter dtype before the multiply.
             x_BTE = x_BTE * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(dtype)
 
-        # One rope table and one mask per layer kind; the scan picks by the layer's kind index.
+        # One rope table and one pair of masks per layer kind; the scan picks by the layer's kind index.
         cos_sin = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)),
                                 positions_BT, dtype) for k in cfg.kinds]
         cos_NBTD = jnp.stack([c for c, _ in cos_sin])
         sin_NBTD = jnp.stack([s for _, s in cos_sin])
-        causal_BTS = (kv_slots_S[None, :] <= q_slots_T[:, None])[None] & kv_mask_BS[:, None, :]
-        masks = []
+        causal_TT = jnp.tril(jnp.ones((T, T), jnp.bool_))
+        new_BTT = causal_TT[None] & new_mask_BT[:, None, :]
+        new_masks, old_masks = [], []
         for kind in cfg.kinds:
             window = cfg.window_of(kind)
-            m = causal_BTS
+            m_new, m_old = new_BTT, None if old is None else jnp.broadcast_to(
+                old.mask_BS[:, None, :], (B, T, old.capacity))
             if window is not None:
-                m = m & (positions_BT[:, :, None] - kv_pos_BS[:, None, :] < window)
-            masks.append(m)
-        mask_NBTS = jnp.stack(masks)
+                m_new = m_new & (positions_BT[:, :, None] - positions_BT[:, None, :] < window)
+                if old is not None:
+                    m_old = m_old & (positions_BT[:, :, None] - old.pos_BS[:, None, :] < window)
+            new_masks.append(m_new)
+            old_masks.append(m_old)
+        new_NBTT = jnp.stack(new_masks)
+        old_NBTS = None if old is None else jnp.stack(old_masks)
         kind_L = jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
 
-        def body(carry, xs):
-            x, k_cache, v_cache = carry
-            p, kind, i = xs
+        def body(x, xs):
+            p, kind, old_k, old_v = xs
             p = {n: a.astype(dtype) for n, a in p.items()}
             q, k, v = _qkv(x, p, cfg, cos_NBTD[kind], sin_NBTD[kind])
-            if k_cache is not None:
-                k_cache = jax.lax.dynamic_update_slice(k_cache, k[None].astype(k_cache.dtype), (i, 0, cache.index, 0, 0))
-                v_cache = jax.lax.dynamic_update_slice(v_cache, v[None].astype(v_cache.dtype), (i, 0, cache.index, 0, 0))
-                k = jax.lax.dynamic_index_in_dim(k_cache, i, keepdims=False).astype(dtype)
-                v = jax.lax.dynamic_index_in_dim(v_cache, i, keepdims=False).astype(dtype)
-            x = _finish_layer(x, q, k, v, mask_NBTS[kind], p, cfg)
-            return (x, k_cache, v_cache), None
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+            blocks = [(k, v, new_NBTT[kind])]
+            if old is not None:
+                blocks.append((old_k.astype(dtype), old_v.astype(dtype), old_NBTS[kind]))
+            x = _finish_layer(x, q, blocks, p, cfg)
+            return x, ((k, v) if collect_kv else None)
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        init = (x_BTE, None, None) if cache is None else (x_BTE, cache.k_LBSKD, cache.v_LBSKD)
-        (x_BTE, k_cache, v_cache), _ = jax.lax.scan(
-            body, init, (self.layers.arrays(), kind_L, jnp.arange(cfg.num_layers)))
-        h_BTE = _rms_norm(x_BTE, self.final_norm[...], cfg)
-        return h_BTE, (k_cache, v_cache)
+        old_kv = (None, None) if old is None else (old.k_LBKSD, old.v_LBKSD)
+        x_BTE, kv = jax.lax.scan(body, x_BTE, (self.layers.arrays(), kind_L, *old_kv))
+        return _rms_norm(x_BTE, self.final_norm[...], cfg), kv
 
 
 def _as_mask(attention_mask_BT, shape) -> jax.Array:
@@ -285,22 +322,37 @@ def _qkv(x_BTE, p, cfg: TransformerConfig, cos_BTD, sin_BTD):
     return rope.apply(q, cos_BTD, sin_BTD), rope.apply(k, cos_BTD, sin_BTD), v
 
 
-def _attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS, cfg: TransformerConfig) -> jax.Array:
+def _attention(q_BTHD, blocks, cfg: TransformerConfig) -> jax.Array:
+    """Softmax attention of q over the concatenation of key blocks [(k_BKSD, v_BKSD, mask_BTS), ...].
+
+    The G query heads of a kv head and the T query positions are folded into one axis M, so every
+    contraction is a plain batched matmul over (row, kv head); a singleton T (decoding) would
+    otherwise lower to many tiny dots on CPU.
+    """
     B, T, H, D = q_BTHD.shape
-    K = k_BSKD.shape[2]
-    q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
-    s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
-                         preferred_element_type=jnp.float32) * cfg.query_scale
-    if cfg.attn_logit_softcap is not None:
-        s_BKGTS = jnp.tanh(s_BKGTS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
-    s_BKGTS = jnp.where(mask_BTS[:, None, None], s_BKGTS, _NEG)
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKD.dtype)
-    out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", p_BKGTS, v_BSKD)
-    return out_BTKGD.reshape(B, T, H, D)
+    K = blocks[0][0].shape[1]
+    G = H // K
+    q_BKMD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
+    scores = []
+    for k_BKSD, _, mask_BTS in blocks:
+        s_BKMS = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD,
+                            preferred_element_type=jnp.float32) * cfg.query_scale
+        if cfg.attn_logit_softcap is not None:
+            s_BKMS = jnp.tanh(s_BKMS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
+        s_BKGTS = s_BKMS.reshape(B, K, G, T, -1)
+        scores.append(jnp.where(mask_BTS[:, None, None], s_BKGTS, _NEG))
+    p_BKGTS = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out_BKMD, start = 0, 0
+    for k_BKSD, v_BKSD, _ in blocks:
+        S = k_BKSD.shape[2]
+        p_BKMS = p_BKGTS[..., start:start + S].reshape(B, K, G * T, S).astype(v_BKSD.dtype)
+        out_BKMD = out_BKMD + jnp.einsum("bkms,bksd->bkmd", p_BKMS, v_BKSD)
+        start += S
+    return out_BKMD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def _finish_layer(x_BTE, q, k, v, mask_BTS, p, cfg: TransformerConfig):
-    a = jnp.einsum("bthd,hde->bte", _attention(q, k, v, mask_BTS, cfg), p["o_proj"])
+def _finish_layer(x_BTE, q, blocks, p, cfg: TransformerConfig):
+    a = jnp.einsum("bthd,hde->bte", _attention(q, blocks, cfg), p["o_proj"])
     if cfg.o_bias:
         a = a + p["o_bias"]
     if cfg.post_norms:

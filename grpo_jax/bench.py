@@ -1,0 +1,206 @@
+"""Benchmarks behind `grpo-jax bench`: grpo_jax against transformers on the same weights, in one run.
+
+Each benchmark builds a random model with transformers (the reference needs torch: install the
+`test` extra), saves it, loads it with `from_pretrained`, runs the same workload through both, and
+returns one JSON-serialisable dict with tokens/s of each and their ratio. Timings are medians of
+repeated runs after a warm-up (compilation is reported separately, never mixed in).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+PRESETS = {
+    "tiny": dict(model_type="qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096),
+    "small": dict(model_type="qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=8192),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151_936,
+                       tie_word_embeddings=True),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128_256,
+                        tie_word_embeddings=True, max_position_embeddings=131_072,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                        rope_theta=500_000.0),
+}
+
+
+def _require_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise SystemExit("the benchmarks compare against transformers' PyTorch models: "
+                         "pip install 'grpo-jax[test]' (torch==2.13.0)") from e
+
+
+def build_pair(preset: str, dtype: str):
+    """(transformers model on its device, grpo_jax model, torch device, load seconds) on the same weights."""
+    _require_torch()
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from grpo_jax.models import from_pretrained
+
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = dict(PRESETS[preset])
+    cfg = transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(tdtype).eval()
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        t = time.perf_counter()
+        ours = from_pretrained(d, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype))
+        load_s = time.perf_counter() - t
+    return hf.to(device), ours, device, load_s
+
+
+def median_time(fn: Callable[[], object], iters: int, warmup: int = 1) -> tuple[float, float]:
+    """(seconds of the first call, median seconds of `iters` later calls)."""
+    t = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t
+    for _ in range(warmup - 1):
+        fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return first, statistics.median(times)
+
+
+def environment(device: str) -> dict:
+    import jax
+    import torch
+    import transformers
+
+    return {
+        "jax_backend": jax.default_backend(),
+        "jax_device": str(jax.devices()[0].device_kind),
+        "torch_device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "versions": {"jax": jax.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "host": platform.node(),
+    }
+
+
+def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, prompt_len: int = 32,
+            new_tokens: int = 128, dtype: str = "float32", iters: int = 3) -> dict:
+    """Generated tokens/s of `grpo_jax.sampling.generate` vs transformers' `generate` (sampling, no
+    early stop) on prompts x group_size rows, and prefill time for G=group_size vs G=1."""
+    import jax
+    import numpy as np
+    import torch
+
+    from grpo_jax.sampling import SamplingConfig, generate
+
+    hf, ours, device, load_s = build_pair(preset, dtype)
+    vocab = hf.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompt_ids = [list(rng.integers(3, vocab, prompt_len)) for _ in range(prompts)]
+    rows = prompts * group_size
+
+    def run(config, share=True):
+        out = generate(ours, prompt_ids, config, jax.random.key(0), share_prefill=share)
+        jax.block_until_ready(out.tokens)
+        return out
+
+    cfg = SamplingConfig(group_size=group_size, max_new_tokens=new_tokens, temperature=1.0,
+                         prompt_buckets=(prompt_len,))
+    compile_s, ours_s = median_time(lambda: run(cfg), iters)
+
+    ids_t = torch.as_tensor(np.repeat(np.asarray(prompt_ids), group_size, axis=0), dtype=torch.long, device=device)
+
+    def hf_generate():
+        with torch.no_grad():
+            out = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), do_sample=True, temperature=1.0,
+                              top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0, eos_token_id=None)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape == (rows, prompt_len + new_tokens)
+
+    _, hf_s = median_time(hf_generate, iters)
+
+    # Prefill: a one-token rollout is prefill + cache broadcast + one sample.
+    prefill = {}
+    for g, share in ((1, True), (group_size, True), (group_size, False)):
+        one = SamplingConfig(group_size=g, max_new_tokens=1, temperature=1.0, prompt_buckets=(prompt_len,))
+        prefill[(g, share)] = median_time(lambda: run(one, share), max(iters, 5))[1]
+
+    tokens = rows * new_tokens
+    return {
+        "benchmark": "sampler",
+        "preset": preset,
+        "dtype": dtype,
+        "prompts": prompts,
+        "group_size": group_size,
+        "rows": rows,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        **environment(device),
+        "load_s": round(load_s, 2),
+        "grpo_jax_compile_s": round(compile_s, 2),
+        "grpo_jax_tokens_per_s": round(tokens / ours_s, 1),
+        "transformers_tokens_per_s": round(tokens / hf_s, 1),
+        "ratio_vs_transformers": round(hf_s / ours_s, 3),
+        "prefill_s_G1": round(prefill[(1, True)], 4),
+        f"prefill_s_G{group_size}_shared": round(prefill[(group_size, True)], 4),
+        f"prefill_s_G{group_size}_repeated": round(prefill[(group_size, False)], 4),
+        "prefill_ratio_shared_vs_G1": round(prefill[(group_size, True)] / prefill[(1, True)], 3),
+    }
+
+
+def forward(*, preset: str = "tiny", batch: int = 8, seq: int = 128, dtype: str = "float32", iters: int = 5) -> dict:
+    """Prefill (plain forward) tokens/s of the NNX decoder vs transformers, and their max logit diff."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    if dtype == "float32":
+        # Full fp32 matmuls on both sides (GPUs default to TF32 in XLA), so the diff measures the model.
+        jax.config.update("jax_default_matmul_precision", "highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+    hf, ours, device, load_s = build_pair(preset, dtype)
+    ids = np.random.default_rng(0).integers(3, hf.config.vocab_size, (batch, seq)).astype(np.int32)
+    graphdef, state = nnx.split(ours)
+    fwd = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+    ids_j = jnp.asarray(ids)
+    ours_logits = np.asarray(fwd(state, ids_j))
+    _, ours_s = median_time(lambda: fwd(state, ids_j).block_until_ready(), iters, warmup=2)
+    ids_t = torch.as_tensor(ids, dtype=torch.long, device=device)
+
+    def torch_forward():
+        with torch.no_grad():
+            out = hf(input_ids=ids_t).logits
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    torch_logits = torch_forward().float().cpu().numpy()
+    _, hf_s = median_time(torch_forward, iters, warmup=2)
+    return {
+        "benchmark": "forward",
+        "preset": preset,
+        "batch": batch,
+        "seq": seq,
+        "dtype": dtype,
+        **environment(device),
+        "load_s": round(load_s, 2),
+        "grpo_jax_tokens_per_s": round(batch * seq / ours_s, 1),
+        "transformers_tokens_per_s": round(batch * seq / hf_s, 1),
+        "ratio_vs_transformers": round(hf_s / ours_s, 3),
+        "max_abs_logit_diff": float(np.abs(ours_logits - torch_logits).max()),
+        "logit_scale": float(np.abs(torch_logits).max()),
+    }
