@@ -211,6 +211,11 @@ def test_random_init_model_is_usable_and_config_validates():
         cfg.replace(activation="relu")
 
 
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=3)
+def _extend_bucketed(graphdef, state, ids, cache, mask, buckets):
+    return nnx.merge(graphdef, state).extend(ids, cache, mask, attend_buckets=buckets)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _prefill(graphdef, state, ids, mask, capacity, repeats):
     return nnx.merge(graphdef, state).prefill(ids, mask, capacity=capacity, repeats=repeats)
@@ -232,6 +237,8 @@ def test_prefill_with_repeats_then_decode_matches_full_pass(hf_case):
     row_mask = np.repeat(prompt_mask, G, axis=0)
     full = forward(ours, np.concatenate([rows, new], 1), np.concatenate([row_mask, np.ones_like(new)], 1))
     assert_close(np.repeat(np.asarray(logits), G, axis=0), full[:, :6], row_mask, rel=1e-5)
+    # Attention bounded to the filled part of the cache (buckets 7 and 9 are crossed while decoding).
     for t in range(steps):
-        logits, cache = _extend(graphdef, state, jnp.asarray(new[:, t:t + 1]), cache, jnp.ones((4, 1), jnp.int32))
+        logits, cache = _extend_bucketed(graphdef, state, jnp.asarray(new[:, t:t + 1]), cache,
+                                         jnp.ones((4, 1), jnp.int32), (7, 9, 6 + steps))
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, 6 + t], atol=1e-5 * max(1, np.abs(full).max()))

@@ -156,16 +156,19 @@ class Transformer(nnx.Module):
 
     def logits(self, h_BTE: jax.Array) -> jax.Array:
         cfg = self.config
+        B, T, E = h_BTE.shape
+        # Rows and positions are folded into one axis: XLA:CPU lowers a singleton T (decoding) to slow dots.
+        h_NE = h_BTE.reshape(B * T, E)
         if cfg.tie_word_embeddings:
-            logits = jnp.einsum("bte,ve->btv", h_BTE, self.embed[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits_NV = jnp.einsum("ne,ve->nv", h_NE, self.embed[...].astype(self.dtype),
+                                   preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("bte,ev->btv", h_BTE, self.lm_head[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits_NV = jnp.einsum("ne,ev->nv", h_NE, self.lm_head[...].astype(self.dtype),
+                                   preferred_element_type=jnp.float32)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
+            logits_NV = jnp.tanh(logits_NV / cap) * cap
+        return logits_NV.reshape(B, T, -1)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache.init(self.config, batch, capacity, self.dtype)
@@ -199,9 +202,14 @@ class Transformer(nnx.Module):
                         index=jnp.asarray(T, jnp.int32))
         return self.logits(h_BTE), cache
 
-    def extend(self, input_ids_BT: jax.Array, cache: KVCache,
-               attention_mask_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    def extend(self, input_ids_BT: jax.Array, cache: KVCache, attention_mask_BT: jax.Array | None = None, *,
+               attend_buckets: tuple[int, ...] | None = None) -> tuple[jax.Array, KVCache]:
         """Append T tokens (a prompt chunk, or T=1 when decoding) to `cache` -> (logits [B,T,V], cache).
+
+        `attend_buckets` (increasing slot counts, the last >= capacity) bounds attention to the
+        cache's filled part: the new tokens attend over the first b slots, b the smallest bucket
+        holding every filled slot, chosen at run time by `lax.switch` (one compiled attention per
+        bucket, the rest of the layer compiled once). Without it attention covers all slots.
 
         Slots [index, index + T) must fit in the cache's capacity: writes past the end are clamped
         by XLA, so callers size the cache statically (prompt bucket + max_new_tokens). The cache is
@@ -216,7 +224,12 @@ class Transformer(nnx.Module):
             )
         new_mask_BT = _as_mask(attention_mask_BT, (B, T))
         positions_BT = _positions(new_mask_BT, cache.next_pos_B)
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids_BT, positions_BT, new_mask_BT, old=cache, collect_kv=True)
+        if attend_buckets is not None:
+            attend_buckets = tuple(sorted(min(int(b), cache.capacity) for b in attend_buckets))
+            if attend_buckets[-1] != cache.capacity:
+                raise ValueError(f"attend_buckets {attend_buckets} must end at the cache capacity {cache.capacity}")
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids_BT, positions_BT, new_mask_BT, old=cache, collect_kv=True,
+                                              attend_buckets=attend_buckets)
         at = (0, 0, 0, cache.index, 0)
         new_cache = KVCache(
             k_LBKSD=jax.lax.dynamic_update_slice(cache.k_LBKSD, k_LBKTD.astype(cache.k_LBKSD.dtype), at),
@@ -228,7 +241,8 @@ class Transformer(nnx.Module):
         return self.logits(h_BTE), new_cache
 
     # ------------------------------------------------------------------ internals
-    def _run(self, input_ids_BT, positions_BT, new_mask_BT, *, old: KVCache | None, collect_kv: bool):
+    def _run(self, input_ids_BT, positions_BT, new_mask_BT, *, old: KVCache | None, collect_kv: bool,
+             attend_buckets: tuple[int, ...] | None = None):
         """Embed, run the layers, final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] of the new tokens or None).
 
         Attention of the new tokens covers two key blocks: the new tokens themselves (causal) and,
@@ -262,16 +276,30 @@ class Transformer(nnx.Module):
         new_NBTT = jnp.stack(new_masks)
         old_NBTS = None if old is None else jnp.stack(old_masks)
         kind_L = jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
+        if old is not None and attend_buckets is not None:
+            # Slots [0, old.index) are filled: the smallest bucket that holds them all.
+            bucket = jnp.minimum(jnp.sum(jnp.asarray(attend_buckets) < old.index), len(attend_buckets) - 1)
+
+        def attend(q, k, v, kind, old_k, old_v):
+            new_block = (k, v, new_NBTT[kind])
+            if old is None:
+                return _attention(q, [new_block], cfg)
+
+            def upto(n, q, old_k, old_v, old_mask):
+                return _attention(q, [new_block, (old_k[:, :, :n].astype(dtype), old_v[:, :, :n].astype(dtype),
+                                                  old_mask[..., :n])], cfg)
+
+            if attend_buckets is None:
+                return upto(old.capacity, q, old_k, old_v, old_NBTS[kind])
+            branches = [functools.partial(upto, n) for n in attend_buckets]
+            return jax.lax.switch(bucket, branches, q, old_k, old_v, old_NBTS[kind])
 
         def body(x, xs):
             p, kind, old_k, old_v = xs
             p = {n: a.astype(dtype) for n, a in p.items()}
             q, k, v = _qkv(x, p, cfg, cos_NBTD[kind], sin_NBTD[kind])
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-            blocks = [(k, v, new_NBTT[kind])]
-            if old is not None:
-                blocks.append((old_k.astype(dtype), old_v.astype(dtype), old_NBTS[kind]))
-            x = _finish_layer(x, q, blocks, p, cfg)
+            x = _finish_layer(x, attend(q, k, v, kind, old_k, old_v), p, cfg)
             return x, ((k, v) if collect_kv else None)
 
         if self.remat:
@@ -311,14 +339,16 @@ def _activation(x: jax.Array, name: str) -> jax.Array:
 
 
 def _qkv(x_BTE, p, cfg: TransformerConfig, cos_BTD, sin_BTD):
-    h = _rms_norm(x_BTE, p["attn_norm"], cfg)
-    q = jnp.einsum("bte,ehd->bthd", h, p["q_proj"])
-    k = jnp.einsum("bte,ekd->btkd", h, p["k_proj"])
-    v = jnp.einsum("bte,ekd->btkd", h, p["v_proj"])
+    B, T, E = x_BTE.shape
+    h_NE = _rms_norm(x_BTE, p["attn_norm"], cfg).reshape(B * T, E)
+    q = jnp.einsum("ne,ehd->nhd", h_NE, p["q_proj"])
+    k = jnp.einsum("ne,ekd->nkd", h_NE, p["k_proj"])
+    v = jnp.einsum("ne,ekd->nkd", h_NE, p["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = _rms_norm(q, p["q_norm"], cfg), _rms_norm(k, p["k_norm"], cfg)
+    q, k, v = (a.reshape(B, T, *a.shape[1:]) for a in (q, k, v))
     return rope.apply(q, cos_BTD, sin_BTD), rope.apply(k, cos_BTD, sin_BTD), v
 
 
@@ -351,21 +381,23 @@ def _attention(q_BTHD, blocks, cfg: TransformerConfig) -> jax.Array:
     return out_BKMD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def _finish_layer(x_BTE, q, blocks, p, cfg: TransformerConfig):
-    a = jnp.einsum("bthd,hde->bte", _attention(q, blocks, cfg), p["o_proj"])
+def _finish_layer(x_BTE, attn_BTHD, p, cfg: TransformerConfig):
+    B, T, E = x_BTE.shape
+    attn_NHD = attn_BTHD.reshape(B * T, *attn_BTHD.shape[2:])
+    a = jnp.einsum("nhd,hde->ne", attn_NHD, p["o_proj"])
     if cfg.o_bias:
         a = a + p["o_bias"]
     if cfg.post_norms:
         a = _rms_norm(a, p["attn_post_norm"], cfg)
-    x_BTE = x_BTE + a
-    h = _rms_norm(x_BTE, p["mlp_norm"], cfg)
-    gate = jnp.einsum("bte,ef->btf", h, p["gate_proj"])
-    up = jnp.einsum("bte,ef->btf", h, p["up_proj"])
+    x_NE = x_BTE.reshape(B * T, E) + a
+    h = _rms_norm(x_NE, p["mlp_norm"], cfg)
+    gate = jnp.einsum("ne,ef->nf", h, p["gate_proj"])
+    up = jnp.einsum("ne,ef->nf", h, p["up_proj"])
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    m = jnp.einsum("btf,fe->bte", _activation(gate, cfg.activation) * up, p["down_proj"])
+    m = jnp.einsum("nf,fe->ne", _activation(gate, cfg.activation) * up, p["down_proj"])
     if cfg.mlp_bias:
         m = m + p["down_bias"]
     if cfg.post_norms:
         m = _rms_norm(m, p["mlp_post_norm"], cfg)
-    return x_BTE + m
+    return (x_NE + m).reshape(B, T, E)
