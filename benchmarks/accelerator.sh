@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The device check for a lent GPU machine (run from the repo root; results land in $OUT).
 # Uses the machine's own jax/flax/torch/transformers: nothing is installed there.
-#   1. the model parity and KV-cache tests on the GPU backend (fp32, highest matmul precision);
-#   2. forward (prefill) throughput, bf16, grpo_jax vs transformers on the same weights.
+#   1. the model parity, KV-cache and sampler tests on the GPU backend (fp32, highest matmul precision);
+#   2. sampler and forward throughput, bf16, grpo_jax vs transformers on the same weights.
 set -uo pipefail
 OUT=${OUT:-/tmp/grpo_jax_out}
 mkdir -p "$OUT"
@@ -10,11 +10,14 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 $PY -c "import jax, flax, torch, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, jax.devices())" 2>&1 | tee "$OUT/versions.txt"
-JAX_PLATFORMS=${PARITY_PLATFORM:-cuda} timeout 240 $PY -m pytest -q -p no:cacheprovider tests/test_models_parity.py \
-  -k "fp32 or kv_cache or bf16" 2>&1 | tail -15 | tee "$OUT/parity.txt"
-# preset,batch,seq entries separated by spaces
-for spec in ${BENCH_SPECS:-qwen3-0.6b,16,1024 llama3.2-1b,16,1024}; do
-  IFS=, read -r preset batch seq <<<"$spec"
-  timeout 150 $PY benchmarks/forward.py --preset "$preset" --batch "$batch" --seq "$seq" \
-    --dtype "${BENCH_DTYPE:-bfloat16}" --iters 10 --output "$OUT/forward_$preset.json" 2>&1 | grep -v "Writing model shards" | tail -3
+if [ -z "${SKIP_TESTS:-}" ]; then
+  JAX_PLATFORMS=${PARITY_PLATFORM:-cuda} timeout 240 $PY -m pytest -q -p no:cacheprovider \
+    tests/test_models_parity.py tests/test_sampling.py -k "fp32 or kv_cache or prefill or greedy or logprobs" \
+    2>&1 | tail -15 | tee "$OUT/tests.txt"
+fi
+# bench entries: which,preset,args... separated by spaces
+for spec in ${BENCH_SPECS:-sampler,qwen3-0.6b,--prompts=4,--group-size=16,--new-tokens=128 forward,llama3.2-1b,--batch=16,--seq=1024}; do
+  IFS=, read -r which preset rest <<<"$spec"
+  timeout 200 $PY -m grpo_jax bench "$which" --preset "$preset" ${rest//,/ } --dtype "${BENCH_DTYPE:-bfloat16}" \
+    --iters 5 --output "$OUT/${which}_$preset.json" 2>&1 | grep -v "Writing model shards\|original_max" | tail -3
 done

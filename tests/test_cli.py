@@ -33,3 +33,15 @@ def test_smoke_rejects_bad_arguments(tmp_path):
     assert out.returncode != 0 and "invalid choice" in out.stderr
     out = _run("smoke", "--new-tokens", "1", "--output", str(tmp_path / "m"))
     assert out.returncode != 0 and "at least 2" in out.stderr
+
+
+def test_bench_sampler_writes_json(tmp_path):
+    """The benchmark runs end to end and reports both sides (figures themselves live in RESULTS.md)."""
+    out_file = tmp_path / "b.json"
+    out = _run("bench", "sampler", "--preset", "tiny", "--prompts", "1", "--group-size", "2",
+               "--prompt-len", "8", "--new-tokens", "4", "--iters", "1", "--output", str(out_file), timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out_file.read_text())
+    assert result["rows"] == 2 and result["new_tokens"] == 4
+    for key in ("grpo_jax_tokens_per_s", "transformers_tokens_per_s", "prefill_s_G1", "prefill_s_G2_shared"):
+        assert result[key] > 0, key
