@@ -26,6 +26,8 @@ from grpo_jax.models.cache import KVCache
 from grpo_jax.models.config import TransformerConfig
 
 _NEG = float(np.finfo(np.float32).min)
+# Attention with at most this many query rows per (row, kv head) counts as decoding (see _attention).
+_DECODE_ROWS = 8
 
 
 def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -365,8 +367,13 @@ def _attention(q_BTHD, blocks, cfg: TransformerConfig) -> jax.Array:
     q_BKMD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
     scores = []
     for k_BKSD, _, mask_BTS in blocks:
-        s_BKMS = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD,
-                            preferred_element_type=jnp.float32) * cfg.query_scale
+        if G * T <= _DECODE_ROWS:
+            # Decoding: a multiply-reduce that XLA fuses with the read of this layer's cache slice;
+            # as a dot, the slice is first copied out of the stacked cache (15-25% of a CPU step).
+            s_BKMS = jnp.sum(q_BKMD[:, :, :, None, :].astype(jnp.float32) * k_BKSD[:, :, None, :, :], axis=-1)
+        else:
+            s_BKMS = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32)
+        s_BKMS = s_BKMS * cfg.query_scale
         if cfg.attn_logit_softcap is not None:
             s_BKMS = jnp.tanh(s_BKMS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
         s_BKGTS = s_BKMS.reshape(B, K, G, T, -1)
