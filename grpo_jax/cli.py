@@ -1,5 +1,6 @@
-"""The `grpo-jax` command. Subcommands arrive with the issues that build them (train, eval, export,
-bench, plot, report); `smoke` exercises the model stack end to end on a tiny random model."""
+"""The `grpo-jax` command. `smoke` exercises the model stack end to end on a tiny random model;
+`bench` compares throughput with transformers. train, eval, export, plot and report arrive with the
+issues that build them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Group sampling: G completions per prompt from one shared prefill, decoded in one jitted loop.
 
 `generate(model, prompts, config, rng) -> Rollout`. Row i*G + j of every output is sample j of
-prompt i.
+prompt i. Shape suffixes here: N prompts, P prompt bucket, G group size, R = N*G rows,
+M max_new_tokens, V vocab.
 
 How it runs:
 - Prompts are left-padded to the smallest bucket of `config.prompt_buckets` that fits the longest

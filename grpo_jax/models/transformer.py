@@ -7,7 +7,8 @@ metadata; `grpo_jax.sharding` maps them to mesh axes.
 
 Shape suffixes used throughout the models package: B batch, T new tokens, S key slots (cache
 capacity, or T in a plain pass), E embed, H query heads, K kv heads, G = H // K, D head_dim,
-F mlp, V vocab, L layers, N layer kinds (full / sliding attention).
+F mlp, V vocab, L layers, Y layer kinds (full / sliding attention), N rows and positions folded
+into one axis (B*T) for the projections, M = G*T query rows per kv head in attention.
 """
 
 from __future__ import annotations
@@ -260,30 +261,30 @@ class Transformer(nnx.Module):
         # One rope table and one pair of masks per layer kind; the scan picks by the layer's kind index.
         cos_sin = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)),
                                 positions_BT, dtype) for k in cfg.kinds]
-        cos_NBTD = jnp.stack([c for c, _ in cos_sin])
-        sin_NBTD = jnp.stack([s for _, s in cos_sin])
+        cos_YBTD = jnp.stack([c for c, _ in cos_sin])
+        sin_YBTD = jnp.stack([s for _, s in cos_sin])
         causal_TT = jnp.tril(jnp.ones((T, T), jnp.bool_))
         new_BTT = causal_TT[None] & new_mask_BT[:, None, :]
         new_masks, old_masks = [], []
         for kind in cfg.kinds:
             window = cfg.window_of(kind)
-            m_new, m_old = new_BTT, None if old is None else jnp.broadcast_to(
-                old.mask_BS[:, None, :], (B, T, old.capacity))
+            m_new = new_BTT
+            m_old = None if old is None else jnp.broadcast_to(old.mask_BS[:, None, :], (B, T, old.capacity))
             if window is not None:
                 m_new = m_new & (positions_BT[:, :, None] - positions_BT[:, None, :] < window)
                 if old is not None:
                     m_old = m_old & (positions_BT[:, :, None] - old.pos_BS[:, None, :] < window)
             new_masks.append(m_new)
             old_masks.append(m_old)
-        new_NBTT = jnp.stack(new_masks)
-        old_NBTS = None if old is None else jnp.stack(old_masks)
+        new_YBTT = jnp.stack(new_masks)
+        old_YBTS = None if old is None else jnp.stack(old_masks)
         kind_L = jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
         if old is not None and attend_buckets is not None:
             # Slots [0, old.index) are filled: the smallest bucket that holds them all.
             bucket = jnp.minimum(jnp.sum(jnp.asarray(attend_buckets) < old.index), len(attend_buckets) - 1)
 
         def attend(q, k, v, kind, old_k, old_v):
-            new_block = (k, v, new_NBTT[kind])
+            new_block = (k, v, new_YBTT[kind])
             if old is None:
                 return _attention(q, [new_block], cfg)
 
@@ -292,14 +293,14 @@ class Transformer(nnx.Module):
                                                   old_mask[..., :n])], cfg)
 
             if attend_buckets is None:
-                return upto(old.capacity, q, old_k, old_v, old_NBTS[kind])
+                return upto(old.capacity, q, old_k, old_v, old_YBTS[kind])
             branches = [functools.partial(upto, n) for n in attend_buckets]
-            return jax.lax.switch(bucket, branches, q, old_k, old_v, old_NBTS[kind])
+            return jax.lax.switch(bucket, branches, q, old_k, old_v, old_YBTS[kind])
 
         def body(x, xs):
             p, kind, old_k, old_v = xs
             p = {n: a.astype(dtype) for n, a in p.items()}
-            q, k, v = _qkv(x, p, cfg, cos_NBTD[kind], sin_NBTD[kind])
+            q, k, v = _qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
             x = _finish_layer(x, attend(q, k, v, kind, old_k, old_v), p, cfg)
             return x, ((k, v) if collect_kv else None)
