@@ -91,3 +91,83 @@ def kl_estimate(logp_RM: jax.Array, ref_logp_RM: jax.Array, estimator: str) -> j
     if estimator == "k2":
         return 0.5 * log_ratio**2
     return jnp.expm1(-log_ratio) + log_ratio
+
+
+def _token_objective(ratio_RM, adv_R1, config):
+    """Clipped surrogate (to maximise) per token; ratio may be a token or a broadcast sequence ratio."""
+    unclipped = ratio_RM * adv_R1
+    clipped = jnp.clip(ratio_RM, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * adv_R1
+    objective = jnp.minimum(unclipped, clipped)
+    if config.dual_clip is not None:
+        objective = jnp.where(adv_R1 < 0, jnp.maximum(objective, config.dual_clip * adv_R1), objective)
+    return objective
+
+
+def token_ratio(logp_RM, old_logp_RM, mask_RM):
+    """GRPO/DAPO: one importance ratio per token."""
+    del mask_RM
+    return jnp.exp(logp_RM - old_logp_RM)
+
+
+def sequence_ratio(logp_RM, old_logp_RM, mask_RM):
+    """GSPO-token: every token carries its sequence's length-normalised ratio as its value, with the
+    gradient of its own log-prob, so the aggregated gradient is GSPO's sequence-level gradient."""
+    length_R1 = jnp.maximum(mask_RM.sum(axis=1, keepdims=True), 1.0)
+    seq_log_ratio_R1 = jnp.sum((logp_RM - old_logp_RM) * mask_RM, axis=1, keepdims=True) / length_R1
+    return jnp.exp(jax.lax.stop_gradient(seq_log_ratio_R1) + logp_RM - jax.lax.stop_gradient(logp_RM))
+
+
+def aggregate(per_token_RM, mask_RM, config) -> jax.Array:
+    """Reduce per-token losses to a scalar the way `config.loss_agg` says (mask: float, 0 = ignored)."""
+    total = jnp.sum(per_token_RM * mask_RM)
+    if config.loss_agg == "token_mean":
+        return total / jnp.maximum(mask_RM.sum(), 1.0)
+    rows_with_tokens = jnp.maximum(jnp.sum(mask_RM.sum(axis=1) > 0), 1)
+    if config.loss_agg == "seq_mean_token_mean":
+        per_seq_R = jnp.sum(per_token_RM * mask_RM, axis=1) / jnp.maximum(mask_RM.sum(axis=1), 1.0)
+        return per_seq_R.sum() / rows_with_tokens
+    return total / (rows_with_tokens * config.max_completion_length)
+
+
+def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Array, mask_RM: jax.Array,
+                config, *, valid_R: jax.Array | None = None, truncated_R: jax.Array | None = None,
+                ref_logp_RM: jax.Array | None = None, entropy_RM: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO loss (to minimise) and its token statistics.
+
+    logp / old_logp / ref_logp: per-token log-probs of the sampled completion tokens under the
+    current, sampling-time and reference policies. Rows with `valid` False (dropped rewards) and,
+    with `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs ref_logp;
+    `entropy_coef > 0` needs entropy.
+    """
+    chex.assert_equal_shape([logp_RM, old_logp_RM, mask_RM])
+    chex.assert_shape(advantages_R, (logp_RM.shape[0],))
+    mask = mask_RM.astype(jnp.float32)
+    if valid_R is not None:
+        mask = mask * valid_R[:, None]
+    if config.mask_truncated:
+        if truncated_R is None:
+            raise ValueError("grpo.mask_truncated needs the rollout's `truncated` flags")
+        mask = mask * (~truncated_R.astype(jnp.bool_))[:, None]
+    ratio_fn = sequence_ratio if config.ratio_level == "sequence" else token_ratio
+    ratio_RM = ratio_fn(logp_RM, old_logp_RM, mask)
+    adv_R1 = advantages_R.astype(jnp.float32)[:, None]
+    per_token = -_token_objective(ratio_RM, adv_R1, config)
+    metrics = {}
+    n = jnp.maximum(mask.sum(), 1.0)
+    if config.beta > 0:
+        if ref_logp_RM is None:
+            raise ValueError("grpo.beta > 0 needs reference log-probs")
+        per_token = per_token + config.beta * kl_estimate(logp_RM, ref_logp_RM, config.kl_estimator)
+        for est in ("k1", "k3"):
+            metrics[f"kl/{est}"] = jnp.sum(jax.lax.stop_gradient(kl_estimate(logp_RM, ref_logp_RM, est)) * mask) / n
+    if config.entropy_coef > 0:
+        if entropy_RM is None:
+            raise ValueError("grpo.entropy_coef > 0 needs per-token entropies")
+        per_token = per_token - config.entropy_coef * entropy_RM
+    loss = aggregate(per_token, mask, config)
+    r = jax.lax.stop_gradient(ratio_RM)
+    metrics["policy/clip_frac_low"] = jnp.sum(((r < 1 - config.epsilon_low) & (adv_R1 < 0)) * mask) / n
+    metrics["policy/clip_frac_high"] = jnp.sum(((r > 1 + config.epsilon_high) & (adv_R1 > 0)) * mask) / n
+    metrics["policy/ratio_max"] = jnp.max(jnp.where(mask > 0, r, 0.0))
+    return loss, metrics
