@@ -1,0 +1,61 @@
+"""Per-token log-probabilities and entropies computed in chunks over the sequence.
+
+The [B, T, V] logits are never materialised: a `lax.scan` over chunks of C positions computes
+[B, C, V] logits from the hidden states, reduces them to log-prob and entropy, and is
+rematerialised (`jax.checkpoint`) so the backward pass recomputes each chunk's logits instead of
+storing them. Peak memory grows with C, not with T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
+                     chunk: int = 128, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(log p(targets) [B, T], entropy [B, T]) under softmax(logits_fn(h) / temperature), float32.
+
+    `logits_fn` maps hidden states [B, C, E] to logits [B, C, V] (e.g. `model.logits`). T is padded
+    up to a multiple of `chunk` internally; pick chunk to divide T to avoid the padding.
+    """
+    chex.assert_rank(h_BTE, 3)
+    B, T, E = h_BTE.shape
+    chex.assert_shape(targets_BT, (B, T))
+    if temperature <= 0:
+        raise ValueError(f"log-probs need a positive temperature, got {temperature}")
+    C = min(chunk, T)
+    pad = (-T) % C
+    if pad:
+        h_BTE = jnp.pad(h_BTE, ((0, 0), (0, pad), (0, 0)))
+        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+    n = (T + pad) // C
+    h_nBCE = h_BTE.reshape(B, n, C, E).transpose(1, 0, 2, 3)
+    t_nBC = targets_BT.reshape(B, n, C).transpose(1, 0, 2)
+
+    @jax.checkpoint
+    def one_chunk(h_BCE, t_BC):
+        logits = logits_fn(h_BCE).astype(jnp.float32) / temperature
+        logp_BCV = jax.nn.log_softmax(logits, axis=-1)
+        logp_BC = jnp.take_along_axis(logp_BCV, t_BC[..., None], axis=-1)[..., 0]
+        entropy_BC = -jnp.sum(jnp.exp(logp_BCV) * logp_BCV, axis=-1)
+        return logp_BC, entropy_BC
+
+    _, (logp_nBC, ent_nBC) = jax.lax.scan(lambda c, xs: (c, one_chunk(*xs)), None, (h_nBCE, t_nBC))
+    logp_BT = logp_nBC.transpose(1, 0, 2).reshape(B, n * C)[:, :T]
+    ent_BT = ent_nBC.transpose(1, 0, 2).reshape(B, n * C)[:, :T]
+    return logp_BT, ent_BT
+
+
+def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *, chunk: int = 128,
+                        temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies [R, M] of each completion token given its prompt and the tokens before it."""
+    P = prompt_ids_RP.shape[1]
+    ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
+    mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
+    h = model.hidden_states(ids, attention_mask_BT=mask)
+    # Position P-1+t predicts completion token t.
+    return chunked_logprobs(h[:, P - 1:-1], completion_ids_RM, model.logits, chunk=chunk, temperature=temperature)
