@@ -117,31 +117,24 @@ def sequence_ratio(logp_RM, old_logp_RM, mask_RM):
     return jnp.exp(jax.lax.stop_gradient(seq_log_ratio_R1) + logp_RM - jax.lax.stop_gradient(logp_RM))
 
 
-def aggregate(per_token_RM, mask_RM, config) -> jax.Array:
-    """Reduce per-token losses to a scalar the way `config.loss_agg` says (mask: float, 0 = ignored)."""
-    total = jnp.sum(per_token_RM * mask_RM)
-    if config.loss_agg == "token_mean":
-        return total / jnp.maximum(mask_RM.sum(), 1.0)
-    rows_with_tokens = jnp.maximum(jnp.sum(mask_RM.sum(axis=1) > 0), 1)
-    if config.loss_agg == "seq_mean_token_mean":
-        per_seq_R = jnp.sum(per_token_RM * mask_RM, axis=1) / jnp.maximum(mask_RM.sum(axis=1), 1.0)
-        return per_seq_R.sum() / rows_with_tokens
-    return total / (rows_with_tokens * config.max_completion_length)
+def loss_weights(mask_RM: jax.Array, config) -> tuple[jax.Array, jax.Array]:
+    """(per-token weights [R, M], normaliser) such that loss = sum(weights * per_token) / normaliser.
 
-
-def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Array, mask_RM: jax.Array,
-                config, *, valid_R: jax.Array | None = None, truncated_R: jax.Array | None = None,
-                ref_logp_RM: jax.Array | None = None, entropy_RM: jax.Array | None = None
-                ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The GRPO loss (to minimise) and its token statistics.
-
-    logp / old_logp / ref_logp: per-token log-probs of the sampled completion tokens under the
-    current, sampling-time and reference policies. Rows with `valid` False (dropped rewards) and,
-    with `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs ref_logp;
-    `entropy_coef > 0` needs entropy.
+    Splitting a batch into micro-batches and summing sum(w * l) / normaliser over them, with the
+    normaliser of the *whole* batch, gives exactly the whole batch's loss.
     """
-    chex.assert_equal_shape([logp_RM, old_logp_RM, mask_RM])
-    chex.assert_shape(advantages_R, (logp_RM.shape[0],))
+    mask = mask_RM.astype(jnp.float32)
+    if config.loss_agg == "token_mean":
+        return mask, jnp.maximum(mask.sum(), 1.0)
+    rows_with_tokens = jnp.maximum(jnp.sum(mask.sum(axis=1) > 0), 1).astype(jnp.float32)
+    if config.loss_agg == "seq_mean_token_mean":
+        return mask / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0), rows_with_tokens
+    return mask, rows_with_tokens * config.max_completion_length
+
+
+def effective_mask(mask_RM, config, *, valid_R=None, truncated_R=None) -> jax.Array:
+    """Float mask of the tokens that enter the loss: completion tokens of valid (and, with
+    mask_truncated, non-truncated) rows."""
     mask = mask_RM.astype(jnp.float32)
     if valid_R is not None:
         mask = mask * valid_R[:, None]
@@ -149,25 +142,51 @@ def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Ar
         if truncated_R is None:
             raise ValueError("grpo.mask_truncated needs the rollout's `truncated` flags")
         mask = mask * (~truncated_R.astype(jnp.bool_))[:, None]
+    return mask
+
+
+def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Array, mask_RM: jax.Array,
+                config, *, valid_R: jax.Array | None = None, truncated_R: jax.Array | None = None,
+                ref_logp_RM: jax.Array | None = None, entropy_RM: jax.Array | None = None,
+                normaliser: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The GRPO loss (to minimise) and token statistics as sums (see `loss_metrics`).
+
+    logp / old_logp / ref_logp: per-token log-probs of the sampled completion tokens under the
+    current, sampling-time and reference policies. Rows with `valid` False (dropped rewards) and,
+    with `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs ref_logp;
+    `entropy_coef > 0` needs entropy. `normaliser` (from `loss_weights` of the whole batch) is
+    given when this is one micro-batch of a larger batch.
+    """
+    chex.assert_equal_shape([logp_RM, old_logp_RM, mask_RM])
+    chex.assert_shape(advantages_R, (logp_RM.shape[0],))
+    mask = effective_mask(mask_RM, config, valid_R=valid_R, truncated_R=truncated_R)
     ratio_fn = sequence_ratio if config.ratio_level == "sequence" else token_ratio
     ratio_RM = ratio_fn(logp_RM, old_logp_RM, mask)
-    adv_R1 = advantages_R.astype(jnp.float32)[:, None]
+    adv_R1 = jnp.where(mask.sum(axis=1, keepdims=True) > 0, advantages_R.astype(jnp.float32)[:, None], 0.0)
     per_token = -_token_objective(ratio_RM, adv_R1, config)
-    metrics = {}
-    n = jnp.maximum(mask.sum(), 1.0)
+    sums = {"tokens": mask.sum()}
     if config.beta > 0:
         if ref_logp_RM is None:
             raise ValueError("grpo.beta > 0 needs reference log-probs")
         per_token = per_token + config.beta * kl_estimate(logp_RM, ref_logp_RM, config.kl_estimator)
         for est in ("k1", "k3"):
-            metrics[f"kl/{est}"] = jnp.sum(jax.lax.stop_gradient(kl_estimate(logp_RM, ref_logp_RM, est)) * mask) / n
+            sums[f"kl/{est}"] = jnp.sum(jax.lax.stop_gradient(kl_estimate(logp_RM, ref_logp_RM, est)) * mask)
     if config.entropy_coef > 0:
         if entropy_RM is None:
             raise ValueError("grpo.entropy_coef > 0 needs per-token entropies")
         per_token = per_token - config.entropy_coef * entropy_RM
-    loss = aggregate(per_token, mask, config)
+    if entropy_RM is not None:
+        sums["policy/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_RM) * mask)
+    weights, local_normaliser = loss_weights(mask, config)
+    loss = jnp.sum(per_token * weights) / (local_normaliser if normaliser is None else normaliser)
     r = jax.lax.stop_gradient(ratio_RM)
-    metrics["policy/clip_frac_low"] = jnp.sum(((r < 1 - config.epsilon_low) & (adv_R1 < 0)) * mask) / n
-    metrics["policy/clip_frac_high"] = jnp.sum(((r > 1 + config.epsilon_high) & (adv_R1 > 0)) * mask) / n
-    metrics["policy/ratio_max"] = jnp.max(jnp.where(mask > 0, r, 0.0))
-    return loss, metrics
+    sums["policy/clip_frac_low"] = jnp.sum(((r < 1 - config.epsilon_low) & (adv_R1 < 0)) * mask)
+    sums["policy/clip_frac_high"] = jnp.sum(((r > 1 + config.epsilon_high) & (adv_R1 > 0)) * mask)
+    sums["policy/ratio_max"] = jnp.max(jnp.where(mask > 0, r, 0.0))
+    return loss, sums
+
+
+def loss_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-token means from the sums of `policy_loss` (accumulated over micro-batches; ratio_max is a max)."""
+    n = jnp.maximum(sums["tokens"], 1.0)
+    return {k: (v if k == "policy/ratio_max" else v / n) for k, v in sums.items() if k != "tokens"}

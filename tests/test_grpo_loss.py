@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.config import GRPOConfig
-from grpo_jax.grpo import group_advantages, policy_loss
+from grpo_jax.grpo import group_advantages, loss_metrics, policy_loss
 
 
 def batch(seed=0, lengths=(1, 100, 37, 64), M=100):
@@ -60,8 +60,9 @@ CONFIGS = [
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_agg}-b{c.beta}-{c.kl_estimator}-dc{c.dual_clip}")
 def test_loss_matches_numpy_reference(cfg):
     logp, old, ref, mask, adv = batch()
-    loss, metrics = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg,
-                                ref_logp_RM=jnp.asarray(ref))
+    loss, sums = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg,
+                             ref_logp_RM=jnp.asarray(ref))
+    metrics = loss_metrics(sums)
     np.testing.assert_allclose(float(loss), reference_loss(logp, old, ref, mask, adv, cfg), rtol=2e-5, atol=1e-6)
     ratio = np.exp(logp - old)
     sel = mask > 0

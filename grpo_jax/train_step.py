@@ -1,0 +1,151 @@
+"""The pure GRPO train step: `train_step(state, batch) -> (state, metrics)`, jitted once with donation.
+
+The model enters as an NNX graphdef (static) plus its parameter state (a pytree); `nnx.merge`
+happens inside the step only. Gradients are accumulated over micro-batches with `lax.scan`, with
+the loss normaliser of the whole batch, so any number of micro-batches gives the same update. A
+non-finite loss or gradient leaves params and optimizer state bit-identical and is counted; the
+host aborts after `max_consecutive_skips` in a row (`check_skips`).
+
+Shape suffixes: R rows (N prompts x G samples), P prompt bucket, M completion tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from grpo_jax.config import GRPOConfig
+from grpo_jax.grpo import effective_mask, loss_metrics, loss_weights, policy_loss
+from grpo_jax.logprobs import completion_logprobs
+
+
+@flax.struct.dataclass
+class Batch:
+    prompt_ids: jax.Array  # int32 [R, P], left-padded
+    prompt_mask: jax.Array  # int32 [R, P]
+    completion_ids: jax.Array  # int32 [R, M]
+    completion_mask: jax.Array  # int32 [R, M]
+    rewards: jax.Array  # float32 [R]; NaN = dropped
+    advantages: jax.Array  # float32 [R]
+    valid: jax.Array  # bool [R]
+    zero_std: jax.Array  # bool [N]
+    truncated: jax.Array  # bool [R]
+    old_logprobs: jax.Array  # float32 [R, M]: the sampler's (used when num_iterations > 1)
+    ref_logprobs: jax.Array | None = None  # float32 [R, M]: reference policy's (beta > 0 only)
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32
+    params: nnx.State
+    opt_state: optax.OptState
+    skipped_total: jax.Array  # int32: updates skipped for non-finite gradients
+    skipped_streak: jax.Array  # int32: of which in a row, up to this step
+
+
+def make_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (fp32 master params: the state is kept in the params' dtype)."""
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def init_state(model, optimizer: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
+    graphdef, params = nnx.split(model, nnx.Param)
+    # Distinct buffers for each counter: the step donates the whole state.
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                                skipped_total=jnp.zeros((), jnp.int32), skipped_streak=jnp.zeros((), jnp.int32))
+
+
+def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.GradientTransformation,
+               config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
+               temperature: float = 1.0) -> tuple[TrainState, dict[str, jax.Array]]:
+    R, M = batch.completion_ids.shape
+    if R % micro_batches:
+        raise ValueError(f"{R} rows do not split into {micro_batches} micro-batches")
+    chex.assert_shape([batch.completion_mask, batch.old_logprobs], (R, M))
+    mask_RM = effective_mask(batch.completion_mask, config, valid_R=batch.valid, truncated_R=batch.truncated)
+    _, normaliser = loss_weights(mask_RM, config)
+
+    def micro_loss(params, mb):
+        model = nnx.merge(graphdef, params)
+        logp, entropy = completion_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
+                                            chunk=logprob_chunk, temperature=temperature)
+        # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
+        old = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp)
+        return policy_loss(logp, old, mb.advantages, mb.completion_mask, config, valid_R=mb.valid,
+                           truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy,
+                           normaliser=normaliser)
+
+    per_row = batch.replace(zero_std=None, rewards=None)
+    micro = jax.tree.map(lambda x: x.reshape(micro_batches, R // micro_batches, *x.shape[1:]), per_row)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def accumulate(carry, mb):
+        loss, grads, sums = carry
+        (l, s), g = grad_fn(state.params, mb)
+        sums = {k: (jnp.maximum(sums[k], v) if k == "policy/ratio_max" else sums[k] + v) for k, v in s.items()}
+        return (loss + l, jax.tree.map(jnp.add, grads, g), sums), None
+
+    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro))
+    zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
+    (loss, grads, sums), _ = jax.lax.scan(accumulate, (zeros(l_shape), zeros(g_shape), zeros(s_shape)), micro)
+
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
+                       opt_state=keep(new_opt, state.opt_state),
+                       skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
+                       skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1))
+    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
+               "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
+               **_batch_metrics(batch)}
+    return state, metrics
+
+
+def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
+    valid = batch.valid
+    n = jnp.maximum(valid.sum(), 1)
+    r = jnp.where(valid, batch.rewards, 0.0)
+    mean = r.sum() / n
+    adv = jnp.where(valid, batch.advantages, 0.0)
+    adv_mean = adv.sum() / n
+    lengths = batch.completion_mask.sum(axis=1)
+    return {
+        "reward/mean": mean,
+        "reward/std": jnp.sqrt(jnp.sum(jnp.where(valid, (batch.rewards - mean) ** 2, 0.0)) / n),
+        "groups/frac_zero_std": batch.zero_std.mean(),
+        "advantage/mean": adv_mean,
+        "advantage/std": jnp.sqrt(jnp.sum(jnp.where(valid, (adv - adv_mean) ** 2, 0.0)) / n),
+        "advantage/abs_max": jnp.abs(adv).max(),
+        "completion/len_mean": lengths.mean(),
+        "completion/len_max": lengths.max(),
+        "completion/truncated_frac": batch.truncated.mean(),
+    }
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
+                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0):
+    """`train_step` with its static parts bound, jitted once; the state's buffers are donated."""
+    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
+                             micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature)
+    return jax.jit(step, donate_argnames=("state",))
+
+
+def check_skips(metrics: dict, max_consecutive: int) -> None:
+    """Host-side: abort the run after `max_consecutive` non-finite updates in a row."""
+    streak = int(metrics["train/skipped_streak"])
+    if streak >= max_consecutive:
+        raise FloatingPointError(
+            f"{streak} consecutive train steps had a non-finite loss or gradient (updates skipped); "
+            "lower the learning rate, check rewards and inputs for NaN, or enable bf16-safe settings"
+        )
