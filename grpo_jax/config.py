@@ -7,6 +7,7 @@ import warnings
 from typing import Literal
 
 from grpo_jax.grpo import ESTIMATORS, KL_ESTIMATORS, SCALES
+from grpo_jax.sampling import SamplingConfig
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -71,4 +72,26 @@ class GRPOConfig:
                 "ratios are length-normalised and need clip ranges near 3e-4/4e-4; token-level epsilons "
                 "almost never clip",
                 stacklevel=2,
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A run's configuration; checks that span concerns live here. (The trainer's issue adds the
+    model, data, train, mesh and checkpoint sections.)"""
+
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+
+    def __post_init__(self):
+        if self.sampling.group_size < 2:
+            raise ValueError(
+                f"sampling.group_size={self.sampling.group_size}: GRPO normalises rewards within a group, "
+                "which needs at least 2 samples per prompt"
+            )
+        cap = self.grpo.max_completion_length
+        if cap is not None and cap < self.sampling.max_new_tokens:
+            raise ValueError(
+                f"grpo.max_completion_length={cap} is below sampling.max_new_tokens="
+                f"{self.sampling.max_new_tokens}; Dr. GRPO's constant must be at least the longest completion"
             )

@@ -76,6 +76,18 @@ def group_advantages(rewards_R: jax.Array, group_size: int, *, scale: Scale = "g
     return GroupAdvantages(advantages=adv_NG.reshape(R), valid=valid_NG.reshape(R), zero_std=zero_std_N)
 
 
+def overlong_penalty(lengths_R: jax.Array, max_length: int, cache_length: int) -> jax.Array:
+    """DAPO's soft overlong punishment, in tokens, added to the reward.
+
+    0 up to max_length - cache_length tokens, then falling linearly to -1 at max_length, and -1
+    beyond it.
+    """
+    if not 0 < cache_length <= max_length:
+        raise ValueError(f"overlong penalty needs 0 < cache_length <= max_length, got {cache_length}, {max_length}")
+    over = lengths_R.astype(jnp.float32) - (max_length - cache_length)
+    return jnp.where(lengths_R > max_length, -1.0, -jnp.clip(over, 0.0, None) / cache_length)
+
+
 def kl_estimate(logp_RM: jax.Array, ref_logp_RM: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(policy || reference) from log-probs of tokens sampled from the policy.
 

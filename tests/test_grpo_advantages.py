@@ -106,3 +106,21 @@ def test_kl_estimators_match_analytic_kl_on_a_toy_categorical():
     assert (np.asarray(kl_estimate(logp, logq, "k2")) >= 0).all()
     for est in ("k1", "k2", "k3"):
         assert (np.asarray(kl_estimate(logp, logp, est)) == 0).all()
+
+
+def test_overlong_penalty_matches_the_dapo_formula():
+    from grpo_jax.grpo import overlong_penalty
+
+    L_max, L_cache = 20, 8
+    lengths = np.arange(0, 25)
+    out = np.asarray(overlong_penalty(jnp.asarray(lengths), L_max, L_cache))
+    for n, v in zip(lengths, out):
+        if n <= L_max - L_cache:
+            expected = 0.0
+        elif n <= L_max:
+            expected = ((L_max - L_cache) - n) / L_cache
+        else:
+            expected = -1.0
+        assert abs(v - expected) < 1e-6, (n, v, expected)
+    with pytest.raises(ValueError, match="cache_length"):
+        overlong_penalty(jnp.asarray(lengths), 10, 11)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.config import GRPOConfig
+from grpo_jax.config import GRPOConfig, RunConfig
+from grpo_jax.sampling import SamplingConfig
 from grpo_jax.grpo import group_advantages, loss_metrics, policy_loss
 
 
@@ -69,6 +70,10 @@ def test_loss_matches_numpy_reference(cfg):
     low = ((ratio < 1 - cfg.epsilon_low) & (adv[:, None] < 0))[sel].mean()
     np.testing.assert_allclose(float(metrics["policy/clip_frac_low"]), low, rtol=1e-6)
     np.testing.assert_allclose(float(metrics["policy/ratio_max"]), ratio[sel].max(), rtol=1e-6)
+    if cfg.beta > 0:
+        np.testing.assert_allclose(float(metrics["kl/k1"]), (logp - ref)[sel].mean(), rtol=1e-4)
+        d = (logp - ref)[sel].astype(np.float64)
+        np.testing.assert_allclose(float(metrics["kl/k3"]), (np.exp(-d) - 1 + d).mean(), rtol=1e-4)
 
 
 def test_gspo_matches_reference_and_gives_the_policy_gradient_at_ratio_one():
@@ -151,3 +156,13 @@ def test_entropy_bonus_subtracts_the_aggregated_entropy():
     np.testing.assert_allclose(float(with_bonus), expected, rtol=1e-5)
     with pytest.raises(ValueError, match="entropies"):
         policy_loss(*args, GRPOConfig(entropy_coef=0.01))
+
+
+def test_run_config_rejects_groups_of_one_and_a_short_dr_grpo_constant():
+    with pytest.raises(ValueError, match="group_size=1"):
+        RunConfig(sampling=SamplingConfig(group_size=1))
+    with pytest.raises(ValueError, match="max_completion_length=64 is below sampling.max_new_tokens=128"):
+        RunConfig(sampling=SamplingConfig(max_new_tokens=128),
+                  grpo=GRPOConfig(loss_agg="seq_mean_token_sum_norm", max_completion_length=64))
+    RunConfig(sampling=SamplingConfig(group_size=2, max_new_tokens=64),
+              grpo=GRPOConfig(loss_agg="seq_mean_token_sum_norm", max_completion_length=64))

@@ -111,3 +111,13 @@ def test_a_step_raises_the_logprob_of_rewarded_completions():
                  "policy/entropy", "train/grad_norm"):
         assert np.isfinite(float(metrics[name])), name
     assert float(metrics["reward/mean"]) == 0.25
+
+
+def test_bf16_compute_with_fp32_master_params():
+    opt = make_optimizer(1e-3)
+    model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    graphdef, state = init_state(model, opt)
+    state, metrics = make_train_step(graphdef, opt, GRPOConfig())(state, make_batch(6))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+    assert np.isfinite(float(metrics["train/loss"])) and int(metrics["train/skipped_steps"]) == 0
+    assert float(metrics["train/grad_norm"]) > 0
