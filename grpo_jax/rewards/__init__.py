@@ -1,0 +1,5 @@
+"""Verifiable rewards: `fn(prompts, completions, **example_fields) -> list[float | None]`."""
+
+from grpo_jax.rewards.math import extract_answer, math_accuracy, parse_number
+
+__all__ = ["extract_answer", "math_accuracy", "parse_number"]

@@ -1,0 +1,67 @@
+"""Math answer extraction and the accuracy reward, including answers that must score 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_jax.rewards.math import extract_answer, gsm8k_gold, math_accuracy, parse_number
+
+
+@pytest.mark.parametrize("text,value", [
+    ("42", 42.0), ("-3.5", -3.5), ("1,234", 1234.0), ("3/4", 0.75), ("\\frac{3}{4}", 0.75), ("50%", 0.5),
+    ("$12", 12.0), ("12.", 12.0), (".5", 0.5), ("\\dfrac{1}{8}", 0.125),
+    ("12,34", None), ("abc", None), ("1/0", None), ("", None), ("x = 3", None),
+])
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize("completion,answer", [
+    ("so the total is \\boxed{18}.", "18"),
+    ("first \\boxed{3} then again \\boxed{3}", "3"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("She pays 5 + 3 = 8 dollars.\n#### 8", "8"),
+    ("He has 3 apples and buys 4 more, so 7", "7"),
+    ("The answer is 1,250 dollars.", "1,250"),
+    ("no numbers here", None),
+    ("\\boxed{3} or maybe \\boxed{4}", None),  # several different boxed answers: no answer
+    ("\\boxed{3", None),  # unbalanced box: nothing committed
+])
+def test_extract_answer(completion, answer):
+    assert extract_answer(completion) == answer
+
+
+def test_gsm8k_gold():
+    assert gsm8k_gold("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72") == 72.0
+    assert gsm8k_gold("#### 1,000") == 1000.0
+    assert gsm8k_gold("no marker") is None
+
+
+def test_math_accuracy_scores_and_drops():
+    prompts = ["What is 2+3?"] * 6 + ["Q", "Q"]
+    completions = [
+        "2+3 = 5\n#### 5",            # right
+        "\\boxed{5}",                  # right
+        "I think it's 6.",             # wrong
+        "\\boxed{5} \\boxed{6}",       # two different boxed answers: 0
+        "What is 2+3?",                # an echo of the question: 0 (its last number is 3, not 5 here)
+        "",                            # empty: 0
+        "\\boxed{5}",                  # gold unparsable: None (dropped), not 0
+        "5.0000000001",                # numeric equivalence within tolerance
+    ]
+    answers = ["#### 5"] * 6 + ["#### five", "5"]
+    assert math_accuracy(prompts, completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, None, 1.0]
+
+
+def test_echo_of_a_question_that_contains_the_answer_scores_zero():
+    prompt = "Tom had 5 apples and ate none. How many apples does Tom have? Answer: 5"
+    assert math_accuracy([prompt], ["Tom had 5 apples and ate none."], answer=["#### 5"]) == [0.0]
+
+
+def test_a_short_correct_answer_that_occurs_in_the_prompt_still_counts():
+    assert math_accuracy(["Five is 5. What is 2+3?"], ["5"], answer=["#### 5"]) == [1.0]
+
+
+def test_lengths_must_agree():
+    with pytest.raises(ValueError):
+        math_accuracy(["a", "b"], ["1"], answer=["#### 1", "#### 2"])
