@@ -154,7 +154,6 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
     for g, share in ((1, True), (group_size, True), (group_size, False)):
         prefill_s[(g, share)] = median_time(
             lambda: jax.block_until_ready(prefill(state, ids, mask, g, share)), max(iters, 7), warmup=2)[1]
-    prefill = prefill_s
 
     tokens = rows * new_tokens
     return {
@@ -172,10 +171,10 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
         "grpo_jax_tokens_per_s": round(tokens / ours_s, 1),
         "transformers_tokens_per_s": round(tokens / hf_s, 1),
         "ratio_vs_transformers": round(hf_s / ours_s, 3),
-        "prefill_s_G1": round(prefill[(1, True)], 4),
-        f"prefill_s_G{group_size}_shared": round(prefill[(group_size, True)], 4),
-        f"prefill_s_G{group_size}_repeated": round(prefill[(group_size, False)], 4),
-        "prefill_ratio_shared_vs_G1": round(prefill[(group_size, True)] / prefill[(1, True)], 3),
+        "prefill_s_G1": round(prefill_s[(1, True)], 4),
+        f"prefill_s_G{group_size}_shared": round(prefill_s[(group_size, True)], 4),
+        f"prefill_s_G{group_size}_repeated": round(prefill_s[(group_size, False)], 4),
+        "prefill_ratio_shared_vs_G1": round(prefill_s[(group_size, True)] / prefill_s[(1, True)], 3),
     }
 
 
