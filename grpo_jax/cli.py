@@ -25,6 +25,7 @@ def _smoke(args: argparse.Namespace) -> int:
 
     from grpo_jax.models import Transformer, from_pretrained, save_pretrained
     from grpo_jax.models.presets import tiny
+    from grpo_jax.sampling import pad_prompts
 
     t0 = time.perf_counter()
     config = tiny(args.family)
@@ -45,11 +46,7 @@ def _smoke(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     lengths = [8, 5, 3, 6]
     P = max(lengths)
-    prompt = np.zeros((len(lengths), P), np.int32)
-    pmask = np.zeros_like(prompt)
-    for b, n in enumerate(lengths):
-        prompt[b, P - n:] = rng.integers(3, config.vocab_size, n)
-        pmask[b, P - n:] = 1
+    prompt, pmask = pad_prompts([rng.integers(3, config.vocab_size, n) for n in lengths], (P,), 0)
     cache = model.init_cache(len(lengths), P + args.new_tokens)
     logits, cache = extend(state, cache, jnp.asarray(prompt), jnp.asarray(pmask))
     tokens, step_logits = [], [logits[:, -1]]
