@@ -1,0 +1,91 @@
+"""YAML configs: sections map onto the frozen dataclasses; bad keys fail with the nearest match."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from grpo_jax.config import (ConfigError, RunConfig, apply_overrides, config_from_dict, config_to_dict,
+                             load_config)
+
+BASE = {
+    "model": {"architecture": {"family": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
+                               "num_heads": 2, "num_kv_heads": 1, "head_dim": 16}, "tokenizer": "char"},
+    "data": {"name": "arithmetic", "prompts_per_step": 4},
+    "rewards": [{"name": "math_accuracy"}, {"name": "format", "weight": 0.1, "kwargs": {"require_reasoning": False}}],
+    "sampling": {"group_size": 4, "max_new_tokens": 8, "stop_token_ids": [2]},
+    "train": {"steps": 3, "learning_rate": 1e-3},
+}
+
+
+def write(tmp_path, raw) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_yaml_maps_onto_dataclasses_and_round_trips(tmp_path):
+    config = load_config(write(tmp_path, BASE))
+    assert config.train.steps == 3 and config.train.learning_rate == 1e-3
+    assert config.sampling.stop_token_ids == (2,)  # YAML list -> the dataclass's tuple
+    assert config.rewards[1].weight == 0.1 and config.rewards[1].kwargs == {"require_reasoning": False}
+    assert config_from_dict(config_to_dict(config)) == config
+    again = load_config(write(tmp_path, config_to_dict(config)))
+    assert again == config
+
+
+def test_overrides_are_parsed_as_yaml_and_validated(tmp_path):
+    config = load_config(write(tmp_path, BASE), ["train.steps=7", "grpo.beta=0.04", "sampling.top_p=0.9",
+                                                 "train.dynamic_sampling=true", "parallelism=jit"])
+    assert (config.train.steps, config.grpo.beta, config.sampling.top_p) == (7, 0.04, 0.9)
+    assert config.train.dynamic_sampling is True
+    with pytest.raises(ConfigError, match="grpo.epsilon_low must be in"):
+        load_config(write(tmp_path, BASE), ["grpo.epsilon_low=1.5"])
+    with pytest.raises(ConfigError, match="must be a number"):
+        load_config(write(tmp_path, BASE), ["train.steps=many"])
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["train.steps"])
+
+
+@pytest.mark.parametrize("raw,where,near", [
+    ({"train": {"step": 3}}, "in train", "'steps'"),
+    ({"trian": {"steps": 3}}, "top level", "'train'"),
+    ({"sampling": {"group_sise": 4}}, "in sampling", "'group_size'"),
+    ({"rewards": [{"name": "math_accuracy", "wieght": 1}]}, "rewards[0]", "'weight'"),
+])
+def test_unknown_key_names_the_valid_keys_and_the_nearest(tmp_path, raw, where, near):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {**BASE, **raw}))
+    message = str(e.value)
+    assert where in message and f"did you mean {near}" in message and "Valid keys:" in message
+
+
+def test_unknown_override_key_names_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+        load_config(write(tmp_path, BASE), ["train.learnin_rate=1"])
+    with pytest.raises(ConfigError, match="did you mean 'sampling'"):
+        load_config(write(tmp_path, BASE), ["samplng.group_size=2"])
+
+
+def test_cross_section_checks():
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        RunConfig(sampling=dataclasses.replace(RunConfig().sampling, group_size=1))
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        config_from_dict({"model": {"tokenizer": "char"}})
+    with pytest.raises(ConfigError, match="eval.reward='nope'"):
+        config_from_dict({**BASE, "eval": {"reward": "nope"}})
+    with pytest.raises(ConfigError, match="micro_batches"):
+        config_from_dict({**BASE, "train": {"micro_batches": 3}})
+    with pytest.raises(ConfigError, match="max_prompt_tokens"):
+        config_from_dict({**BASE, "data": {"max_prompt_tokens": 10_000}})
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
