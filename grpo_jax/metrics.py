@@ -1,0 +1,463 @@
+"""Run outputs on the host: metrics.jsonl, samples.jsonl, TensorBoard events, a progress bar, plots.
+
+A run directory holds
+
+- `metrics.jsonl`: one JSON object per `MetricsWriter.write` call (the trainer calls it once per
+  step with everything measured at that step), always with an integer `step`. The file is plain
+  JSON: non-finite values (NaN, inf) are written as `null`, and `read_metrics` turns them back
+  into NaN. Each line is flushed to the OS as it is written, so a killed run keeps every step it
+  finished (no fsync: a machine crash may lose the last lines).
+- `samples.jsonl`: one JSON object per sampled completion, with its `step` and rewards.
+- `tensorboard/`: the same scalars and samples as TensorBoard event files, written with
+  TensorBoard's own TensorFlow-free event writer (tags are the metric names, unchanged).
+
+Only one process of a multi-host run should write (process index 0); the writer does not check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+_SAMPLES_TAG = "samples"
+
+
+# --------------------------------------------------------------------------- value conversion
+
+def _metric_value(key: str, value: Any) -> int | float | None:
+    """A 0-d number (Python, NumPy or JAX) as a JSON value: ints stay ints, non-finite is None."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    arr = np.asarray(value)  # a JAX array is copied to the host here
+    if arr.ndim != 0:
+        raise ValueError(f"metric {key!r} has shape {arr.shape}; reduce it to a scalar before writing")
+    if arr.dtype.kind in "OUSc":
+        raise TypeError(f"metric {key!r} must be a real number, got {type(value).__name__} {value!r}")
+    if arr.dtype.kind in "biu":
+        return int(arr)
+    f = float(arr)  # float16/32/64 and ml_dtypes' bfloat16 (dtype kind 'V')
+    return f if math.isfinite(f) else None
+
+
+def _jsonable(x: Any) -> Any:
+    """Sample rows: nested dicts/lists of strings and numbers, with NaN/inf as None."""
+    if x is None or isinstance(x, (str, bool, int)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    arr = np.asarray(x)
+    if arr.dtype.kind == "O":
+        raise TypeError(f"cannot write {type(x).__name__} {x!r} to samples.jsonl")
+    if arr.ndim:
+        return [_jsonable(v) for v in arr.tolist()]
+    if arr.dtype.kind in "US":
+        return str(arr.item())
+    if arr.dtype.kind == "b":
+        return bool(arr)
+    return _metric_value("sample field", arr)
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or np.asarray(step).dtype.kind not in "iu" or np.ndim(step) != 0:
+        raise TypeError(f"step must be an integer, got {type(step).__name__} {step!r}")
+    if int(step) < 0:
+        raise ValueError(f"step must be >= 0, got {int(step)}")
+    return int(step)
+
+
+def _parse_lines(path: Path) -> list[dict]:
+    """All records of a jsonl file; a malformed last line (a write cut off by a kill) is skipped."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a JSON object with a 'step'")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                log.warning("%s: ignoring an incomplete last line (%s)", path, e)
+                break
+            raise ValueError(f"{path}, line {i + 1}: {e}; the file is corrupt, fix or remove that line") from e
+        records.append(record)
+    return records
+
+
+def _drop_partial_tail(path: Path) -> None:
+    """Cut a last line without its newline, so that the next append starts a fresh line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    keep = data.rfind(b"\n") + 1
+    log.warning("%s: dropping an incomplete last line of %d bytes", path, len(data) - keep)
+    os.truncate(path, keep)
+
+
+# --------------------------------------------------------------------------- writer
+
+class MetricsWriter:
+    """Appends per-step metrics and sample completions to a run directory (see module docstring).
+
+    Opening an existing run directory appends to it; after restoring a checkpoint, call
+    `truncate_after(last_kept_step)` to drop what the interrupted run wrote after that step.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics_path = self.run_dir / METRICS_FILE
+        self._samples_path = self.run_dir / SAMPLES_FILE
+        self._files: dict[Path, TextIO] = {}
+        self._tb = None
+        self._closed = False
+        if tensorboard:
+            # Imported here so that runs without TensorBoard never load it.
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            self._tb = EventFileWriter(str(self.run_dir / TENSORBOARD_DIR))
+        self._file(self._metrics_path)  # create metrics.jsonl (and repair its tail) now
+
+    def _file(self, path: Path) -> TextIO:
+        if self._closed:
+            raise RuntimeError(f"MetricsWriter for {self.run_dir} is closed")
+        if path not in self._files:
+            _drop_partial_tail(path)
+            self._files[path] = open(path, "a", encoding="utf-8")
+        return self._files[path]
+
+    def _append(self, path: Path, records: Sequence[dict]) -> None:
+        f = self._file(path)
+        # One write per call: a reader never sees half of a record unless the process dies mid-write.
+        f.write("".join(json.dumps(r, allow_nan=False, ensure_ascii=False) + "\n" for r in records))
+        f.flush()
+
+    def _tb_event(self, step: int, summary=None, session_log=None) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        self._tb.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary,
+                                           session_log=session_log))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append one record `{"step": step, **metrics}`; values must be 0-d numbers."""
+        step = _check_step(step)
+        record: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            if not isinstance(key, str):
+                raise TypeError(f"metric names must be strings, got {key!r}")
+            if key == "step":
+                raise ValueError("pass the step as the `step` argument, not as a metric")
+            record[key] = _metric_value(key, value)
+        self._append(self._metrics_path, [record])
+        if self._tb is not None:
+            from tensorboard.compat.proto import summary_pb2
+
+            values = [summary_pb2.Summary.Value(tag=k, simple_value=math.nan if v is None else float(v))
+                      for k, v in record.items() if k != "step"]
+            self._tb_event(step, summary=summary_pb2.Summary(value=values))
+            self._tb.flush()
+
+    def write_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Append sampled completions, one JSON object per row, e.g. `{"prompt", "completion",
+        "reward", ...}`; in TensorBoard they form one text table (tag `samples`) at `step`."""
+        step = _check_step(step)
+        records = []
+        for row in rows:
+            if not isinstance(row, Mapping):
+                raise TypeError(f"each sample row must be a dict, got {type(row).__name__}")
+            if "step" in row:
+                raise ValueError("pass the step as the `step` argument, not inside the sample rows")
+            records.append({"step": step, **_jsonable(row)})
+        if not records:
+            return
+        self._append(self._samples_path, records)
+        if self._tb is not None:
+            from tensorboard.plugins.text.summary_v2 import text_pb
+
+            cells = np.array([_sample_markdown(r) for r in records], dtype=object)
+            self._tb_event(step, summary=text_pb(_SAMPLES_TAG, cells))
+            self._tb.flush()
+
+    def truncate_after(self, last_kept_step: int) -> int:
+        """Drop the records with `step > last_kept_step` from metrics.jsonl and samples.jsonl, and
+        tell TensorBoard to discard its events past that step. Returns how many metric records
+        were dropped. Use it when resuming from a checkpoint taken after `last_kept_step`."""
+        last_kept_step = _check_step(last_kept_step)
+        dropped = 0
+        for path in (self._metrics_path, self._samples_path):
+            if path in self._files:
+                self._files.pop(path).close()
+            if not path.exists():
+                continue
+            records = _parse_lines(path)
+            kept = [r for r in records if r["step"] <= last_kept_step]
+            if path == self._metrics_path:
+                dropped = len(records) - len(kept)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, allow_nan=False, ensure_ascii=False) + "\n"
+                                   for r in kept), encoding="utf-8")
+            os.replace(tmp, path)  # a kill mid-rewrite leaves the old file, never a half one
+        self._file(self._metrics_path)
+        if self._tb is not None:
+            from tensorboard.compat.proto import event_pb2
+
+            # TensorBoard's restart marker: readers purge earlier events with step >= this one.
+            self._tb_event(last_kept_step + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+            self._tb.flush()
+        return dropped
+
+    def close(self) -> None:
+        """Flush and close every file; calling it again does nothing."""
+        if self._closed:
+            return
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self._tb is not None:
+            self._tb.close()
+        self._closed = True
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _sample_markdown(record: Mapping[str, Any]) -> str:
+    """One sample as a TensorBoard text cell: numbers inline, text as an indented code block."""
+    parts = []
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, str):
+            block = "\n".join("    " + line for line in value.splitlines() or [""])
+            parts.append(f"**{key}**:\n\n{block}\n")
+        else:
+            shown = _fmt(value) if isinstance(value, (int, float)) or value is None else json.dumps(value)
+            parts.append(f"**{key}**: {shown}\n")
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- reading
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of `run_dir/metrics.jsonl` in file order, with `null` read back as NaN."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} in {run_dir}: pass the directory given to `grpo-jax train --output` "
+            "(it is written from the first finished step on)")
+    return [{k: math.nan if v is None else v for k, v in r.items()} for r in _parse_lines(path)]
+
+
+# --------------------------------------------------------------------------- one-line summaries
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "nan"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if not math.isfinite(f):
+        return str(f)
+    if abs(f) >= 1e4:
+        return f"{f / 1e3:.1f}k" if abs(f) < 1e6 else f"{f / 1e6:.2f}M"
+    return f"{f:.3g}" if abs(f) < 1e-3 and f != 0 else f"{f:.4g}"
+
+
+def _first(metrics: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    for k in keys:
+        if k in metrics:
+            return metrics[k]
+    return None
+
+
+# (label, keys tried in order) for the log line; keys that are absent are left out of the line.
+_SUMMARY_FIELDS = (
+    ("reward", ("reward/mean",)),
+    ("acc", ("eval/accuracy",)),
+    ("pass@k", ("eval/pass@k",)),
+    ("kl", ("kl/k3", "kl/k1")),
+    ("entropy", ("policy/entropy",)),
+    ("len", ("completion/len_mean",)),
+    ("loss", ("train/loss",)),
+    ("grad_norm", ("train/grad_norm",)),
+    ("tok/s", ("perf/sample_tokens_per_s", "perf/train_tokens_per_s")),
+    ("s/step", ("perf/step_s",)),
+)
+
+
+def format_metrics(metrics: Mapping[str, Any]) -> str:
+    """A one-line summary of the headline metrics for logs, e.g.
+    `step 12 | reward 0.53±0.21 | kl 0.0012 | len 231 | loss 0.013 | tok/s 1.2k`."""
+    parts = [f"step {metrics['step']}"] if "step" in metrics else []
+    for label, keys in _SUMMARY_FIELDS:
+        key = next((k for k in keys if k in metrics), None)
+        if key is None:
+            continue
+        text = _fmt(metrics[key])
+        if key == "reward/mean" and "reward/std" in metrics:
+            text += "±" + _fmt(metrics["reward/std"])
+        parts.append(f"{label} {text}")
+    return " | ".join(parts)
+
+
+# --------------------------------------------------------------------------- progress bar
+
+class ProgressBar:
+    """A terminal progress bar (tqdm): step/total, reward, last eval accuracy, KL, tokens/s, ETA.
+
+    It shows only when `enabled` and the stream (`file`, default stderr) is a terminal, unless
+    `tty_only=False`; otherwise every method does nothing. `update` never raises on missing or NaN
+    metrics: they are shown as `-` and `nan`.
+    """
+
+    def __init__(self, total_steps: int, *, enabled: bool = True, initial: int = 0,
+                 file: TextIO | None = None, tty_only: bool = True):
+        if total_steps < 0 or not 0 <= initial <= total_steps:
+            raise ValueError(f"need 0 <= initial ({initial}) <= total_steps ({total_steps})")
+        file = sys.stderr if file is None else file
+        try:
+            is_tty = file.isatty()
+        except (AttributeError, ValueError):  # a closed or file-like stream without isatty
+            is_tty = False
+        self.enabled = bool(enabled) and (is_tty or not tty_only)
+        self._accuracy: Any = None
+        self._bar = None
+        if self.enabled:
+            from tqdm import tqdm
+
+            # mininterval=0: steps take seconds, so redrawing on every update costs nothing.
+            self._bar = tqdm(total=total_steps, initial=initial, file=file, unit="step",
+                             dynamic_ncols=True, mininterval=0, leave=True)
+
+    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """Move the bar to `step` (steps completed so far) and show the headline metrics."""
+        if self._bar is None:
+            return
+        metrics = metrics or {}
+        if "eval/accuracy" in metrics:
+            self._accuracy = metrics["eval/accuracy"]
+        fields = [("reward", _first(metrics, ("reward/mean",))), ("acc", self._accuracy),
+                  ("kl", _first(metrics, ("kl/k3", "kl/k1"))),
+                  ("tok/s", _first(metrics, ("perf/sample_tokens_per_s", "perf/train_tokens_per_s")))]
+        self._bar.set_postfix_str(" | ".join(f"{k} {'-' if v is None else _fmt(v)}" for k, v in fields),
+                                  refresh=False)
+        delta = int(step) - self._bar.n
+        if delta > 0:
+            self._bar.update(delta)
+        else:
+            self._bar.n = int(step)
+            self._bar.refresh()
+
+    def write(self, message: str) -> None:
+        """Print a line above the bar (or plainly to stderr when the bar is off)."""
+        if self._bar is None:
+            print(message, file=sys.stderr)
+        else:
+            self._bar.write(message)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- plots
+
+# (title, [(metric, label)]): each panel plots whichever of its series have finite values.
+_PANELS = (
+    ("reward", [("reward/mean", "reward/mean")]),
+    ("eval accuracy", [("eval/accuracy", "accuracy"), ("eval/pass@k", "pass@k")]),
+    ("KL to reference", [("kl/k3", "k3"), ("kl/k1", "k1")]),
+    ("policy entropy", [("policy/entropy", "entropy")]),
+    ("completion length (tokens)", [("completion/len_mean", "mean"), ("completion/len_max", "max")]),
+    ("throughput (tokens/s)", [("perf/sample_tokens_per_s", "sampling"), ("perf/train_tokens_per_s", "training")]),
+)
+_FIGSIZE_IN, _DPI = (15, 8), 100  # a 1500 x 800 pixel PNG
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pts = [(r["step"], float(r[key])) for r in records
+           if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+    steps, values = zip(*pts) if pts else ((), ())
+    return np.asarray(steps, float), np.asarray(values, float)
+
+
+def plot_run(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = None) -> Path:
+    """Plot reward, eval accuracy (and pass@k), KL, entropy, completion length and throughput
+    against step into a 1500x800 PNG (default `run_dir/metrics.png`); returns its path. Panels
+    whose metrics were never logged say "no data"."""
+    records = read_metrics(run_dir)
+    if not records:
+        raise ValueError(f"{Path(run_dir) / METRICS_FILE} has no records yet: nothing to plot")
+    out = Path(run_dir) / "metrics.png" if out_path is None else Path(out_path)
+    # The object API with no pyplot: no global backend or figure state, Agg renders the PNG.
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=_FIGSIZE_IN, dpi=_DPI, layout="constrained")
+    axes = fig.subplots(2, 3).ravel()
+    for ax, (title, series) in zip(axes, _PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        drawn = 0
+        for key, label in series:
+            steps, values = _series(records, key)
+            if not len(steps):
+                continue
+            ax.plot(steps, values, label=label, marker="o" if len(steps) <= 30 else None, markersize=3)
+            if key == "reward/mean":
+                std_by_step = dict(zip(*_series(records, "reward/std")))
+                std = np.asarray([std_by_step.get(s, np.nan) for s in steps])
+                if np.isfinite(std).any():
+                    ax.fill_between(steps, values - std, values + std, alpha=0.2, label="± std")
+            drawn += 1
+        if drawn:
+            ax.legend(loc="best", fontsize="small")
+        else:
+            ax.set(xticks=[], yticks=[])
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    fig.suptitle(Path(run_dir).resolve().name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, out)  # a viewer polling the file never reads half a PNG
+    return out
