@@ -1,0 +1,39 @@
+"""Prompt data: seeded synthetic TFDS datasets and GSM8K, random-access sources, a
+checkpointable per-process sampler, prompt formatting, and a character-level tokenizer.
+
+```
+load_source(name, split, data_dir=...)   rows as dicts (TFDS array_record, no TensorFlow)
+IndexSampler(len(source), seed=...)      shuffled, sharded, resumable index order
+PromptFormatter(tokenizer, ...)          row -> prompt ids (chat template or str.format)
+PromptStream(source, sampler, fmt)       next_batch(n) -> [Example], state_dict()
+```
+"""
+
+from grpo_jax.data.arithmetic import Arithmetic, ArithmeticConfig
+from grpo_jax.data.countdown import Countdown, CountdownConfig
+from grpo_jax.data.gsm8k import Gsm8kLocal
+from grpo_jax.data.prompts import Prompt, PromptFormatter
+from grpo_jax.data.sampler import IndexSampler
+from grpo_jax.data.source import DATASETS, DataSource, load_source
+from grpo_jax.data.stream import Example, PromptStream
+from grpo_jax.data.synthetic import SyntheticConfig
+from grpo_jax.data.tokenizer import DEFAULT_ALPHABET, char_tokenizer
+
+__all__ = [
+    "DATASETS",
+    "DEFAULT_ALPHABET",
+    "Arithmetic",
+    "ArithmeticConfig",
+    "Countdown",
+    "CountdownConfig",
+    "DataSource",
+    "Example",
+    "Gsm8kLocal",
+    "IndexSampler",
+    "Prompt",
+    "PromptFormatter",
+    "PromptStream",
+    "SyntheticConfig",
+    "char_tokenizer",
+    "load_source",
+]

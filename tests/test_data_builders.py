@@ -1,0 +1,215 @@
+"""TFDS builders and load_source: seeded synthetic sets, GSM8K from local files, error messages."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import json
+import operator
+import re
+import socket
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from grpo_jax.data import ArithmeticConfig, load_source
+
+SMALL = {"num_train": 60, "num_test": 20}
+
+
+def rows(source) -> list[dict]:
+    return [source[i] for i in range(len(source))]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+def test_synthetic_deterministic_per_seed_and_splits_disjoint(name, data_dir, tmp_path):
+    train = rows(load_source(name, "train", data_dir=data_dir, seed=1, **SMALL))
+    test = rows(load_source(name, "test", data_dir=data_dir, seed=1, **SMALL))
+    # The same config built elsewhere gives the same rows; another seed gives other rows.
+    again = rows(load_source(name, "train", data_dir=tmp_path / "other", seed=1, **SMALL))
+    other_seed = rows(load_source(name, "train", data_dir=data_dir, seed=2, **SMALL))
+    assert (len(train), len(test)) == (60, 20)
+    assert train == again
+    assert [r["question"] for r in train] != [r["question"] for r in other_seed]
+    assert all(isinstance(r["question"], str) and isinstance(r["answer"], str) for r in train + test)
+    assert len({r["id"] for r in train + test}) == 80
+
+    def problem(row):  # the wording-independent problem
+        if name == "countdown":
+            return tuple(sorted(row["numbers"])), row["target"]
+        return tuple(re.findall(r"\d+|[-+*/]", row["question"]))
+
+    assert len({problem(r) for r in train}) == 60  # distinct problems within a split...
+    assert not {problem(r) for r in train} & {problem(r) for r in test}  # ...and across splits
+
+
+def test_more_train_rows_leave_the_test_split_unchanged(data_dir):
+    test_a = rows(load_source("arithmetic", "test", data_dir=data_dir, num_train=30, num_test=10))
+    test_b = rows(load_source("arithmetic", "test", data_dir=data_dir, num_train=50, num_test=10))
+    assert test_a == test_b
+
+
+def test_arithmetic_answers_correct(data_dir):
+    source = load_source(
+        "arithmetic", "train", data_dir=data_dir, digits=2, ops=["+", "-", "*", "/"], num_train=200, num_test=10
+    )
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": Fraction}
+    seen_ops, seen_formats = set(), set()
+    for row in rows(source):
+        m = re.fullmatch(r"What is (\d+) ([-+*/]) (\d+)\?|(\d+)([-+*/])(\d+)=", row["question"])
+        assert m, row
+        a, op, b = [g for g in m.groups() if g is not None]
+        seen_ops.add(op)
+        seen_formats.add(row["question"].startswith("What"))
+        assert 10 <= int(b) <= 99
+        value = ops[op](int(a), int(b))
+        assert value == int(row["answer"]) and value >= 0  # exact division, no negative results
+    assert seen_ops == set("+-*/") and seen_formats == {True, False}
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(expression: str) -> tuple[Fraction, list[int]]:
+    """Value of an arithmetic expression (exact) and the numbers it uses."""
+    used = []
+
+    def ev(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            used.append(node.value)
+            return Fraction(node.value)
+        raise AssertionError(f"unexpected syntax in {expression!r}")
+
+    return ev(ast.parse(expression, mode="eval").body), used
+
+
+def _reachable(numbers: list[int], target: int) -> bool:
+    """Brute force: can some subset of numbers reach target with + - * / (exact rationals)?"""
+    values = [Fraction(n) for n in numbers]
+    if target in values:
+        return True
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if i == j:
+                continue
+            rest = [v for k, v in enumerate(values) if k not in (i, j)]
+            a, b = values[i], values[j]
+            results = [a + b, a - b, a * b] + ([a / b] if b else [])
+            if any(_reachable(rest + [r], target) for r in results):
+                return True
+    return False
+
+
+def test_countdown_targets_reachable(data_dir):
+    source = load_source("countdown", "train", data_dir=data_dir, num_train=40, num_test=5, seed=3)
+    for row in rows(source):
+        value, used = _evaluate(row["answer"])
+        assert value == row["target"], row
+        assert not collections.Counter(used) - collections.Counter(row["numbers"]), row  # each number at most once
+        assert row["target"] not in row["numbers"] and 1 <= row["target"] <= 100
+        assert _reachable(row["numbers"], row["target"])
+        assert row["question"] == (
+            f"Using the numbers {row['numbers']}, reach {row['target']} with + - * / (each number at most once)."
+        )
+
+
+GSM8K_ROWS = {
+    "train": [("Tom has 3 apples and buys 4. How many?", "3 + 4 = <<3+4=7>>7\n#### 7"),
+              ("Ann reads 5 pages a day for 2 days. Pages?", "5 * 2 = <<5*2=10>>10\n#### 10")],
+    "test": [("What is 6 halved?", "6 / 2 = <<6/2=3>>3\n#### 3")],
+    "train_socratic": [("Socratic q?", "How many? ** 1 + 1 = 2\n#### 2")],
+    "test_socratic": [("Socratic t?", "How many? ** 2 + 2 = 4\n#### 4")],
+}
+
+
+def write_gsm8k(directory: Path, splits=tuple(GSM8K_ROWS)) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for split in splits:
+        lines = [json.dumps({"question": q, "answer": a}) for q, a in GSM8K_ROWS[split]]
+        (directory / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_gsm8k_builds_from_local_files(tmp_path):
+    manual = write_gsm8k(tmp_path / "manual")
+    train = rows(load_source("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=manual))
+    got = sorted((r["question"], r["answer"], r["short_answer"]) for r in train)
+    want = sorted((q, a, a.split("#### ")[1]) for q, a in GSM8K_ROWS["train"])
+    assert got == want
+    test = load_source("gsm8k", "test_socratic", data_dir=tmp_path / "tfds", manual_dir=manual)
+    assert [r["answer"] for r in rows(test)] == ["How many? ** 2 + 2 = 4\n#### 4"]
+    # Prepared data is reused without the manual files (and without network).
+    for f in manual.iterdir():
+        f.unlink()
+    assert len(load_source("gsm8k", "test", data_dir=tmp_path / "tfds", manual_dir=manual)) == 1
+    assert (tmp_path / "tfds" / "gsm8k" / "1.0.0").is_dir()  # the stock builder's layout
+
+
+def test_gsm8k_missing_file_named(tmp_path):
+    manual = write_gsm8k(tmp_path / "manual", splits=("train", "test", "train_socratic"))
+    with pytest.raises(FileNotFoundError, match=r"test_socratic\.jsonl") as err:
+        load_source("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=manual)
+    assert str(manual / "test_socratic.jsonl") in str(err.value)
+    assert "train.jsonl" not in str(err.value).split("missing")[0]  # only the missing one is listed
+    with pytest.raises(FileNotFoundError, match="does not exist.*train.jsonl"):
+        load_source("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "nowhere")
+
+
+def test_gsm8k_offline_without_manual_dir_fails_fast(tmp_path, monkeypatch):
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    with pytest.raises(ConnectionError, match=r"pass manual_dir=DIR holding train\.jsonl"):
+        load_source("gsm8k", "train", data_dir=tmp_path)
+
+
+def test_gsm8k_bad_line_names_file_and_line(tmp_path):
+    manual = write_gsm8k(tmp_path / "manual")
+    with open(manual / "test.jsonl", "a") as f:
+        f.write(json.dumps({"question": "q", "answer": "no final marker"}) + "\n")
+    with pytest.raises(ValueError, match=r"test\.jsonl line 2"):
+        load_source("gsm8k", "test", data_dir=tmp_path / "tfds", manual_dir=manual)
+
+
+def test_load_source_errors(data_dir, tmp_path):
+    valid = r"\['arithmetic', 'countdown', 'gsm8k'\]"
+    with pytest.raises(ValueError, match=rf"unknown dataset 'gsm8K'.*{valid}.*did you mean 'gsm8k'"):
+        load_source("gsm8K", "train", data_dir=data_dir)
+    with pytest.raises(ValueError, match=r"no split 'tset'.*\['test', 'train'\].*did you mean 'test'"):
+        load_source("arithmetic", "tset", data_dir=data_dir, **SMALL)
+    with pytest.raises(ValueError, match=r"no builder config 'smal'.*did you mean 'small'"):
+        load_source("arithmetic", "train", data_dir=data_dir, builder_config="smal")
+    with pytest.raises(TypeError, match=r"unknown parameter\(s\) \['digit'\].*'digits'"):
+        load_source("arithmetic", "train", data_dir=data_dir, digit=3)
+    with pytest.raises(ValueError, match="found only .* distinct problems"):
+        load_source("arithmetic", "train", data_dir=tmp_path, digits=1, ops=["+"], num_train=90, num_test=20)
+    with pytest.raises(TypeError, match="needs a CountdownConfig"):
+        load_source("countdown", "train", data_dir=data_dir, builder_config=ArithmeticConfig(name="a"))
+    with pytest.raises(ValueError, match="ops must be"):
+        ArithmeticConfig(name="x", ops=("^",))
+    # A custom config whose name is reused with other parameters is refused, not silently read.
+    mine = ArithmeticConfig(name="mine", num_train=5, num_test=2)
+    load_source("arithmetic", "train", data_dir=tmp_path, builder_config=mine)
+    with pytest.raises(ValueError, match="was prepared with parameters"):
+        mine_again = ArithmeticConfig(name="mine", num_train=6, num_test=2)
+        load_source("arithmetic", "train", data_dir=tmp_path, builder_config=mine_again)
+
+
+def test_source_rows_are_python_values(data_dir):
+    source = load_source("countdown", "test", data_dir=data_dir, **SMALL)
+    row = source[-1]
+    assert row == source[len(source) - 1]
+    assert type(row["target"]) is int and all(type(n) is int for n in row["numbers"])
+    with pytest.raises(IndexError, match="out of range"):
+        source[len(source)]
