@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_jax.rewards.math import extract_answer, gsm8k_gold, math_accuracy, parse_number
+from grpo_jax.rewards.math import extract_answer, gsm8k_gold, math_accuracy, parse_number, strip_echo
 
 
 @pytest.mark.parametrize("text,value", [
@@ -65,3 +65,58 @@ def test_a_short_correct_answer_that_occurs_in_the_prompt_still_counts():
 def test_lengths_must_agree():
     with pytest.raises(ValueError):
         math_accuracy(["a", "b"], ["1"], answer=["#### 1", "#### 2"])
+
+
+@pytest.mark.parametrize("completion,answer", [
+    ("\\boxed{5}\n#### 5", "5"),                   # the same answer in two forms agrees
+    ("\\boxed{5}\n#### 6", None),                  # a box and a #### line that disagree: no answer
+    ("#### 5\n#### 6", None),                      # two different #### lines: no answer
+    ("\\boxed{0.5} and \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # equal values written differently agree
+])
+def test_committed_answers_must_agree(completion, answer):
+    assert extract_answer(completion) == answer
+
+
+def test_several_different_boxed_answers_score_zero_and_identical_repeats_do_not():
+    prompt = ["What is 2+3?"]
+    assert math_accuracy(prompt, ["\\boxed{4} \\boxed{5} \\boxed{6}"], answer=["#### 5"]) == [0.0]
+    assert math_accuracy(prompt, ["\\boxed{5} \\boxed{4}"], answer=["#### 5"]) == [0.0]  # the right one last
+    assert math_accuracy(prompt, ["2+3 = 5, so \\boxed{5}. Again: \\boxed{5}"], answer=["#### 5"]) == [1.0]
+
+
+def test_an_echo_repeated_or_with_filler_scores_zero():
+    prompt = "Tom has 5 apples. He gives none away. How many apples does Tom have now?"
+    for completion in [prompt + " " + prompt,                         # the question twice
+                       "Question: " + prompt + "\nLet me think.",     # restated, no result of its own
+                       prompt.upper()]:                               # case does not hide a copy
+        assert math_accuracy([prompt], [completion], answer=["#### 5"]) == [0.0], completion
+
+
+def test_a_solution_that_restates_the_question_still_counts():
+    prompt = "Tom has 5 apples and buys 3 more. How many apples does Tom have now?"
+    completion = "Tom has 5 apples and buys 3 more. 5 + 3 = 8.\n#### 8"
+    assert math_accuracy([prompt], [completion], answer=["#### 8"]) == [1.0]
+
+
+def test_strip_echo_blanks_only_copied_stretches():
+    prompt = "Tom has 5 apples and buys 3 more."
+    own, copied = strip_echo(prompt, "Tom has 5 apples, so 5 + 3 = 8")
+    assert own.split() == ["so", "5", "+", "3", "=", "8"] and len(own) == len("Tom has 5 apples, so 5 + 3 = 8")
+    assert copied == pytest.approx(4 / 10)
+    assert strip_echo(prompt, "8") == ("8", 0.0)
+    with pytest.raises(ValueError, match="min_words"):
+        strip_echo(prompt, "8", min_words=0)
+
+
+def test_registry_names_the_valid_names_and_the_nearest_one():
+    from grpo_jax.rewards import REWARD_FUNCTIONS, code_reward, countdown_reward, format_reward, get_reward_fn
+
+    assert get_reward_fn("math_accuracy") is math_accuracy
+    assert get_reward_fn("format") is format_reward
+    assert get_reward_fn("countdown") is countdown_reward
+    assert get_reward_fn("code") is code_reward
+    assert set(REWARD_FUNCTIONS) == {"math_accuracy", "format", "countdown", "code"}
+    with pytest.raises(ValueError, match=r"valid names: code, countdown, format, math_accuracy\. Did you mean 'math_accuracy'"):
+        get_reward_fn("math_acuracy")
+    with pytest.raises(ValueError, match="unknown reward function 'zzz'"):
+        get_reward_fn("zzz")

@@ -14,6 +14,8 @@ from fractions import Fraction
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _GSM8K = re.compile(r"####\s*(.+)")
+_WORD = re.compile(r"\S+")
+_EDGE_PUNCT = ".,;:!?\"'()[]"
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -59,21 +61,52 @@ def parse_number(text: str) -> float | None:
 def extract_answer(completion: str) -> str | None:
     """The final answer a completion commits to, or None.
 
-    Order: `\\boxed{}` (all boxes must agree: several different boxed answers are no answer),
-    then a GSM8K `#### answer` line, then the last number in the text. An unclosed `\\boxed{` is
-    no answer.
+    Committed answers are every `\\boxed{}` and every GSM8K `#### answer` line; they must all agree
+    (by numeric value, or as text when not a number), else there is no answer: a completion that
+    hedges between several different answers must not collect credit for whichever one is right.
+    Identical repeats are fine. Only when nothing is committed does the last number in the text
+    count. An unclosed `\\boxed{` is no answer.
     """
-    boxes = [b.strip() for b in _boxed_contents(completion)]
-    if "\\boxed{" in completion and not boxes:
+    if "\\boxed{" in completion and not _boxed_contents(completion):
         return None  # an unclosed box: the completion tried to commit and failed
-    if boxes:
-        values = {parse_number(b) if parse_number(b) is not None else b for b in boxes}
-        return boxes[-1] if len(values) == 1 else None
-    m = _GSM8K.search(completion)
-    if m:
-        return m.group(1).strip()
+    committed = [b.strip() for b in _boxed_contents(completion)] + [m.strip() for m in _GSM8K.findall(completion)]
+    if committed:
+        values = {parse_number(c) if parse_number(c) is not None else c for c in committed}
+        return committed[-1] if len(values) == 1 else None
     numbers = _NUMBER.findall(completion)
     return numbers[-1] if numbers else None
+
+
+def strip_echo(prompt: str, completion: str, *, min_words: int = 3) -> tuple[str, float]:
+    """The completion with every stretch copied from the prompt blanked out, and the fraction of
+    its words that were copied.
+
+    A stretch is copied when `min_words` consecutive words (compared case-insensitively, without
+    surrounding punctuation) also occur consecutively in the prompt. Only the model's own text can
+    carry its answer: a completion that restates the question, whose numbers often include the
+    answer, must not be credited for them, while a short answer that happens to be a number from
+    the prompt ("5") still counts. Blanking keeps character offsets, so what remains can be parsed
+    as usual. Paraphrases that change every few words are not caught; this is a guard against
+    copying, not a plagiarism detector.
+    """
+    if min_words < 1:
+        raise ValueError(f"min_words must be >= 1, got {min_words}")
+    prompt_words = [w.strip(_EDGE_PUNCT).lower() for w in _WORD.findall(prompt)]
+    spans = list(_WORD.finditer(completion))
+    if not spans or not prompt_words:
+        return completion, 0.0
+    n = min(min_words, len(prompt_words))  # a prompt shorter than n words is copied by repeating it whole
+    grams = {tuple(prompt_words[i:i + n]) for i in range(len(prompt_words) - n + 1)}
+    words = [m.group().strip(_EDGE_PUNCT).lower() for m in spans]
+    copied = [False] * len(words)
+    for i in range(len(words) - n + 1):
+        if tuple(words[i:i + n]) in grams:
+            copied[i:i + n] = [True] * n
+    chars = list(completion)
+    for m, c in zip(spans, copied):
+        if c:
+            chars[m.start():m.end()] = " " * (m.end() - m.start())
+    return "".join(chars), sum(copied) / len(copied)
 
 
 def gsm8k_gold(answer_field: str) -> float | None:
@@ -91,7 +124,12 @@ def math_accuracy(prompts: Sequence[str], completions: Sequence[str], *, answer:
                   **_: object) -> list[float | None]:
     """1.0 if the completion's final answer equals the gold number, 0.0 if not, None if the gold
     answer cannot be parsed. `answer` is the dataset's answer field (GSM8K style `... #### 42`, or
-    a bare number / boxed expression)."""
+    a bare number / boxed expression).
+
+    The answer is extracted from the completion's own text (`strip_echo`): stretches copied from
+    the prompt are ignored, so echoing a question that contains the answer scores 0. Several
+    different committed answers score 0 (`extract_answer`).
+    """
     out: list[float | None] = []
     for prompt, completion, gold_field in zip(prompts, completions, answer, strict=True):
         gold = gsm8k_gold(gold_field)
@@ -101,13 +139,6 @@ def math_accuracy(prompts: Sequence[str], completions: Sequence[str], *, answer:
         if gold is None:
             out.append(None)
             continue
-        predicted = extract_answer(completion)
-        # An echo of the question (a multi-word stretch of the prompt, copied) is no answer: the last
-        # number of a restated question is not a result. A bare "5" that happens to occur in the
-        # prompt is still judged as an answer.
-        echoed = completion.strip()
-        if len(echoed.split()) >= 3 and echoed in prompt:
-            out.append(0.0)
-            continue
-        out.append(1.0 if answers_match(predicted, gold) else 0.0)
+        own_text, _ = strip_echo(prompt, completion)
+        out.append(1.0 if answers_match(extract_answer(own_text), gold) else 0.0)
     return out
