@@ -1,6 +1,7 @@
-"""The `grpo-jax` command. `smoke` exercises the model stack end to end on a tiny random model;
-`bench` compares throughput with transformers. train, eval, export, plot and report arrive with the
-issues that build them."""
+"""The `grpo-jax` command: `train` runs GRPO from a YAML config, `eval` scores a checkpoint on the
+held-out split, `export` writes a checkpoint as a Hugging Face model directory, `plot` draws a run's
+metrics; `smoke` exercises the model stack on a tiny random model; `bench` compares throughput with
+transformers."""
 
 from __future__ import annotations
 
@@ -100,10 +101,93 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace):
+    from grpo_jax.config import load_config
+
+    return load_config(args.config, args.set or ())
+
+
+def _train(args: argparse.Namespace) -> int:
+    from grpo_jax.trainer import train
+
+    config = _load(args)
+    out = Path(args.output or Path("runs") / Path(args.config).stem)
+    summary = train(config, out)
+    start, end = summary["eval_start"], summary["eval_end"]
+    print(json.dumps({"run_dir": summary["run_dir"], "metrics": str(out / "metrics.jsonl"), "plot": summary["plot"],
+                      "eval_accuracy_start": start["eval/accuracy"], "eval_accuracy_end": end["eval/accuracy"],
+                      "eval_pass@k_start": start["eval/pass@k"], "eval_pass@k_end": end["eval/pass@k"]}))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import jax
+
+    from grpo_jax.checkpoint import load_policy
+    from grpo_jax.evaluation import evaluate
+    from grpo_jax.run import prepare
+
+    config = _load(args)
+    prepared = prepare(config)  # data and reward checks before the checkpoint is read
+    model, _, files = load_policy(args.checkpoint)
+    sampling = dataclasses.replace(
+        prepared.sampling, group_size=config.eval.k,
+        temperature=prepared.sampling.temperature if config.eval.temperature is None else config.eval.temperature)
+    result = evaluate(model, prepared.eval_examples, reward=prepared.eval_reward, sampling=sampling,
+                      tokenizer=prepared.tokenizer, rng=jax.random.key(config.train.seed + 1))
+    result = {"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, **result}
+    print(json.dumps(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from grpo_jax.checkpoint import load_policy
+    from grpo_jax.models import save_pretrained
+
+    model, tokenizer, files = load_policy(args.checkpoint)
+    out = save_pretrained(model, args.out, tokenizer=tokenizer)
+    print(json.dumps({"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, "out": str(out)}))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from grpo_jax.metrics import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-jax", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-jax {grpo_jax.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser("train", help="run GRPO as a YAML config says")
+    train.add_argument("--config", required=True, help="YAML file, e.g. configs/demo_cpu.yaml")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
+    train.add_argument("--output", default=None, help="run directory (default runs/<config name>)")
+    train.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="accuracy and pass@k of a checkpoint on the config's held-out split")
+    ev.add_argument("--config", required=True)
+    ev.add_argument("--checkpoint", required=True, help="a run directory or its checkpoints/<step>")
+    ev.add_argument("--set", action="append", metavar="KEY=VALUE")
+    ev.add_argument("--output", default=None, help="also write the JSON result here")
+    ev.set_defaults(func=_eval)
+
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    export.add_argument("--checkpoint", required=True, help="a run directory or its checkpoints/<step>")
+    export.add_argument("--out", required=True, help="output directory (config.json, safetensors, tokenizer)")
+    export.set_defaults(func=_export)
+
+    plot = sub.add_parser("plot", help="PNG of reward, eval accuracy, KL, entropy, completion length")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
+    plot.set_defaults(func=_plot)
+
     smoke = sub.add_parser("smoke", help="build a tiny random model, save/load it in HF format, decode with the KV cache")
     smoke.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3", "gemma3_text"])
     smoke.add_argument("--output", default="runs/smoke/model", help="where the HF-format model is written")
@@ -133,4 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return args.func(args)
+    from grpo_jax.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as e:  # the user's input: a message, not a traceback
+        print(f"grpo-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -124,6 +124,9 @@ class DataConfig:
 
     name: str = "arithmetic"
     builder_config: str | None = None  # TFDS builder config name
+    # Synthetic builders: overrides of the config's fields (num_train, seed, digits, ops, formats, ...);
+    # each distinct set is built into its own directory.
+    builder_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_dir: str = "data/tfds"
     manual_dir: str | None = None  # gsm8k offline: the directory holding its jsonl files
     train_split: str = "train"

@@ -10,6 +10,7 @@ from grpo_jax.rewards.code import SandboxResult, code_reward, extract_code, run_
 from grpo_jax.rewards.combine import RewardFn, RewardResult, RewardSpec, combine_rewards
 from grpo_jax.rewards.countdown import countdown_reward, evaluate_expression, extract_expression
 from grpo_jax.rewards.format import format_reward
+from grpo_jax.rewards.length import overlong_reward
 from grpo_jax.rewards.math import extract_answer, math_accuracy, parse_number, strip_echo
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
@@ -17,6 +18,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "format": format_reward,
     "countdown": countdown_reward,
     "code": code_reward,
+    "overlong": overlong_reward,
 }
 
 
@@ -36,6 +38,6 @@ def get_reward_fn(name: str) -> RewardFn:
 __all__ = [
     "REWARD_FUNCTIONS", "RewardFn", "RewardResult", "RewardSpec", "SandboxResult", "code_reward", "combine_rewards",
     "countdown_reward", "evaluate_expression", "extract_answer", "extract_code", "extract_expression",
-    "format_reward", "get_reward_fn", "math_accuracy", "parse_number", "run_sandboxed", "sandbox_isolation",
+    "format_reward", "get_reward_fn", "overlong_reward", "math_accuracy", "parse_number", "run_sandboxed", "sandbox_isolation",
     "strip_echo",
 ]

@@ -1,0 +1,113 @@
+"""Orbax checkpoints of a run: the policy's parameters, the optimizer state and host-side metadata.
+
+Layout of `RUN_DIR/checkpoints/<step>/` (an orbax `CheckpointManager` directory):
+- `params`: the policy parameters (an `nnx.State` of `nnx.Param`), restorable on their own, so
+  `grpo-jax eval` and `export` never need the optimizer;
+- `train_state`: step, optimizer state and skip counters;
+- `meta`: JSON (data stream position, rng seed, metrics of the step).
+The model's architecture and tokenizer are in `RUN_DIR/model/` (config.json and tokenizer files,
+written at the start of the run) and the run's resolved configuration in `RUN_DIR/config.yaml`;
+`find_run` walks up from a checkpoint path to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from grpo_jax.train_step import TrainState
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+class Checkpointer:
+    """Saves asynchronously every call to `save`; keeps the newest `keep` steps."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3):
+        self.directory = Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+    def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+        rest = dataclasses.replace(state, params=None)
+        self._manager.save(step, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            train_state=ocp.args.StandardSave(rest),
+            meta=ocp.args.JsonSave(meta),
+        ))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    run_dir: Path
+    checkpoints: Path
+    step: int
+
+
+def find_run(checkpoint: str | Path) -> RunFiles:
+    """Resolve `RUN_DIR`, `RUN_DIR/checkpoints` or `RUN_DIR/checkpoints/<step>` to the run's files
+    and a step (the newest one unless the path names a step)."""
+    path = Path(checkpoint).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {str(checkpoint)!r} does not exist; pass a run directory "
+                                "written by `grpo-jax train` or its checkpoints/<step> subdirectory")
+    step = None
+    if path.name.isdigit() and path.parent.name == "checkpoints":
+        step, path = int(path.name), path.parent
+    if path.name != "checkpoints" and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if path.name != "checkpoints":
+        raise FileNotFoundError(f"{checkpoint} is not a run directory: it has no checkpoints/ subdirectory")
+    run_dir = path.parent
+    for needed in ("config.yaml", "model/config.json"):
+        if not (run_dir / needed).exists():
+            raise FileNotFoundError(f"{run_dir} lacks {needed}; it was not written by `grpo-jax train`")
+    steps = sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
+    if not steps:
+        raise FileNotFoundError(f"{path} holds no saved step yet")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise FileNotFoundError(f"{path} has no step {step}; saved steps: {steps}")
+    return RunFiles(run_dir=run_dir, checkpoints=path, step=step)
+
+
+def restore_params(files: RunFiles, abstract_params):
+    """The `params` item of one saved step, shaped like `abstract_params` (arrays or shape structs)."""
+    with ocp.CheckpointManager(files.checkpoints) as manager:
+        restored = manager.restore(files.step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(abstract_params))))
+    return restored.params
+
+
+def restore_meta(files: RunFiles) -> dict[str, Any]:
+    with ocp.CheckpointManager(files.checkpoints) as manager:
+        return dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+
+def load_policy(checkpoint: str | Path):
+    """(model, tokenizer, RunFiles) of a saved step: the run's architecture with the step's params."""
+    from flax import nnx
+
+    from grpo_jax.models import Transformer, load_config, load_tokenizer
+
+    files = find_run(checkpoint)
+    config = load_config(files.run_dir / "model")
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    params = restore_params(files, params)
+    model = nnx.merge(graphdef, params, rest)
+    return model, load_tokenizer(files.run_dir / "model"), files

@@ -1,0 +1,63 @@
+"""Held-out evaluation: accuracy and pass@k of sampled completions, judged by one reward function.
+
+Each of the prompts gets k samples (one `generate` call per chunk of prompts, the last chunk padded
+with repeats so every chunk has the same shape and the sampler compiles once). A sample is correct
+when the reward function gives it more than 0.5; a sample it cannot judge (None) is left out of
+the accuracy and counted. pass@k is the share of prompts with at least one correct sample among
+their k (the unbiased estimator with n = k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from grpo_jax.rewards import RewardSpec, combine_rewards
+from grpo_jax.sampling import SamplingConfig, generate
+
+
+def decode_completions(tokenizer, tokens_RM: np.ndarray, lengths_R: np.ndarray) -> list[str]:
+    return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens_RM, lengths_R)],
+                                  skip_special_tokens=True)
+
+
+def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
+    """Each example's fields repeated for its G samples (row i*G + j is sample j of prompt i)."""
+    keys = list(examples[0].fields) if examples else []
+    return {k: [ex.fields.get(k) for ex in examples for _ in range(group_size)] for k in keys}
+
+
+def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
+             rng: jax.Array, chunk: int = 64) -> dict[str, float]:
+    """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`."""
+    if not examples:
+        raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
+    k = sampling.group_size
+    chunk = min(chunk, len(examples))
+    correct, judged = [], []
+    for start in range(0, len(examples), chunk):
+        part = list(examples[start:start + chunk])
+        real = len(part)
+        part += [part[0]] * (chunk - real)
+        rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start))
+        tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+        rows = real * k
+        texts = decode_completions(tokenizer, tokens[:rows], lengths[:rows])
+        prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)]
+        result = combine_rewards([dataclasses.replace(reward, weight=1.0)], prompts, texts,
+                                 repeat_fields(part[:real], k))
+        scores = result.per_fn[reward.name].reshape(real, k)
+        judged.append(~np.isnan(scores))
+        correct.append(np.nan_to_num(scores, nan=0.0) > 0.5)
+    correct_, judged_ = np.concatenate(correct), np.concatenate(judged)
+    n_judged = int(judged_.sum())
+    return {
+        "eval/accuracy": float(correct_.sum() / n_judged) if n_judged else float("nan"),
+        "eval/pass@k": float(correct_.any(axis=1).mean()),
+        "eval/k": float(k),
+        "eval/prompts": float(len(examples)),
+        "eval/unjudged": float(judged_.size - n_judged),
+    }

@@ -1,0 +1,166 @@
+"""From a RunConfig to the objects a run needs: tokenizer, policy, reward functions, prompt streams.
+
+Everything that can fail because of the user's input (a model path, a tokenizer, a reward name, a
+dataset file, a prompt template) is checked in `prepare`, before anything is compiled, and fails
+with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.config import ConfigError, ModelConfig, RunConfig
+from grpo_jax.models import RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config
+from grpo_jax.models import load_tokenizer
+from grpo_jax.rewards import RewardSpec, get_reward_fn
+from grpo_jax.sampling import SamplingConfig
+
+
+@dataclasses.dataclass
+class Prepared:
+    config: RunConfig
+    tokenizer: Any
+    model_config: TransformerConfig
+    sampling: SamplingConfig  # the run's sampling config with stop/pad ids resolved from the tokenizer
+    rewards: list[RewardSpec]
+    eval_reward: RewardSpec
+    train_stream: Any  # grpo_jax.data.PromptStream over the train split
+    eval_examples: list  # the first eval.num_prompts usable rows of the eval split
+    formatter: Any
+
+
+def build_tokenizer(cfg: ModelConfig):
+    if cfg.tokenizer == "char":
+        from grpo_jax.data import char_tokenizer
+
+        return char_tokenizer(add_bos=True)  # a BOS token gives attention a place to rest
+    path = Path(cfg.tokenizer or cfg.path)
+    if not path.exists():
+        raise FileNotFoundError(f"model.tokenizer: {str(path)!r} does not exist; pass a directory with "
+                                "tokenizer files (tokenizer.json ...) or \"char\"")
+    return load_tokenizer(path)
+
+
+def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
+    """TransformerConfig from `model.architecture`; vocab size and special ids default to the tokenizer's."""
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    values = dict(arch)
+    for key in values:
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=1)
+            raise ConfigError(f"unknown key {key!r} in model.architecture"
+                              + (f"; did you mean {near[0]!r}?" if near else "")
+                              + f" Valid keys: {', '.join(sorted(fields))}")
+    if "rope" in values:
+        values["rope"] = {kind: RopeConfig(**rope) for kind, rope in values["rope"].items()}
+    values.setdefault("vocab_size", len(tokenizer))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        values.setdefault(name, getattr(tokenizer, name))
+    if "layer_types" in values and values["layer_types"] is not None:
+        values["layer_types"] = tuple(values["layer_types"])
+    try:
+        return TransformerConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.architecture: {e}") from None
+
+
+def _dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int) -> Transformer:
+    if cfg.path is not None:
+        return from_pretrained(cfg.path, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
+    return Transformer(model_config, rngs=nnx.Rngs(seed), dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
+
+
+def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: TransformerConfig) -> SamplingConfig:
+    """Stop at the tokenizer's end-of-sequence token unless stop ids are configured; pad with its pad id."""
+    stops = sampling.stop_token_ids
+    if not stops:
+        stops = tuple(model_config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    if not stops:
+        raise ConfigError("no stop token: the tokenizer has no eos token; set sampling.stop_token_ids")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
+
+
+def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec]:
+    if not config.rewards:
+        raise ConfigError("rewards: configure at least one reward function, e.g. rewards: [{name: math_accuracy}]")
+    specs = []
+    for r in config.rewards:
+        fn = get_reward_fn(r.name)
+        specs.append(RewardSpec(name=r.name, fn=functools.partial(fn, **r.kwargs) if r.kwargs else fn, weight=r.weight))
+    name = config.eval.reward or specs[0].name
+    return specs, next(s for s in specs if s.name == name)
+
+
+def prepare(config: RunConfig) -> Prepared:
+    """Every input check of a run, before any compile."""
+    if config.model is None:
+        raise ConfigError("the config has no model section; set model.path or model.architecture")
+    if config.sampling.temperature == 0:
+        raise ConfigError("sampling.temperature=0 (greedy) gives every group G identical completions; "
+                          "GRPO needs sampling, use a temperature > 0")
+    if (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) != (1, 1, 1) or config.parallelism != "jit":
+        raise ConfigError("multi-device meshes and the pmap mode are not available in the trainer yet; "
+                          "keep mesh.* = 1 and parallelism: jit")
+    if config.model.path is not None:
+        model_config = load_config(config.model.path)  # a missing path or config.json fails here
+        if not any(Path(config.model.path).glob("*.safetensors")):
+            raise FileNotFoundError(f"model.path {config.model.path!r} has no *.safetensors weights")
+    tokenizer = build_tokenizer(config.model)
+    if config.model.path is None:
+        model_config = architecture(config.model.architecture, tokenizer)
+    if len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+                          f"{model_config.vocab_size}; use the model's own tokenizer")
+    try:
+        rewards, eval_reward = build_rewards(config)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"rewards: {e}") from None
+    from grpo_jax import data
+
+    d = config.data
+    formatter = data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
+                                     chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                                     overlong=d.overlong)
+    source_kwargs = dict(data_dir=d.data_dir, manual_dir=d.manual_dir, builder_config=d.builder_config,
+                         **d.builder_kwargs)
+    try:
+        train_source = data.load_source(d.name, d.train_split, **source_kwargs)
+        eval_source = data.load_source(d.name, d.eval_split, **source_kwargs)
+    except (ValueError, TypeError) as e:  # a dataset name, split or builder setting the user chose
+        raise ConfigError(f"data: {e}") from None
+    # Each host reads its own shard of every epoch.
+    sampler = data.IndexSampler(len(train_source), seed=config.train.seed, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    train_stream = data.PromptStream(train_source, sampler, formatter)
+    eval_stream = data.PromptStream(eval_source, data.IndexSampler(len(eval_source), seed=0, shuffle=False),
+                                    data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
+                                                         chat_template=d.chat_template,
+                                                         max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong))
+    eval_examples = eval_stream.next_batch(min(config.eval.num_prompts, len(eval_source)))
+    return Prepared(config=config, tokenizer=tokenizer, model_config=model_config,
+                    sampling=resolve_sampling(config.sampling, tokenizer, model_config), rewards=rewards,
+                    eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples,
+                    formatter=formatter)
+
+
+def write_model_files(prepared: Prepared, directory: Path) -> None:
+    """The architecture (config.json) and tokenizer a checkpoint's params belong to."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = prepared.config.model.param_dtype
+    (directory / "config.json").write_text(json.dumps(config_to_hf(prepared.model_config, dtype_name=dtype), indent=2))
+    prepared.tokenizer.save_pretrained(str(directory))

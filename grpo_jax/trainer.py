@@ -1,0 +1,301 @@
+"""The GRPO loop: sample -> reward -> group advantages -> clipped update, with evaluation, logging
+and checkpoints. Orchestration only: the math lives in sampling, grpo, train_step.
+
+One step: draw `data.prompts_per_step` prompts, sample G completions each (`generate`), score them
+on the host (`combine_rewards`), and with `train.dynamic_sampling` keep only groups whose rewards
+differ, resampling fresh prompts up to `train.max_resample_rounds` times; a batch still short is
+filled with groups marked invalid (no gradient, counted in `dynamic/filled_groups`). Every reward
+function also receives `completion_tokens` (the token count of each completion). The batch
+always has the same shape, so the train step compiles once. Reward metrics (`reward/*`,
+`groups/frac_zero_std`) describe the first round's samples, the policy as it is, not the filtered
+batch.
+
+Files in the run directory: `config.yaml`, `model/` (architecture + tokenizer), `metrics.jsonl`,
+`samples.jsonl`, `tensorboard/`, `checkpoints/<step>/`, `metrics.png` (at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+
+from grpo_jax.checkpoint import Checkpointer
+from grpo_jax.config import RunConfig, config_to_dict
+from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
+from grpo_jax.grpo import group_advantages
+from grpo_jax.logprobs import completion_logprobs
+from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run
+from grpo_jax.rewards import combine_rewards
+from grpo_jax.run import Prepared, build_model, prepare, write_model_files
+from grpo_jax.sampling import generate, pad_prompts
+from grpo_jax.sft import completion_batch, sft_step
+from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, make_train_step
+
+MetricHook = Callable[[int, dict], None]
+
+
+@dataclasses.dataclass
+class _Groups:
+    """Host-side rows of the groups chosen for one step (G rows per group)."""
+
+    examples: list
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    mask: list[np.ndarray]
+    truncated: list[np.ndarray]
+    rewards: list[np.ndarray]
+
+    @classmethod
+    def empty(cls):
+        return cls([], [], [], [], [], [])
+
+    def add(self, example, sl: slice, rollout: dict, rewards: np.ndarray):
+        self.examples.append(example)
+        for name in ("tokens", "logprobs", "mask", "truncated"):
+            getattr(self, name).append(rollout[name][sl])
+        self.rewards.append(rewards[sl])
+
+
+def _schedule(config: RunConfig):
+    t = config.train
+    if t.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
+    if t.warmup_steps:
+        return optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
+    return t.learning_rate
+
+
+def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[float]:
+    """The supervised phase (`sft.steps` steps) on the train split's reference answers."""
+    cfg, sampling = prepared.config.sft, prepared.sampling
+    tok = prepared.tokenizer
+    eos = sampling.stop_token_ids[0]
+    optimizer = optax.adamw(cfg.learning_rate)
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = optimizer.init(params)
+    losses = []
+    for i in range(cfg.steps):
+        examples = prepared.train_stream.next_batch(cfg.batch_size)
+        answers = [tok.encode(cfg.answer_template.format(**ex.fields), add_special_tokens=False) + [eos]
+                   for ex in examples]
+        batch = completion_batch([ex.prompt_ids for ex in examples], answers,
+                                 prompt_buckets=sampling.prompt_buckets, max_new_tokens=sampling.max_new_tokens,
+                                 pad_id=sampling.pad_token_id)
+        params, opt_state, loss = sft_step(params, opt_state, tuple(jnp.asarray(b) for b in batch),
+                                           graphdef=graphdef, optimizer=optimizer,
+                                           chunk=prepared.config.train.logprob_chunk)
+        losses.append(float(loss))
+        if (i + 1) % max(1, cfg.steps // 5) == 0 or i + 1 == cfg.steps:
+            log(f"sft step {i + 1}/{cfg.steps}: loss {np.mean(losses[-10:]):.4f}")
+    nnx.update(model, params)
+    return losses
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, run_dir: str | Path, *, hooks: Sequence[MetricHook] = (),
+                 log: Callable[[str], None] | None = None):
+        # Log lines go above the progress bar (to stderr), unless the caller takes them.
+        self.config, self.run_dir, self.hooks = config, Path(run_dir), list(hooks)
+        self._bar: ProgressBar | None = None
+        self.log = log or (lambda line: (self._bar.write(line) if self._bar else print(line, file=sys.stderr)))
+        self.prepared = prepare(config)  # every input check, before any compile
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        write_model_files(self.prepared, self.run_dir / "model")
+        self.sampling = self.prepared.sampling
+        self.eval_sampling = dataclasses.replace(
+            self.sampling, group_size=config.eval.k,
+            temperature=self.sampling.temperature if config.eval.temperature is None else config.eval.temperature)
+        self.rng = jax.random.key(config.train.seed)
+
+    # --- sampling and rewards -------------------------------------------------------------------
+    def _round(self, step: int, rnd: int):
+        """One sampling round: N prompts, G samples each, scored."""
+        p, G = self.prepared, self.sampling.group_size
+        examples = p.train_stream.next_batch(self.config.data.prompts_per_step)
+        t0 = time.perf_counter()
+        rollout = generate(self.model, [ex.prompt_ids for ex in examples], self.sampling,
+                           jax.random.fold_in(self.rng, step * 64 + rnd))
+        host = {k: np.asarray(getattr(rollout, k)) for k in ("tokens", "logprobs", "mask", "truncated", "lengths")}
+        sample_s = time.perf_counter() - t0
+        texts = decode_completions(p.tokenizer, host["tokens"], host["lengths"])
+        prompts = [ex.prompt_text for ex in examples for _ in range(G)]
+        fields = {**repeat_fields(examples, G), "completion_tokens": host["lengths"].tolist()}
+        result = combine_rewards(p.rewards, prompts, texts, fields)
+        return examples, host, texts, result, sample_s
+
+    def collect(self, step: int):
+        G, N = self.sampling.group_size, self.config.data.prompts_per_step
+        t = self.config.train
+        chosen, spare = _Groups.empty(), _Groups.empty()
+        stats = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
+        sample_tokens, sample_s, first = 0, 0.0, None
+        while True:
+            examples, host, texts, result, secs = self._round(step, int(stats["dynamic/rounds"]))
+            stats["dynamic/rounds"] += 1
+            sample_tokens += int(host["lengths"].sum())
+            sample_s += secs
+            if first is None:
+                first = (examples, host, texts, result)
+            total = result.total
+            for i, ex in enumerate(examples):
+                sl = slice(i * G, (i + 1) * G)
+                r = total[sl][~np.isnan(total[sl])]
+                informative = r.size >= 2 and r.max() > r.min()
+                if not t.dynamic_sampling or informative:
+                    chosen.add(ex, sl, host, total)
+                else:
+                    stats["dynamic/dropped_groups"] += 1
+                    spare.add(ex, sl, host, total)
+            if not t.dynamic_sampling or len(chosen.examples) >= N or stats["dynamic/rounds"] > t.max_resample_rounds:
+                break
+        missing = max(0, N - len(chosen.examples))
+        for i in range(missing):  # invalid filler: NaN rewards -> no gradient, not in the normaliser
+            src = spare if spare.examples else chosen
+            j = i % len(src.examples)
+            chosen.add(src.examples[j], slice(j * G, (j + 1) * G),
+                       {k: np.concatenate(getattr(src, k)) for k in ("tokens", "logprobs", "mask", "truncated")},
+                       np.full(len(src.examples) * G, np.nan, np.float32))
+        stats["dynamic/filled_groups"] = float(missing)
+        del chosen.examples[N:]
+        for name in ("tokens", "logprobs", "mask", "truncated", "rewards"):
+            del getattr(chosen, name)[N:]
+        perf = {"perf/sample_tokens_per_s": sample_tokens / max(sample_s, 1e-9), "perf/sample_s": sample_s}
+        return chosen, first, stats, perf
+
+    def make_batch(self, groups: _Groups) -> Batch:
+        G, g = self.sampling.group_size, self.config.grpo
+        prompt_ids, prompt_mask = pad_prompts([ex.prompt_ids for ex in groups.examples],
+                                              self.sampling.prompt_buckets, self.sampling.pad_token_id)
+        rewards = jnp.asarray(np.concatenate(groups.rewards).astype(np.float32))
+        adv = group_advantages(rewards, G, scale=g.advantage_scale, estimator=g.advantage_estimator,
+                               eps=g.advantage_eps)
+        batch = Batch(prompt_ids=jnp.repeat(jnp.asarray(prompt_ids), G, axis=0),
+                      prompt_mask=jnp.repeat(jnp.asarray(prompt_mask), G, axis=0),
+                      completion_ids=jnp.asarray(np.concatenate(groups.tokens)),
+                      completion_mask=jnp.asarray(np.concatenate(groups.mask)), rewards=rewards,
+                      advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std,
+                      truncated=jnp.asarray(np.concatenate(groups.truncated)),
+                      old_logprobs=jnp.asarray(np.concatenate(groups.logprobs)))
+        if g.beta > 0:
+            batch = batch.replace(ref_logprobs=self._ref_logprobs(self.ref_params, batch.prompt_ids, batch.prompt_mask,
+                                                                  batch.completion_ids))
+        return batch
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, p = self.config, self.prepared
+        self.model = build_model(cfg.model, p.model_config, cfg.train.seed)
+        if cfg.sft.steps:
+            t0 = time.perf_counter()
+            losses = warm_start(p, self.model, self.log)
+            self.log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
+                     f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")
+        optimizer = make_optimizer(_schedule(cfg), max_grad_norm=cfg.train.max_grad_norm,
+                                   weight_decay=cfg.train.weight_decay, b1=cfg.train.adam_b1, b2=cfg.train.adam_b2)
+        graphdef, state = init_state(self.model, optimizer)
+        step_fn = make_train_step(graphdef, optimizer, cfg.grpo, micro_batches=cfg.train.micro_batches,
+                                  logprob_chunk=cfg.train.logprob_chunk, temperature=self.sampling.temperature)
+        if cfg.grpo.beta > 0:
+            self.ref_params = jax.tree.map(jnp.copy, state.params)
+            self._ref_logprobs = jax.jit(lambda params, *a: completion_logprobs(
+                nnx.merge(graphdef, params), *a, chunk=cfg.train.logprob_chunk,
+                temperature=self.sampling.temperature)[0])
+        checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        writer = MetricsWriter(self.run_dir)
+        bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress)
+        history = {"eval": []}
+        try:
+            history["eval"].append((0, self._evaluate(0, writer)))
+            for step in range(1, cfg.train.steps + 1):
+                t0 = time.perf_counter()
+                groups, first, dyn, perf = self.collect(step)
+                batch = self.make_batch(groups)
+                t1 = time.perf_counter()
+                for _ in range(cfg.grpo.num_iterations):
+                    state, out = step_fn(state, batch)
+                metrics = {k: float(v) for k, v in out.items()}
+                train_s = time.perf_counter() - t1
+                nnx.update(self.model, state.params)
+                check_skips(metrics, cfg.train.max_consecutive_skips)
+                metrics.update(self._reward_metrics(first), **dyn, **perf, **self._data_metrics())
+                tokens = int(np.asarray(batch.prompt_mask).sum() + np.asarray(batch.completion_mask).sum())
+                metrics["perf/train_tokens_per_s"] = tokens * cfg.grpo.num_iterations / max(train_s, 1e-9)
+                metrics["perf/step_s"] = time.perf_counter() - t0
+                if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.train.steps:
+                    ev = self._evaluate(step, None)
+                    history["eval"].append((step, ev))
+                    metrics.update(ev)
+                writer.write(step, metrics)
+                for hook in self.hooks:
+                    hook(step, metrics)
+                bar.update(step, metrics)
+                if cfg.train.samples_every and step % cfg.train.samples_every == 0:
+                    writer.write_samples(step, self._samples(first))
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
+                    checkpointer.save(step, state, {"step": step, "seed": cfg.train.seed,
+                                                    "data": p.train_stream.state_dict()})
+                history.setdefault("reward", []).append(metrics["reward/mean"])
+        finally:
+            bar.close()
+            self._bar = None
+            writer.close()
+            checkpointer.close()
+        plot = plot_run(self.run_dir)
+        (acc0, acc1) = (history["eval"][0][1]["eval/accuracy"], history["eval"][-1][1]["eval/accuracy"])
+        self.log(f"eval accuracy {acc0:.3f} -> {acc1:.3f}; metrics: {self.run_dir / 'metrics.jsonl'}; plot: {plot}")
+        return {"eval_start": history["eval"][0][1], "eval_end": history["eval"][-1][1],
+                "reward": history.get("reward", []), "run_dir": str(self.run_dir), "plot": str(plot)}
+
+    def _evaluate(self, step: int, writer: MetricsWriter | None) -> dict:
+        p = self.prepared
+        ev = evaluate(self.model, p.eval_examples, reward=p.eval_reward, sampling=self.eval_sampling,
+                      tokenizer=p.tokenizer, rng=jax.random.key(self.config.train.seed + 1))
+        if writer is not None:
+            writer.write(step, ev)
+        self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
+                 f"{ev['eval/pass@k']:.3f}")
+        return ev
+
+    def _reward_metrics(self, first) -> dict:
+        examples, host, texts, result = first
+        G = self.sampling.group_size
+        total = result.total
+        judged = total[~np.isnan(total)]
+        groups = total.reshape(-1, G)
+        zero = [np.nanmax(g) == np.nanmin(g) if np.sum(~np.isnan(g)) >= 2 else True for g in groups]
+        out = {"reward/mean": float(judged.mean()) if judged.size else float("nan"),
+               "reward/std": float(judged.std()) if judged.size else float("nan"),
+               "groups/frac_zero_std": float(np.mean(zero)), "reward/dropped": float(np.isnan(total).sum())}
+        out.update(result.metrics())
+        out.update({f"reward/{name}/failures": float(n) for name, n in result.failures.items()})
+        return out
+
+    def _data_metrics(self) -> dict:
+        return {f"data/{k}": float(v) for k, v in self.prepared.train_stream.stats.items()}
+
+    def _samples(self, first) -> list[dict]:
+        examples, host, texts, result = first
+        G, n = self.sampling.group_size, self.config.train.samples_count
+        rows = []
+        for r in range(0, min(n * G, len(texts)), G):  # the first sample of each of the first n prompts
+            rows.append({"prompt": examples[r // G].prompt_text, "completion": texts[r],
+                         "reward": float(result.total[r]),
+                         **{f"reward/{k}": float(v[r]) for k, v in result.per_fn.items()}})
+        return rows
+
+
+def train(config: RunConfig, run_dir: str | Path, *, hooks: Sequence[MetricHook] = (),
+          log: Callable[[str], None] | None = None) -> dict:
+    """Run GRPO as configured; returns start/end evaluation and the per-step mean rewards."""
+    return Trainer(config, run_dir, hooks=hooks, log=log).run()
