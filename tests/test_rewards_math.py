@@ -115,8 +115,39 @@ def test_registry_names_the_valid_names_and_the_nearest_one():
     assert get_reward_fn("format") is format_reward
     assert get_reward_fn("countdown") is countdown_reward
     assert get_reward_fn("code") is code_reward
-    assert set(REWARD_FUNCTIONS) == {"math_accuracy", "format", "countdown", "code"}
-    with pytest.raises(ValueError, match=r"valid names: code, countdown, format, math_accuracy\. Did you mean 'math_accuracy'"):
+    assert set(REWARD_FUNCTIONS) == {"math_accuracy", "format", "countdown", "code", "overlong"}
+    with pytest.raises(ValueError, match=r"valid names: code, countdown, format, math_accuracy, overlong\. Did you mean 'math_accuracy'"):
         get_reward_fn("math_acuracy")
     with pytest.raises(ValueError, match="unknown reward function 'zzz'"):
         get_reward_fn("zzz")
+
+
+def test_math_verify_judges_symbolic_answers():
+    import math_verify  # noqa: F401  (in the test extra: this test must not skip)
+    prompts = ["q"] * 5
+    completions = ["so \\boxed{0.5}", "so \\boxed{\\frac{2}{4}}", "so \\boxed{x(x+2)}", "so \\boxed{x^2}",
+                   "\\boxed{1/2} or \\boxed{3}"]
+    gold = ["\\frac{1}{2}", "#### 1/2", "x^2+2x", "x^2+2x", "\\frac{1}{2}"]
+    assert math_accuracy(prompts, completions, answer=gold, verifier="math_verify") == [1.0, 1.0, 1.0, 0.0, 0.0]
+    # numeric can judge the numbers but not the polynomial gold answers (None = dropped, not 0)
+    assert math_accuracy(prompts, completions, answer=gold) == [1.0, 1.0, None, None, 0.0]
+    # auto: numbers numerically, the rest symbolically
+    assert math_accuracy(prompts, completions, answer=gold, verifier="auto") == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_math_verify_missing_or_bad_verifier_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_math_verify(name, *args, **kwargs):
+        if name == "math_verify":
+            raise ImportError("not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_math_verify)
+    with pytest.raises(ImportError, match="pip install math-verify"):
+        math_accuracy(["q"], ["1"], answer=["1"], verifier="math_verify")
+    assert math_accuracy(["q"], ["\\boxed{x}"], answer=["x"], verifier="auto") == [None]
+    with pytest.raises(ValueError, match="verifier='sympy'"):
+        math_accuracy(["q"], ["1"], answer=["1"], verifier="sympy")

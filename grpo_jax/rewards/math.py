@@ -120,25 +120,63 @@ def answers_match(predicted: str | None, gold: float, *, rel_tol: float = 1e-6, 
     return value is not None and math.isclose(value, gold, rel_tol=rel_tol, abs_tol=abs_tol)
 
 
+def _math_verify():
+    try:
+        import math_verify
+    except ImportError:
+        raise ImportError("math_accuracy(verifier='math_verify') needs the math-verify package: "
+                          "pip install math-verify (or use verifier='numeric' / 'auto')") from None
+    return math_verify
+
+
+def _gold_text(gold_field: str) -> str:
+    m = _GSM8K.search(gold_field or "")
+    if m:
+        return m.group(1).strip()
+    boxed = _boxed_contents(gold_field or "")
+    return (boxed[-1] if boxed else (gold_field or "")).strip()
+
+
+def _symbolic_match(mv, predicted: str | None, gold_text: str) -> float | None:
+    gold = mv.parse(f"${gold_text}$")
+    if not gold:
+        return None  # math-verify cannot read the gold answer either: unjudgeable
+    return 1.0 if predicted is not None and mv.verify(gold, mv.parse(f"${predicted}$")) else 0.0
+
+
 def math_accuracy(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str],
-                  **_: object) -> list[float | None]:
-    """1.0 if the completion's final answer equals the gold number, 0.0 if not, None if the gold
+                  verifier: str = "numeric", **_: object) -> list[float | None]:
+    """1.0 if the completion's final answer equals the gold answer, 0.0 if not, None if the gold
     answer cannot be parsed. `answer` is the dataset's answer field (GSM8K style `... #### 42`, or
     a bare number / boxed expression).
 
+    verifier: "numeric" compares numbers (fractions, percents, thousands separators) with a
+    relative tolerance of 1e-6; "math_verify" compares the extracted answer with the gold one
+    symbolically through the math-verify package (\\frac{1}{2} == 0.5, x^2+2x == x(x+2)); "auto"
+    is numeric where the gold answer is a number and math-verify (if installed) otherwise.
+
     The answer is extracted from the completion's own text (`strip_echo`): stretches copied from
     the prompt are ignored, so echoing a question that contains the answer scores 0. Several
-    different committed answers score 0 (`extract_answer`).
+    different committed answers score 0 (`extract_answer`), whichever verifier judges.
     """
+    if verifier not in ("numeric", "math_verify", "auto"):
+        raise ValueError(f"math_accuracy: verifier={verifier!r} is not one of ['numeric', 'math_verify', 'auto']")
+    mv = _math_verify() if verifier == "math_verify" else None
+    if verifier == "auto":
+        try:
+            mv = _math_verify()
+        except ImportError:
+            mv = None
     out: list[float | None] = []
     for prompt, completion, gold_field in zip(prompts, completions, answer, strict=True):
-        gold = gsm8k_gold(gold_field)
-        if gold is None:
-            boxed = _boxed_contents(gold_field or "")
-            gold = parse_number(boxed[-1] if boxed else (gold_field or ""))
-        if gold is None:
-            out.append(None)
-            continue
         own_text, _ = strip_echo(prompt, completion)
-        out.append(1.0 if answers_match(extract_answer(own_text), gold) else 0.0)
+        predicted = extract_answer(own_text)
+        gold_text = _gold_text(gold_field)
+        gold = parse_number(gold_text)
+        if verifier == "math_verify" or (gold is None and mv is not None):
+            out.append(_symbolic_match(mv, predicted, gold_text))
+        elif gold is None:
+            out.append(None)
+        else:
+            out.append(1.0 if answers_match(predicted, gold) else 0.0)
     return out
