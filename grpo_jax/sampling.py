@@ -150,13 +150,17 @@ def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 
 def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array, *,
-             share_prefill: bool = True) -> Rollout:
+             share_prefill: bool = True, mesh=None) -> Rollout:
     """Sample `config.group_size` completions for each prompt.
 
     `prompts` is a list of token-id lists, or a tuple (ids [N, P], mask [N, P]) already left-padded
     (P should then be one of the buckets to bound compiles). `share_prefill=False` is the reference
     path that repeats every prompt G times before prefill; it exists to test and benchmark the
     shared path and gives the same rollout.
+
+    With a `mesh` (grpo_jax.sharding), prompts and every output row are split over (data, fsdp)
+    (N must be a multiple of data x fsdp), the KV cache rows follow, and the model's parameters
+    keep the shardings they were placed with; all of it stays on device inside the loop.
     """
     if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
         ids, mask = np.asarray(prompts[0], np.int32), np.asarray(prompts[1], np.int32)
@@ -165,11 +169,36 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     else:
         ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_token_id)
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
+    if mesh is None:
+        return _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
+    from grpo_jax.sharding import replicated, shard_rows
+
+    ids, mask = shard_rows((ids, mask), mesh)
+    rng = jax.device_put(rng, replicated(mesh))
+    return _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, rng)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_generate(graphdef, config: SamplingConfig, share_prefill: bool, mesh):
+    from grpo_jax.sharding import batch_sharding, replicated
+
+    def rows(ndim):
+        return batch_sharding(mesh, ndim)
+
+    out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
+                  prompt_ids=rows(2), prompt_mask=rows(2))
+    # The state's shardings are left unspecified: the params keep the placement they arrive with.
+    return jax.jit(functools.partial(_generate_impl, graphdef, config=config, share_prefill=share_prefill, mesh=mesh),
+                   in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6))
 def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, share_prefill: bool) -> Rollout:
+    return _generate_impl(graphdef, state, ids_NP, mask_NP, rng, config=config, share_prefill=share_prefill)
+
+
+def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
+                   mesh=None) -> Rollout:
     model = nnx.merge(graphdef, state)
     N, P = ids_NP.shape
     G, M = config.group_size, config.max_new_tokens
@@ -181,6 +210,12 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
         logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
                                           capacity=P + M, last_only=True)
         last_RV = logits_R1V[:, 0]
+    if mesh is not None:
+        # Keep the cache's rows where their prompts' rows are, for the whole loop.
+        from grpo_jax.sharding import BATCH
+
+        cache = _constrain_rows(cache, mesh, BATCH)
+        last_RV = _constrain_rows(last_RV, mesh, BATCH, axis=0)
 
     phases = min(config.attend_phases, M)
     attend_buckets = tuple(P + -(-i * M // phases) for i in range(1, phases + 1))
@@ -220,3 +255,19 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
     mask_RM = running_RM.astype(jnp.int32)
     return Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
                    truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)
+
+
+def _constrain_rows(tree, mesh, batch_axes, axis: int | None = None):
+    """with_sharding_constraint splitting each array's row axis (the KVCache's is axis 1 for its
+    [L, B, ...] buffers, axis 0 for its per-row vectors) over the batch mesh axes."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def one(x):
+        row_axis = axis if axis is not None else (1 if x.ndim >= 4 else 0)
+        if x.ndim == 0:
+            return x
+        spec = [None] * x.ndim
+        spec[row_axis] = batch_axes
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    return jax.tree.map(one, tree)

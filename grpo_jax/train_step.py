@@ -134,11 +134,33 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
-                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0):
-    """`train_step` with its static parts bound, jitted once; the state's buffers are donated."""
+                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
+                    mesh=None, state_shardings=None):
+    """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
+
+    With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
+    (see `grpo_jax.sharding.place_train_state`), batch rows are split over (data, fsdp), metrics
+    come back replicated. Without one it runs on the default device.
+    """
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature)
-    return jax.jit(step, donate_argnames=("state",))
+    if mesh is None:
+        return jax.jit(step, donate_argnames=("state",))
+    from grpo_jax.sharding import batch_sharding, replicated
+
+    if state_shardings is None:
+        raise ValueError("make_train_step(mesh=...) needs state_shardings (from sharding.place_train_state)")
+    compiled = {}
+
+    def sharded_step(state, batch):
+        key = jax.tree.structure(batch)  # ref_logprobs may be None: one program per structure
+        if key not in compiled:
+            batch_shardings = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), batch)
+            compiled[key] = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+                                    out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
+        return compiled[key](state, batch)
+
+    return sharded_step
 
 
 def check_skips(metrics: dict, max_consecutive: int) -> None:

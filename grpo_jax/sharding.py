@@ -1,0 +1,168 @@
+"""The device mesh, and the rules that map the model's logical axes onto it.
+
+Mesh axes (always these three, in this order; size 1 is fine and goes through the same code):
+- `data`: data parallelism. Batch rows are split; parameters are replicated along it.
+- `fsdp`: fully sharded data parallelism (ZeRO-3). Batch rows are split along it too, and
+  parameters are split along their `embed` dimension, gathered by XLA where a layer uses them.
+- `tensor`: model (Megatron) parallelism. Parameters are split along `heads`, `kv_heads`, `mlp`
+  and `vocab`; activations follow.
+
+Axis types: Auto. Shardings are given at the jit boundary (in_shardings / out_shardings) and
+GSPMD propagates them through the step; ops inside do not carry shardings in their types
+(Explicit mode would ask every einsum in the model to agree on output shardings by hand, for no
+gain at these boundaries).
+
+A dimension that its mesh axis does not divide cannot be split; it is replicated instead and
+`param_shardings` reports it in `Sharded.replicated`, so nothing is replicated silently.
+The mesh is always passed explicitly; nothing here reads a global mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:
+    from grpo_jax.config import MeshConfig
+
+AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # rows of every batch and rollout are split over both
+
+# Logical axis name -> mesh axis (None = replicated).
+RULES: Mapping[str, str | None] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+}
+
+
+def mesh_shape(config: "MeshConfig", num_devices: int) -> tuple[int, int, int]:
+    """Sizes of (data, fsdp, tensor) with -1 resolved to the remaining devices."""
+    sizes = [config.data, config.fsdp, config.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if num_devices % known:
+            raise ValueError(f"mesh {tuple(sizes)}: {num_devices} devices are not divisible by {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} devices, "
+                         f"but {num_devices} are available; make the product match or use -1 for one axis")
+    return tuple(sizes)
+
+
+def make_mesh(config: "MeshConfig", devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(config, len(devices))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                 rules: Mapping[str, str | None] = RULES) -> tuple[PartitionSpec, list[str]]:
+    """The PartitionSpec of one array from its logical axes, and the logical axes that had to be
+    replicated because their mesh axis does not divide them (or is already used)."""
+    spec, skipped, used = [], [], set()
+    for name, size in zip(axes, shape, strict=True):
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
+        target = rules.get(name) if name is not None else None
+        n = mesh.shape[target] if target else 1
+        if target is None or n == 1:
+            spec.append(None)
+        elif size % n or target in used:
+            spec.append(None)
+            skipped.append(f"{name}({size}) over {target}({n})")
+        else:
+            spec.append(target)
+            used.add(target)
+    return PartitionSpec(*spec), skipped
+
+
+@dataclasses.dataclass
+class Sharded:
+    shardings: nnx.State  # a NamedSharding per parameter, same structure as the params
+    replicated: list[str]  # "path: axis(size) over mesh_axis(n)" for each dimension left whole
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> Sharded:
+    """NamedShardings for an `nnx.State` of parameters from their `logical_axes` metadata."""
+    replicated: list[str] = []
+
+    def one(path, var):
+        axes = var.get_metadata().get("logical_axes")
+        if axes is None:
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical_axes metadata")
+        spec, skipped = logical_spec(axes, var.shape, mesh, rules)
+        replicated.extend(f"{jax.tree_util.keystr(path)}: {s}" for s in skipped)
+        return var.replace(NamedSharding(mesh, spec))
+
+    shardings = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
+    return Sharded(shardings=shardings, replicated=replicated)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Rows split over (data, fsdp); the other dimensions whole."""
+    return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def rows_per_shard(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def shard_rows(tree, mesh: Mesh):
+    """Place host arrays (leading axis = rows) on the mesh, rows split over (data, fsdp)."""
+    n = rows_per_shard(mesh)
+
+    def put(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if x.shape[0] % n:
+            raise ValueError(f"{x.shape[0]} rows do not split over data x fsdp = {n} devices; "
+                             "make the batch (prompts x group size) a multiple of it")
+        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+    return jax.tree.map(put, tree)
+
+
+def tree_shardings(tree):
+    """The shardings a placed pytree of arrays has now (for jit in/out_shardings)."""
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES):
+    """A TrainState on the mesh: params by the rules, optimizer moments like their params (any
+    subtree shaped like the params, such as Adam's mu and nu), everything else replicated. Returns (state, its shardings,
+    the dimensions that had to be replicated)."""
+    sharded = param_shardings(state.params, mesh, rules)
+    params = jax.device_put(state.params, sharded.shardings)
+    structure = jax.tree.structure(state.params)
+
+    def opt_node(x):
+        # Optimizer moments are pytrees shaped like the params: shard them the same way.
+        if isinstance(x, nnx.State) and jax.tree.structure(x) == structure:
+            return jax.device_put(x, sharded.shardings)
+        return jax.device_put(x, replicated(mesh))
+
+    state = state.replace(params=params, opt_state=jax.tree.map(opt_node, state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State)),
+                          step=jax.device_put(state.step, replicated(mesh)),
+                          skipped_total=jax.device_put(state.skipped_total, replicated(mesh)),
+                          skipped_streak=jax.device_put(state.skipped_streak, replicated(mesh)))
+    return state, tree_shardings(state), sharded.replicated
