@@ -175,15 +175,13 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
     G, M = config.group_size, config.max_new_tokens
     R = N * G
     if share_prefill:
-        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P + M, repeats=G, last_only=True)
+        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P, repeats=G, last_only=True)
         last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
     else:
         logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
-                                          capacity=P + M, last_only=True)
+                                          capacity=P, last_only=True)
         last_RV = logits_R1V[:, 0]
 
-    phases = min(config.attend_phases, M)
-    attend_buckets = tuple(P + -(-i * M // phases) for i in range(1, phases + 1))
     stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
     sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
                                top_p=config.top_p)
@@ -204,19 +202,40 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
     running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
     tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
 
-    def cond(carry):
-        t, _, done_R, *_ = carry
-        return (t < M) & ~jnp.all(done_R)
+    # Step t (1 <= t < M) feeds token t - 1, whose key/value goes to slot P + t - 1. The generated slots
+    # are `phases` chunks of C slots, one buffer per layer and chunk; phase j (one while_loop, compiled
+    # with static shapes) writes chunk j and attends the prompt and chunks 1..j only.
+    phases = max(1, min(config.attend_phases, M - 1))
+    C = max(1, -(-(M - 1) // phases))
+    L = model.config.num_layers
+    dtype = cache.k_LBKSD.dtype
+    K, D = cache.k_LBKSD.shape[2], cache.k_LBKSD.shape[4]
+    keys = [[cache.k_LBKSD[l].transpose(0, 1, 3, 2)] + [jnp.zeros((R, K, D, C), dtype) for _ in range(phases)]
+            for l in range(L)]
+    values = [[cache.v_LBKSD[l]] + [jnp.zeros((R, K, C, D), dtype) for _ in range(phases)] for l in range(L)]
+    mask_RS = jnp.concatenate([cache.mask_BS, jnp.zeros((R, phases * C), jnp.bool_)], axis=1)
+    pos_RS = jnp.concatenate([cache.pos_BS, jnp.zeros((R, phases * C), jnp.int32)], axis=1)
+    weights = model.layer_weights()
+    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS,
+             cache.next_pos_B)
+    for j in range(1, phases + 1):
+        def cond(carry, end=min(j * C, M - 1) + 1):
+            t, _, done_R, *_ = carry
+            return (t < end) & ~jnp.all(done_R)
 
-    def body(carry):
-        t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache = carry
-        running_RM = running_RM.at[:, t].set(~done_R)
-        logits_R1V, cache = model.extend(tok_R[:, None], cache, attend_buckets=attend_buckets)
-        tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_R1V[:, 0], done_R, tokens_RM, logprobs_RM)
-        return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache
+        def body(carry, j=j):
+            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS, next_pos_R = carry
+            running_RM = running_RM.at[:, t].set(~done_R)
+            mask_RS = jax.lax.dynamic_update_slice(mask_RS, jnp.ones((R, 1), jnp.bool_), (0, P + t - 1))
+            pos_RS = jax.lax.dynamic_update_slice(pos_RS, next_pos_R[:, None], (0, P + t - 1))
+            logits_RV, keys, values = model.decode_step(tok_R, keys, values, mask_RS, pos_RS, next_pos_R, chunk=j,
+                                                        at=t - 1 - (j - 1) * C, weights=weights)
+            tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_RV, done_R, tokens_RM, logprobs_RM)
+            return (t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS,
+                    next_pos_R + 1)
 
-    _, _, done_R, tokens_RM, logprobs_RM, running_RM, _ = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache))
+        carry = jax.lax.while_loop(cond, body, carry)
+    done_R, tokens_RM, logprobs_RM, running_RM = carry[2:6]
     mask_RM = running_RM.astype(jnp.int32)
     return Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
                    truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)
