@@ -126,10 +126,23 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, *, temperature: float, t
         # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
         # (jax.random.categorical), 4x cheaper per decode step on CPU and exact in distribution.
         probs_BV = jax.nn.softmax(_truncate(scaled_BV, top_k, top_p), axis=-1)
-        cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+        cdf_BV = _cumsum(probs_BV)
         u_B1 = jax.random.uniform(key, (logits_BV.shape[0], 1)) * cdf_BV[:, -1:]
         tokens_B = jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits_BV.shape[-1] - 1).astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def _cumsum(x_BV: jax.Array, block: int = 64) -> jax.Array:
+    """Inclusive cumsum along the last axis as two small matmuls (within blocks, then block offsets):
+    XLA:CPU lowers jnp.cumsum to a reduce-window that took ~2 ms of a 64 x 4096 decode step."""
+    B, V = x_BV.shape
+    x_BV = jnp.pad(x_BV, ((0, 0), (0, -V % block)))
+    nb = x_BV.shape[1] // block
+    within_BNC = jnp.einsum("bnc,cd->bnd", x_BV.reshape(B, nb, block), jnp.triu(jnp.ones((block, block), x_BV.dtype)),
+                            precision="highest")
+    offset_BN = jnp.einsum("bn,nm->bm", within_BNC[:, :, -1], jnp.triu(jnp.ones((nb, nb), x_BV.dtype), 1),
+                           precision="highest")
+    return (within_BNC + offset_BN[:, :, None]).reshape(B, -1)[:, :V]
 
 
 def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
