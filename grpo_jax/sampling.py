@@ -10,12 +10,12 @@ How it runs:
   number of prompts and a fixed SamplingConfig).
 - Each distinct prompt is prefilled once ([N, P] tokens); the KV cache and the last logits are then
   repeated to the N*G sample rows. Prefill cost does not grow with G.
-- Decoding is one `lax.while_loop` inside the same jit: sample a token for every row, feed it back
-  through `model.extend`, stop as soon as every row has emitted a stop token or `max_new_tokens`
-  are done. The cache is loop state, so XLA updates it in place.
-- Attention at a decode step covers only a bucket of the cache that holds its filled part: the
-  prompt bucket plus ceil(i * max_new_tokens / attend_phases) slots in phase i (one compiled
-  attention per phase, picked by `lax.switch`), so early steps do not pay for the whole capacity.
+- Decoding runs in the same jit: sample a token for every row, feed it back through
+  `model.decode_step`, stop as soon as every row has emitted a stop token or `max_new_tokens` are
+  done. Each layer's cache is a list of separate buffers: the prompt's slots, then `attend_phases`
+  chunks of generated slots. Phase j is one `lax.while_loop` (static shapes) that writes chunk j in
+  place and attends the prompt and chunks 1..j only, so early steps do not pay for the whole
+  capacity and no step copies or slices the cache (each phase compiles one more decode step).
 
 Log-probabilities: `logprobs[r, t]` is log softmax(logits / temperature) at the sampled token, the
 distribution the trainer recomputes. top-k / top-p only restrict which tokens can be drawn (the
@@ -51,8 +51,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
     pad_token_id: int = 0
-    # Decode attention covers prompt + ceil(i * max_new_tokens / attend_phases) slots in phase i,
-    # not the whole cache; each phase compiles one more attention (not one more model).
+    # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
+    # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
     attend_phases: int = 4
 
     def __post_init__(self):
@@ -126,10 +126,23 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, *, temperature: float, t
         # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
         # (jax.random.categorical), 4x cheaper per decode step on CPU and exact in distribution.
         probs_BV = jax.nn.softmax(_truncate(scaled_BV, top_k, top_p), axis=-1)
-        cdf_BV = jnp.cumsum(probs_BV, axis=-1)
+        cdf_BV = _cumsum(probs_BV)
         u_B1 = jax.random.uniform(key, (logits_BV.shape[0], 1)) * cdf_BV[:, -1:]
         tokens_B = jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits_BV.shape[-1] - 1).astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def _cumsum(x_BV: jax.Array, block: int = 64) -> jax.Array:
+    """Inclusive cumsum along the last axis as two small matmuls (within blocks, then block offsets):
+    XLA:CPU lowers jnp.cumsum to a reduce-window that took ~2 ms of a 64 x 4096 decode step."""
+    B, V = x_BV.shape
+    x_BV = jnp.pad(x_BV, ((0, 0), (0, -V % block)))
+    nb = x_BV.shape[1] // block
+    within_BNC = jnp.einsum("bnc,cd->bnd", x_BV.reshape(B, nb, block), jnp.triu(jnp.ones((block, block), x_BV.dtype)),
+                            precision="highest")
+    offset_BN = jnp.einsum("bn,nm->bm", within_BNC[:, :, -1], jnp.triu(jnp.ones((nb, nb), x_BV.dtype), 1),
+                           precision="highest")
+    return (within_BNC + offset_BN[:, :, None]).reshape(B, -1)[:, :V]
 
 
 def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -204,11 +217,11 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
     G, M = config.group_size, config.max_new_tokens
     R = N * G
     if share_prefill:
-        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P + M, repeats=G, last_only=True)
+        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P, repeats=G, last_only=True)
         last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
     else:
         logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
-                                          capacity=P + M, last_only=True)
+                                          capacity=P, last_only=True)
         last_RV = logits_R1V[:, 0]
     if mesh is not None:
         # Keep the cache's rows where their prompts' rows are, for the whole loop.
@@ -217,8 +230,6 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
         cache = _constrain_rows(cache, mesh, BATCH)
         last_RV = _constrain_rows(last_RV, mesh, BATCH, axis=0)
 
-    phases = min(config.attend_phases, M)
-    attend_buckets = tuple(P + -(-i * M // phases) for i in range(1, phases + 1))
     stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
     sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
                                top_p=config.top_p)
@@ -239,19 +250,40 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
     running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
     tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
 
-    def cond(carry):
-        t, _, done_R, *_ = carry
-        return (t < M) & ~jnp.all(done_R)
+    # Step t (1 <= t < M) feeds token t - 1, whose key/value goes to slot P + t - 1. The generated slots
+    # are `phases` chunks of C slots, one buffer per layer and chunk; phase j (one while_loop, compiled
+    # with static shapes) writes chunk j and attends the prompt and chunks 1..j only.
+    phases = max(1, min(config.attend_phases, M - 1))
+    C = max(1, -(-(M - 1) // phases))
+    L = model.config.num_layers
+    dtype = cache.k_LBKSD.dtype
+    K, D = cache.k_LBKSD.shape[2], cache.k_LBKSD.shape[4]
+    keys = [[cache.k_LBKSD[l].transpose(0, 1, 3, 2)] + [jnp.zeros((R, K, D, C), dtype) for _ in range(phases)]
+            for l in range(L)]
+    values = [[cache.v_LBKSD[l]] + [jnp.zeros((R, K, C, D), dtype) for _ in range(phases)] for l in range(L)]
+    mask_RS = jnp.concatenate([cache.mask_BS, jnp.zeros((R, phases * C), jnp.bool_)], axis=1)
+    pos_RS = jnp.concatenate([cache.pos_BS, jnp.zeros((R, phases * C), jnp.int32)], axis=1)
+    weights = model.layer_weights()
+    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS,
+             cache.next_pos_B)
+    for j in range(1, phases + 1):
+        def cond(carry, end=min(j * C, M - 1) + 1):
+            t, _, done_R, *_ = carry
+            return (t < end) & ~jnp.all(done_R)
 
-    def body(carry):
-        t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache = carry
-        running_RM = running_RM.at[:, t].set(~done_R)
-        logits_R1V, cache = model.extend(tok_R[:, None], cache, attend_buckets=attend_buckets)
-        tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_R1V[:, 0], done_R, tokens_RM, logprobs_RM)
-        return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache
+        def body(carry, j=j):
+            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS, next_pos_R = carry
+            running_RM = running_RM.at[:, t].set(~done_R)
+            mask_RS = jax.lax.dynamic_update_slice(mask_RS, jnp.ones((R, 1), jnp.bool_), (0, P + t - 1))
+            pos_RS = jax.lax.dynamic_update_slice(pos_RS, next_pos_R[:, None], (0, P + t - 1))
+            logits_RV, keys, values = model.decode_step(tok_R, keys, values, mask_RS, pos_RS, next_pos_R, chunk=j,
+                                                        at=t - 1 - (j - 1) * C, weights=weights)
+            tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_RV, done_R, tokens_RM, logprobs_RM)
+            return (t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS,
+                    next_pos_R + 1)
 
-    _, _, done_R, tokens_RM, logprobs_RM, running_RM, _ = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache))
+        carry = jax.lax.while_loop(cond, body, carry)
+    done_R, tokens_RM, logprobs_RM, running_RM = carry[2:6]
     mask_RM = running_RM.astype(jnp.int32)
     return Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
                    truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)

@@ -243,6 +243,62 @@ class Transformer(nnx.Module):
             index=cache.index + T)
         return self.logits(h_BTE), new_cache
 
+    def decode_step(self, tok_B: jax.Array, keys, values, mask_BS: jax.Array, pos_BS: jax.Array,
+                    next_pos_B: jax.Array, *, chunk: int, at: jax.Array, weights=None):
+        """One decoding step over a chunked per-layer cache -> (logits [B, V], keys, values).
+
+        `keys[l]` / `values[l]` are lists of chunks of layer l's cache: keys [B, K, D, S_c] (slots
+        minor, so a single query's scores are one batched matmul with no transpose), values
+        [B, K, S_c, D]. The new token's key/value is written at slot `at` of chunk `chunk` (static),
+        then the token attends over chunks 0..chunk, i.e. the first sum(S_c) slots of `mask_BS` /
+        `pos_BS`, which must already mark the new slot. Chunks are separate buffers, so under a
+        jitted loop each write is in place and no step copies or slices the cache (a slice of one
+        stacked cache is copied by XLA:CPU before every read). `weights`: per-layer parameter dicts
+        (`layer_weights()`), sliced once outside the decode loop instead of once per step.
+        """
+        cfg, dtype = self.config, self.dtype
+        B = tok_B.shape[0]
+        weights = self.layer_weights() if weights is None else weights
+        x = self._embed(tok_B[:, None])
+        pos_B1 = next_pos_B[:, None]
+        tables = {k: rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)), pos_B1, dtype)
+                  for k in cfg.kinds}
+        n = sum(c.shape[2] for c in values[0][:chunk + 1])
+        masks = {}
+        for kind in cfg.kinds:
+            m = mask_BS[:, :n]
+            window = cfg.window_of(kind)
+            if window is not None:
+                m = m & (pos_B1 - pos_BS[:, :n] < window)
+            masks[kind] = m
+        keys, values = [list(k) for k in keys], [list(v) for v in values]
+        for l, kind in enumerate(cfg.layer_types):
+            p = weights[l]
+            q, k, v = _qkv(x, p, cfg, *tables[kind])  # [B, 1, H, D], [B, 1, K, D]
+            K, D = k.shape[2], k.shape[3]
+            G = q.shape[2] // K
+            kc, vc = keys[l], values[l]
+            kc[chunk] = jax.lax.dynamic_update_slice(kc[chunk], k.reshape(B, K, D, 1).astype(kc[chunk].dtype),
+                                                     (0, 0, 0, at))
+            vc[chunk] = jax.lax.dynamic_update_slice(vc[chunk], v.reshape(B, K, 1, D).astype(vc[chunk].dtype),
+                                                     (0, 0, at, 0))
+            o_BKGD = _decode_attention(q.reshape(B, K, G, D), kc[:chunk + 1], vc[:chunk + 1], masks[kind], cfg, dtype)
+            x = _finish_layer(x, o_BKGD.reshape(B, 1, K * G, D), p, cfg)
+        return self.logits(_rms_norm(x, self.final_norm[...], cfg))[:, 0], keys, values
+
+    def layer_weights(self) -> list[dict[str, jax.Array]]:
+        """Per-layer parameter dicts in the compute dtype (for `decode_step`)."""
+        arrays = self.layers.arrays()
+        return [{n: a[l].astype(self.dtype) for n, a in arrays.items()} for l in range(self.config.num_layers)]
+
+    def _embed(self, input_ids_BT):
+        cfg, dtype = self.config, self.dtype
+        x_BTE = self.embed[...].astype(dtype)[input_ids_BT]
+        if cfg.scale_embeddings:
+            # HF rounds sqrt(E) to the parameter dtype before the multiply.
+            x_BTE = x_BTE * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(dtype)
+        return x_BTE
+
     # ------------------------------------------------------------------ internals
     def _run(self, input_ids_BT, positions_BT, new_mask_BT, *, old: KVCache | None, collect_kv: bool,
              attend_buckets: tuple[int, ...] | None = None):
@@ -253,10 +309,7 @@ class Transformer(nnx.Module):
         """
         cfg, dtype = self.config, self.dtype
         B, T = input_ids_BT.shape
-        x_BTE = self.embed[...].astype(dtype)[input_ids_BT]
-        if cfg.scale_embeddings:
-            # HF rounds sqrt(E) to the parameter dtype before the multiply.
-            x_BTE = x_BTE * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(dtype)
+        x_BTE = self._embed(input_ids_BT)
 
         # One rope table and one pair of masks per layer kind; the scan picks by the layer's kind index.
         cos_sin = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)),
@@ -387,6 +440,21 @@ def _attention(q_BTHD, blocks, cfg: TransformerConfig) -> jax.Array:
         out_BKMD = out_BKMD + jnp.einsum("bkms,bksd->bkmd", p_BKMS, v_BKSD)
         start += S
     return out_BKMD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _decode_attention(q_BKGD, k_chunks, v_chunks, mask_BS, cfg: TransformerConfig, dtype) -> jax.Array:
+    """One query per row over a chunked cache (keys [B, K, D, S_c], values [B, K, S_c, D]) -> [B, K, G, D]."""
+    s_BKGS = jnp.concatenate([jnp.einsum("bkgd,bkds->bkgs", q_BKGD, k.astype(dtype), preferred_element_type=jnp.float32)
+                              for k in k_chunks], axis=-1) * cfg.query_scale
+    if cfg.attn_logit_softcap is not None:
+        s_BKGS = jnp.tanh(s_BKGS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
+    p_BKGS = jax.nn.softmax(jnp.where(mask_BS[:, None, None, :], s_BKGS, _NEG), axis=-1)
+    out, start = 0, 0
+    for v in v_chunks:
+        S = v.shape[2]
+        out = out + jnp.einsum("bkgs,bksd->bkgd", p_BKGS[..., start:start + S].astype(dtype), v.astype(dtype))
+        start += S
+    return out
 
 
 def _finish_layer(x_BTE, attn_BTHD, p, cfg: TransformerConfig):
