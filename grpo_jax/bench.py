@@ -132,28 +132,13 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
 
     _, hf_s = median_time(hf_generate, iters)
 
-    # Prefill alone: the model's prefill and the copy of its keys/values to the G rows, into a cache
-    # of prompt + 1 slots (allocating the rollout's full cache is decode memory, not prefill work).
-    # shared = the prompts once with repeats=G; repeated = the prompts repeated G times, then run.
-    from flax import nnx
-
-    from grpo_jax.sampling import pad_prompts
-
-    graphdef, state = nnx.split(ours)
-    ids, mask = (jax.numpy.asarray(a) for a in pad_prompts(prompt_ids, (prompt_len,), 0))
-
-    @functools.partial(jax.jit, static_argnums=(3, 4))
-    def prefill(state, ids, mask, g, share):
-        model = nnx.merge(graphdef, state)
-        if share:
-            return model.prefill(ids, mask, capacity=prompt_len + 1, repeats=g, last_only=True)
-        rep = lambda x: jax.numpy.repeat(x, g, axis=0)  # noqa: E731
-        return model.prefill(rep(ids), rep(mask), capacity=prompt_len + 1, last_only=True)
-
+    # Prefill = a one-token generate: what the sampler does before its decode loop (prefill, the
+    # first token's logits to every row, the first draw). shared = G samples per prompt from one
+    # prefill of the N prompts; repeated = the prompts repeated G times before prefill.
     prefill_s = {}
     for g, share in ((1, True), (group_size, True), (group_size, False)):
-        prefill_s[(g, share)] = median_time(
-            lambda: jax.block_until_ready(prefill(state, ids, mask, g, share)), max(iters, 7), warmup=2)[1]
+        one = SamplingConfig(group_size=g, max_new_tokens=1, temperature=1.0, prompt_buckets=(prompt_len,))
+        prefill_s[(g, share)] = median_time(lambda: run(one, share), max(iters, 7), warmup=2)[1]
 
     tokens = rows * new_tokens
     return {

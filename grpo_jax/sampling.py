@@ -8,8 +8,10 @@ How it runs:
 - Prompts are left-padded to the smallest bucket of `config.prompt_buckets` that fits the longest
   one, so a run compiles at most one program per bucket (len(prompt_buckets) programs for a fixed
   number of prompts and a fixed SamplingConfig).
-- Each distinct prompt is prefilled once ([N, P] tokens); the KV cache and the last logits are then
-  repeated to the N*G sample rows. Prefill cost does not grow with G.
+- Each distinct prompt is prefilled once ([N, P] tokens) and its keys/values are never copied:
+  the decode attends the prompt block once per group of G rows (only the last logits and the
+  small per-slot mask/position vectors are repeated to the N*G rows). Prefill cost and prompt
+  cache memory do not grow with G.
 - Decoding runs in the same jit: sample a token for every row, feed it back through
   `model.decode_step`, stop as soon as every row has emitted a stop token or `max_new_tokens` are
   done. Each layer's cache is a list of separate buffers: the prompt's slots, then `attend_phases`
@@ -217,8 +219,11 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
     G, M = config.group_size, config.max_new_tokens
     R = N * G
     if share_prefill:
-        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P, repeats=G, last_only=True)
+        # N rows: the prompt's keys/values stay one copy per group (the decode attends them per group).
+        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P, last_only=True)
         last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
+        cache = cache.replace(mask_BS=jnp.repeat(cache.mask_BS, G, axis=0), pos_BS=jnp.repeat(cache.pos_BS, G, axis=0),
+                              next_pos_B=jnp.repeat(cache.next_pos_B, G, axis=0))
     else:
         logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
                                           capacity=P, last_only=True)

@@ -443,16 +443,37 @@ def _attention(q_BTHD, blocks, cfg: TransformerConfig) -> jax.Array:
 
 
 def _decode_attention(q_BKGD, k_chunks, v_chunks, mask_BS, cfg: TransformerConfig, dtype) -> jax.Array:
-    """One query per row over a chunked cache (keys [B, K, D, S_c], values [B, K, S_c, D]) -> [B, K, G, D]."""
-    s_BKGS = jnp.concatenate([jnp.einsum("bkgd,bkds->bkgs", q_BKGD, k.astype(dtype), preferred_element_type=jnp.float32)
-                              for k in k_chunks], axis=-1) * cfg.query_scale
+    """One query per row over a chunked cache (keys [B', K, D, S_c], values [B', K, S_c, D]) -> [B, K, G, D].
+
+    A chunk may hold B' = B / r rows: the prompt chunk of a group sampler, shared by the r = G
+    consecutive rows of each group. Its keys and values are then read once per group instead of
+    being copied to every row (the prefill writes N rows whatever G is).
+    """
+    B = q_BKGD.shape[0]
+
+    def scores(k):
+        r = B // k.shape[0]
+        if r == 1:
+            return jnp.einsum("bkgd,bkds->bkgs", q_BKGD, k.astype(dtype), preferred_element_type=jnp.float32)
+        q = q_BKGD.reshape(k.shape[0], r, *q_BKGD.shape[1:])
+        s = jnp.einsum("nrkgd,nkds->nrkgs", q, k.astype(dtype), preferred_element_type=jnp.float32)
+        return s.reshape(B, *s.shape[2:])
+
+    def weighted(p_BKGS, v):
+        r = B // v.shape[0]
+        if r == 1:
+            return jnp.einsum("bkgs,bksd->bkgd", p_BKGS, v.astype(dtype))
+        p = p_BKGS.reshape(v.shape[0], r, *p_BKGS.shape[1:])
+        return jnp.einsum("nrkgs,nksd->nrkgd", p, v.astype(dtype)).reshape(B, *p_BKGS.shape[1:3], v.shape[-1])
+
+    s_BKGS = jnp.concatenate([scores(k) for k in k_chunks], axis=-1) * cfg.query_scale
     if cfg.attn_logit_softcap is not None:
         s_BKGS = jnp.tanh(s_BKGS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
     p_BKGS = jax.nn.softmax(jnp.where(mask_BS[:, None, None, :], s_BKGS, _NEG), axis=-1)
     out, start = 0, 0
     for v in v_chunks:
         S = v.shape[2]
-        out = out + jnp.einsum("bkgs,bksd->bkgd", p_BKGS[..., start:start + S].astype(dtype), v.astype(dtype))
+        out = out + weighted(p_BKGS[..., start:start + S].astype(dtype), v)
         start += S
     return out
 
