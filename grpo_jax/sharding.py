@@ -166,3 +166,29 @@ def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES
                           skipped_total=jax.device_put(state.skipped_total, replicated(mesh)),
                           skipped_streak=jax.device_put(state.skipped_streak, replicated(mesh)))
     return state, tree_shardings(state), sharded.replicated
+
+
+# --- pmap mode (pure data parallelism, the state replicated on every local device) -------------
+
+def replicate(tree, devices: Sequence[jax.Device] | None = None):
+    """Copies of `tree` on each device, stacked on a new leading axis (pmap's layout)."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    stacked = NamedSharding(Mesh(np.asarray(devices), ("devices",)), PartitionSpec("devices"))
+    return jax.tree.map(lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x))), stacked),
+                        tree)
+
+
+def split_rows(tree, n: int):
+    """[R, ...] -> [n, R / n, ...] for pmap: device i gets rows i*R/n ... (whole groups when
+    R / n is a multiple of the group size)."""
+    def one(x):
+        if x.shape[0] % n:
+            raise ValueError(f"{x.shape[0]} rows do not split over {n} devices")
+        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+    return jax.tree.map(one, tree)
+
+
+def unreplicate(tree):
+    """Device 0's copy of a replicated pytree."""
+    return jax.tree.map(lambda x: x[0], tree)

@@ -65,13 +65,26 @@ def init_state(model, optimizer: optax.GradientTransformation) -> tuple[nnx.Grap
 
 def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.GradientTransformation,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
-               temperature: float = 1.0) -> tuple[TrainState, dict[str, jax.Array]]:
+               temperature: float = 1.0, axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One GRPO update. Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the
+    rows: the loss normaliser and the batch metrics come from all devices' rows (gathered, they are
+    small), gradients and loss sums are summed across devices, so every device applies the update
+    the whole batch gives, exactly as the jit path does."""
     R, M = batch.completion_ids.shape
     if R % micro_batches:
         raise ValueError(f"{R} rows do not split into {micro_batches} micro-batches")
     chex.assert_shape([batch.completion_mask, batch.old_logprobs], (R, M))
     mask_RM = effective_mask(batch.completion_mask, config, valid_R=batch.valid, truncated_R=batch.truncated)
-    _, normaliser = loss_weights(mask_RM, config)
+    if axis_name is None:
+        everyone = batch
+        _, normaliser = loss_weights(mask_RM, config)
+    else:
+        def gather(x):
+            return jax.lax.all_gather(x, axis_name, tiled=True)
+
+        everyone = batch.replace(**{f: gather(getattr(batch, f)) for f in (
+            "rewards", "advantages", "valid", "zero_std", "truncated", "completion_mask")})
+        _, normaliser = loss_weights(gather(mask_RM), config)
 
     def micro_loss(params, mb):
         model = nnx.merge(graphdef, params)
@@ -96,6 +109,11 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
     (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro))
     zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
     (loss, grads, sums), _ = jax.lax.scan(accumulate, (zeros(l_shape), zeros(g_shape), zeros(s_shape)), micro)
+    if axis_name is not None:
+        # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
+        loss, grads = jax.lax.psum((loss, grads), axis_name)
+        sums = {k: (jax.lax.pmax(v, axis_name) if k == "policy/ratio_max" else jax.lax.psum(v, axis_name))
+                for k, v in sums.items()}
 
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -108,7 +126,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
                        skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1))
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
                "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
-               **_batch_metrics(batch)}
+               **_batch_metrics(everyone)}
     return state, metrics
 
 
@@ -135,15 +153,26 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
-                    mesh=None, state_shardings=None):
+                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None):
     """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
 
     With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
     (see `grpo_jax.sharding.place_train_state`), batch rows are split over (data, fsdp), metrics
     come back replicated. Without one it runs on the default device.
+
+    parallelism="pmap": pure data parallelism over `devices` (default: all local devices) with the
+    same `train_step`: the state is replicated (`sharding.replicate`), the batch's rows split
+    across devices (`sharding.split_rows`), gradients summed with `lax.psum`.
     """
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature)
+    if parallelism == "pmap":
+        if mesh is not None:
+            raise ValueError("parallelism='pmap' replicates the state over devices; it takes no mesh")
+        return jax.pmap(functools.partial(step, axis_name="devices"), axis_name="devices", donate_argnums=(0,),
+                        devices=devices)
+    if parallelism != "jit":
+        raise ValueError(f"parallelism={parallelism!r} is not one of ['jit', 'pmap']")
     if mesh is None:
         return jax.jit(step, donate_argnames=("state",))
     from grpo_jax.sharding import batch_sharding, replicated
