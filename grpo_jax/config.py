@@ -166,6 +166,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_b1: float = 0.9
     adam_b2: float = 0.999
+    adam_eps: float = 1e-8
     micro_batches: int = 1
     logprob_chunk: int = 128
     # DAPO dynamic sampling: keep only groups whose rewards differ, resample up to this many extra

@@ -31,18 +31,21 @@ def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
 
 
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
-             rng: jax.Array, chunk: int = 64) -> dict[str, float]:
+             rng: jax.Array, chunk: int = 64, mesh=None) -> dict[str, float]:
     """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`."""
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
     k = sampling.group_size
     chunk = min(chunk, len(examples))
+    if mesh is not None:  # prompts are split over data x fsdp: a chunk must divide evenly
+        n = mesh.shape["data"] * mesh.shape["fsdp"]
+        chunk = -(-chunk // n) * n
     correct, judged = [], []
     for start in range(0, len(examples), chunk):
         part = list(examples[start:start + chunk])
         real = len(part)
         part += [part[0]] * (chunk - real)
-        rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start))
+        rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start), mesh=mesh)
         tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
         rows = real * k
         texts = decode_completions(tokenizer, tokens[:rows], lengths[:rows])

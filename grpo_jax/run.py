@@ -106,6 +106,31 @@ def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec]:
     return specs, next(s for s in specs if s.name == name)
 
 
+def _check_devices(config: RunConfig) -> None:
+    """The mesh fits the devices and the batch splits over it (before anything compiles)."""
+    from grpo_jax.sharding import mesh_devices, mesh_shape
+
+    if config.parallelism == "pmap":
+        if (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) != (1, 1, 1):
+            raise ConfigError("parallelism: pmap replicates the model on every local device; it takes no mesh.* "
+                              "settings (leave them at 1) -- use parallelism: jit for fsdp/tensor sharding")
+        ways = jax.local_device_count()
+    else:
+        try:
+            data, fsdp, _ = mesh_shape(config.mesh, len(mesh_devices(config.mesh)))
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        ways = data * fsdp
+    if config.data.prompts_per_step % ways:
+        raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} must be a multiple of the "
+                          f"{ways} ways the batch is split ({config.parallelism}: "
+                          + ("local devices)" if config.parallelism == "pmap" else "mesh.data x mesh.fsdp)"))
+    rows = config.data.prompts_per_step * config.sampling.group_size // ways
+    if rows % config.train.micro_batches:
+        raise ConfigError(f"each of the {ways} batch shards has {rows} rows, which train.micro_batches="
+                          f"{config.train.micro_batches} does not divide")
+
+
 def prepare(config: RunConfig) -> Prepared:
     """Every input check of a run, before any compile."""
     if config.model is None:
@@ -113,9 +138,7 @@ def prepare(config: RunConfig) -> Prepared:
     if config.sampling.temperature == 0:
         raise ConfigError("sampling.temperature=0 (greedy) gives every group G identical completions; "
                           "GRPO needs sampling, use a temperature > 0")
-    if (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) != (1, 1, 1) or config.parallelism != "jit":
-        raise ConfigError("multi-device meshes and the pmap mode are not available in the trainer yet; "
-                          "keep mesh.* = 1 and parallelism: jit")
+    _check_devices(config)
     if config.model.path is not None:
         model_config = load_config(config.model.path)  # a missing path or config.json fails here
         if not any(Path(config.model.path).glob("*.safetensors")):

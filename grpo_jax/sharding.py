@@ -61,6 +61,19 @@ def mesh_shape(config: "MeshConfig", num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
+def mesh_devices(config: "MeshConfig") -> list[jax.Device]:
+    """The devices a mesh config asks for: all of them when a size is -1, else the first
+    data x fsdp x tensor (a (1, 1, 1) mesh on an 8-device host uses one device)."""
+    sizes = (config.data, config.fsdp, config.tensor)
+    devices = jax.devices()
+    if -1 in sizes:
+        return devices
+    n = math.prod(sizes)
+    if n > len(devices):
+        raise ValueError(f"mesh {sizes} needs {n} devices, only {len(devices)} are available")
+    return devices[:n]
+
+
 def make_mesh(config: "MeshConfig", devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
     devices = list(jax.devices() if devices is None else devices)

@@ -30,7 +30,7 @@ import yaml
 from flax import nnx
 
 from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.config import RunConfig, config_to_dict
+from grpo_jax.config import MeshConfig, RunConfig, config_to_dict
 from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
 from grpo_jax.grpo import group_advantages
 from grpo_jax.logprobs import completion_logprobs
@@ -39,6 +39,8 @@ from grpo_jax.rewards import combine_rewards
 from grpo_jax.run import Prepared, build_model, prepare, write_model_files
 from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import completion_batch, sft_step
+from grpo_jax.sharding import (make_mesh, mesh_devices, place_train_state, replicate, replicated, shard_rows,
+                               split_rows, unreplicate)
 from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, make_train_step
 
 MetricHook = Callable[[int, dict], None]
@@ -125,7 +127,7 @@ class Trainer:
         examples = p.train_stream.next_batch(self.config.data.prompts_per_step)
         t0 = time.perf_counter()
         rollout = generate(self.model, [ex.prompt_ids for ex in examples], self.sampling,
-                           jax.random.fold_in(self.rng, step * 64 + rnd))
+                           jax.random.fold_in(self.rng, step * 64 + rnd), mesh=self.mesh)
         host = {k: np.asarray(getattr(rollout, k)) for k in ("tokens", "logprobs", "mask", "truncated", "lengths")}
         sample_s = time.perf_counter() - t0
         texts = decode_completions(p.tokenizer, host["tokens"], host["lengths"])
@@ -202,12 +204,29 @@ class Trainer:
             self.log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
                      f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")
         optimizer = make_optimizer(_schedule(cfg), max_grad_norm=cfg.train.max_grad_norm,
-                                   weight_decay=cfg.train.weight_decay, b1=cfg.train.adam_b1, b2=cfg.train.adam_b2)
+                                   weight_decay=cfg.train.weight_decay, b1=cfg.train.adam_b1, b2=cfg.train.adam_b2,
+                                   eps=cfg.train.adam_eps)
         graphdef, state = init_state(self.model, optimizer)
-        step_fn = make_train_step(graphdef, optimizer, cfg.grpo, micro_batches=cfg.train.micro_batches,
-                                  logprob_chunk=cfg.train.logprob_chunk, temperature=self.sampling.temperature)
+        step_kw = dict(micro_batches=cfg.train.micro_batches, logprob_chunk=cfg.train.logprob_chunk,
+                       temperature=self.sampling.temperature)
+        if cfg.parallelism == "jit":
+            # One mesh for sampling and training; the params are placed by the logical-axis rules.
+            self.mesh = make_mesh(cfg.mesh, mesh_devices(cfg.mesh))
+            state, shardings, left_whole = place_train_state(state, self.mesh)
+            for line in left_whole:
+                self.log(f"not sharded (its mesh axis does not divide it): {line}")
+            step_fn = make_train_step(graphdef, optimizer, cfg.grpo, mesh=self.mesh, state_shardings=shardings,
+                                      **step_kw)
+        else:
+            # pmap: the state replicated on every local device, rows split; sampling runs data-parallel
+            # over the same devices (a data-only mesh, params replicated).
+            devices = jax.local_devices()
+            self.mesh = make_mesh(MeshConfig(data=len(devices)), devices)
+            state = replicate(state, devices)
+            step_fn = make_train_step(graphdef, optimizer, cfg.grpo, parallelism="pmap", devices=devices, **step_kw)
+        self._sync_policy(state)
         if cfg.grpo.beta > 0:
-            self.ref_params = jax.tree.map(jnp.copy, state.params)
+            self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
             self._ref_logprobs = jax.jit(lambda params, *a: completion_logprobs(
                 nnx.merge(graphdef, params), *a, chunk=cfg.train.logprob_chunk,
                 temperature=self.sampling.temperature)[0])
@@ -222,11 +241,17 @@ class Trainer:
                 groups, first, dyn, perf = self.collect(step)
                 batch = self.make_batch(groups)
                 t1 = time.perf_counter()
+                if cfg.parallelism == "pmap":
+                    device_batch = split_rows(jax.tree.map(np.asarray, batch), len(jax.local_devices()))
+                else:
+                    device_batch = shard_rows(batch, self.mesh)
                 for _ in range(cfg.grpo.num_iterations):
-                    state, out = step_fn(state, batch)
+                    state, out = step_fn(state, device_batch)
+                if cfg.parallelism == "pmap":
+                    out = unreplicate(out)
                 metrics = {k: float(v) for k, v in out.items()}
                 train_s = time.perf_counter() - t1
-                nnx.update(self.model, state.params)
+                self._sync_policy(state)
                 check_skips(metrics, cfg.train.max_consecutive_skips)
                 metrics.update(self._reward_metrics(first), **dyn, **perf, **self._data_metrics())
                 tokens = int(np.asarray(batch.prompt_mask).sum() + np.asarray(batch.completion_mask).sum())
@@ -243,7 +268,7 @@ class Trainer:
                 if cfg.train.samples_every and step % cfg.train.samples_every == 0:
                     writer.write_samples(step, self._samples(first))
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                    checkpointer.save(step, state, {"step": step, "seed": cfg.train.seed,
+                    checkpointer.save(step, unreplicate(state) if cfg.parallelism == "pmap" else state, {"step": step, "seed": cfg.train.seed,
                                                     "data": p.train_stream.state_dict()})
                 history.setdefault("reward", []).append(metrics["reward/mean"])
         finally:
@@ -257,10 +282,18 @@ class Trainer:
         return {"eval_start": history["eval"][0][1], "eval_end": history["eval"][-1][1],
                 "reward": history.get("reward", []), "run_dir": str(self.run_dir), "plot": str(plot)}
 
+    def _sync_policy(self, state) -> None:
+        """The sampler's model gets the state's params (pmap: one copy, replicated over the mesh)."""
+        if self.config.parallelism == "pmap":
+            params = jax.device_put(unreplicate(state.params), replicated(self.mesh))
+        else:
+            params = state.params
+        nnx.update(self.model, params)
+
     def _evaluate(self, step: int, writer: MetricsWriter | None) -> dict:
         p = self.prepared
         ev = evaluate(self.model, p.eval_examples, reward=p.eval_reward, sampling=self.eval_sampling,
-                      tokenizer=p.tokenizer, rng=jax.random.key(self.config.train.seed + 1))
+                      tokenizer=p.tokenizer, mesh=self.mesh, rng=jax.random.key(self.config.train.seed + 1))
         if writer is not None:
             writer.write(step, ev)
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
