@@ -108,9 +108,11 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from grpo_jax.run import initialize_distributed
     from grpo_jax.trainer import train
 
     config = _load(args)
+    initialize_distributed(config)
     out = Path(args.output or Path("runs") / Path(args.config).stem)
     summary = train(config, out)
     start, end = summary["eval_start"], summary["eval_end"]

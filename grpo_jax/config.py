@@ -1,7 +1,7 @@
 """Frozen, validated run configuration: one small dataclass per concern, and YAML loading.
 
 A YAML file maps section by section onto `RunConfig` (`model:`, `data:`, `rewards:`, `sampling:`,
-`grpo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`, `parallelism:`). An unknown key fails
+`grpo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`, `parallelism:`, `distributed:`). An unknown key fails
 with the valid keys of its section and the nearest match; `--set section.key=value` overrides are
 parsed as YAML scalars and go through the same checks.
 """
@@ -255,6 +255,27 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """`jax.distributed.initialize` for multi-host runs. On TPU pods the arguments are discovered
+    from the environment (leave them unset); elsewhere give the coordinator's address, the number
+    of processes and this process's id (or JAX's env vars). `cpu_collectives` picks the CPU
+    backend's cross-process collectives (gloo) for CPU-only multi-process runs."""
+
+    enabled: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    cpu_collectives: Literal["gloo", "mpi"] = "gloo"
+
+    def __post_init__(self):
+        _choice_in("distributed", "cpu_collectives", self.cpu_collectives, ("gloo", "mpi"))
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"distributed.num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"distributed.process_id={self.process_id} is not in [0, {self.num_processes})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A run's whole configuration; checks that span sections live here."""
 
@@ -269,6 +290,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     parallelism: Literal["jit", "pmap"] = "jit"
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "rewards", tuple(self.rewards))
@@ -314,7 +336,7 @@ def _positive(section: str, name: str, value: float) -> None:
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
-    "mesh": MeshConfig,
+    "mesh": MeshConfig, "distributed": DistributedConfig,
 }
 _TOP_LEVEL = (*_SECTIONS, "rewards", "parallelism")
 

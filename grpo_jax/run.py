@@ -106,10 +106,25 @@ def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec]:
     return specs, next(s for s in specs if s.name == name)
 
 
+def initialize_distributed(config: RunConfig) -> None:
+    """`jax.distributed.initialize` when the config asks for it; must run before JAX touches a device."""
+    d = config.distributed
+    if not d.enabled:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", d.cpu_collectives)
+    kwargs = {k: v for k, v in (("coordinator_address", d.coordinator_address), ("num_processes", d.num_processes),
+                                ("process_id", d.process_id)) if v is not None}
+    jax.distributed.initialize(**kwargs)
+
+
 def _check_devices(config: RunConfig) -> None:
     """The mesh fits the devices and the batch splits over it (before anything compiles)."""
     from grpo_jax.sharding import mesh_devices, mesh_shape
 
+    if jax.process_count() > 1:
+        raise ConfigError(f"this is process {jax.process_index()} of {jax.process_count()}: multi-host training "
+                          "(per-host prompts and rewards, cross-host metrics) is not implemented yet; run on one "
+                          "host (any number of local devices) for now")
     if config.parallelism == "pmap":
         if (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) != (1, 1, 1):
             raise ConfigError("parallelism: pmap replicates the model on every local device; it takes no mesh.* "

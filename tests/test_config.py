@@ -89,3 +89,14 @@ def test_missing_or_malformed_file(tmp_path):
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_distributed_section(tmp_path):
+    config = load_config(write(tmp_path, BASE), ["distributed.enabled=true", "distributed.num_processes=2",
+                                                 "distributed.process_id=1",
+                                                 "distributed.coordinator_address=127.0.0.1:1234"])
+    assert config.distributed.enabled and config.distributed.process_id == 1
+    with pytest.raises(ConfigError, match=r"process_id=2 is not in \[0, 2\)"):
+        load_config(write(tmp_path, BASE), ["distributed.num_processes=2", "distributed.process_id=2"])
+    with pytest.raises(ConfigError, match="did you mean 'coordinator_address'"):
+        load_config(write(tmp_path, BASE), ["distributed.coordinator=x"])
