@@ -19,7 +19,7 @@ CONFIG = {
               "architecture": {"family": "qwen3", "hidden_size": 64, "intermediate_size": 192, "num_layers": 2,
                                "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "qk_norm": True}},
     "data": {"name": "arithmetic", "builder_config": "tiny",
-             "builder_kwargs": {"ops": ["+"], "formats": ["{a}{op}{b}="], "num_train": 80, "num_test": 32},
+             "builder_kwargs": {"ops": ["+"], "formats": ["{a}{op}{b}="], "num_train": 80, "num_test": 20},
              "max_prompt_tokens": 8, "prompts_per_step": 32},
     "rewards": [{"name": "math_accuracy"}],
     "sampling": {"group_size": 8, "max_new_tokens": 3, "temperature": 1.0, "prompt_buckets": [8]},
@@ -27,8 +27,7 @@ CONFIG = {
     "sft": {"steps": 60, "learning_rate": 0.003, "batch_size": 32},
     "train": {"steps": 40, "seed": 0, "learning_rate": 0.001, "warmup_steps": 5, "samples_every": 10,
               "progress": False},
-    # eval samples exactly like a train step (32 prompts x 8): one compiled sampler serves both.
-    "eval": {"every": 20, "num_prompts": 32, "k": 8},
+    "eval": {"every": 20, "num_prompts": 20, "k": 8},
     "checkpoint": {"every": 20},
 }
 
