@@ -162,8 +162,8 @@ def tree_shardings(tree):
 
 def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES):
     """A TrainState on the mesh: params by the rules, optimizer moments like their params (any
-    subtree shaped like the params, such as Adam's mu and nu), everything else replicated. Returns (state, its shardings,
-    the dimensions that had to be replicated)."""
+    subtree shaped like the params, such as Adam's mu and nu), everything else replicated.
+    Returns (state, its shardings, the dimensions that had to be replicated)."""
     sharded = param_shardings(state.params, mesh, rules)
     params = jax.device_put(state.params, sharded.shardings)
     structure = jax.tree.structure(state.params)
@@ -174,7 +174,8 @@ def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES
             return jax.device_put(x, sharded.shardings)
         return jax.device_put(x, replicated(mesh))
 
-    state = state.replace(params=params, opt_state=jax.tree.map(opt_node, state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State)),
+    opt_state = jax.tree.map(opt_node, state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+    state = state.replace(params=params, opt_state=opt_state,
                           step=jax.device_put(state.step, replicated(mesh)),
                           skipped_total=jax.device_put(state.skipped_total, replicated(mesh)),
                           skipped_streak=jax.device_put(state.skipped_streak, replicated(mesh)))

@@ -268,7 +268,8 @@ class Trainer:
                 if cfg.train.samples_every and step % cfg.train.samples_every == 0:
                     writer.write_samples(step, self._samples(first))
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                    checkpointer.save(step, unreplicate(state) if cfg.parallelism == "pmap" else state, {"step": step, "seed": cfg.train.seed,
+                    saved = unreplicate(state) if cfg.parallelism == "pmap" else state
+                    checkpointer.save(step, saved, {"step": step, "seed": cfg.train.seed,
                                                     "data": p.train_stream.state_dict()})
                 history.setdefault("reward", []).append(metrics["reward/mean"])
         finally:
