@@ -36,7 +36,6 @@ class Prepared:
     eval_reward: RewardSpec
     train_stream: Any  # grpo_jax.data.PromptStream over the train split
     eval_examples: list  # the first eval.num_prompts usable rows of the eval split
-    formatter: Any
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -171,9 +170,11 @@ def prepare(config: RunConfig) -> Prepared:
     from grpo_jax import data
 
     d = config.data
-    formatter = data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
-                                     chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                                     overlong=d.overlong)
+    def formatter():  # one per stream: each counts what it skipped
+        return data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
+                                    chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
+                                    overlong=d.overlong)
+
     source_kwargs = dict(data_dir=d.data_dir, manual_dir=d.manual_dir, builder_config=d.builder_config,
                          **d.builder_kwargs)
     try:
@@ -184,16 +185,13 @@ def prepare(config: RunConfig) -> Prepared:
     # Each host reads its own shard of every epoch.
     sampler = data.IndexSampler(len(train_source), seed=config.train.seed, process_index=jax.process_index(),
                                 process_count=jax.process_count())
-    train_stream = data.PromptStream(train_source, sampler, formatter)
+    train_stream = data.PromptStream(train_source, sampler, formatter())
     eval_stream = data.PromptStream(eval_source, data.IndexSampler(len(eval_source), seed=0, shuffle=False),
-                                    data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
-                                                         chat_template=d.chat_template,
-                                                         max_prompt_tokens=d.max_prompt_tokens, overlong=d.overlong))
+                                    formatter())
     eval_examples = eval_stream.next_batch(min(config.eval.num_prompts, len(eval_source)))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config,
                     sampling=resolve_sampling(config.sampling, tokenizer, model_config), rewards=rewards,
-                    eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples,
-                    formatter=formatter)
+                    eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples)
 
 
 def write_model_files(prepared: Prepared, directory: Path) -> None:

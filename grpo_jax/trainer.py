@@ -67,6 +67,22 @@ class _Groups:
             getattr(self, name).append(rollout[name][sl])
         self.rewards.append(rewards[sl])
 
+    def add_invalid_copy(self, other: "_Groups", j: int):
+        """Group j of `other` with NaN rewards: no gradient, not in the loss normaliser."""
+        self.examples.append(other.examples[j])
+        for name in ("tokens", "logprobs", "mask", "truncated"):
+            getattr(self, name).append(getattr(other, name)[j])
+        self.rewards.append(np.full_like(other.rewards[j], np.nan))
+
+
+def _uniform_groups(total_R: np.ndarray, group_size: int) -> np.ndarray:
+    """bool [N]: groups whose judged rewards are all equal, or with fewer than 2 judged (no signal)."""
+    groups = total_R.reshape(-1, group_size)
+    judged = ~np.isnan(groups)
+    hi = np.where(judged, groups, -np.inf).max(axis=1)
+    lo = np.where(judged, groups, np.inf).min(axis=1)
+    return (judged.sum(axis=1) < 2) | (hi == lo)
+
 
 def _schedule(config: RunConfig):
     t = config.train
@@ -150,11 +166,10 @@ class Trainer:
             if first is None:
                 first = (examples, host, texts, result)
             total = result.total
+            uniform = _uniform_groups(total, G)
             for i, ex in enumerate(examples):
                 sl = slice(i * G, (i + 1) * G)
-                r = total[sl][~np.isnan(total[sl])]
-                informative = r.size >= 2 and r.max() > r.min()
-                if not t.dynamic_sampling or informative:
+                if not t.dynamic_sampling or not uniform[i]:
                     chosen.add(ex, sl, host, total)
                 else:
                     stats["dynamic/dropped_groups"] += 1
@@ -162,12 +177,9 @@ class Trainer:
             if not t.dynamic_sampling or len(chosen.examples) >= N or stats["dynamic/rounds"] > t.max_resample_rounds:
                 break
         missing = max(0, N - len(chosen.examples))
-        for i in range(missing):  # invalid filler: NaN rewards -> no gradient, not in the normaliser
-            src = spare if spare.examples else chosen
-            j = i % len(src.examples)
-            chosen.add(src.examples[j], slice(j * G, (j + 1) * G),
-                       {k: np.concatenate(getattr(src, k)) for k in ("tokens", "logprobs", "mask", "truncated")},
-                       np.full(len(src.examples) * G, np.nan, np.float32))
+        src = spare if spare.examples else chosen
+        for i in range(missing):
+            chosen.add_invalid_copy(src, i % len(src.examples))
         stats["dynamic/filled_groups"] = float(missing)
         del chosen.examples[N:]
         for name in ("tokens", "logprobs", "mask", "truncated", "rewards"):
@@ -306,11 +318,9 @@ class Trainer:
         G = self.sampling.group_size
         total = result.total
         judged = total[~np.isnan(total)]
-        groups = total.reshape(-1, G)
-        zero = [np.nanmax(g) == np.nanmin(g) if np.sum(~np.isnan(g)) >= 2 else True for g in groups]
         out = {"reward/mean": float(judged.mean()) if judged.size else float("nan"),
                "reward/std": float(judged.std()) if judged.size else float("nan"),
-               "groups/frac_zero_std": float(np.mean(zero)), "reward/dropped": float(np.isnan(total).sum())}
+               "groups/frac_zero_std": float(_uniform_groups(total, G).mean()), "reward/dropped": float(np.isnan(total).sum())}
         out.update(result.metrics())
         out.update({f"reward/{name}/failures": float(n) for name, n in result.failures.items()})
         return out

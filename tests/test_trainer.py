@@ -176,3 +176,14 @@ def test_dynamic_sampling_drops_uniform_groups_and_fills_without_gradient(tmp_pa
         assert m["reward/mean"] == 0.0 and m["groups/frac_zero_std"] == 1.0
         assert m["dynamic/rounds"] == 3 and m["dynamic/dropped_groups"] == 12 and m["dynamic/filled_groups"] == 4
         assert m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
+
+
+def test_uniform_groups_ignore_dropped_samples():
+    from grpo_jax.trainer import _uniform_groups
+
+    nan = np.nan
+    total = np.array([1, 1, 1, 1,  0, 1, 0, 0,  nan, 1, nan, 1,  nan, nan, nan, 0.5,  nan, 0, 1, nan], np.float32)
+    # equal / mixed / equal after dropping NaN / one judged sample / mixed after dropping NaN
+    assert _uniform_groups(total, 4).tolist() == [True, False, True, True, False]
+    assert _uniform_groups(total[:16], 4).tolist() == [True, False, True, True]
+    assert _uniform_groups(total[16:], 4).tolist() == [False]
