@@ -83,3 +83,29 @@ def test_process_defaults_and_validation():
         IndexSampler(4, seed=0, process_index=2, process_count=2)
     with pytest.raises(ValueError, match="drop_remainder"):
         IndexSampler(2, seed=0, process_index=0, process_count=3)
+
+
+@pytest.mark.parametrize("drop_remainder", [True, False])
+@pytest.mark.parametrize("n,count,block", [(23, 2, 4), (40, 4, 5), (9, 3, 1)])
+def test_blocks_put_together_are_the_single_process_order(n, count, block, drop_remainder):
+    """Process p's k-th read of `block` indices is block k*count + p of the one-process order, so
+    the hosts' blocks side by side are exactly the batch one process would read."""
+    single = IndexSampler(n, seed=7, drop_remainder=drop_remainder)
+    hosts = [IndexSampler(n, seed=7, process_index=p, process_count=count, block=block,
+                          drop_remainder=drop_remainder) for p in range(count)]
+    order = single.epoch_indices(0)
+    shards = [h.epoch_indices(0) for h in hosts]
+    assert [len(s) for s in shards] == [h.epoch_size for h in hosts]
+    assert sorted(i for s in shards for i in s) == (sorted(order[: n - n % (count * block)]) if drop_remainder
+                                                    else sorted(order))
+    for _ in range(n // (count * block)):  # the whole epoch (a one-process epoch drops less at its end)
+        batch = [i for h in hosts for i in h.next(block)]
+        assert batch == single.next(count * block)
+
+
+def test_block_is_part_of_the_sampler_state():
+    state = IndexSampler(20, seed=1, process_count=2, block=3).state_dict()
+    with pytest.raises(ValueError, match="block"):
+        IndexSampler(20, seed=1, process_count=2, block=4).load_state_dict(state)
+    legacy = {k: v for k, v in IndexSampler(20, seed=1).state_dict().items() if k != "block"}
+    IndexSampler(20, seed=1).load_state_dict(legacy)  # states from before blocks meant block=1
