@@ -23,14 +23,25 @@ from grpo_jax.train_step import TrainState
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+    """Restore targets. Arrays without a sharding go to this process's first device: orbax would
+    otherwise reuse the saved shardings, whose devices (another host count or mesh) may not exist here."""
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or local),
+                        tree)
 
 
 class Checkpointer:
     """Saves asynchronously every call to `save`; keeps the newest `keep` steps."""
 
     def __init__(self, directory: str | Path, *, keep: int = 3):
-        self.directory = Path(directory).absolute()
+        from grpo_jax.storage import is_remote
+
+        if is_remote(directory):  # gs://...: orbax writes it through tensorstore
+            from etils import epath
+
+            self.directory = epath.Path(str(directory))
+        else:
+            self.directory = Path(directory).absolute()
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 

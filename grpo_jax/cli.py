@@ -113,10 +113,10 @@ def _train(args: argparse.Namespace) -> int:
 
     config = _load(args)
     initialize_distributed(config)
-    out = Path(args.output or Path("runs") / Path(args.config).stem)
+    out = args.output if args.output and "://" in args.output else Path(args.output or Path("runs") / Path(args.config).stem)
     summary = train(config, out)
     start, end = summary["eval_start"], summary["eval_end"]
-    print(json.dumps({"run_dir": summary["run_dir"], "metrics": str(out / "metrics.jsonl"), "plot": summary["plot"],
+    print(json.dumps({"run_dir": summary["run_dir"], "metrics": f"{summary['run_dir']}/metrics.jsonl", "plot": summary["plot"],
                       "eval_accuracy_start": start["eval/accuracy"], "eval_accuracy_end": end["eval/accuracy"],
                       "eval_pass@k_start": start["eval/pass@k"], "eval_pass@k_end": end["eval/pass@k"]}))
     return 0

@@ -193,7 +193,8 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     """A supervised warm start run by the same command before GRPO (steps 0 = none): cross-entropy on
-    the dataset's `answer_template` completions."""
+    the dataset's `answer_template` completions, with AdamW at `learning_rate` and the train
+    section's `adam_b1`, `adam_b2`, `adam_eps`."""
 
     steps: int = 0
     learning_rate: float = 1e-3

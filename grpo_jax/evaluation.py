@@ -35,24 +35,33 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`."""
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
+    from grpo_jax.hosts import gather_rows, local_rows, row_share, whole
+
     k = sampling.group_size
     chunk = min(chunk, len(examples))
     if mesh is not None:  # prompts are split over data x fsdp: a chunk must divide evenly
         n = mesh.shape["data"] * mesh.shape["fsdp"]
         chunk = -(-chunk // n) * n
+    # Every host has every prompt; each scores only the rows its devices hold, and the scores are
+    # put together on every host.
+    share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)
     correct, judged = [], []
     for start in range(0, len(examples), chunk):
         part = list(examples[start:start + chunk])
         real = len(part)
         part += [part[0]] * (chunk - real)
         rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start), mesh=mesh)
-        tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
-        rows = real * k
-        texts = decode_completions(tokenizer, tokens[:rows], lengths[:rows])
-        prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)]
-        result = combine_rewards([dataclasses.replace(reward, weight=1.0)], prompts, texts,
-                                 repeat_fields(part[:real], k))
-        scores = result.per_fn[reward.name].reshape(real, k)
+        tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
+        own = range(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
+        scores = np.full(share.size, np.nan, np.float32)
+        if own:
+            texts = decode_completions(tokenizer, tokens[:len(own)], lengths[:len(own)])
+            mine = [part[r // k] for r in own]
+            fields = {key: [ex.fields.get(key) for ex in mine] for key in part[0].fields}
+            result = combine_rewards([dataclasses.replace(reward, weight=1.0)], [ex.prompt_text for ex in mine],
+                                     texts, fields)
+            scores[:len(own)] = result.per_fn[reward.name]
+        scores = gather_rows(scores, share)[:real * k].reshape(real, k)
         judged.append(~np.isnan(scores))
         correct.append(np.nan_to_num(scores, nan=0.0) > 0.5)
     correct_, judged_ = np.concatenate(correct), np.concatenate(judged)

@@ -34,8 +34,11 @@ class Prepared:
     sampling: SamplingConfig  # the run's sampling config with stop/pad ids resolved from the tokenizer
     rewards: list[RewardSpec]
     eval_reward: RewardSpec
-    train_stream: Any  # grpo_jax.data.PromptStream over the train split
-    eval_examples: list  # the first eval.num_prompts usable rows of the eval split
+    train_stream: Any  # grpo_jax.data.PromptStream over the train split: this host's share of each batch
+    eval_examples: list  # the first eval.num_prompts usable rows of the eval split (every host has all)
+    mesh: Any  # the run's device mesh (jit: data x fsdp x tensor; pmap: data over the local devices)
+    share: Any  # grpo_jax.hosts.RowShare: this host's block of the prompts_per_step prompts of a step
+    sft_stream: Any = None  # the warm start's own stream (its own share of sft.batch_size), if sft.steps
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -121,9 +124,16 @@ def _check_devices(config: RunConfig) -> None:
     from grpo_jax.sharding import mesh_devices, mesh_shape
 
     if jax.process_count() > 1:
-        raise ConfigError(f"this is process {jax.process_index()} of {jax.process_count()}: multi-host training "
-                          "(per-host prompts and rewards, cross-host metrics) is not implemented yet; run on one "
-                          "host (any number of local devices) for now")
+        if config.parallelism == "pmap":
+            raise ConfigError(f"parallelism: pmap runs on one host; this run has {jax.process_count()} processes. "
+                              "Use parallelism: jit with mesh.data: -1 for data parallelism across hosts")
+        try:
+            used = len(mesh_devices(config.mesh))
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        if used != jax.device_count():
+            raise ConfigError(f"mesh: a multi-host mesh must use all {jax.device_count()} devices of the "
+                              f"{jax.process_count()} processes, this one uses {used}; use -1 for one axis")
     if config.parallelism == "pmap":
         if (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) != (1, 1, 1):
             raise ConfigError("parallelism: pmap replicates the model on every local device; it takes no mesh.* "
@@ -143,6 +153,21 @@ def _check_devices(config: RunConfig) -> None:
     if rows % config.train.micro_batches:
         raise ConfigError(f"each of the {ways} batch shards has {rows} rows, which train.micro_batches="
                           f"{config.train.micro_batches} does not divide")
+    if config.sft.steps and config.sft.batch_size % ways:
+        raise ConfigError(f"sft.batch_size={config.sft.batch_size} must be a multiple of the {ways} ways the "
+                          "batch is split")
+
+
+def run_mesh(config: RunConfig):
+    """The mesh a run samples and trains on: jit mode's (data, fsdp, tensor) mesh, or for pmap a
+    data-only mesh over the local devices (the sampler's; the update itself is pmapped)."""
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.sharding import make_mesh, mesh_devices
+
+    if config.parallelism == "pmap":
+        devices = jax.local_devices()
+        return make_mesh(MeshConfig(data=len(devices)), devices)
+    return make_mesh(config.mesh, mesh_devices(config.mesh))
 
 
 def prepare(config: RunConfig) -> Prepared:
@@ -182,16 +207,29 @@ def prepare(config: RunConfig) -> Prepared:
         eval_source = data.load_source(d.name, d.eval_split, **source_kwargs)
     except (ValueError, TypeError) as e:  # a dataset name, split or builder setting the user chose
         raise ConfigError(f"data: {e}") from None
-    # Each host reads its own shard of every epoch.
-    sampler = data.IndexSampler(len(train_source), seed=config.train.seed, process_index=jax.process_index(),
-                                process_count=jax.process_count())
-    train_stream = data.PromptStream(train_source, sampler, formatter())
+    # Each host reads only its block of every batch (see grpo_jax.hosts): its share of the data
+    # sampler, dealt in blocks of its share's size, so the hosts' blocks side by side are the batch a
+    # single process would read.
+    from grpo_jax.hosts import row_share
+
+    mesh = run_mesh(config)
+
+    def stream(batch: int, seed: int):
+        share = row_share(mesh, batch)
+        sampler = data.IndexSampler(len(train_source), seed=seed, process_index=share.index,
+                                    process_count=share.count, block=share.size)
+        return data.PromptStream(train_source, sampler, formatter()), share
+
+    train_stream, share = stream(d.prompts_per_step, config.train.seed)
+    # The warm start reads its own stream (another seed), so GRPO's batches do not depend on it.
+    sft_stream = stream(config.sft.batch_size, config.train.seed + 1)[0] if config.sft.steps else None
     eval_stream = data.PromptStream(eval_source, data.IndexSampler(len(eval_source), seed=0, shuffle=False),
                                     formatter())
     eval_examples = eval_stream.next_batch(min(config.eval.num_prompts, len(eval_source)))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config,
                     sampling=resolve_sampling(config.sampling, tokenizer, model_config), rewards=rewards,
-                    eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples)
+                    eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples, mesh=mesh,
+                    share=share, sft_stream=sft_stream)
 
 
 def write_model_files(prepared: Prepared, directory: Path) -> None:

@@ -175,10 +175,14 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
 
     With a `mesh` (grpo_jax.sharding), prompts and every output row are split over (data, fsdp)
     (N must be a multiple of data x fsdp), the KV cache rows follow, and the model's parameters
-    keep the shardings they were placed with; all of it stays on device inside the loop.
+    keep the shardings they were placed with; all of it stays on device inside the loop. On several
+    hosts, pass either the same host arrays on every host or global arrays built from each host's
+    rows (`grpo_jax.hosts.to_global`), and read the outputs with `grpo_jax.hosts.local_rows`.
     """
     if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
-        ids, mask = np.asarray(prompts[0], np.int32), np.asarray(prompts[1], np.int32)
+        ids, mask = prompts
+        if not isinstance(ids, jax.Array):
+            ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
         chex.assert_equal_shape([ids, mask])
         chex.assert_rank(ids, 2)
     else:
@@ -186,11 +190,11 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     graphdef, state = nnx.split(model)
     if mesh is None:
         return _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
-    from grpo_jax.sharding import replicated, shard_rows
+    from grpo_jax.hosts import replicated_key
+    from grpo_jax.sharding import shard_rows
 
-    ids, mask = shard_rows((ids, mask), mesh)
-    rng = jax.device_put(rng, replicated(mesh))
-    return _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, rng)
+    ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.hosts.to_global) stay where they are
+    return _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
 
 
 @functools.lru_cache(maxsize=64)

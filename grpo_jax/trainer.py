@@ -12,6 +12,13 @@ batch.
 
 Files in the run directory: `config.yaml`, `model/` (architecture + tokenizer), `metrics.jsonl`,
 `samples.jsonl`, `tensorboard/`, `checkpoints/<step>/`, `metrics.png` (at the end).
+
+Several hosts (`distributed.enabled`): every process runs this same loop. Each loads and formats
+only its block of each batch's prompts, scores the rollout rows its devices hold, and contributes
+its rows to the global batch (grpo_jax.hosts); reward statistics and counters are put together
+across hosts, so every process sees the same metrics. Only process 0 writes the run directory's
+files and the progress bar; every process takes part in saving checkpoints (orbax writes each
+process's shards), so the run directory must be on storage all hosts share.
 """
 
 from __future__ import annotations
@@ -30,17 +37,20 @@ import yaml
 from flax import nnx
 
 from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.config import MeshConfig, RunConfig, config_to_dict
+from grpo_jax.config import RunConfig, config_to_dict
 from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
 from grpo_jax.grpo import group_advantages
+from grpo_jax.hosts import (any_host, gather_json, gather_rows, is_primary, local_rows, max_over_hosts,
+                            sum_over_shares, to_global)
 from grpo_jax.logprobs import completion_logprobs
 from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run
-from grpo_jax.rewards import combine_rewards
+from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.run import Prepared, build_model, prepare, write_model_files
 from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import completion_batch, sft_step
-from grpo_jax.sharding import (make_mesh, mesh_devices, place_train_state, replicate, replicated, shard_rows,
-                               split_rows, unreplicate)
+from grpo_jax.storage import RunDirectory
+from grpo_jax.sharding import (param_shardings, place_train_state, replicate, replicated, shard_rows, split_rows,
+                               unreplicate)
 from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, make_train_step
 
 MetricHook = Callable[[int, dict], None]
@@ -93,23 +103,37 @@ def _schedule(config: RunConfig):
     return t.learning_rate
 
 
+def common_bucket(prompts: Sequence[Sequence[int]], buckets: Sequence[int]) -> tuple[int, ...]:
+    """The one prompt bucket that fits every host's longest prompt (all hosts must pad alike)."""
+    longest = max_over_hosts(max(len(p) for p in prompts))
+    return tuple(b for b in sorted(buckets) if b >= longest)[:1] or tuple(buckets)
+
+
 def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[float]:
-    """The supervised phase (`sft.steps` steps) on the train split's reference answers."""
-    cfg, sampling = prepared.config.sft, prepared.sampling
+    """The supervised phase (`sft.steps` steps) on the train split's reference answers, data-parallel
+    over the run's mesh (each host builds its block of every batch)."""
+    from grpo_jax.hosts import row_share
+
+    cfg, sampling, mesh = prepared.config.sft, prepared.sampling, prepared.mesh
     tok = prepared.tokenizer
     eos = sampling.stop_token_ids[0]
-    optimizer = optax.adamw(cfg.learning_rate)
+    share = row_share(mesh, cfg.batch_size)
+    t = prepared.config.train
+    optimizer = optax.adamw(cfg.learning_rate, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps)
     graphdef, params = nnx.split(model, nnx.Param)
-    opt_state = optimizer.init(params)
+    # Moments follow their params; the step count goes on the mesh too, replicated, so the step's
+    # inputs keep one sharding from call to call (else the second call compiles again).
+    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+                             else jax.device_put(x, replicated(mesh)), optimizer.init(params))
     losses = []
     for i in range(cfg.steps):
-        examples = prepared.train_stream.next_batch(cfg.batch_size)
+        examples = prepared.sft_stream.next_batch(share.size)
         answers = [tok.encode(cfg.answer_template.format(**ex.fields), add_special_tokens=False) + [eos]
                    for ex in examples]
-        batch = completion_batch([ex.prompt_ids for ex in examples], answers,
-                                 prompt_buckets=sampling.prompt_buckets, max_new_tokens=sampling.max_new_tokens,
-                                 pad_id=sampling.pad_token_id)
-        params, opt_state, loss = sft_step(params, opt_state, tuple(jnp.asarray(b) for b in batch),
+        prompts = [ex.prompt_ids for ex in examples]
+        batch = completion_batch(prompts, answers, prompt_buckets=common_bucket(prompts, sampling.prompt_buckets),
+                                 max_new_tokens=sampling.max_new_tokens, pad_id=sampling.pad_token_id)
+        params, opt_state, loss = sft_step(params, opt_state, to_global(batch, mesh, share),
                                            graphdef=graphdef, optimizer=optimizer,
                                            chunk=prepared.config.train.logprob_chunk)
         losses.append(float(loss))
@@ -123,13 +147,27 @@ class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path, *, hooks: Sequence[MetricHook] = (),
                  log: Callable[[str], None] | None = None):
         # Log lines go above the progress bar (to stderr), unless the caller takes them.
-        self.config, self.run_dir, self.hooks = config, Path(run_dir), list(hooks)
+        # A remote run directory (gs://...) stages the small files locally (grpo_jax.storage).
+        self.run = RunDirectory(run_dir)
+        self.config, self.run_dir, self.hooks = config, self.run.local, list(hooks)
         self._bar: ProgressBar | None = None
         self.log = log or (lambda line: (self._bar.write(line) if self._bar else print(line, file=sys.stderr)))
         self.prepared = prepare(config)  # every input check, before any compile
+        self.primary = is_primary()  # process 0 writes the run directory's files
+        if not self.primary:
+            self.log = lambda line: None
+        self.mesh, self.share = self.prepared.mesh, self.prepared.share
+        self.rows = self.share.scaled(config.sampling.group_size)  # this host's rows of the rollout and batch
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-        write_model_files(self.prepared, self.run_dir / "model")
+        if jax.process_count() > 1 and not self.run.remote:
+            self.log(f"run directory {self.run_dir} is a local path: every host must see the same directory "
+                     "(a shared file system), or each host's checkpoint shards land on its own disk; use gs://...")
+        if self.run.remote:
+            self.log(f"run directory {self.run}: checkpoints written there, logs staged in {self.run_dir} and "
+                     "uploaded at every checkpoint")
+        if self.primary:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+            write_model_files(self.prepared, self.run_dir / "model")
         self.sampling = self.prepared.sampling
         self.eval_sampling = dataclasses.replace(
             self.sampling, group_size=config.eval.k,
@@ -138,13 +176,17 @@ class Trainer:
 
     # --- sampling and rewards -------------------------------------------------------------------
     def _round(self, step: int, rnd: int):
-        """One sampling round: N prompts, G samples each, scored."""
+        """One sampling round: N prompts, G samples each, scored. This host's block of them: its
+        prompts, its rows of the rollout, their rewards."""
         p, G = self.prepared, self.sampling.group_size
-        examples = p.train_stream.next_batch(self.config.data.prompts_per_step)
+        examples = p.train_stream.next_batch(self.share.size)
+        prompts = [ex.prompt_ids for ex in examples]
+        ids = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets), self.sampling.pad_token_id)
         t0 = time.perf_counter()
-        rollout = generate(self.model, [ex.prompt_ids for ex in examples], self.sampling,
+        rollout = generate(self.model, to_global(ids, self.mesh, self.share), self.sampling,
                            jax.random.fold_in(self.rng, step * 64 + rnd), mesh=self.mesh)
-        host = {k: np.asarray(getattr(rollout, k)) for k in ("tokens", "logprobs", "mask", "truncated", "lengths")}
+        names = ("tokens", "logprobs", "mask", "truncated", "lengths")
+        host = dict(zip(names, local_rows(tuple(getattr(rollout, k) for k in names), self.rows)))
         sample_s = time.perf_counter() - t0
         texts = decode_completions(p.tokenizer, host["tokens"], host["lengths"])
         prompts = [ex.prompt_text for ex in examples for _ in range(G)]
@@ -153,7 +195,8 @@ class Trainer:
         return examples, host, texts, result, sample_s
 
     def collect(self, step: int):
-        G, N = self.sampling.group_size, self.config.data.prompts_per_step
+        """This host's N / hosts groups for the step, and the step's statistics over all hosts."""
+        G, N = self.sampling.group_size, self.share.size
         t = self.config.train
         chosen, spare = _Groups.empty(), _Groups.empty()
         stats = {"dynamic/rounds": 0.0, "dynamic/dropped_groups": 0.0}
@@ -174,7 +217,9 @@ class Trainer:
                 else:
                     stats["dynamic/dropped_groups"] += 1
                     spare.add(ex, sl, host, total)
-            if not t.dynamic_sampling or len(chosen.examples) >= N or stats["dynamic/rounds"] > t.max_resample_rounds:
+            # Sampling is collective: every host runs the same rounds, as long as any host is short.
+            if (not t.dynamic_sampling or stats["dynamic/rounds"] > t.max_resample_rounds
+                    or not any_host(len(chosen.examples) < N)):
                 break
         missing = max(0, N - len(chosen.examples))
         src = spare if spare.examples else chosen
@@ -184,32 +229,50 @@ class Trainer:
         del chosen.examples[N:]
         for name in ("tokens", "logprobs", "mask", "truncated", "rewards"):
             del getattr(chosen, name)[N:]
+        counts = sum_over_shares({**{k: v for k, v in stats.items() if k != "dynamic/rounds"},
+                                  "sample_tokens": sample_tokens}, self.share)
+        sample_tokens = counts.pop("sample_tokens")
+        stats.update(counts)
         perf = {"perf/sample_tokens_per_s": sample_tokens / max(sample_s, 1e-9), "perf/sample_s": sample_s}
         return chosen, first, stats, perf
 
-    def make_batch(self, groups: _Groups) -> Batch:
+    def _all_hosts(self, result: RewardResult) -> RewardResult:
+        """The first round's rewards of every host's rows (for the step's reward statistics)."""
+        return RewardResult(total=gather_rows(result.total, self.rows),
+                            per_fn={k: gather_rows(v, self.rows) for k, v in result.per_fn.items()},
+                            failures={k: int(v) for k, v in sum_over_shares(result.failures, self.share).items()},
+                            messages=result.messages)
+
+    def make_batch(self, groups: _Groups) -> tuple[Batch, int]:
+        """The global batch from every host's groups (each host builds its rows; advantages need only
+        the host's own whole groups), and the number of tokens in it."""
         G, g = self.sampling.group_size, self.config.grpo
-        prompt_ids, prompt_mask = pad_prompts([ex.prompt_ids for ex in groups.examples],
-                                              self.sampling.prompt_buckets, self.sampling.pad_token_id)
-        rewards = jnp.asarray(np.concatenate(groups.rewards).astype(np.float32))
-        adv = group_advantages(rewards, G, scale=g.advantage_scale, estimator=g.advantage_estimator,
+        prompts = [ex.prompt_ids for ex in groups.examples]
+        prompt_ids, prompt_mask = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets),
+                                              self.sampling.pad_token_id)
+        rewards = np.concatenate(groups.rewards).astype(np.float32)
+        adv = group_advantages(jnp.asarray(rewards), G, scale=g.advantage_scale, estimator=g.advantage_estimator,
                                eps=g.advantage_eps)
-        batch = Batch(prompt_ids=jnp.repeat(jnp.asarray(prompt_ids), G, axis=0),
-                      prompt_mask=jnp.repeat(jnp.asarray(prompt_mask), G, axis=0),
-                      completion_ids=jnp.asarray(np.concatenate(groups.tokens)),
-                      completion_mask=jnp.asarray(np.concatenate(groups.mask)), rewards=rewards,
-                      advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std,
-                      truncated=jnp.asarray(np.concatenate(groups.truncated)),
-                      old_logprobs=jnp.asarray(np.concatenate(groups.logprobs)))
+        rows = Batch(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
+                     completion_ids=np.concatenate(groups.tokens), completion_mask=np.concatenate(groups.mask),
+                     rewards=rewards, advantages=np.asarray(adv.advantages), valid=np.asarray(adv.valid),
+                     zero_std=np.asarray(adv.zero_std), truncated=np.concatenate(groups.truncated),
+                     old_logprobs=np.concatenate(groups.logprobs))
+        tokens = sum_over_shares({"t": rows.prompt_mask.sum() + rows.completion_mask.sum()}, self.share)["t"]
+        batch = to_global(rows, self.mesh, self.rows)
         if g.beta > 0:
             batch = batch.replace(ref_logprobs=self._ref_logprobs(self.ref_params, batch.prompt_ids, batch.prompt_mask,
                                                                   batch.completion_ids))
-        return batch
+        return batch, int(tokens)
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, p = self.config, self.prepared
         self.model = build_model(cfg.model, p.model_config, cfg.train.seed)
+        # Every host built the same parameters; place them on the mesh by the rules (pmap mode: its
+        # data-only mesh, so replicated) for the warm start and the sampler.
+        params = nnx.state(self.model, nnx.Param)
+        nnx.update(self.model, jax.device_put(params, param_shardings(params, self.mesh).shardings))
         if cfg.sft.steps:
             t0 = time.perf_counter()
             losses = warm_start(p, self.model, self.log)
@@ -223,7 +286,6 @@ class Trainer:
                        temperature=self.sampling.temperature)
         if cfg.parallelism == "jit":
             # One mesh for sampling and training; the params are placed by the logical-axis rules.
-            self.mesh = make_mesh(cfg.mesh, mesh_devices(cfg.mesh))
             state, shardings, left_whole = place_train_state(state, self.mesh)
             for line in left_whole:
                 self.log(f"not sharded (its mesh axis does not divide it): {line}")
@@ -233,7 +295,6 @@ class Trainer:
             # pmap: the state replicated on every local device, rows split; sampling runs data-parallel
             # over the same devices (a data-only mesh, params replicated).
             devices = jax.local_devices()
-            self.mesh = make_mesh(MeshConfig(data=len(devices)), devices)
             state = replicate(state, devices)
             step_fn = make_train_step(graphdef, optimizer, cfg.grpo, parallelism="pmap", devices=devices, **step_kw)
         self._sync_policy(state)
@@ -242,16 +303,16 @@ class Trainer:
             self._ref_logprobs = jax.jit(lambda params, *a: completion_logprobs(
                 nnx.merge(graphdef, params), *a, chunk=cfg.train.logprob_chunk,
                 temperature=self.sampling.temperature)[0])
-        checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=cfg.checkpoint.keep)
-        writer = MetricsWriter(self.run_dir)
-        bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress)
+        checkpointer = Checkpointer(self.run.checkpoints, keep=cfg.checkpoint.keep)  # every process
+        writer = MetricsWriter(self.run_dir) if self.primary else None
+        bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary)
         history = {"eval": []}
         try:
             history["eval"].append((0, self._evaluate(0, writer)))
             for step in range(1, cfg.train.steps + 1):
                 t0 = time.perf_counter()
                 groups, first, dyn, perf = self.collect(step)
-                batch = self.make_batch(groups)
+                batch, tokens = self.make_batch(groups)
                 t1 = time.perf_counter()
                 if cfg.parallelism == "pmap":
                     device_batch = split_rows(jax.tree.map(np.asarray, batch), len(jax.local_devices()))
@@ -265,35 +326,45 @@ class Trainer:
                 train_s = time.perf_counter() - t1
                 self._sync_policy(state)
                 check_skips(metrics, cfg.train.max_consecutive_skips)
-                metrics.update(self._reward_metrics(first), **dyn, **perf, **self._data_metrics())
-                tokens = int(np.asarray(batch.prompt_mask).sum() + np.asarray(batch.completion_mask).sum())
+                metrics.update(self._reward_metrics(self._all_hosts(first[3])), **dyn, **perf, **self._data_metrics())
                 metrics["perf/train_tokens_per_s"] = tokens * cfg.grpo.num_iterations / max(train_s, 1e-9)
                 metrics["perf/step_s"] = time.perf_counter() - t0
                 if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.train.steps:
                     ev = self._evaluate(step, None)
                     history["eval"].append((step, ev))
                     metrics.update(ev)
-                writer.write(step, metrics)
+                if writer is not None:
+                    writer.write(step, metrics)
                 for hook in self.hooks:
                     hook(step, metrics)
                 bar.update(step, metrics)
-                if cfg.train.samples_every and step % cfg.train.samples_every == 0:
-                    writer.write_samples(step, self._samples(first))
+                if writer is not None and cfg.train.samples_every and step % cfg.train.samples_every == 0:
+                    writer.write_samples(step, self._samples(first))  # process 0's rows: the batch's first
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
                     saved = unreplicate(state) if cfg.parallelism == "pmap" else state
-                    checkpointer.save(step, saved, {"step": step, "seed": cfg.train.seed,
-                                                    "data": p.train_stream.state_dict()})
+                    streams = gather_json(p.train_stream.state_dict())  # each host's position in its share
+                    checkpointer.save(step, saved, {"step": step, "seed": cfg.train.seed, "data": streams[0],
+                                                    **({"data_by_process": streams} if len(streams) > 1 else {})})
+                    if self.primary:
+                        self.run.sync()
                 history.setdefault("reward", []).append(metrics["reward/mean"])
         finally:
             bar.close()
             self._bar = None
-            writer.close()
+            if writer is not None:
+                writer.close()
             checkpointer.close()
-        plot = plot_run(self.run_dir)
+            if self.primary:
+                self.run.sync()  # what there is, even when the run stops with an error
+        self.state = state
+        plot = plot_run(self.run_dir) if self.primary else None
+        if self.primary:
+            self.run.sync()
         (acc0, acc1) = (history["eval"][0][1]["eval/accuracy"], history["eval"][-1][1]["eval/accuracy"])
         self.log(f"eval accuracy {acc0:.3f} -> {acc1:.3f}; metrics: {self.run_dir / 'metrics.jsonl'}; plot: {plot}")
         return {"eval_start": history["eval"][0][1], "eval_end": history["eval"][-1][1],
-                "reward": history.get("reward", []), "run_dir": str(self.run_dir), "plot": str(plot)}
+                "reward": history.get("reward", []), "run_dir": str(self.run),
+                "plot": str(plot) if plot else None}
 
     def _sync_policy(self, state) -> None:
         """The sampler's model gets the state's params (pmap: one copy, replicated over the mesh)."""
@@ -313,8 +384,7 @@ class Trainer:
                  f"{ev['eval/pass@k']:.3f}")
         return ev
 
-    def _reward_metrics(self, first) -> dict:
-        examples, host, texts, result = first
+    def _reward_metrics(self, result: RewardResult) -> dict:
         G = self.sampling.group_size
         total = result.total
         judged = total[~np.isnan(total)]
@@ -326,7 +396,10 @@ class Trainer:
         return out
 
     def _data_metrics(self) -> dict:
-        return {f"data/{k}": float(v) for k, v in self.prepared.train_stream.stats.items()}
+        """The prompt streams' counters summed over the hosts' shares (the epoch is each host's own)."""
+        stats = dict(self.prepared.train_stream.stats)
+        epoch = max_over_hosts(stats.pop("epoch"))
+        return {f"data/{k}": v for k, v in {**sum_over_shares(stats, self.share), "epoch": float(epoch)}.items()}
 
     def _samples(self, first) -> list[dict]:
         examples, host, texts, result = first

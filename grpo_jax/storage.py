@@ -1,0 +1,75 @@
+"""Run directories on local disk or on remote storage (`gs://bucket/...`, or any fsspec URL).
+
+A multi-host run needs a run directory every host can reach: each process writes its own shards
+of a checkpoint. On a pod that is a bucket. Checkpoints go to `<url>/checkpoints` directly (orbax
+writes gs:// itself, through tensorstore). The small files process 0 writes as it goes
+(`metrics.jsonl`, `samples.jsonl`, TensorBoard events, `config.yaml`, `model/`, `metrics.png`)
+are appended to in place, which object stores cannot do; they live in a local staging directory
+and `RunDirectory.sync()` uploads the ones that changed (at every checkpoint and at the end of
+the run). Remote URLs other than gs:// need their fsspec package (gs:// needs `gcsfs`, in the
+`tpu` extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return "://" in str(path)
+
+
+def staging_root() -> Path:
+    """Where remote runs stage their small files: $GRPO_JAX_STAGING, else the temp directory."""
+    return Path(os.environ.get("GRPO_JAX_STAGING") or Path(tempfile.gettempdir()) / "grpo_jax_runs")
+
+
+class RunDirectory:
+    """A run's directory: `local` is where files are written, `checkpoints` where orbax saves.
+    For a local path both are in the path itself and `sync` does nothing."""
+
+    def __init__(self, target: str | os.PathLike):
+        self.target = str(target)
+        self.remote = is_remote(target)
+        if self.remote:
+            import fsspec
+
+            try:
+                self._fs, self._root = fsspec.core.url_to_fs(self.target.rstrip("/"))
+            except (ImportError, ValueError) as e:
+                from grpo_jax.config import ConfigError
+
+                raise ConfigError(f"run directory {self.target!r}: {e} (gs:// needs `pip install gcsfs`, "
+                                  "in the tpu extra)") from None
+            name = self.target.split("://", 1)[1].strip("/").replace("/", "_")[-80:]
+            digest = hashlib.sha1(self.target.encode()).hexdigest()[:8]
+            self.local = staging_root() / f"{name}-{digest}"
+            self.checkpoints: str | Path = self.target.rstrip("/") + "/checkpoints"
+        else:
+            self.local = Path(target)
+            self.checkpoints = self.local / "checkpoints"
+        self._uploaded: dict[str, tuple[int, int]] = {}
+
+    def sync(self) -> list[str]:
+        """Upload the staged files that changed since the last sync (remote runs only); returns
+        their paths relative to the run directory."""
+        if not self.remote or not self.local.exists():
+            return []
+        sent = []
+        for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            rel = path.relative_to(self.local).as_posix()
+            stat = path.stat()
+            if self._uploaded.get(rel) == (stat.st_size, stat.st_mtime_ns):
+                continue
+            dest = f"{self._root}/{rel}"
+            self._fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+            self._fs.put_file(str(path), dest)
+            self._uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
+            sent.append(rel)
+        return sent
+
+    def __str__(self) -> str:
+        return self.target
