@@ -148,8 +148,8 @@ class Trainer:
                  log: Callable[[str], None] | None = None):
         # Log lines go above the progress bar (to stderr), unless the caller takes them.
         # A remote run directory (gs://...) stages the small files locally (grpo_jax.storage).
-        self.run = RunDirectory(run_dir)
-        self.config, self.run_dir, self.hooks = config, self.run.local, list(hooks)
+        self.storage = RunDirectory(run_dir)
+        self.config, self.run_dir, self.hooks = config, self.storage.local, list(hooks)
         self._bar: ProgressBar | None = None
         self.log = log or (lambda line: (self._bar.write(line) if self._bar else print(line, file=sys.stderr)))
         self.prepared = prepare(config)  # every input check, before any compile
@@ -159,11 +159,11 @@ class Trainer:
         self.mesh, self.share = self.prepared.mesh, self.prepared.share
         self.rows = self.share.scaled(config.sampling.group_size)  # this host's rows of the rollout and batch
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_count() > 1 and not self.run.remote:
+        if jax.process_count() > 1 and not self.storage.remote:
             self.log(f"run directory {self.run_dir} is a local path: every host must see the same directory "
                      "(a shared file system), or each host's checkpoint shards land on its own disk; use gs://...")
-        if self.run.remote:
-            self.log(f"run directory {self.run}: checkpoints written there, logs staged in {self.run_dir} and "
+        if self.storage.remote:
+            self.log(f"run directory {self.storage}: checkpoints written there, logs staged in {self.run_dir} and "
                      "uploaded at every checkpoint")
         if self.primary:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
@@ -303,7 +303,7 @@ class Trainer:
             self._ref_logprobs = jax.jit(lambda params, *a: completion_logprobs(
                 nnx.merge(graphdef, params), *a, chunk=cfg.train.logprob_chunk,
                 temperature=self.sampling.temperature)[0])
-        checkpointer = Checkpointer(self.run.checkpoints, keep=cfg.checkpoint.keep)  # every process
+        checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
         writer = MetricsWriter(self.run_dir) if self.primary else None
         bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary)
         history = {"eval": []}
@@ -346,7 +346,7 @@ class Trainer:
                     checkpointer.save(step, saved, {"step": step, "seed": cfg.train.seed, "data": streams[0],
                                                     **({"data_by_process": streams} if len(streams) > 1 else {})})
                     if self.primary:
-                        self.run.sync()
+                        self.storage.sync()
                 history.setdefault("reward", []).append(metrics["reward/mean"])
         finally:
             bar.close()
@@ -355,15 +355,15 @@ class Trainer:
                 writer.close()
             checkpointer.close()
             if self.primary:
-                self.run.sync()  # what there is, even when the run stops with an error
+                self.storage.sync()  # what there is, even when the run stops with an error
         self.state = state
         plot = plot_run(self.run_dir) if self.primary else None
         if self.primary:
-            self.run.sync()
+            self.storage.sync()
         (acc0, acc1) = (history["eval"][0][1]["eval/accuracy"], history["eval"][-1][1]["eval/accuracy"])
         self.log(f"eval accuracy {acc0:.3f} -> {acc1:.3f}; metrics: {self.run_dir / 'metrics.jsonl'}; plot: {plot}")
         return {"eval_start": history["eval"][0][1], "eval_end": history["eval"][-1][1],
-                "reward": history.get("reward", []), "run_dir": str(self.run),
+                "reward": history.get("reward", []), "run_dir": str(self.storage),
                 "plot": str(plot) if plot else None}
 
     def _sync_policy(self, state) -> None:
