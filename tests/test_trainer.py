@@ -163,18 +163,20 @@ def test_dynamic_sampling_drops_uniform_groups_and_fills_without_gradient(tmp_pa
 
     # Three-character completions never have the reasoning the format reward asks for: every group
     # is uniform (all 0), every round is dropped, the batch is all filler, and the update carries no
-    # gradient.
-    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds"), "prompts_per_step": 4},
+    # gradient. In pmap mode (8 local devices, one prompt each), so the trainer's pmap path runs
+    # end to end too (its update equals the jit mode's in tests/test_pmap.py).
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds"), "prompts_per_step": 8},
               "rewards": [{"name": "format"}],
-              "sft": {"steps": 0},
+              "sft": {"steps": 0}, "parallelism": "pmap",
               "train": {**CONFIG["train"], "steps": 2, "dynamic_sampling": True, "max_resample_rounds": 2,
                         "samples_every": 0},
-              "eval": {"num_prompts": 4, "k": 8}, "checkpoint": {}}
+              "eval": {"num_prompts": 8, "k": 8}, "checkpoint": {}}
     seen = []
     train(config_from_dict(config), tmp_path / "run", hooks=[lambda step, m: seen.append(m)], log=lambda s: None)
+    assert len(seen) == 2
     for m in seen:
         assert m["reward/mean"] == 0.0 and m["groups/frac_zero_std"] == 1.0
-        assert m["dynamic/rounds"] == 3 and m["dynamic/dropped_groups"] == 12 and m["dynamic/filled_groups"] == 4
+        assert m["dynamic/rounds"] == 3 and m["dynamic/dropped_groups"] == 24 and m["dynamic/filled_groups"] == 8
         assert m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
 
 
