@@ -45,16 +45,34 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], reference=None) -> None:
+        """`reference`: the KL reference policy's params (grpo.beta > 0), saved so a resumed run
+        measures KL against the same policy."""
         rest = dataclasses.replace(state, params=None)
-        self._manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            train_state=ocp.args.StandardSave(rest),
-            meta=ocp.args.JsonSave(meta),
-        ))
+        items = dict(params=ocp.args.StandardSave(state.params), train_state=ocp.args.StandardSave(rest),
+                     meta=ocp.args.JsonSave(meta))
+        if reference is not None:
+            items["reference"] = ocp.args.StandardSave(reference)
+        self._manager.save(step, args=ocp.args.Composite(**items))
+
+    def restore(self, step: int, state: TrainState, reference=None):
+        """(state, reference params or None, meta) of a saved step, placed like `state` and
+        `reference` (arrays, or shape structs with shardings)."""
+        rest = dataclasses.replace(state, params=None)
+        items = dict(params=ocp.args.StandardRestore(_abstract(state.params)),
+                     train_state=ocp.args.StandardRestore(_abstract(rest)), meta=ocp.args.JsonRestore())
+        if reference is not None:
+            items["reference"] = ocp.args.StandardRestore(_abstract(reference))
+        out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        restored = dataclasses.replace(out.train_state, params=out.params)
+        return restored, (out.reference if reference is not None else None), dict(out.meta)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def wait(self) -> None:
+        """Until the saves in flight are written."""
+        self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

@@ -177,6 +177,9 @@ class TrainConfig:
     samples_every: int = 10  # log a few completions with their rewards every N steps (0 = never)
     samples_count: int = 4
     progress: bool = True
+    # A run directory that already holds checkpoints is resumed from its newest one (after a
+    # preemption, run the same command again); false refuses to touch it.
+    resume: bool = True
 
     def __post_init__(self):
         _positive("train", "steps", self.steps)

@@ -71,5 +71,23 @@ class RunDirectory:
             sent.append(rel)
         return sent
 
+    def pull(self) -> list[str]:
+        """Download the run's small files (not its checkpoints) into an empty staging directory: a
+        resumed remote run on a fresh machine continues the same metrics.jsonl."""
+        if not self.remote or (self.local / "metrics.jsonl").exists() or not self._fs.exists(self._root):
+            return []
+        got = []
+        for remote in sorted(self._fs.find(self._root)):
+            rel = remote[len(self._root):].lstrip("/")
+            if rel == "checkpoints" or rel.startswith("checkpoints/"):
+                continue
+            dest = self.local / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._fs.get_file(remote, str(dest))
+            stat = dest.stat()
+            self._uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
+            got.append(rel)
+        return got
+
     def __str__(self) -> str:
         return self.target

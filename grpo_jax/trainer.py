@@ -37,13 +37,13 @@ import yaml
 from flax import nnx
 
 from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.config import RunConfig, config_to_dict
+from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
 from grpo_jax.grpo import group_advantages
 from grpo_jax.hosts import (any_host, gather_json, gather_rows, is_primary, local_rows, max_over_hosts,
                             sum_over_shares, to_global)
 from grpo_jax.logprobs import completion_logprobs
-from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run
+from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.run import Prepared, build_model, prepare, write_model_files
 from grpo_jax.sampling import generate, pad_prompts
@@ -267,13 +267,25 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self) -> dict:
+        cfg = self.config
+        checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
+        resume_from = checkpointer.latest_step()
+        try:
+            if resume_from is not None and not cfg.train.resume:
+                raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {resume_from}); resume "
+                                  "it (train.resume: true) or choose another --output")
+            return self._run(checkpointer, resume_from)
+        finally:
+            checkpointer.close()
+
+    def _run(self, checkpointer: Checkpointer, resume_from: int | None) -> dict:
         cfg, p = self.config, self.prepared
         self.model = build_model(cfg.model, p.model_config, cfg.train.seed)
         # Every host built the same parameters; place them on the mesh by the rules (pmap mode: its
         # data-only mesh, so replicated) for the warm start and the sampler.
         params = nnx.state(self.model, nnx.Param)
         nnx.update(self.model, jax.device_put(params, param_shardings(params, self.mesh).shardings))
-        if cfg.sft.steps:
+        if cfg.sft.steps and resume_from is None:  # a resumed run's params come from its checkpoint
             t0 = time.perf_counter()
             losses = warm_start(p, self.model, self.log)
             self.log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
@@ -297,19 +309,31 @@ class Trainer:
             devices = jax.local_devices()
             state = replicate(state, devices)
             step_fn = make_train_step(graphdef, optimizer, cfg.grpo, parallelism="pmap", devices=devices, **step_kw)
-        self._sync_policy(state)
+        self.ref_params = None
         if cfg.grpo.beta > 0:
             self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
             self._ref_logprobs = jax.jit(lambda params, *a: completion_logprobs(
                 nnx.merge(graphdef, params), *a, chunk=cfg.train.logprob_chunk,
                 temperature=self.sampling.temperature)[0])
-        checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
-        writer = MetricsWriter(self.run_dir) if self.primary else None
-        bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary)
         history = {"eval": []}
+        if resume_from is not None:
+            state = self._resume(checkpointer, resume_from, state)
+            if self.primary:
+                self.storage.pull()  # a remote run resumed on a fresh machine: its logs so far
+                if (self.run_dir / "metrics.jsonl").exists():
+                    history["eval"] = [(r["step"], r) for r in read_metrics(self.run_dir)
+                                       if "eval/accuracy" in r and r["step"] <= resume_from]
+        self._sync_policy(state)
+        writer = MetricsWriter(self.run_dir) if self.primary else None
+        if writer is not None and resume_from is not None:
+            writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
+        first_step = (resume_from or 0) + 1
+        bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
+                                      initial=min(first_step - 1, cfg.train.steps))
         try:
-            history["eval"].append((0, self._evaluate(0, writer)))
-            for step in range(1, cfg.train.steps + 1):
+            if resume_from is None:
+                history["eval"].append((0, self._evaluate(0, writer)))
+            for step in range(first_step, cfg.train.steps + 1):
                 t0 = time.perf_counter()
                 groups, first, dyn, perf = self.collect(step)
                 batch, tokens = self.make_batch(groups)
@@ -344,16 +368,19 @@ class Trainer:
                     saved = unreplicate(state) if cfg.parallelism == "pmap" else state
                     streams = gather_json(p.train_stream.state_dict())  # each host's position in its share
                     checkpointer.save(step, saved, {"step": step, "seed": cfg.train.seed, "data": streams[0],
-                                                    **({"data_by_process": streams} if len(streams) > 1 else {})})
+                                                    **({"data_by_process": streams} if len(streams) > 1 else {})},
+                                      reference=self.ref_params)
                     if self.primary:
                         self.storage.sync()
                 history.setdefault("reward", []).append(metrics["reward/mean"])
+            if any_host(not history["eval"]):  # resumed after the last step, on a host without the logs
+                history["eval"].append((cfg.train.steps, self._evaluate(cfg.train.steps, None)))
         finally:
             bar.close()
             self._bar = None
             if writer is not None:
                 writer.close()
-            checkpointer.close()
+            checkpointer.wait()
             if self.primary:
                 self.storage.sync()  # what there is, even when the run stops with an error
         self.state = state
@@ -365,6 +392,23 @@ class Trainer:
         return {"eval_start": history["eval"][0][1], "eval_end": history["eval"][-1][1],
                 "reward": history.get("reward", []), "run_dir": str(self.storage),
                 "plot": str(plot) if plot else None}
+
+    def _resume(self, checkpointer: Checkpointer, step: int, state):
+        """The state, reference policy and data stream position of checkpoint `step`, placed like `state`."""
+        pmap = self.config.parallelism == "pmap"
+        restored, reference, meta = checkpointer.restore(step, unreplicate(state) if pmap else state, self.ref_params)
+        streams = meta.get("data_by_process") or [meta["data"]]
+        if len(streams) != jax.process_count():
+            raise ConfigError(f"checkpoint step {step} was written by {len(streams)} processes, this run has "
+                              f"{jax.process_count()}; resume with the same number of hosts")
+        try:
+            self.prepared.train_stream.load_state_dict(streams[jax.process_index()])
+        except ValueError as e:
+            raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
+        if reference is not None:
+            self.ref_params = reference
+        self.log(f"resumed from the checkpoint of step {step} in {self.storage}")
+        return replicate(restored, jax.local_devices()) if pmap else restored
 
     def _sync_policy(self, state) -> None:
         """The sampler's model gets the state's params (pmap: one copy, replicated over the mesh)."""

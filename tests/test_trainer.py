@@ -23,7 +23,7 @@ CONFIG = {
              "max_prompt_tokens": 8, "prompts_per_step": 32},
     "rewards": [{"name": "math_accuracy"}],
     "sampling": {"group_size": 8, "max_new_tokens": 3, "temperature": 1.0, "prompt_buckets": [8]},
-    "grpo": {"epsilon_high": 0.28},
+    "grpo": {"epsilon_high": 0.28, "beta": 0.01},  # beta: a resumed run restores its KL reference too
     "sft": {"steps": 60, "learning_rate": 0.003, "batch_size": 32},
     "train": {"steps": 40, "seed": 0, "learning_rate": 0.001, "warmup_steps": 5, "samples_every": 10,
               "progress": False},
@@ -189,3 +189,32 @@ def test_uniform_groups_ignore_dropped_samples():
     assert _uniform_groups(total, 4).tolist() == [True, False, True, True, False]
     assert _uniform_groups(total[:16], 4).tolist() == [True, False, True, True]
     assert _uniform_groups(total[16:], 4).tolist() == [False]
+
+
+def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, tmp_path, capsys):
+    """Preempted after step 33 (its logs written), last checkpoint at step 20: running the same
+    command again resumes from step 20, drops the logs of steps 21-33 and ends where the
+    uninterrupted run ended, metrics and parameters alike."""
+    import shutil
+
+    from grpo_jax.checkpoint import load_policy
+
+    path, out = run
+    copy = tmp_path / "preempted"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints" / "40")
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 33))
+    # A run directory with checkpoints is left alone when resuming is off.
+    assert cli.main(["train", "--config", path, "--output", str(copy), "--set", "train.resume=false"]) == 2
+    assert "already holds checkpoints (newest: step 20)" in capsys.readouterr().err
+    assert cli.main(["train", "--config", path, "--output", str(copy)]) == 0
+    ref, got = read_metrics(out), read_metrics(copy)
+    assert [r["step"] for r in got] == [r["step"] for r in ref]  # steps 21-33 once, not twice
+    for r, g in zip(ref, got):
+        for key, value in r.items():
+            if not key.startswith("perf/"):
+                assert g[key] == pytest.approx(value, abs=1e-6, nan_ok=True), (r["step"], key)
+    a = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(out)[0]))
+    b = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(copy)[0]))
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-6
