@@ -407,7 +407,9 @@ class Trainer:
             raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
         if reference is not None:
             self.ref_params = reference
-        self.log(f"resumed from the checkpoint of step {step} in {self.storage}")
+        self.log(f"resumed from the checkpoint of step {step} in {self.storage}"
+                 + (f"; the run already reached train.steps={self.config.train.steps}, nothing left to train"
+                    if step >= self.config.train.steps else ""))
         return replicate(restored, jax.local_devices()) if pmap else restored
 
     def _sync_policy(self, state) -> None:
