@@ -70,10 +70,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def wait(self) -> None:
-        """Until the saves in flight are written."""
-        self._manager.wait_until_finished()
-
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()

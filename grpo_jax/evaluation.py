@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from grpo_jax.hosts import gather_rows, local_rows, row_share, whole
 from grpo_jax.rewards import RewardSpec, combine_rewards
 from grpo_jax.sampling import SamplingConfig, generate
 
@@ -35,12 +36,12 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`."""
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
-    from grpo_jax.hosts import gather_rows, local_rows, row_share, whole
+    from grpo_jax.sharding import rows_per_shard
 
     k = sampling.group_size
     chunk = min(chunk, len(examples))
     if mesh is not None:  # prompts are split over data x fsdp: a chunk must divide evenly
-        n = mesh.shape["data"] * mesh.shape["fsdp"]
+        n = rows_per_shard(mesh)
         chunk = -(-chunk // n) * n
     # Every host has every prompt; each scores only the rows its devices hold, and the scores are
     # put together on every host.
@@ -52,15 +53,15 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         part += [part[0]] * (chunk - real)
         rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start), mesh=mesh)
         tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
-        own = range(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
+        own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
+        n_own = own.stop - own.start
         scores = np.full(share.size, np.nan, np.float32)
-        if own:
-            texts = decode_completions(tokenizer, tokens[:len(own)], lengths[:len(own)])
-            mine = [part[r // k] for r in own]
-            fields = {key: [ex.fields.get(key) for ex in mine] for key in part[0].fields}
-            result = combine_rewards([dataclasses.replace(reward, weight=1.0)], [ex.prompt_text for ex in mine],
-                                     texts, fields)
-            scores[:len(own)] = result.per_fn[reward.name]
+        if n_own:
+            texts = decode_completions(tokenizer, tokens[:n_own], lengths[:n_own])
+            prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)][own]
+            fields = {key: values[own] for key, values in repeat_fields(part[:real], k).items()}
+            result = combine_rewards([dataclasses.replace(reward, weight=1.0)], prompts, texts, fields)
+            scores[:n_own] = result.per_fn[reward.name]
         scores = gather_rows(scores, share)[:real * k].reshape(real, k)
         judged.append(~np.isnan(scores))
         correct.append(np.nan_to_num(scores, nan=0.0) > 0.5)

@@ -380,7 +380,6 @@ class Trainer:
             self._bar = None
             if writer is not None:
                 writer.close()
-            checkpointer.wait()
             if self.primary:
                 self.storage.sync()  # what there is, even when the run stops with an error
         self.state = state
