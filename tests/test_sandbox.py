@@ -1,22 +1,27 @@
-"""The code sandbox and the code reward: limits hold, the process tree dies, grading resists tampering.
+"""The code sandbox: limits hold, the process tree dies, the harness runs by path and its helpers work.
 
-Short timeouts throughout: the whole file runs in a few seconds on 2 cores.
+Short timeouts throughout: the whole file runs in a few seconds on 2 cores. Grading: test_rewards_code.py.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import json
 import os
+import pathlib
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 import time
 
 import pytest
 
-from grpo_jax.rewards import code as code_module
-from grpo_jax.rewards.code import code_reward, extract_code, run_sandboxed, sandbox_isolation
-
+from grpo_jax.rewards.code import code_reward
+from grpo_jax.sandbox import harness, launcher, run_sandboxed, sandbox_isolation
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 0) == 10"
 CORRECT_ADD = "def add(a, b):\n    return a + b"
@@ -195,7 +200,8 @@ def test_files_of_the_invoking_user_are_protected_when_running_as_root(tmp_path)
     target = tmp_path / "checkout_file"
     target.write_text("original")
     target.chmod(0o666)  # even a world-writable file: its directories are not reachable, or not writable
-    source = f"try:\n    open({str(target)!r}, 'w').write('changed')\n    print('wrote')\nexcept OSError:\n    print('denied')"
+    source = (f"try:\n    open({str(target)!r}, 'w').write('changed')\n    print('wrote')\n"
+              "except OSError:\n    print('denied')")
     r = run_sandboxed(source, timeout_s=5.0)
     dropped = any(m.startswith("uid=") for m in r.isolation)
     assert r.stdout.strip() == ("denied" if dropped else "wrote"), r
@@ -215,7 +221,7 @@ def test_a_spawn_failure_is_an_infrastructure_error(monkeypatch):
     def broken_popen(*args, **kwargs):
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(code_module.subprocess, "Popen", broken_popen)
+    monkeypatch.setattr(launcher.subprocess, "Popen", broken_popen)
     r = run_sandboxed("print(1)", timeout_s=5)
     assert r.status == "infra_error" and "Too many open files" in r.detail
     assert code_reward(["q"], [fenced("def add(a, b):\n    return a + b")], tests=["assert add(1, 2) == 3"]) == [None]
@@ -225,7 +231,7 @@ def test_a_temp_dir_failure_is_an_infrastructure_error(monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(code_module.tempfile, "mkdtemp", no_space)
+    monkeypatch.setattr(launcher.tempfile, "mkdtemp", no_space)
     assert run_sandboxed("print(1)", timeout_s=5).status == "infra_error"
     assert code_reward(["q"], [fenced("print(1)")], tests=[[{"input": "", "output": "1"}]]) == [None]
 
@@ -246,8 +252,8 @@ def test_bad_limits_fail_early():
 def test_without_namespaces_the_sandbox_still_limits_kills_and_grades(monkeypatch):
     """Where unprivileged user namespaces are unavailable (some CI hosts), the same code runs with
     rlimits, the process group and the socket guard only."""
-    monkeypatch.setattr(code_module, "_find_unshare", lambda: None)
-    monkeypatch.setattr(code_module, "_launchers", {})
+    monkeypatch.setattr(launcher, "_find_unshare", lambda: None)
+    monkeypatch.setattr(launcher, "_launchers", {})
     isolation = sandbox_isolation()
     assert "netns" not in isolation and "session" in isolation and "rlimits" in isolation
     r = run_sandboxed("while True:\n    pass", timeout_s=1.0)
@@ -259,96 +265,106 @@ def test_without_namespaces_the_sandbox_still_limits_kills_and_grades(monkeypatc
     assert code_reward(["q"] * 2, [fenced(CORRECT_ADD), fenced(exits)], tests=[ADD_TESTS] * 2) == [1.0, 0.0]
 
 
-# --- the code reward --------------------------------------------------------------------------------
+# --- the harness: a real module, run by path, its helpers tested in-process ----------------------------
+
+def test_the_harness_imports_only_the_standard_library():
+    """It runs under `python -I` in the sandbox, where grpo_jax and site-packages may be unreachable."""
+    tree = ast.parse(pathlib.Path(harness.__file__).read_text(encoding="utf-8"))
+    nodes = list(ast.walk(tree))
+    imported = {alias.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert imported and imported <= set(sys.stdlib_module_names) | {"__future__"}, imported - set(sys.stdlib_module_names)
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
 
 
-@pytest.mark.parametrize("source,why", [
-    ("def add(a, b):\n    return a - b\nimport sys\nsys.exit(0)", "sys.exit(0) before the tests"),
-    ("def add(a, b):\n    return a - b\nimport os\nos._exit(0)", "os._exit(0) before the tests"),
-    ("def add(a, b):\n    return a - b\nprint('3 3')\nprint('All tests passed')\nimport os\nos._exit(0)",
-     "printing a fake success line"),
-    ("def add(a, b):\n    raise SystemExit(0)", "exiting from inside the tested function"),
-    ("import builtins\nbuiltins.AssertionError = type('Nope', (Exception,), {})\n"
-     "def add(a, b):\n    return 0", "replacing AssertionError"),
-    ("import builtins\nbuiltins.sum = lambda *args: 1\nbuiltins.len = lambda *args: 1\n"
-     "def add(a, b):\n    return 5", "patching builtins a harness might count with (1 of 3 passes)"),
-    ("def add(a, b):\n    return a - b\nwhile True:\n    pass", "a program that never returns"),
-])
-def test_tampering_or_escaping_the_tests_scores_zero(source, why):
-    assert code_reward(["q"], [fenced(source)], tests=[ADD_TESTS], timeout_s=1.0) == [0.0], why
+def test_harness_exit_code_is_what_the_interpreter_would_exit_with(capsys):
+    assert harness.exit_code(SystemExit()) == 0
+    assert harness.exit_code(SystemExit(3)) == 3
+    assert harness.exit_code(SystemExit(256 + 7)) == 7
+    assert harness.exit_code(SystemExit("bad input")) == 1
+    assert capsys.readouterr().err == "bad input\n"
 
 
-def test_redefining_the_test_function_scores_zero():
-    tests = "def check(candidate):\n    assert candidate(2, 3) == 5\n\ncheck(add)"
-    cheat = "def add(a, b):\n    return 0\n\ndef check(candidate):\n    return True"
-    assert code_reward(["q"], [fenced(cheat)], tests=[tests]) == [0.0]
-    assert code_reward(["q"], [fenced(CORRECT_ADD)], tests=[tests]) == [1.0]
+def test_harness_parses_each_top_level_statement_as_a_test_or_setup():
+    source = '"""docstring"""\nimport math\ndef check(f):\n    assert f(1) == 1\nassert 1 == 1\ncheck(abs)\nx = 1'
+    assert [test for _, test in harness.parse_tests(source)] == [0, 0, 0, 1, 1, 0]
+    assert [harness.is_test(node) for node in ast.parse(source).body] == [False, False, False, True, True, False]
 
 
-def test_shadowing_or_patching_a_builtin_the_tests_use_scores_zero():
-    tests = "assert sorted(evens(10)) == [0, 2, 4, 6, 8]"
-    shadow = "def evens(n):\n    return []\n\ndef sorted(xs):\n    return [0, 2, 4, 6, 8]"
-    patch = "import builtins\nbuiltins.sorted = lambda xs: [0, 2, 4, 6, 8]\n\ndef evens(n):\n    return []"
-    honest = "def evens(n):\n    return [i for i in range(n) if i % 2 == 0][::-1]"
-    assert code_reward(["q"] * 3, [fenced(shadow), fenced(patch), fenced(honest)], tests=[tests] * 3) == [0.0, 0.0, 1.0]
+def test_harness_tests_namespace_drops_dunders_and_builtin_shadows():
+    pristine = dict(builtins.__dict__)
+    candidate = {"__name__": "solution", "__builtins__": {}, "add": len, "sorted": lambda xs: [], "_helper": 1}
+    namespace = harness.tests_namespace(candidate, pristine)
+    assert namespace["add"] is len and namespace["_helper"] == 1 and "sorted" not in namespace
+    assert namespace["__name__"] == "__tests__" and namespace["__builtins__"] is pristine
 
 
-def test_the_tests_and_nonce_are_not_on_disk_for_the_candidate():
-    peek = "import os\nassert os.listdir('.') == [], os.listdir('.')\n\n" + CORRECT_ADD
-    assert code_reward(["q"], [fenced(peek)], tests=[ADD_TESTS]) == [1.0]
+def test_harness_runs_statements_counting_passes_and_stopping_at_a_failed_setup(capsys):
+    tests = harness.parse_tests("def add(a, b):\n    return a + b\nassert add(1, 1) == 2\nassert add(1, 1) == 3\n"
+                                "add(1)\nimport no_such_module_xyz\nassert add(2, 2) == 4")
+    namespace = harness.tests_namespace({}, dict(builtins.__dict__))
+    assert harness.run_statements(tests, namespace) == 1  # the import failed: the last assert never ran
+    err = capsys.readouterr().err
+    assert "AssertionError" in err and "TypeError" in err and "ModuleNotFoundError" in err
 
 
-def test_correct_code_scores_one_and_partial_credit_is_a_kwarg():
-    almost = "def add(a, b):\n    return a + b if a > 0 else 99"  # passes 2 of 3
-    completions = [fenced(CORRECT_ADD), fenced(almost), "no code at all"]
-    assert code_reward(["q"] * 3, completions, tests=[ADD_TESTS] * 3) == [1.0, 0.0, 0.0]
-    scores = code_reward(["q"] * 3, completions, tests=[ADD_TESTS] * 3, partial_credit=True)
-    assert scores == [1.0, pytest.approx(2 / 3), 0.0]
+def test_harness_removes_its_own_directory_and_the_cwd_from_sys_path(tmp_path):
+    here = tmp_path / "sandbox"
+    here.mkdir()
+    entries = ["", str(here), str(here) + "/", "/usr/lib/python3.11", str(tmp_path)]
+    assert harness.clean_sys_path(entries, str(here)) == ["/usr/lib/python3.11", str(tmp_path)]
 
 
-def test_stdin_cases_compare_the_full_output():
-    cases = [{"input": "3\n1 2 3\n", "output": "1\n2\n3\n"}, {"input": "2\n5 6\n", "output": "5\n6"}]
-    programs = {
-        "correct": "n = int(input())\nfor x in input().split():\n    print(x)",
-        "trailing spaces": "n = int(input())\nfor x in input().split():\n    print(x + '   ')",
-        "prefix only": "n = int(input())\nprint(input().split()[0])",
-        "extra line": "n = int(input())\nfor x in input().split():\n    print(x)\nprint('done')",
-        "crash after output": "n = int(input())\nfor x in input().split():\n    print(x)\nraise SystemExit(1)",
-        "exit 0 before output": "import sys\nsys.exit(0)",
-    }
-    scores = code_reward(["q"] * len(programs), [fenced(p) for p in programs.values()], tests=[cases] * len(programs))
-    assert dict(zip(programs, scores)) == {"correct": 1.0, "trailing spaces": 1.0, "prefix only": 0.0,
-                                           "extra line": 0.0, "crash after output": 0.0,
-                                           "exit 0 before output": 0.0}
+def test_the_harness_runs_by_path_from_a_copy_in_the_sandbox_directory():
+    show = "import os, sys\nprint(sys.orig_argv)\nprint(os.getcwd())"
+    for r in (run_sandboxed(show, timeout_s=5), run_sandboxed(show, tests="assert True", timeout_s=5)):
+        assert r.status == "ok", r
+        argv_line, cwd = r.stdout.splitlines()[:2]
+        argv = ast.literal_eval(argv_line)
+        assert argv[1] == "-I" and "-c" not in argv, argv
+        assert os.path.basename(argv[2]) == ".sandbox_harness.py", argv
+        assert os.path.realpath(os.path.dirname(argv[2])) == os.path.realpath(cwd), (argv, cwd)
 
 
-def test_stdin_partial_credit_counts_cases():
-    cases = [{"input": "1\n", "output": "1"}, {"input": "2\n", "output": "4"}]
-    echo = "print(input())"
-    assert code_reward(["q"], [fenced(echo)], tests=[cases], partial_credit=True) == [0.5]
-    assert code_reward(["q"], [fenced(echo)], tests=[cases]) == [0.0]
+def test_a_candidate_cannot_import_a_sibling_of_the_harness_or_a_file_it_wrote():
+    source = textwrap.dedent("""
+        import sys
+        open("mine.py", "w").write("x = 1")
+        for name in ("launcher", "harness", "mine", ".sandbox_harness"):
+            try:
+                __import__(name)
+                print(name, "imported")
+            except ImportError:
+                print(name, "blocked")
+        print(sorted(p for p in sys.path if "sandbox" in p or not p))
+    """)
+    r = run_sandboxed(source, timeout_s=5)
+    assert r.status == "ok", r
+    assert r.stdout.splitlines() == ["launcher blocked", "harness blocked", "mine blocked", ".sandbox_harness blocked",
+                                     "[]"]
 
 
-@pytest.mark.parametrize("field", [
-    42, "", "def broken(:", "import math", '"""only a docstring"""', [], [{"input": "1"}], [{"input": 1, "output": "1"}],
-    {"input": "1", "output": "1"},
-])
-def test_a_malformed_tests_field_is_dropped(field):
-    assert code_reward(["q"], [fenced(CORRECT_ADD)], tests=[field]) == [None]
-
-
-def test_extract_code_takes_the_last_python_block():
-    text = "```python\nfirst\n```\nthen\n```py\nsecond\n```\n```bash\nls\n```\n```python\nunclosed"
-    assert extract_code(text) == "second"
-    assert extract_code("```\nplain\n```") == "plain"
-    assert extract_code("no fences") is None
-
-
-def test_samples_keep_their_order_across_the_thread_pool():
-    completions = [fenced(CORRECT_ADD), fenced("def add(a, b):\n    return 0"), "nothing"] * 2
-    assert code_reward(["q"] * 6, completions, tests=[ADD_TESTS] * 6, max_workers=3) == [1.0, 0.0, 0.0] * 2
-    with pytest.raises(ValueError, match="max_workers"):
-        code_reward(["q"], ["x"], tests=[ADD_TESTS], max_workers=0)
-    with pytest.raises(ValueError, match="lengths differ"):
-        code_reward(["q"], ["x", "y"], tests=[ADD_TESTS] * 2)
-
+def test_the_harness_drops_its_directory_from_sys_path_even_without_isolated_mode(tmp_path):
+    """Started by path without -I, Python puts the script's directory first on sys.path; the harness
+    removes it before the candidate runs, so a module next to the harness stays out of reach."""
+    package = tmp_path / "package"
+    package.mkdir()
+    shutil.copy(harness.__file__, package / "harness.py")
+    (package / "sibling.py").write_text("print('sibling imported')")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    config = {"code": "import sibling", "tests": None, "nonce": "n", "limits": [], "unlink": []}
+    (workdir / "config.json").write_text(json.dumps(config))
+    status_r, status_w = os.pipe()
+    control_r, control_w = os.pipe()  # held open: closing it would tell the harness to stop
+    try:
+        proc = subprocess.run([sys.executable, str(package / "harness.py"), "config.json", str(status_w), str(control_r)],
+                              cwd=workdir, capture_output=True, text=True, timeout=30, pass_fds=(status_w, control_r))
+    finally:
+        for fd in (status_w, control_r, control_w):
+            os.close(fd)
+    with os.fdopen(status_r, "rb") as f:
+        status = f.read()
+    assert "ModuleNotFoundError: No module named 'sibling'" in proc.stderr, proc
+    assert "sibling imported" not in proc.stdout and status == b"S\nX 1\n"
+    assert (package / "harness.py").exists()  # only the files the config names are deleted

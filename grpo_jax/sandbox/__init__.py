@@ -1,0 +1,42 @@
+"""A process sandbox for untrusted Python programs (the code reward's candidates).
+
+The sandbox (`run_sandboxed`) is a separate process tree, never this interpreter:
+- its own session and process group; at the wall-clock timeout (or an output flood) the harness
+  kills the program and exits, which takes down everything in the PID namespace, and the process
+  group is SIGKILLed as a backstop, so nothing of it is left when `run_sandboxed` returns;
+- where unprivileged user namespaces work (`unshare`), its own user, network, mount and PID
+  namespaces: no network interface but a down loopback; its own /proc, in which no process
+  outside the sandbox is visible; and every process it starts dies with it, including ones that
+  left the process group with `setsid`;
+- when this process is root, the program runs as `nobody` (uid 65534), so it cannot write the
+  checkout or read /root; with a user namespace alone, it would keep root's access to files.
+  When this process is not root, the program runs as this user and can read and write what this
+  user can: the filesystem is not isolated (a read-only root would need a mount setup step
+  that this sandbox does not have);
+- rlimits set before any model code runs: CPU seconds, address space (memory), file size,
+  process count (only where it counts the sandbox's own processes: in its own user namespace or
+  uid) and no core dumps; and not dumpable, so concurrent sandboxes running as the same uid
+  cannot ptrace or read each other;
+- `python -I` (isolated: no PYTHON* variables, no user site, neither the cwd nor the harness's
+  directory on sys.path), a minimal environment without proxies, a fresh temporary directory as
+  cwd that is deleted afterwards, and `socket` refusing internet sockets as a second line where no
+  network namespace exists;
+- stdout and stderr read with a cap: a flood is cut off and the process tree killed.
+An infrastructure failure (no interpreter, no temp dir, cannot spawn, the sandbox's own
+supervisor dying) is `status="infra_error"`. Linux only (namespaces, pidfd, prctl).
+
+With `tests`, a trusted harness (`harness.py`, run by path inside the sandbox) runs the candidate
+as module `solution`, then each top-level test statement in a separate namespace that holds the
+candidate's names and a copy of the builtins taken before the candidate ran, and only when the
+last test has run it prints a random per-run nonce with the pass count. The nonce and the tests
+reach the sandbox in a file the harness deletes before the candidate runs. The process limits are
+the security boundary; the harness only keeps the grading honest against ordinary exploits (see
+`grpo_jax.rewards.code` for what it does and does not stop).
+
+Modules: `launcher` (probing, starting, supervising, classifying a run) and `harness` (the code
+that runs inside the sandbox; standard library only).
+"""
+
+from grpo_jax.sandbox.launcher import SandboxResult, SandboxStatus, run_sandboxed, sandbox_isolation
+
+__all__ = ["SandboxResult", "SandboxStatus", "run_sandboxed", "sandbox_isolation"]
