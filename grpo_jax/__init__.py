@@ -1,3 +1,41 @@
-"""grpo_jax: JAX/TPU-native GRPO for reinforcement learning of language models from verifiable rewards."""
+"""grpo_jax: JAX/TPU-native GRPO for reinforcement learning of language models from verifiable rewards.
+
+The main API, importable from here:
+
+- `from_pretrained(path, dtype=..., param_dtype=...)`, `save_pretrained(model, path)`: Hugging Face
+  checkpoints to and from our Flax NNX decoder (grpo_jax.models);
+- `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.sampling);
+- `group_advantages(rewards, group_size, *, scale, estimator)` (grpo_jax.grpo);
+- `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir)`
+  (grpo_jax.trainer).
+
+Names are loaded on first use, so `import grpo_jax.config` (a leaf) does not import JAX.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "from_pretrained": "grpo_jax.models",
+    "save_pretrained": "grpo_jax.models",
+    "generate": "grpo_jax.sampling",
+    "SamplingConfig": "grpo_jax.config",
+    "group_advantages": "grpo_jax.grpo",
+    "RunConfig": "grpo_jax.config",
+    "load_config": "grpo_jax.config",
+    "train": "grpo_jax.trainer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'grpo_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -8,6 +8,9 @@ Layout of `RUN_DIR/checkpoints/<step>/` (an orbax `CheckpointManager` directory)
 The model's architecture and tokenizer are in `RUN_DIR/model/` (config.json and tokenizer files,
 written at the start of the run) and the run's resolved configuration in `RUN_DIR/config.yaml`;
 `find_run` walks up from a checkpoint path to them.
+
+A run resumes (`resume`) from its newest checkpoint: the train state, the KL reference and each
+host's position in its prompt stream, as `save_step` wrote them.
 """
 
 from __future__ import annotations
@@ -17,8 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
+from flax import nnx
 
+from grpo_jax.config import ConfigError
+from grpo_jax.hosts import gather_json
+from grpo_jax.models import Transformer, load_config, load_tokenizer
+from grpo_jax.storage import is_remote
 from grpo_jax.train_step import TrainState
 
 
@@ -34,11 +44,7 @@ class Checkpointer:
     """Saves asynchronously every call to `save`; keeps the newest `keep` steps."""
 
     def __init__(self, directory: str | Path, *, keep: int = 3):
-        from grpo_jax.storage import is_remote
-
         if is_remote(directory):  # gs://...: orbax writes it through tensorstore
-            from etils import epath
-
             self.directory = epath.Path(str(directory))
         else:
             self.directory = Path(directory).absolute()
@@ -118,21 +124,38 @@ def restore_params(files: RunFiles, abstract_params):
     return restored.params
 
 
-def restore_meta(files: RunFiles) -> dict[str, Any]:
-    with ocp.CheckpointManager(files.checkpoints) as manager:
-        return dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-
-
-def load_policy(checkpoint: str | Path):
-    """(model, tokenizer, RunFiles) of a saved step: the run's architecture with the step's params."""
-    from flax import nnx
-
-    from grpo_jax.models import Transformer, load_config, load_tokenizer
-
+def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32):
+    """(model, tokenizer, RunFiles) of a saved step: the run's architecture with the step's params,
+    computing in `dtype` and stored in `param_dtype` (a run's `model.dtype` / `model.param_dtype`)."""
     files = find_run(checkpoint)
     config = load_config(files.run_dir / "model")
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     params = restore_params(files, params)
     model = nnx.merge(graphdef, params, rest)
     return model, load_tokenizer(files.run_dir / "model"), files
+
+
+def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
+              reference=None) -> None:
+    """Checkpoint `step` (collective: every process saves its shards): the state, the KL reference
+    and every host's prompt-stream position (`stream.state_dict()`, gathered)."""
+    streams = gather_json(stream.state_dict())  # each host's position in its share
+    meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {})}
+    checkpointer.save(step, state, meta, reference=reference)
+
+
+def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None):
+    """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
+    host's prompt stream moved to where it was. A checkpoint of another number of hosts, or a
+    stream with other settings, is a ConfigError."""
+    restored, saved_reference, meta = checkpointer.restore(step, state, reference)
+    streams = meta.get("data_by_process") or [meta["data"]]
+    if len(streams) != jax.process_count():
+        raise ConfigError(f"checkpoint step {step} was written by {len(streams)} processes, this run has "
+                          f"{jax.process_count()}; resume with the same number of hosts")
+    try:
+        stream.load_state_dict(streams[jax.process_index()])
+    except ValueError as e:
+        raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
+    return restored, (reference if saved_reference is None else saved_reference)

@@ -16,8 +16,10 @@ import jax
 import numpy as np
 
 from grpo_jax.hosts import gather_rows, local_rows, row_share, whole
+from grpo_jax.config import SamplingConfig
 from grpo_jax.rewards import RewardSpec, combine_rewards
-from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax.sampling import generate
+from grpo_jax.sharding import rows_per_shard
 
 
 def decode_completions(tokenizer, tokens_RM: np.ndarray, lengths_R: np.ndarray) -> list[str]:
@@ -36,8 +38,6 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`."""
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
-    from grpo_jax.sharding import rows_per_shard
-
     k = sampling.group_size
     chunk = min(chunk, len(examples))
     if mesh is not None:  # prompts are split over data x fsdp: a chunk must divide evenly

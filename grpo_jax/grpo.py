@@ -9,18 +9,13 @@ Shape suffixes: R = N*G rows, N groups (prompts), G group size, M completion tok
 
 from __future__ import annotations
 
-from typing import Literal
-
 import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-Scale = Literal["group", "batch", "none"]
-Estimator = Literal["grpo", "rloo"]
-SCALES: tuple[str, ...] = ("group", "batch", "none")
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+from grpo_jax.config import ESTIMATORS, KL_ESTIMATORS, SCALES, Estimator, Scale
+
 
 
 @flax.struct.dataclass
@@ -30,10 +25,23 @@ class GroupAdvantages:
     zero_std: jax.Array  # bool [N]; the group's valid rewards are all equal (or fewer than 2 are valid)
 
 
-def group_advantages(rewards_R: jax.Array, group_size: int, *, scale: Scale = "group",
+def uniform_groups(rewards: jax.Array, group_size: int) -> jax.Array:
+    """bool [N]: groups of `rewards` (float [N*G], NaN = dropped) that carry no signal: their valid
+    rewards are all equal, or fewer than 2 are valid. The one definition of a zero-variance group,
+    for advantages, `groups/frac_zero_std` and dynamic sampling alike (works on NumPy input too)."""
+    r_NG = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
+    valid_NG = ~jnp.isnan(r_NG)
+    hi = jnp.where(valid_NG, r_NG, -jnp.inf).max(axis=1)
+    lo = jnp.where(valid_NG, r_NG, jnp.inf).min(axis=1)
+    return (valid_NG.sum(axis=1) < 2) | (hi == lo)
+
+
+def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "group",
                      estimator: Estimator = "grpo", eps: float = 1e-6) -> GroupAdvantages:
     """Advantages of each sample relative to its group.
 
+    rewards: float [N*G], row i*G + j = sample j of prompt i, NaN = dropped. Pure jnp: under jit on
+    a global (sharded) array, `scale="batch"` uses the std of the whole batch on every host.
     estimator: "grpo" centres on the group mean; "rloo" on the mean of the *other* valid samples of
     the group (leave-one-out), i.e. n/(n-1) times the grpo centring for n valid samples.
     scale: "group" divides by the group's standard deviation (population std of its valid rewards,
@@ -48,19 +56,17 @@ def group_advantages(rewards_R: jax.Array, group_size: int, *, scale: Scale = "g
         raise ValueError(f"estimator={estimator!r}; choose one of {list(ESTIMATORS)}")
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
-    chex.assert_rank(rewards_R, 1)
-    R = rewards_R.shape[0]
+    chex.assert_rank(rewards, 1)
+    R = rewards.shape[0]
     if R % group_size:
         raise ValueError(f"{R} rewards do not split into groups of {group_size}")
-    r_NG = rewards_R.astype(jnp.float32).reshape(-1, group_size)
+    r_NG = rewards.astype(jnp.float32).reshape(-1, group_size)
     valid_NG = ~jnp.isnan(r_NG)
     r0_NG = jnp.where(valid_NG, r_NG, 0.0)
     n_N1 = valid_NG.sum(axis=1, keepdims=True).astype(jnp.float32)
     mean_N1 = r0_NG.sum(axis=1, keepdims=True) / jnp.maximum(n_N1, 1.0)
     centred_NG = jnp.where(valid_NG, r_NG - mean_N1, 0.0)
-    hi = jnp.where(valid_NG, r_NG, -jnp.inf).max(axis=1)
-    lo = jnp.where(valid_NG, r_NG, jnp.inf).min(axis=1)
-    zero_std_N = (n_N1[:, 0] < 2) | (hi == lo)
+    zero_std_N = uniform_groups(rewards, group_size)
     if estimator == "rloo":
         centred_NG = centred_NG * (n_N1 / jnp.maximum(n_N1 - 1.0, 1.0))
     if scale == "group":

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.sharding import BATCH, batch_sharding
 
 
 def is_primary() -> bool:
@@ -67,8 +70,6 @@ class RowShare:
 
 def row_share(mesh: Mesh, total: int) -> RowShare:
     """This process's block of a `total`-row batch whose rows are split over (data, fsdp)."""
-    from grpo_jax.sharding import BATCH
-
     sharding = NamedSharding(mesh, PartitionSpec(BATCH))
     spans = sorted({idx[0].indices(total)[:2] for idx in sharding.addressable_devices_indices_map((total,)).values()})
     if not spans:
@@ -91,8 +92,6 @@ def to_global(tree, mesh: Mesh, share: RowShare):
     """Global arrays with rows split over (data, fsdp) from this host's rows [share.start, share.stop).
     A leaf's leading axis is share.size, or share.size / f for values of groups of f rows (a
     prompt's). No host sends or sees another host's rows."""
-    from grpo_jax.sharding import batch_sharding
-
     def one(x):
         x = np.asarray(x)
         own = share
@@ -138,8 +137,6 @@ def gather_rows(local: np.ndarray, share: RowShare) -> np.ndarray:
     local = np.asarray(local)
     if not multi_process():
         return local
-    from jax.experimental import multihost_utils
-
     blocks = multihost_utils.process_allgather(local)
     starts = multihost_utils.process_allgather(np.asarray(share.start))
     out = np.empty((share.total, *local.shape[1:]), local.dtype)
@@ -153,8 +150,6 @@ def sum_over_shares(values: Mapping[str, float], share: RowShare) -> dict[str, f
     keys = sorted(values)
     if not multi_process():
         return {k: float(values[k]) for k in keys}
-    from jax.experimental import multihost_utils
-
     rows = multihost_utils.process_allgather(np.asarray([share.start] + [values[k] for k in keys], np.float64))
     _, first = np.unique(rows[:, 0], return_index=True)
     return {k: float(v) for k, v in zip(keys, rows[first, 1:].sum(axis=0))}
@@ -164,25 +159,25 @@ def any_host(flag: bool) -> bool:
     """True on every host if it is true on any (a decision all hosts must take together)."""
     if not multi_process():
         return bool(flag)
-    from jax.experimental import multihost_utils
-
     return bool(multihost_utils.process_allgather(np.asarray(flag, np.int32)).any())
 
 
 def max_over_hosts(value: int) -> int:
     if not multi_process():
         return int(value)
-    from jax.experimental import multihost_utils
-
     return int(multihost_utils.process_allgather(np.asarray(value, np.int64)).max())
+
+
+def common_bucket(prompts: Sequence[Sequence[int]], buckets: Sequence[int]) -> tuple[int, ...]:
+    """The one prompt bucket that fits every host's longest prompt (all hosts must pad alike)."""
+    longest = max_over_hosts(max(len(p) for p in prompts))
+    return tuple(b for b in sorted(buckets) if b >= longest)[:1] or tuple(buckets)
 
 
 def gather_json(obj) -> list:
     """One JSON-able object per process, in process order, on every process."""
     if not multi_process():
         return [obj]
-    from jax.experimental import multihost_utils
-
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     n = max_over_hosts(data.size)
     padded = np.zeros(n, np.uint8)

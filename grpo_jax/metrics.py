@@ -301,36 +301,6 @@ def _first(metrics: Mapping[str, Any], keys: Sequence[str]) -> Any:
     return None
 
 
-# (label, keys tried in order) for the log line; keys that are absent are left out of the line.
-_SUMMARY_FIELDS = (
-    ("reward", ("reward/mean",)),
-    ("acc", ("eval/accuracy",)),
-    ("pass@k", ("eval/pass@k",)),
-    ("kl", ("kl/k3", "kl/k1")),
-    ("entropy", ("policy/entropy",)),
-    ("len", ("completion/len_mean",)),
-    ("loss", ("train/loss",)),
-    ("grad_norm", ("train/grad_norm",)),
-    ("tok/s", ("perf/sample_tokens_per_s", "perf/train_tokens_per_s")),
-    ("s/step", ("perf/step_s",)),
-)
-
-
-def format_metrics(metrics: Mapping[str, Any]) -> str:
-    """A one-line summary of the headline metrics for logs, e.g.
-    `step 12 | reward 0.53±0.21 | kl 0.0012 | len 231 | loss 0.013 | tok/s 1.2k`."""
-    parts = [f"step {metrics['step']}"] if "step" in metrics else []
-    for label, keys in _SUMMARY_FIELDS:
-        key = next((k for k in keys if k in metrics), None)
-        if key is None:
-            continue
-        text = _fmt(metrics[key])
-        if key == "reward/mean" and "reward/std" in metrics:
-            text += "±" + _fmt(metrics["reward/std"])
-        parts.append(f"{label} {text}")
-    return " | ".join(parts)
-
-
 # --------------------------------------------------------------------------- progress bar
 
 class ProgressBar:

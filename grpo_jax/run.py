@@ -8,7 +8,6 @@ with a message that says what to do.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import json
 from collections.abc import Mapping
@@ -19,11 +18,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.config import ConfigError, ModelConfig, RunConfig
+from grpo_jax import data
+from grpo_jax.config import ConfigError, MeshConfig, check_micro_batches, ModelConfig, RunConfig, SamplingConfig, unknown_key
+from grpo_jax.hosts import row_share
 from grpo_jax.models import RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config
 from grpo_jax.models import load_tokenizer
 from grpo_jax.rewards import RewardSpec, get_reward_fn
-from grpo_jax.sampling import SamplingConfig
+from grpo_jax.sharding import make_mesh, mesh_devices, mesh_shape
+
 
 
 @dataclasses.dataclass
@@ -43,9 +45,7 @@ class Prepared:
 
 def build_tokenizer(cfg: ModelConfig):
     if cfg.tokenizer == "char":
-        from grpo_jax.data import char_tokenizer
-
-        return char_tokenizer(add_bos=True)  # a BOS token gives attention a place to rest
+        return data.char_tokenizer(add_bos=True)  # a BOS token gives attention a place to rest
     path = Path(cfg.tokenizer or cfg.path)
     if not path.exists():
         raise FileNotFoundError(f"model.tokenizer: {str(path)!r} does not exist; pass a directory with "
@@ -59,10 +59,7 @@ def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
     values = dict(arch)
     for key in values:
         if key not in fields:
-            near = difflib.get_close_matches(key, sorted(fields), n=1)
-            raise ConfigError(f"unknown key {key!r} in model.architecture"
-                              + (f"; did you mean {near[0]!r}?" if near else "")
-                              + f" Valid keys: {', '.join(sorted(fields))}")
+            raise unknown_key(key, "model.architecture", fields)
     if "rope" in values:
         values["rope"] = {kind: RopeConfig(**rope) for kind, rope in values["rope"].items()}
     values.setdefault("vocab_size", len(tokenizer))
@@ -76,24 +73,26 @@ def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
         raise ConfigError(f"model.architecture: {e}") from None
 
 
-def _dtype(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # model.dtype / model.param_dtype names
 
 
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int) -> Transformer:
     if cfg.path is not None:
-        return from_pretrained(cfg.path, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
-    return Transformer(model_config, rngs=nnx.Rngs(seed), dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype))
+        return from_pretrained(cfg.path, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+    return Transformer(model_config, rngs=nnx.Rngs(seed), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
 
 
 def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: TransformerConfig) -> SamplingConfig:
-    """Stop at the tokenizer's end-of-sequence token unless stop ids are configured; pad with its pad id."""
+    """Stop at the tokenizer's end-of-sequence token unless stop ids are configured; pad with the
+    configured pad id, else the tokenizer's pad token, else the first stop token."""
     stops = sampling.stop_token_ids
     if not stops:
         stops = tuple(model_config.eos_token_ids) or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     if not stops:
         raise ConfigError("no stop token: the tokenizer has no eos token; set sampling.stop_token_ids")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    pad = sampling.pad_token_id
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
 
 
@@ -121,8 +120,6 @@ def initialize_distributed(config: RunConfig) -> None:
 
 def _check_devices(config: RunConfig) -> None:
     """The mesh fits the devices and the batch splits over it (before anything compiles)."""
-    from grpo_jax.sharding import mesh_devices, mesh_shape
-
     if jax.process_count() > 1:
         if config.parallelism == "pmap":
             raise ConfigError(f"parallelism: pmap runs on one host; this run has {jax.process_count()} processes. "
@@ -135,9 +132,10 @@ def _check_devices(config: RunConfig) -> None:
             raise ConfigError(f"mesh: a multi-host mesh must use all {jax.device_count()} devices of the "
                               f"{jax.process_count()} processes, this one uses {used}; use -1 for one axis")
     if config.parallelism == "pmap":
-        if (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) != (1, 1, 1):
+        if config.mesh not in (MeshConfig(), MeshConfig(data=1, fsdp=1, tensor=1)):
             raise ConfigError("parallelism: pmap replicates the model on every local device; it takes no mesh.* "
-                              "settings (leave them at 1) -- use parallelism: jit for fsdp/tensor sharding")
+                              "settings (leave the mesh section out) -- use parallelism: jit for fsdp/tensor "
+                              "sharding")
         ways = jax.local_device_count()
     else:
         try:
@@ -150,9 +148,10 @@ def _check_devices(config: RunConfig) -> None:
                           f"{ways} ways the batch is split ({config.parallelism}: "
                           + ("local devices)" if config.parallelism == "pmap" else "mesh.data x mesh.fsdp)"))
     rows = config.data.prompts_per_step * config.sampling.group_size // ways
-    if rows % config.train.micro_batches:
-        raise ConfigError(f"each of the {ways} batch shards has {rows} rows, which train.micro_batches="
-                          f"{config.train.micro_batches} does not divide")
+    try:
+        check_micro_batches(rows, config.train.micro_batches, f"each of the {ways} batch shards")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if config.sft.steps and config.sft.batch_size % ways:
         raise ConfigError(f"sft.batch_size={config.sft.batch_size} must be a multiple of the {ways} ways the "
                           "batch is split")
@@ -161,9 +160,6 @@ def _check_devices(config: RunConfig) -> None:
 def run_mesh(config: RunConfig):
     """The mesh a run samples and trains on: jit mode's (data, fsdp, tensor) mesh, or for pmap a
     data-only mesh over the local devices (the sampler's; the update itself is pmapped)."""
-    from grpo_jax.config import MeshConfig
-    from grpo_jax.sharding import make_mesh, mesh_devices
-
     if config.parallelism == "pmap":
         devices = jax.local_devices()
         return make_mesh(MeshConfig(data=len(devices)), devices)
@@ -192,8 +188,6 @@ def prepare(config: RunConfig) -> Prepared:
         rewards, eval_reward = build_rewards(config)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rewards: {e}") from None
-    from grpo_jax import data
-
     d = config.data
     def formatter():  # one per stream: each counts what it skipped
         return data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
@@ -210,8 +204,6 @@ def prepare(config: RunConfig) -> Prepared:
     # Each host reads only its block of every batch (see grpo_jax.hosts): its share of the data
     # sampler, dealt in blocks of its share's size, so the hosts' blocks side by side are the batch a
     # single process would read.
-    from grpo_jax.hosts import row_share
-
     mesh = run_mesh(config)
 
     def stream(batch: int, seed: int):

@@ -10,7 +10,7 @@ Shape suffixes: R rows, P prompt bucket, M completion length (the sampler's max_
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from grpo_jax.hosts import common_bucket, row_share, to_global
 from grpo_jax.logprobs import completion_logprobs
+from grpo_jax.run import Prepared
 from grpo_jax.sampling import pad_prompts
+from grpo_jax.sharding import replicated
 
 
 def sft_loss(params, graphdef, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, completion_mask_RM, chunk: int):
@@ -49,3 +52,35 @@ def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
         comp_RM[i, :len(c)] = c
         cmask_RM[i, :len(c)] = 1
     return ids_RP, mask_RP, comp_RM, cmask_RM
+
+
+def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[float]:
+    """The supervised phase (`sft.steps` steps) on the train split's reference answers, data-parallel
+    over the run's mesh (each host builds its block of every batch); updates `model` in place and
+    returns the losses."""
+    cfg, sampling, mesh = prepared.config.sft, prepared.sampling, prepared.mesh
+    tok = prepared.tokenizer
+    eos = sampling.stop_token_ids[0]
+    share = row_share(mesh, cfg.batch_size)
+    t = prepared.config.train
+    optimizer = optax.adamw(cfg.learning_rate, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps)
+    graphdef, params = nnx.split(model, nnx.Param)
+    # Moments follow their params; the step count goes on the mesh too, replicated, so the step's
+    # inputs keep one sharding from call to call (else the second call compiles again).
+    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
+                             else jax.device_put(x, replicated(mesh)), optimizer.init(params))
+    losses = []
+    for i in range(cfg.steps):
+        examples = prepared.sft_stream.next_batch(share.size)
+        answers = [tok.encode(cfg.answer_template.format(**ex.fields), add_special_tokens=False) + [eos]
+                   for ex in examples]
+        prompts = [ex.prompt_ids for ex in examples]
+        batch = completion_batch(prompts, answers, prompt_buckets=common_bucket(prompts, sampling.prompt_buckets),
+                                 max_new_tokens=sampling.max_new_tokens, pad_id=sampling.pad_id)
+        params, opt_state, loss = sft_step(params, opt_state, to_global(batch, mesh, share),
+                                           graphdef=graphdef, optimizer=optimizer, chunk=t.logprob_chunk)
+        losses.append(float(loss))
+        if (i + 1) % max(1, cfg.steps // 5) == 0 or i + 1 == cfg.steps:
+            log(f"sft step {i + 1}/{cfg.steps}: loss {np.mean(losses[-10:]):.4f}")
+    nnx.update(model, params)
+    return losses

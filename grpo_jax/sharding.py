@@ -22,15 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-if TYPE_CHECKING:
-    from grpo_jax.config import MeshConfig
+from grpo_jax.config import MeshConfig
 
 AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # rows of every batch and rollout are split over both
@@ -47,7 +45,7 @@ RULES: Mapping[str, str | None] = {
 }
 
 
-def mesh_shape(config: "MeshConfig", num_devices: int) -> tuple[int, int, int]:
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     """Sizes of (data, fsdp, tensor) with -1 resolved to the remaining devices."""
     sizes = [config.data, config.fsdp, config.tensor]
     known = math.prod(s for s in sizes if s != -1)
@@ -61,7 +59,7 @@ def mesh_shape(config: "MeshConfig", num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def mesh_devices(config: "MeshConfig") -> list[jax.Device]:
+def mesh_devices(config: MeshConfig) -> list[jax.Device]:
     """The devices a mesh config asks for: all of them when a size is -1, else the first
     data x fsdp x tensor (a (1, 1, 1) mesh on an 8-device host uses one device)."""
     sizes = (config.data, config.fsdp, config.tensor)
@@ -74,7 +72,7 @@ def mesh_devices(config: "MeshConfig") -> list[jax.Device]:
     return devices[:n]
 
 
-def make_mesh(config: "MeshConfig", devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(config, len(devices))
@@ -126,6 +124,15 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Mapping[str, str | Non
 
     shardings = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
     return Sharded(shardings=shardings, replicated=replicated)
+
+
+def place_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> list[str]:
+    """Move an NNX model's parameters onto the mesh by the rules, in place; returns the dimensions
+    that had to be replicated (see `param_shardings`)."""
+    params = nnx.state(model, nnx.Param)
+    sharded = param_shardings(params, mesh, rules)
+    nnx.update(model, jax.device_put(params, sharded.shardings))
+    return sharded.replicated
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:

@@ -17,6 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from grpo_jax.config import ConfigError
+
 
 def is_remote(path: str | os.PathLike) -> bool:
     return "://" in str(path)
@@ -40,8 +42,6 @@ class RunDirectory:
             try:
                 self._fs, self._root = fsspec.core.url_to_fs(self.target.rstrip("/"))
             except (ImportError, ValueError) as e:
-                from grpo_jax.config import ConfigError
-
                 raise ConfigError(f"run directory {self.target!r}: {e} (gs:// needs `pip install gcsfs`, "
                                   "in the tpu extra)") from None
             name = self.target.split("://", 1)[1].strip("/").replace("/", "_")[-80:]

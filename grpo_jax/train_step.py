@@ -1,4 +1,7 @@
-"""The pure GRPO train step: `train_step(state, batch) -> (state, metrics)`, jitted once with donation.
+"""The pure GRPO steps: `train_step(state, batch) -> (state, metrics)`, jitted once with donation,
+and beside it the two steps that complete a batch on device: `advantages_step` (group
+normalisation of the global rewards array) and `ref_logprobs_step` (the KL reference's
+log-probs).
 
 The model enters as an NNX graphdef (static) plus its parameter state (a pytree); `nnx.merge`
 happens inside the step only. Gradients are accumulated over micro-batches with `lax.scan`, with
@@ -20,13 +23,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from grpo_jax.config import GRPOConfig
-from grpo_jax.grpo import effective_mask, loss_metrics, loss_weights, policy_loss
+from grpo_jax.config import GRPOConfig, check_micro_batches
+from grpo_jax.grpo import GroupAdvantages, effective_mask, group_advantages, loss_metrics, loss_weights, policy_loss
 from grpo_jax.logprobs import completion_logprobs
+from grpo_jax.sharding import batch_sharding, replicated
 
 
 @flax.struct.dataclass
 class Batch:
+    """One GRPO batch of R = N x G rows (row i*G + j is sample j of prompt i). Validated by
+    `check_batch` where the train step takes it."""
+
     prompt_ids: jax.Array  # int32 [R, P], left-padded
     prompt_mask: jax.Array  # int32 [R, P]
     completion_ids: jax.Array  # int32 [R, M]
@@ -38,6 +45,37 @@ class Batch:
     truncated: jax.Array  # bool [R]
     old_logprobs: jax.Array  # float32 [R, M]: the sampler's (used when num_iterations > 1)
     ref_logprobs: jax.Array | None = None  # float32 [R, M]: reference policy's (beta > 0 only)
+
+
+# field -> (dims as names of R, N, P, M, dtype kind): "i" integer, "f" float, "b" bool.
+_BATCH_FIELDS = {
+    "prompt_ids": (("R", "P"), "i"), "prompt_mask": (("R", "P"), "i"), "completion_ids": (("R", "M"), "i"),
+    "completion_mask": (("R", "M"), "i"), "rewards": (("R",), "f"), "advantages": (("R",), "f"),
+    "valid": (("R",), "b"), "zero_std": (("N",), "b"), "truncated": (("R",), "b"), "old_logprobs": (("R", "M"), "f"),
+    "ref_logprobs": (("R", "M"), "f"),
+}
+
+
+def check_batch(batch: Batch, *, micro_batches: int = 1) -> None:
+    """Shapes and dtypes of every field (static: free under jit), rows = N x G, and rows that split
+    into `micro_batches`; a ValueError names the field that is wrong."""
+    R, M = batch.completion_ids.shape
+    P = batch.prompt_ids.shape[1] if batch.prompt_ids.ndim == 2 else -1
+    N = batch.zero_std.shape[0] if batch.zero_std.ndim == 1 else -1
+    dims = {"R": R, "N": N, "P": P, "M": M}
+    for name, (shape, kind) in _BATCH_FIELDS.items():
+        x = getattr(batch, name)
+        if x is None and name == "ref_logprobs":
+            continue
+        try:
+            chex.assert_shape(x, tuple(dims[d] for d in shape))
+            chex.assert_type(x, {"i": int, "f": float, "b": bool}[kind])
+        except AssertionError as e:
+            raise ValueError(f"Batch.{name} should be {kind}{list(shape)} with R={R}, N={N}, P={P}, M={M}: "
+                             f"{e}") from None
+    if N < 1 or R % N or R // N < 2:
+        raise ValueError(f"Batch.zero_std has {N} groups for {R} rows: rows must be N x G with G >= 2")
+    check_micro_batches(R, micro_batches, "Batch")
 
 
 @flax.struct.dataclass
@@ -70,10 +108,8 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
     rows: the loss normaliser and the batch metrics come from all devices' rows (gathered, they are
     small), gradients and loss sums are summed across devices, so every device applies the update
     the whole batch gives, exactly as the jit path does."""
-    R, M = batch.completion_ids.shape
-    if R % micro_batches:
-        raise ValueError(f"{R} rows do not split into {micro_batches} micro-batches")
-    chex.assert_shape([batch.completion_mask, batch.old_logprobs], (R, M))
+    check_batch(batch, micro_batches=micro_batches)
+    R = batch.completion_ids.shape[0]
     mask_RM = effective_mask(batch.completion_mask, config, valid_R=batch.valid, truncated_R=batch.truncated)
     if axis_name is None:
         everyone = batch
@@ -83,7 +119,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
             return jax.lax.all_gather(x, axis_name, tiled=True)
 
         everyone = batch.replace(**{f: gather(getattr(batch, f)) for f in (
-            "rewards", "advantages", "valid", "zero_std", "truncated", "completion_mask")})
+            "advantages", "valid", "truncated", "completion_mask")})
         _, normaliser = loss_weights(gather(mask_RM), config)
 
     def micro_loss(params, mb):
@@ -131,17 +167,14 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
 
 
 def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
+    """Advantage and completion statistics of the batch the update saw. (Reward statistics describe
+    the policy's samples before dynamic sampling filters them: grpo_jax.rollouts.reward_metrics.)"""
     valid = batch.valid
     n = jnp.maximum(valid.sum(), 1)
-    r = jnp.where(valid, batch.rewards, 0.0)
-    mean = r.sum() / n
     adv = jnp.where(valid, batch.advantages, 0.0)
     adv_mean = adv.sum() / n
     lengths = batch.completion_mask.sum(axis=1)
     return {
-        "reward/mean": mean,
-        "reward/std": jnp.sqrt(jnp.sum(jnp.where(valid, (batch.rewards - mean) ** 2, 0.0)) / n),
-        "groups/frac_zero_std": batch.zero_std.mean(),
         "advantage/mean": adv_mean,
         "advantage/std": jnp.sqrt(jnp.sum(jnp.where(valid, (adv - adv_mean) ** 2, 0.0)) / n),
         "advantage/abs_max": jnp.abs(adv).max(),
@@ -175,8 +208,6 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
         raise ValueError(f"parallelism={parallelism!r} is not one of ['jit', 'pmap']")
     if mesh is None:
         return jax.jit(step, donate_argnames=("state",))
-    from grpo_jax.sharding import batch_sharding, replicated
-
     if state_shardings is None:
         raise ValueError("make_train_step(mesh=...) needs state_shardings (from sharding.place_train_state)")
     compiled = {}
@@ -190,6 +221,48 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
         return compiled[key](state, batch)
 
     return sharded_step
+
+
+def advantages_step(rewards: jax.Array, *, group_size: int, config: GRPOConfig) -> GroupAdvantages:
+    """Group normalisation of the whole batch's rewards (float32 [R], NaN = dropped) as configured.
+    Run under jit on the global array (`make_advantages_step`), so every statistic, the batch std of
+    `advantage_scale: batch` included, is the whole batch's on every host."""
+    return group_advantages(rewards, group_size, scale=config.advantage_scale,
+                            estimator=config.advantage_estimator, eps=config.advantage_eps)
+
+
+def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh=None):
+    """`advantages_step` jitted once; with a mesh, rewards and every output split over (data, fsdp)
+    (N prompts must split over data x fsdp, which a run checks before compiling)."""
+    step = functools.partial(advantages_step, group_size=group_size, config=config)
+    if mesh is None:
+        return jax.jit(step)
+    rows = batch_sharding(mesh, 1)
+    return jax.jit(step, in_shardings=rows, out_shardings=GroupAdvantages(advantages=rows, valid=rows, zero_std=rows))
+
+
+def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
+                      *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0) -> jax.Array:
+    """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
+    (int32 [R, P], left-padded, with their mask) under `params` (the KL reference), tempered as
+    the sampler's."""
+    logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
+                                     chunk=logprob_chunk, temperature=temperature)
+    return logp_RM
+
+
+def make_ref_logprobs_step(graphdef, *, logprob_chunk: int = 128, temperature: float = 1.0, mesh=None,
+                           params_shardings=None):
+    """`ref_logprobs_step` jitted once; with a mesh, the reference params keep `params_shardings`
+    and the rows of every input and of the output are split over (data, fsdp)."""
+    step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
+                             temperature=temperature)
+    if mesh is None:
+        return jax.jit(step)
+    if params_shardings is None:
+        raise ValueError("make_ref_logprobs_step(mesh=...) needs params_shardings")
+    rows = batch_sharding(mesh, 2)
+    return jax.jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
 
 
 def check_skips(metrics: dict, max_consecutive: int) -> None:

@@ -100,3 +100,36 @@ def test_distributed_section(tmp_path):
         load_config(write(tmp_path, BASE), ["distributed.num_processes=2", "distributed.process_id=2"])
     with pytest.raises(ConfigError, match="did you mean 'coordinator_address'"):
         load_config(write(tmp_path, BASE), ["distributed.coordinator=x"])
+
+
+def test_without_a_mesh_section_a_run_uses_every_device(tmp_path):
+    from grpo_jax.run import run_mesh
+
+    config = load_config(write(tmp_path, {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}}))
+    mesh = run_mesh(config)
+    assert mesh.devices.size == 8 and dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    one = run_mesh(load_config(write(tmp_path, BASE), ["mesh.fsdp=1"]))
+    assert one.devices.size == 1
+
+
+def test_pmap_takes_the_default_mesh_and_refuses_a_chosen_one(tmp_path):
+    from grpo_jax.run import _check_devices
+
+    base = {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}, "parallelism": "pmap"}
+    _check_devices(load_config(write(tmp_path, base)))
+    _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))
+    with pytest.raises(ConfigError, match="leave the mesh section out"):
+        _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=2"]))
+
+
+def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
+    from grpo_jax.data import char_tokenizer
+    from grpo_jax.run import architecture, resolve_sampling
+
+    tok = char_tokenizer(add_bos=True)
+    model_config = architecture(BASE["model"]["architecture"], tok)
+    config = load_config(write(tmp_path, BASE))
+    assert config.sampling.pad_token_id is None
+    assert resolve_sampling(config.sampling, tok, model_config).pad_token_id == tok.pad_token_id
+    chosen = load_config(write(tmp_path, BASE), ["sampling.pad_token_id=5"]).sampling
+    assert resolve_sampling(chosen, tok, model_config).pad_token_id == 5

@@ -107,5 +107,6 @@ def test_block_is_part_of_the_sampler_state():
     state = IndexSampler(20, seed=1, process_count=2, block=3).state_dict()
     with pytest.raises(ValueError, match="block"):
         IndexSampler(20, seed=1, process_count=2, block=4).load_state_dict(state)
-    legacy = {k: v for k, v in IndexSampler(20, seed=1).state_dict().items() if k != "block"}
-    IndexSampler(20, seed=1).load_state_dict(legacy)  # states from before blocks meant block=1
+    partial = {k: v for k, v in IndexSampler(20, seed=1).state_dict().items() if k != "block"}
+    with pytest.raises(ValueError, match=r"lacks \['block'\]"):
+        IndexSampler(20, seed=1).load_state_dict(partial)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.grpo import group_advantages, kl_estimate
+from grpo_jax.grpo import group_advantages, kl_estimate, uniform_groups
 
 
 def reference_advantages(rewards, G, scale, estimator, eps=1e-6):
@@ -124,3 +124,15 @@ def test_overlong_penalty_matches_the_dapo_formula():
         assert abs(v - expected) < 1e-6, (n, v, expected)
     with pytest.raises(ValueError, match="cache_length"):
         overlong_penalty(jnp.asarray(lengths), 10, 11)
+
+
+def test_uniform_groups_ignore_dropped_samples():
+    nan = np.nan
+    total = np.array([1, 1, 1, 1,  0, 1, 0, 0,  nan, 1, nan, 1,  nan, nan, nan, 0.5,  nan, 0, 1, nan], np.float32)
+    # equal / mixed / equal after dropping NaN / one judged sample / mixed after dropping NaN
+    assert np.asarray(uniform_groups(total, 4)).tolist() == [True, False, True, True, False]
+    assert np.asarray(uniform_groups(total[:16], 4)).tolist() == [True, False, True, True]
+    assert np.asarray(uniform_groups(total[16:], 4)).tolist() == [False]
+    # The same groups are the ones group_advantages calls zero_std.
+    adv = group_advantages(jnp.asarray(total), 4)
+    assert np.asarray(adv.zero_std).tolist() == [True, False, True, True, False]

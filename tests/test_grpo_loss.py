@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.config import GRPOConfig, RunConfig
-from grpo_jax.sampling import SamplingConfig
+from grpo_jax.config import GRPOConfig, RunConfig, SamplingConfig
 from grpo_jax.grpo import group_advantages, loss_metrics, policy_loss
 
 

@@ -25,7 +25,6 @@ def test_one_process_owns_every_row_and_rows_round_trip(shape):
     assert placed["ids"].sharding.spec[0] == ("data", "fsdp") and placed["per_group"].shape == (8,)
     np.testing.assert_array_equal(np.asarray(placed["ids"]), rows["ids"])
     np.testing.assert_array_equal(local_rows(placed, share)["ids"], rows["ids"])
-    np.testing.assert_array_equal(gather_rows(rows["ids"], share), rows["ids"])
 
 
 def test_a_share_scales_to_its_samples_and_rejects_a_misfit():
@@ -37,10 +36,49 @@ def test_a_share_scales_to_its_samples_and_rejects_a_misfit():
         to_global(np.zeros(5), mesh, whole(16))
 
 
-def test_single_process_reductions_are_plain():
-    assert sum_over_shares({"b": 2, "a": 1.5}, whole(4)) == {"a": 1.5, "b": 2.0}
-    assert any_host(True) and not any_host(False)
-    assert gather_json({"x": [1, 2]}) == [{"x": [1, 2]}]
+def as_process_zero_of_many(monkeypatch, others):
+    """Pretend this is process 0 of several: the k-th allgather stacks this host's value with the
+    other hosts' values `others[k]`."""
+    from grpo_jax import hosts
+
+    calls = iter(others)
+    monkeypatch.setattr(hosts, "multi_process", lambda: True)
+    monkeypatch.setattr(hosts.multihost_utils, "process_allgather",
+                        lambda x: np.stack([np.asarray(x), *map(np.asarray, next(calls))]))
+
+
+def test_rows_of_every_host_are_put_together_by_their_start(monkeypatch):
+    share = RowShare(4, 8, 12)  # this host holds rows 4..8; the others 8..12 and 0..4
+    mine = np.arange(4, 8)
+    as_process_zero_of_many(monkeypatch, [[np.arange(8, 12), np.arange(0, 4)], [8, 0]])
+    np.testing.assert_array_equal(gather_rows(mine, share), np.arange(12))
+
+
+def test_counts_are_summed_once_per_share(monkeypatch):
+    # Three hosts: the second holds the same block as this one (a tensor axis across hosts).
+    as_process_zero_of_many(monkeypatch, [[[0, 1.0, 10.0], [4, 2.0, 20.0]]])
+    assert sum_over_shares({"b": 10, "a": 1}, RowShare(0, 4, 8)) == {"a": 3.0, "b": 30.0}
+
+
+def test_a_decision_is_true_on_every_host_if_any_host_says_so(monkeypatch):
+    as_process_zero_of_many(monkeypatch, [[1], [0]])
+    assert any_host(False) is True  # another host is short
+    assert any_host(False) is False
+
+
+def test_json_of_every_host_in_process_order(monkeypatch):
+    import json
+
+    other = np.frombuffer(json.dumps({"position": 12345}).encode(), np.uint8)
+    mine = {"x": [1]}
+    n = max(other.size, len(json.dumps(mine)))
+    padded = np.zeros(n, np.uint8)
+    padded[:other.size] = other
+    as_process_zero_of_many(monkeypatch, [[other.size], [other.size], [padded]])
+    assert gather_json(mine) == [{"x": [1]}, {"position": 12345}]
+
+
+def test_a_replicated_key_draws_what_the_key_draws():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     key = replicated_key(jax.random.key(7), mesh)
     assert key.sharding.is_fully_replicated

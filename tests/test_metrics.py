@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from grpo_jax.metrics import MetricsWriter, ProgressBar, format_metrics, plot_run, read_metrics
+from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
 
 
 def _tensorboard(run_dir):
@@ -238,10 +238,3 @@ def test_progress_bar_off_when_asked_or_not_a_terminal():
         assert out.getvalue() == ""
     with pytest.raises(ValueError, match="initial"):
         ProgressBar(5, initial=6)
-
-
-def test_format_metrics_picks_headline_fields():
-    line = format_metrics({"step": 12, "reward/mean": 0.5312, "reward/std": 0.21, "kl/k3": 0.0012,
-                           "kl/k1": 9.0, "completion/len_mean": 231.0, "perf/step_s": float("nan"),
-                           "policy/clip_frac_low": 0.1})
-    assert line == "step 12 | reward 0.5312±0.21 | kl 0.0012 | len 231 | s/step nan"

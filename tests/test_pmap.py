@@ -9,11 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
-from grpo_jax.config import GRPOConfig
+from grpo_jax.config import GRPOConfig, SamplingConfig
 from grpo_jax.grpo import group_advantages
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax.sampling import generate
 from grpo_jax.sharding import replicate, split_rows, unreplicate
 from grpo_jax.train_step import Batch, init_state, make_train_step
 
@@ -58,8 +58,9 @@ def test_pmap_mode_gives_the_jit_modes_update(loss_agg):
     # every device holds the same parameters
     for leaf in jax.tree.leaves(pm_state.params):
         assert all(np.array_equal(np.asarray(leaf[0]), np.asarray(leaf[i])) for i in range(1, 8))
-    for key in ("train/loss", "train/grad_norm", "policy/entropy", "reward/mean", "reward/std", "advantage/std",
-                "completion/len_mean", "completion/len_max", "groups/frac_zero_std", "policy/ratio_max"):
+    for key in ("train/loss", "train/grad_norm", "policy/entropy", "advantage/mean", "advantage/std",
+                "advantage/abs_max", "completion/len_mean", "completion/len_max", "completion/truncated_frac",
+                "policy/ratio_max"):
         assert float(pm_metrics[key][0]) == pytest.approx(float(jit_metrics[key]), abs=1e-5), key
     assert float(jit_metrics["train/grad_norm"]) > 0
 

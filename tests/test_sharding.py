@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.config import GRPOConfig, MeshConfig
+from grpo_jax.config import GRPOConfig, MeshConfig, SamplingConfig
 from grpo_jax.grpo import group_advantages
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.sampling import SamplingConfig, generate
+from grpo_jax.sampling import generate
 from grpo_jax.sharding import make_mesh, mesh_shape, param_shardings, place_train_state
 from grpo_jax.train_step import Batch, init_state, make_train_step
 

@@ -107,10 +107,12 @@ def test_a_step_raises_the_logprob_of_rewarded_completions():
         state, metrics = step(state, batch)
     delta = logp(state.params) - start
     assert delta[0] > 0 and delta[5] > 0 and (delta[[1, 2, 3, 4, 6, 7]] < 0).all()
-    for name in ("reward/mean", "groups/frac_zero_std", "advantage/abs_max", "completion/len_mean",
-                 "policy/entropy", "train/grad_norm"):
+    for name in ("advantage/mean", "advantage/abs_max", "completion/len_mean", "policy/entropy", "train/grad_norm"):
         assert np.isfinite(float(metrics[name])), name
-    assert float(metrics["reward/mean"]) == 0.25
+    # Reward statistics come from the rollouts (grpo_jax.rollouts.reward_metrics), not twice.
+    assert not {"reward/mean", "reward/std", "groups/frac_zero_std"} & set(metrics)
+    # Two groups of four, one rewarded sample each: +-sqrt(3) after the group std, mean zero.
+    assert float(metrics["advantage/abs_max"]) == pytest.approx(np.sqrt(3.0), rel=1e-4)
 
 
 def test_bf16_compute_with_fp32_master_params():
@@ -121,3 +123,22 @@ def test_bf16_compute_with_fp32_master_params():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
     assert np.isfinite(float(metrics["train/loss"])) and int(metrics["train/skipped_steps"]) == 0
     assert float(metrics["train/grad_norm"]) > 0
+
+
+@pytest.mark.parametrize("field,change,message", [
+    ("completion_mask", lambda b: b.completion_mask[:, :-1], "Batch.completion_mask"),
+    ("rewards", lambda b: b.rewards.astype(jnp.int32), "Batch.rewards"),
+    ("zero_std", lambda b: jnp.zeros(3, bool), "rows must be N x G"),
+    ("valid", lambda b: b.valid.astype(jnp.float32), "Batch.valid"),
+    ("ref_logprobs", lambda b: b.old_logprobs[:, :2], "Batch.ref_logprobs"),
+])
+def test_a_malformed_batch_names_its_field(field, change, message):
+    opt = make_optimizer(1e-3)
+    graphdef, state = fresh(opt)
+    batch = make_batch(7)
+    bad = batch.replace(**{field: change(batch)})
+    with pytest.raises(ValueError, match=message):
+        make_train_step(graphdef, opt, GRPOConfig())(state, bad)
+    with pytest.raises(ValueError, match="do not split into train.micro_batches=3"):
+        make_train_step(graphdef, opt, GRPOConfig(), micro_batches=3)(state, batch)
+

@@ -43,11 +43,13 @@ def overrides(tfds_dir: Path) -> list[str]:
     completions by length) is added: the groups' rewards differ and the GRPO steps have real
     advantages. A large Adam epsilon (the warm start's AdamW uses it too): with 1e-8, Adam's first
     steps, lr * g / (|g| + eps), turn float-rounding differences of near-zero gradients into
-    lr-sized ones and hide what is compared."""
+    lr-sized ones and hide what is compared. Advantages are RLOO-centred and scaled by the whole
+    batch's std: computed per host, two hosts would each divide by their own half's std."""
     return [f"data.data_dir={tfds_dir}", "sft.steps=2", f"train.steps={STEPS}", "train.warmup_steps=0",
             "train.learning_rate=0.001", "train.adam_eps=0.001", "train.samples_every=1", "train.progress=false",
             "rewards=[{name: math_accuracy}, {name: overlong, kwargs: {max_length: 4, cache_length: 3}}]",
-            "eval.num_prompts=32", "eval.k=8", "eval.every=0", "checkpoint.every=0"]
+            "eval.num_prompts=32", "eval.k=8", "eval.every=0", "checkpoint.every=0",
+            "grpo.advantage_scale=batch", "grpo.advantage_estimator=rloo"]
 
 
 def free_port() -> int:

@@ -112,7 +112,6 @@ class IndexSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; it must come from a sampler with the same settings."""
-        state = {"block": 1, **state}  # states written before blocks existed dealt single indices
         missing = [k for k in ("epoch", "position", *_IDENTITY) if k not in state]
         if missing:
             raise ValueError(f"sampler state lacks {missing}; got keys {sorted(state)}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from grpo_jax.config import did_you_mean
 from grpo_jax.data import gsm8k
 from grpo_jax.data.arithmetic import Arithmetic
 from grpo_jax.data.countdown import Countdown
@@ -71,7 +71,7 @@ def _synthetic_builder(
         if key not in cls.builder_configs:
             raise ValueError(
                 f"{name} has no builder config {key!r}; valid: {sorted(cls.builder_configs)}"
-                + _did_you_mean(key, cls.builder_configs)
+                + did_you_mean(key, cls.builder_configs)
             )
         config = cls.builder_configs[key]
     else:
@@ -96,11 +96,6 @@ def _gsm8k_builder(data_dir: Path, manual_dir: str | Path | None, builder_config
     return builder
 
 
-def _did_you_mean(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def load_source(
     name: str,
     split: str,
@@ -123,11 +118,11 @@ def load_source(
         downloads them from GitHub.
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid: {list(DATASETS)}" + _did_you_mean(name, DATASETS))
+        raise ValueError(f"unknown dataset {name!r}; valid: {list(DATASETS)}" + did_you_mean(name, DATASETS))
     splits = SPLITS[name]
     # Checked before preparing, which may download.
     if split.split("[", 1)[0] not in splits:
-        raise ValueError(f"{name} has no split {split!r}; valid: {list(splits)}" + _did_you_mean(split, splits))
+        raise ValueError(f"{name} has no split {split!r}; valid: {list(splits)}" + did_you_mean(split, splits))
     if manual_dir is not None and name != "gsm8k":
         raise TypeError(f"manual_dir is only used by gsm8k, not {name!r}")
     data_dir = Path(data_dir)

@@ -76,6 +76,32 @@ def _gemma3_ropes(d: dict, max_pos: int) -> dict[str, RopeConfig]:
     }
 
 
+def _gemma3_config(d: dict, common: dict, max_pos: int) -> TransformerConfig:
+    """Gemma 3's norms, scalings and soft caps, and its pattern of sliding and full attention layers."""
+    L = common["num_layers"]
+    window = d.get("sliding_window", 4096)
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        pattern = int(d.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+    return TransformerConfig(
+        **common,
+        qk_norm=True,
+        norm_plus_one=True,
+        scale_embeddings=True,
+        post_norms=True,
+        qkv_bias=bool(d.get("attention_bias", False)),
+        o_bias=bool(d.get("attention_bias", False)),
+        activation=d.get("hidden_activation", "gelu_pytorch_tanh"),
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+        attn_logit_softcap=d.get("attn_logit_softcapping"),
+        final_logit_softcap=d.get("final_logit_softcapping"),
+        layer_types=tuple(layer_types),
+        sliding_window=window,
+        rope={k: v for k, v in _gemma3_ropes(d, max_pos).items() if k in layer_types},
+    )
+
+
 def config_from_hf(d: dict) -> TransformerConfig:
     """TransformerConfig from a parsed config.json (either transformers layout)."""
     family = d.get("model_type")
@@ -112,27 +138,7 @@ def config_from_hf(d: dict) -> TransformerConfig:
         pad_token_id=d.get("pad_token_id"),
     )
     if gemma:
-        window = d.get("sliding_window", 4096)
-        layer_types = d.get("layer_types")
-        if layer_types is None:
-            pattern = int(d.get("sliding_window_pattern", 6))
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
-        return TransformerConfig(
-            **common,
-            qk_norm=True,
-            norm_plus_one=True,
-            scale_embeddings=True,
-            post_norms=True,
-            qkv_bias=bool(d.get("attention_bias", False)),
-            o_bias=bool(d.get("attention_bias", False)),
-            activation=d.get("hidden_activation", "gelu_pytorch_tanh"),
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
-            attn_logit_softcap=d.get("attn_logit_softcapping"),
-            final_logit_softcap=d.get("final_logit_softcapping"),
-            layer_types=tuple(layer_types),
-            sliding_window=window,
-            rope={k: v for k, v in _gemma3_ropes(d, max_pos).items() if k in layer_types},
-        )
+        return _gemma3_config(d, common, max_pos)
 
     # Llama and Qwen: one rope for every layer; Qwen may use sliding windows on its upper layers.
     window = None

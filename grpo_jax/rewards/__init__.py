@@ -4,14 +4,14 @@
 to the functions; `get_reward_fn` looks one up.
 """
 
-import difflib
-
-from grpo_jax.rewards.code import SandboxResult, code_reward, extract_code, run_sandboxed, sandbox_isolation
+from grpo_jax.config import did_you_mean
+from grpo_jax.rewards.code import code_reward, extract_code
 from grpo_jax.rewards.combine import RewardFn, RewardResult, RewardSpec, combine_rewards
 from grpo_jax.rewards.countdown import countdown_reward, evaluate_expression, extract_expression
 from grpo_jax.rewards.format import format_reward
 from grpo_jax.rewards.length import overlong_reward
 from grpo_jax.rewards.math import extract_answer, math_accuracy, parse_number, strip_echo
+from grpo_jax.sandbox import SandboxResult, run_sandboxed, sandbox_isolation
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math_accuracy": math_accuracy,
@@ -30,9 +30,7 @@ def get_reward_fn(name: str) -> RewardFn:
     except (KeyError, TypeError):
         pass
     valid = sorted(REWARD_FUNCTIONS)
-    close = difflib.get_close_matches(str(name), valid, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown reward function {name!r}; valid names: {', '.join(valid)}.{hint}")
+    raise ValueError(f"unknown reward function {name!r}{did_you_mean(name, valid)}; valid names: {', '.join(valid)}")
 
 
 __all__ = [

@@ -109,12 +109,6 @@ def strip_echo(prompt: str, completion: str, *, min_words: int = 3) -> tuple[str
     return "".join(chars), sum(copied) / len(copied)
 
 
-def gsm8k_gold(answer_field: str) -> float | None:
-    """The number after `####` in a GSM8K answer field (None if absent or unparsable)."""
-    m = _GSM8K.search(answer_field or "")
-    return parse_number(m.group(1)) if m else None
-
-
 def answers_match(predicted: str | None, gold: float, *, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> bool:
     value = parse_number(predicted) if predicted is not None else None
     return value is not None and math.isclose(value, gold, rel_tol=rel_tol, abs_tol=abs_tol)

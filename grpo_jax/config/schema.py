@@ -1,27 +1,18 @@
-"""Frozen, validated run configuration: one small dataclass per concern, and YAML loading.
-
-A YAML file maps section by section onto `RunConfig` (`model:`, `data:`, `rewards:`, `sampling:`,
-`grpo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`, `parallelism:`, `distributed:`). An unknown key fails
-with the valid keys of its section and the nearest match; `--set section.key=value` overrides are
-parsed as YAML scalars and go through the same checks.
-"""
+"""The run configuration's schema: one small frozen dataclass per concern, validated in
+`__post_init__`, and the choices each variant may take. Imports nothing but the standard library."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 import warnings
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal
 
-import yaml
-
-from grpo_jax.grpo import ESTIMATORS, KL_ESTIMATORS, SCALES
-from grpo_jax.sampling import SamplingConfig
-
+Scale = Literal["group", "batch", "none"]
+Estimator = Literal["grpo", "rloo"]
+SCALES: tuple[str, ...] = ("group", "batch", "none")
+ESTIMATORS: tuple[str, ...] = ("grpo", "rloo")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
@@ -30,6 +21,50 @@ RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"grpo.{name}={value!r} is not one of {list(choices)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How the sampler draws G completions per prompt (grpo_jax.sampling.generate)."""
+
+    group_size: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
+    # The id written after a completion's stop token and left of a padded prompt. A run sets it from
+    # the tokenizer (its pad token, else the first stop token) unless the config gives one.
+    pad_token_id: int | None = None
+    # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
+    # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
+    attend_phases: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_buckets", tuple(sorted(int(b) for b in self.prompt_buckets)))
+        if self.group_size < 1:
+            raise ValueError(f"sampling.group_size must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.attend_phases < 1:
+            raise ValueError(f"sampling.attend_phases must be >= 1, got {self.attend_phases}")
+        if not self.prompt_buckets or self.prompt_buckets[0] < 1:
+            raise ValueError(f"sampling.prompt_buckets must be positive lengths, got {self.prompt_buckets}")
+        if self.pad_token_id is not None and self.pad_token_id < 0:
+            raise ValueError(f"sampling.pad_token_id must be >= 0, got {self.pad_token_id}")
+
+    @property
+    def pad_id(self) -> int:
+        """The pad id to write (0 when none was set or resolved from a tokenizer)."""
+        return 0 if self.pad_token_id is None else self.pad_token_id
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,8 +87,8 @@ class GRPOConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
-    advantage_scale: Literal["group", "batch", "none"] = "group"
-    advantage_estimator: Literal["grpo", "rloo"] = "grpo"
+    advantage_scale: Scale = "group"
+    advantage_estimator: Estimator = "grpo"
     advantage_eps: float = 1e-6
     num_iterations: int = 1  # mu: policy updates per rollout
 
@@ -246,10 +281,11 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh sizes along `data`, `fsdp`, `tensor` (see grpo_jax.sharding); -1 = the rest."""
+    """Device mesh sizes along `data`, `fsdp`, `tensor` (see grpo_jax.sharding); -1 = the rest.
+    The default uses every device, fully sharded (`fsdp: -1`, as MaxText does)."""
 
     data: int = 1
-    fsdp: int = 1
+    fsdp: int = -1
     tensor: int = 1
 
     def __post_init__(self):
@@ -319,10 +355,16 @@ class RunConfig:
             raise ValueError(f"rewards: each function may appear once, got {names}")
         if self.eval.reward is not None and self.eval.reward not in names:
             raise ValueError(f"eval.reward={self.eval.reward!r} is not a configured reward; configured: {names}")
-        rows = self.data.prompts_per_step * self.sampling.group_size
-        if rows % self.train.micro_batches:
-            raise ValueError(f"data.prompts_per_step * sampling.group_size = {rows} rows do not split into "
-                             f"train.micro_batches={self.train.micro_batches}")
+        check_micro_batches(self.data.prompts_per_step * self.sampling.group_size, self.train.micro_batches,
+                            "data.prompts_per_step x sampling.group_size")
+
+
+def check_micro_batches(rows: int, micro_batches: int, what: str) -> None:
+    """The one rule for micro-batching: the rows each device updates on split evenly into
+    `train.micro_batches` (checked on the config, on each batch shard before compiling, and on
+    every Batch the train step takes)."""
+    if rows % micro_batches:
+        raise ValueError(f"{what} = {rows} rows do not split into train.micro_batches={micro_batches}")
 
 
 def _choice_in(section: str, name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -333,141 +375,3 @@ def _choice_in(section: str, name: str, value: str, choices: tuple[str, ...]) ->
 def _positive(section: str, name: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{section}.{name} must be > 0, got {value}")
-
-
-# --- YAML -------------------------------------------------------------------------------------
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
-    "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
-    "mesh": MeshConfig, "distributed": DistributedConfig,
-}
-_TOP_LEVEL = (*_SECTIONS, "rewards", "parallelism")
-
-
-class ConfigError(ValueError):
-    """A configuration file or override that cannot become a RunConfig."""
-
-
-def _unknown(key: str, where: str, valid: Sequence[str]) -> ConfigError:
-    near = difflib.get_close_matches(key, list(valid), n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    return ConfigError(f"unknown key {key!r} in {where}{hint} Valid keys: {', '.join(sorted(valid))}")
-
-
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """YAML lists become tuples where the field is a tuple; ints are fine for floats."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], where) if len(args) == 1 else value
-    if origin is tuple and isinstance(value, list):
-        return tuple(value)
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if annotation in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if annotation is bool and not isinstance(value, bool):
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    return value
-
-
-def _build(cls: type, values: Any, where: str):
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise _unknown(str(key), where, fields)
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a missing required field
-        raise ConfigError(f"{where}: {e}") from None
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
-    """A RunConfig from nested plain data (a parsed YAML file)."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key == "model" and value is None:
-            continue
-        if key in _SECTIONS:
-            kwargs[key] = _build(_SECTIONS[key], value or {}, key)
-        elif key == "rewards":
-            if not isinstance(value, list):
-                raise ConfigError("rewards must be a list of {name, weight, kwargs} entries")
-            kwargs[key] = tuple(_build(RewardConfig, v, f"rewards[{i}]") for i, v in enumerate(value))
-        elif key == "parallelism":
-            kwargs[key] = value
-        else:
-            raise _unknown(str(key), "the config's top level", _TOP_LEVEL)
-    try:
-        return RunConfig(**kwargs)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """`section.key=value` overrides (values parsed as YAML) applied to a parsed config."""
-    raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        value = yaml.safe_load(text) if text else None
-        parts = key.strip().split(".")
-        if len(parts) == 1:
-            if parts[0] not in _TOP_LEVEL:
-                raise _unknown(parts[0], "the config's top level", _TOP_LEVEL)
-            raw[parts[0]] = value
-        elif len(parts) == 2 and parts[0] in _SECTIONS:
-            section, name = parts
-            valid = {f.name for f in dataclasses.fields(_SECTIONS[section]) if f.init}
-            if name not in valid:
-                raise _unknown(name, section, valid)
-            raw.setdefault(section, {})
-            raw[section] = dict(raw[section] or {})
-            raw[section][name] = value
-        else:
-            if parts[0] not in _SECTIONS:
-                raise _unknown(parts[0], "the config's top level", _TOP_LEVEL)
-            raise ConfigError(f"--set {key}: use section.key (one dot), e.g. train.steps=10")
-    return raw
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a YAML config file, apply `--set` overrides, validate everything."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/demo_cpu.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...)")
-    return config_from_dict(apply_overrides(dict(raw), overrides))
-
-
-def config_to_dict(config: RunConfig) -> dict[str, Any]:
-    """Plain data (lists, not tuples) that `config_from_dict` turns back into the same RunConfig."""
-
-    def plain(x):
-        if dataclasses.is_dataclass(x):
-            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
-        if isinstance(x, (tuple, list)):
-            return [plain(v) for v in x]
-        if isinstance(x, Mapping):
-            return {k: plain(v) for k, v in x.items()}
-        return x
-
-    return plain(config)

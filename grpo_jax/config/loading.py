@@ -1,0 +1,163 @@
+"""YAML to a validated RunConfig: sections map onto the schema's dataclasses (`model:`, `data:`,
+`rewards:`, `sampling:`, `grpo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`, `parallelism:`,
+`distributed:`). An unknown key fails with the valid keys of its section and the nearest match;
+`--set section.key=value` overrides are parsed as YAML scalars and go through the same checks.
+Imports nothing of JAX, Flax, optax, orbax, transformers or TFDS."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig,
+                                    MeshConfig, ModelConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig,
+                                    TrainConfig)
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
+    "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
+    "mesh": MeshConfig, "distributed": DistributedConfig,
+}
+_TOP_LEVEL = (*_SECTIONS, "rewards", "parallelism")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override that cannot become a RunConfig."""
+
+
+def did_you_mean(name: object, options: Iterable[str]) -> str:
+    """" (did you mean 'x'?)" for the option nearest to `name`, or "" when none is near: the one
+    hint every unknown-name error in the project gives."""
+    near = difflib.get_close_matches(str(name), list(options), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def unknown_key(key: str, where: str, valid: Iterable[str]) -> ConfigError:
+    """The error for a key that `where` does not have: the nearest valid key and all of them."""
+    valid = sorted(valid)
+    return ConfigError(f"unknown key {key!r} in {where}{did_you_mean(key, valid)}. Valid keys: {', '.join(valid)}")
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """YAML lists become tuples where the field is a tuple; ints are fine for floats."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where) if len(args) == 1 else value
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if annotation is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+def _build(cls: type, values: Any, where: str):
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise unknown_key(str(key), where, fields)
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a missing required field
+        raise ConfigError(f"{where}: {e}") from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
+    """A RunConfig from nested plain data (a parsed YAML file)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "model" and value is None:
+            continue
+        if key in _SECTIONS:
+            kwargs[key] = _build(_SECTIONS[key], value or {}, key)
+        elif key == "rewards":
+            if not isinstance(value, list):
+                raise ConfigError("rewards must be a list of {name, weight, kwargs} entries")
+            kwargs[key] = tuple(_build(RewardConfig, v, f"rewards[{i}]") for i, v in enumerate(value))
+        elif key == "parallelism":
+            kwargs[key] = value
+        else:
+            raise unknown_key(str(key), "the config's top level", _TOP_LEVEL)
+    try:
+        return RunConfig(**kwargs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`section.key=value` overrides (values parsed as YAML) applied to a parsed config."""
+    raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        value = yaml.safe_load(text) if text else None
+        parts = key.strip().split(".")
+        if len(parts) == 1:
+            if parts[0] not in _TOP_LEVEL:
+                raise unknown_key(parts[0], "the config's top level", _TOP_LEVEL)
+            raw[parts[0]] = value
+        elif len(parts) == 2 and parts[0] in _SECTIONS:
+            section, name = parts
+            valid = {f.name for f in dataclasses.fields(_SECTIONS[section]) if f.init}
+            if name not in valid:
+                raise unknown_key(name, section, valid)
+            raw.setdefault(section, {})
+            raw[section] = dict(raw[section] or {})
+            raw[section][name] = value
+        else:
+            if parts[0] not in _SECTIONS:
+                raise unknown_key(parts[0], "the config's top level", _TOP_LEVEL)
+            raise ConfigError(f"--set {key}: use section.key (one dot), e.g. train.steps=10")
+    return raw
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML config file, apply `--set` overrides, validate everything."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/demo_cpu.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...)")
+    return config_from_dict(apply_overrides(dict(raw), overrides))
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """Plain data (lists, not tuples) that `config_from_dict` turns back into the same RunConfig."""
+
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+        if isinstance(x, (tuple, list)):
+            return [plain(v) for v in x]
+        if isinstance(x, Mapping):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return plain(config)
