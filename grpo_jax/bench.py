@@ -8,7 +8,6 @@ repeated runs after a warm-up (compilation is reported separately, never mixed i
 
 from __future__ import annotations
 
-import functools
 import platform
 import statistics
 import tempfile
@@ -65,6 +64,22 @@ def build_pair(preset: str, dtype: str):
     return hf.to(device), ours, device, load_s
 
 
+def build_ours(preset: str, dtype: str):
+    """A grpo_jax model of a preset's shape with random weights (no transformers model, no torch):
+    for figures of our own, such as compile time at a real model's depth."""
+    import jax.numpy as jnp
+    import transformers
+    from flax import nnx
+
+    from grpo_jax.models import Transformer, config_from_hf
+
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = dict(PRESETS[preset])
+    config = config_from_hf(transformers.AutoConfig.for_model(spec.pop("model_type"), **spec).to_dict())
+    return Transformer(config, rngs=nnx.Rngs(0), dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype))
+
+
 def median_time(fn: Callable[[], object], iters: int, warmup: int = 1) -> tuple[float, float]:
     """(seconds of the first call, median seconds of `iters` later calls)."""
     t = time.perf_counter()
@@ -95,17 +110,26 @@ def environment(device: str) -> dict:
 
 
 def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, prompt_len: int = 32,
-            new_tokens: int = 128, dtype: str = "float32", iters: int = 3) -> dict:
+            new_tokens: int = 128, dtype: str = "float32", iters: int = 3, reference: bool = True) -> dict:
     """Generated tokens/s of `grpo_jax.sampling.generate` vs transformers' `generate` (sampling, no
-    early stop) on prompts x group_size rows, and prefill time for G=group_size vs G=1."""
+    early stop) on prompts x group_size rows, and prefill time for G=group_size vs G=1.
+
+    `reference=False` measures grpo_jax alone (compile time and tokens/s, random weights, no torch):
+    for shapes where building and running the transformers model would dominate the run.
+    """
     import jax
     import numpy as np
-    import torch
 
-    from grpo_jax.sampling import SamplingConfig, generate
+    from grpo_jax.config import SamplingConfig
+    from grpo_jax.sampling import generate
 
-    hf, ours, device, load_s = build_pair(preset, dtype)
-    vocab = hf.config.vocab_size
+    if reference:
+        hf, ours, device, load_s = build_pair(preset, dtype)
+    else:
+        t = time.perf_counter()
+        ours, device = build_ours(preset, dtype), "cpu"
+        load_s = time.perf_counter() - t
+    vocab = ours.config.vocab_size
     rng = np.random.default_rng(0)
     prompt_ids = [list(rng.integers(3, vocab, prompt_len)) for _ in range(prompts)]
     rows = prompts * group_size
@@ -118,7 +142,35 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
     cfg = SamplingConfig(group_size=group_size, max_new_tokens=new_tokens, temperature=1.0,
                          prompt_buckets=(prompt_len,))
     compile_s, ours_s = median_time(lambda: run(cfg), iters)
+    tokens = rows * new_tokens
+    result = {
+        "benchmark": "sampler",
+        "preset": preset,
+        "dtype": dtype,
+        "prompts": prompts,
+        "group_size": group_size,
+        "rows": rows,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "load_s": round(load_s, 2),
+        # The first call: compilation plus one run.
+        "grpo_jax_compile_s": round(compile_s, 2),
+        "grpo_jax_tokens_per_s": round(tokens / ours_s, 1),
+    }
+    if not reference:
+        return {**result, "jax_backend": jax.default_backend(), "jax_version": jax.__version__}
+    return {**result, **environment(device), **_sampler_reference(hf, device, prompt_ids, group_size, new_tokens,
+                                                                 ours_s, iters, run)}
 
+
+def _sampler_reference(hf, device, prompt_ids, group_size, new_tokens, ours_s, iters, run) -> dict:
+    """transformers' generate on the same prompts, and grpo_jax's prefill time for G = 1 vs G."""
+    import numpy as np
+    import torch
+
+    from grpo_jax.config import SamplingConfig
+
+    rows, prompt_len = len(prompt_ids) * group_size, len(prompt_ids[0])
     ids_t = torch.as_tensor(np.repeat(np.asarray(prompt_ids), group_size, axis=0), dtype=torch.long, device=device)
 
     def hf_generate():
@@ -142,18 +194,6 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
 
     tokens = rows * new_tokens
     return {
-        "benchmark": "sampler",
-        "preset": preset,
-        "dtype": dtype,
-        "prompts": prompts,
-        "group_size": group_size,
-        "rows": rows,
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        **environment(device),
-        "load_s": round(load_s, 2),
-        "grpo_jax_compile_s": round(compile_s, 2),
-        "grpo_jax_tokens_per_s": round(tokens / ours_s, 1),
         "transformers_tokens_per_s": round(tokens / hf_s, 1),
         "ratio_vs_transformers": round(hf_s / ours_s, 3),
         "prefill_s_G1": round(prefill_s[(1, True)], 4),

@@ -56,6 +56,6 @@ def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM,
     P = prompt_ids_RP.shape[1]
     ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
     mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
-    h = model.hidden_states(ids, attention_mask_BT=mask)
+    h = model.hidden_states(ids, attention_mask=mask)
     # Position P-1+t predicts completion token t.
     return chunked_logprobs(h[:, P - 1:-1], completion_ids_RM, model.logits, chunk=chunk, temperature=temperature)

@@ -8,16 +8,15 @@ How it runs:
 - Prompts are left-padded to the smallest bucket of `config.prompt_buckets` that fits the longest
   one, so a run compiles at most one program per bucket (len(prompt_buckets) programs for a fixed
   number of prompts and a fixed SamplingConfig).
-- Each distinct prompt is prefilled once ([N, P] tokens) and its keys/values are never copied:
-  the decode attends the prompt block once per group of G rows (only the last logits and the
-  small per-slot mask/position vectors are repeated to the N*G rows). Prefill cost and prompt
-  cache memory do not grow with G.
+- Each distinct prompt is prefilled once ([N, P] tokens, `Transformer.prefill`) into the model's
+  cache (`grpo_jax.models.cache.KVCache`), whose prompt block is never copied to the G rows: the
+  decode attends it once per group (only the last logits and the small per-slot mask/position
+  vectors are repeated to the N*G rows). Prefill cost and prompt cache memory do not grow with G.
 - Decoding runs in the same jit: sample a token for every row, feed it back through
-  `model.decode_step`, stop as soon as every row has emitted a stop token or `max_new_tokens` are
-  done. Each layer's cache is a list of separate buffers: the prompt's slots, then `attend_phases`
-  chunks of generated slots. Phase j is one `lax.while_loop` (static shapes) that writes chunk j in
-  place and attends the prompt and chunks 1..j only, so early steps do not pay for the whole
-  capacity and no step copies or slices the cache (each phase compiles one more decode step).
+  `Transformer.decode_step`, stop as soon as every row has emitted a stop token or `max_new_tokens`
+  are done. The generated slots are `attend_phases` chunks of the cache; chunk c is one
+  `lax.while_loop` (static shapes) that writes chunk c in place and attends the prompt and chunks
+  0..c only, so early steps do not pay for the whole capacity (each chunk compiles one more step).
 
 Log-probabilities: `logprobs[r, t]` is log softmax(logits / temperature) at the sampled token, the
 distribution the trainer recomputes. top-k / top-p only restrict which tokens can be drawn (the
@@ -29,7 +28,6 @@ Per-step randomness is `fold_in(rng, step)`: the same rng gives the same rollout
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -40,45 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax.config import SamplingConfig
 from grpo_jax.models.transformer import Transformer
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingConfig:
-    group_size: int = 8
-    max_new_tokens: int = 256
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    stop_token_ids: tuple[int, ...] = ()
-    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
-    pad_token_id: int = 0
-    # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
-    # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
-    attend_phases: int = 4
-
-    def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "prompt_buckets", tuple(sorted(int(b) for b in self.prompt_buckets)))
-        if self.group_size < 1:
-            raise ValueError(f"sampling.group_size must be >= 1, got {self.group_size}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.attend_phases < 1:
-            raise ValueError(f"sampling.attend_phases must be >= 1, got {self.attend_phases}")
-        if not self.prompt_buckets or self.prompt_buckets[0] < 1:
-            raise ValueError(f"sampling.prompt_buckets must be positive lengths, got {self.prompt_buckets}")
 
 
 @flax.struct.dataclass
 class Rollout:
-    tokens: jax.Array  # int32 [N*G, M]; pad_token_id after the stop token
+    tokens: jax.Array  # int32 [N*G, M]; config.pad_id after the stop token
     logprobs: jax.Array  # float32 [N*G, M]; 0 where mask is 0
     mask: jax.Array  # int32 [N*G, M]; 1 for completion tokens up to and including the stop token
     lengths: jax.Array  # int32 [N*G]
@@ -166,10 +132,11 @@ def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array, *,
              share_prefill: bool = True, mesh=None) -> Rollout:
-    """Sample `config.group_size` completions for each prompt.
+    """Sample `config.group_size` completions for each prompt -> Rollout (R = N*G rows; see `Rollout`).
 
-    `prompts` is a list of token-id lists, or a tuple (ids [N, P], mask [N, P]) already left-padded
-    (P should then be one of the buckets to bound compiles). `share_prefill=False` is the reference
+    `prompts` is a list of N token-id lists, or a tuple (ids [N, P], mask [N, P]) of integers already
+    left-padded (P should then be one of the buckets to bound compiles); bad shapes or dtypes raise
+    ValueError, and so does a malformed result (`check_rollout`). `share_prefill=False` is the reference
     path that repeats every prompt G times before prefill; it exists to test and benchmark the
     shared path and gives the same rollout.
 
@@ -179,22 +146,61 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     hosts, pass either the same host arrays on every host or global arrays built from each host's
     rows (`grpo_jax.hosts.to_global`), and read the outputs with `grpo_jax.hosts.local_rows`.
     """
-    if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
-        ids, mask = prompts
-        if not isinstance(ids, jax.Array):
-            ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
-        chex.assert_equal_shape([ids, mask])
-        chex.assert_rank(ids, 2)
-    else:
-        ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_token_id)
+    ids, mask = _prompt_arrays(prompts, config)
     graphdef, state = nnx.split(model)
     if mesh is None:
-        return _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
-    from grpo_jax.hosts import replicated_key
-    from grpo_jax.sharding import shard_rows
+        rollout = _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
+    else:
+        from grpo_jax.hosts import replicated_key
+        from grpo_jax.sharding import shard_rows
 
-    ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.hosts.to_global) stay where they are
-    return _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
+        ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.hosts.to_global) stay where they are
+        rollout = _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
+    check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
+    return rollout
+
+
+def _prompt_arrays(prompts, config: SamplingConfig):
+    """(ids [N, P], mask [N, P]) int32 from token-id lists, or from a checked (ids, mask) pair."""
+    if not (isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape")):
+        return pad_prompts(prompts, config.prompt_buckets, config.pad_id)
+    ids, mask = prompts
+    for name, x, kinds in (("prompt ids", ids, "iu"), ("prompt mask", mask, "iub")):
+        if np.dtype(x.dtype).kind not in kinds:
+            raise ValueError(f"generate(): {name} must be {'integer' if kinds == 'iu' else 'integer or bool'}, "
+                             f"got dtype {x.dtype}")
+    _check("prompt ids", chex.assert_rank, ids, 2)
+    _check("prompt mask", chex.assert_shape, mask, tuple(ids.shape))
+    if not isinstance(ids, jax.Array):
+        return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+    # Global arrays of several hosts stay untouched when they already are int32.
+    return tuple(x if x.dtype == jnp.int32 else x.astype(jnp.int32) for x in (ids, mask))
+
+
+def check_rollout(rollout: Rollout, *, rows: int, max_new_tokens: int) -> None:
+    """Raise ValueError naming the field if `rollout` is not R = `rows` rows of `max_new_tokens`
+    completion slots with the documented dtypes (see `Rollout`); prompts [N, P] with N dividing R."""
+    M = max_new_tokens
+    expected = (("tokens", (rows, M), jnp.int32), ("logprobs", (rows, M), jnp.float32), ("mask", (rows, M), jnp.int32),
+                ("lengths", (rows,), jnp.int32), ("truncated", (rows,), jnp.bool_))
+    for name, shape, dtype in expected:
+        _check(f"Rollout.{name}", chex.assert_shape, getattr(rollout, name), shape)
+        _check(f"Rollout.{name}", chex.assert_type, getattr(rollout, name), dtype)
+    for name in ("prompt_ids", "prompt_mask"):
+        x = getattr(rollout, name)
+        _check(f"Rollout.{name}", chex.assert_rank, x, 2)
+        _check(f"Rollout.{name}", chex.assert_type, x, jnp.int32)
+        if rows % x.shape[0]:
+            raise ValueError(f"Rollout.{name}: {x.shape[0]} prompts do not divide the {rows} completion rows")
+    _check("Rollout.prompt_mask", chex.assert_equal_shape, [rollout.prompt_mask, rollout.prompt_ids])
+
+
+def _check(field: str, assertion, *args) -> None:
+    """Run a chex assertion; its failure becomes a ValueError that names the field."""
+    try:
+        assertion(*args)
+    except AssertionError as e:
+        raise ValueError(f"{field}: {e}") from None
 
 
 @functools.lru_cache(maxsize=64)
@@ -219,25 +225,22 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
 def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
                    mesh=None) -> Rollout:
     model = nnx.merge(graphdef, state)
-    N, P = ids_NP.shape
     G, M = config.group_size, config.max_new_tokens
-    R = N * G
+    # Token t (t < M - 1) is fed back as decode step t; the last sampled token never is.
+    spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True)
     if share_prefill:
         # N rows: the prompt's keys/values stay one copy per group (the decode attends them per group).
-        logits_N1V, cache = model.prefill(ids_NP, mask_NP, capacity=P, last_only=True)
+        logits_N1V, cache = model.prefill(ids_NP, mask_NP, group_size=G, **spec)
         last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
-        cache = cache.replace(mask_BS=jnp.repeat(cache.mask_BS, G, axis=0), pos_BS=jnp.repeat(cache.pos_BS, G, axis=0),
-                              next_pos_B=jnp.repeat(cache.next_pos_B, G, axis=0))
     else:
-        logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
-                                          capacity=P, last_only=True)
+        logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0), **spec)
         last_RV = logits_R1V[:, 0]
     if mesh is not None:
         # Keep the cache's rows where their prompts' rows are, for the whole loop.
         from grpo_jax.sharding import BATCH
 
         cache = _constrain_rows(cache, mesh, BATCH)
-        last_RV = _constrain_rows(last_RV, mesh, BATCH, axis=0)
+        last_RV = _constrain_rows(last_RV, mesh, BATCH)
 
     stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
     sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
@@ -245,51 +248,36 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
 
     def emit(t, last_RV, done_R, tokens_RM, logprobs_RM):
         tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t))
-        tok_R = jnp.where(done_R, config.pad_token_id, tok_R)
+        tok_R = jnp.where(done_R, config.pad_id, tok_R)
         logp_R = jnp.where(done_R, 0.0, logp_R)
         tokens_RM = tokens_RM.at[:, t].set(tok_R)
         logprobs_RM = logprobs_RM.at[:, t].set(logp_R)
         done_R = done_R | jnp.isin(tok_R, stop_ids)
         return tok_R, done_R, tokens_RM, logprobs_RM
 
-    tokens_RM = jnp.full((R, M), config.pad_token_id, jnp.int32)
+    R = cache.rows
+    tokens_RM = jnp.full((R, M), config.pad_id, jnp.int32)
     logprobs_RM = jnp.zeros((R, M), jnp.float32)
     done_R = jnp.zeros((R,), jnp.bool_)
     # mask_RM[:, t] = the row was still running when token t was emitted.
     running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
     tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
 
-    # Step t (1 <= t < M) feeds token t - 1, whose key/value goes to slot P + t - 1. The generated slots
-    # are `phases` chunks of C slots, one buffer per layer and chunk; phase j (one while_loop, compiled
-    # with static shapes) writes chunk j and attends the prompt and chunks 1..j only.
-    phases = max(1, min(config.attend_phases, M - 1))
-    C = max(1, -(-(M - 1) // phases))
-    L = model.config.num_layers
-    dtype = cache.k_LBKSD.dtype
-    K, D = cache.k_LBKSD.shape[2], cache.k_LBKSD.shape[4]
-    keys = [[cache.k_LBKSD[l].transpose(0, 1, 3, 2)] + [jnp.zeros((R, K, D, C), dtype) for _ in range(phases)]
-            for l in range(L)]
-    values = [[cache.v_LBKSD[l]] + [jnp.zeros((R, K, C, D), dtype) for _ in range(phases)] for l in range(L)]
-    mask_RS = jnp.concatenate([cache.mask_BS, jnp.zeros((R, phases * C), jnp.bool_)], axis=1)
-    pos_RS = jnp.concatenate([cache.pos_BS, jnp.zeros((R, phases * C), jnp.int32)], axis=1)
+    # Step t (1 <= t < M) feeds token t - 1 (decode step t - 1). Chunk c of the cache's generated
+    # slots is one while_loop (static shapes: it attends the prompt and chunks 0..c only).
     weights = model.layer_weights()
-    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS,
-             cache.next_pos_B)
-    for j in range(1, phases + 1):
-        def cond(carry, end=min(j * C, M - 1) + 1):
+    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache)
+    for c in range(cache.num_chunks):
+        def cond(carry, end=min((c + 1) * cache.chunk_size, M - 1) + 1):
             t, _, done_R, *_ = carry
             return (t < end) & ~jnp.all(done_R)
 
-        def body(carry, j=j):
-            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS, next_pos_R = carry
+        def body(carry, c=c):
+            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache = carry
             running_RM = running_RM.at[:, t].set(~done_R)
-            mask_RS = jax.lax.dynamic_update_slice(mask_RS, jnp.ones((R, 1), jnp.bool_), (0, P + t - 1))
-            pos_RS = jax.lax.dynamic_update_slice(pos_RS, next_pos_R[:, None], (0, P + t - 1))
-            logits_RV, keys, values = model.decode_step(tok_R, keys, values, mask_RS, pos_RS, next_pos_R, chunk=j,
-                                                        at=t - 1 - (j - 1) * C, weights=weights)
+            logits_RV, cache = model.decode_step(tok_R, cache, chunk=c, weights=weights)
             tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_RV, done_R, tokens_RM, logprobs_RM)
-            return (t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, keys, values, mask_RS, pos_RS,
-                    next_pos_R + 1)
+            return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache
 
         carry = jax.lax.while_loop(cond, body, carry)
     done_R, tokens_RM, logprobs_RM, running_RM = carry[2:6]
@@ -298,17 +286,14 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
                    truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)
 
 
-def _constrain_rows(tree, mesh, batch_axes, axis: int | None = None):
-    """with_sharding_constraint splitting each array's row axis (the KVCache's is axis 1 for its
-    [L, B, ...] buffers, axis 0 for its per-row vectors) over the batch mesh axes."""
+def _constrain_rows(tree, mesh, batch_axes):
+    """with_sharding_constraint splitting each array's leading (row) axis over the batch mesh axes:
+    every buffer of the KVCache and the logits have rows first."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     def one(x):
-        row_axis = axis if axis is not None else (1 if x.ndim >= 4 else 0)
         if x.ndim == 0:
             return x
-        spec = [None] * x.ndim
-        spec[row_axis] = batch_axes
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(batch_axes)))
 
     return jax.tree.map(one, tree)

@@ -48,7 +48,7 @@ from grpo_jax.parallel import make_parallel
 from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollouts import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.run import build_model, prepare, write_model_files
-from grpo_jax.sampling import check_rollout, generate, pad_prompts
+from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import warm_start
 from grpo_jax.sharding import place_model
 from grpo_jax.storage import RunDirectory
@@ -146,7 +146,6 @@ class Trainer:
         t0 = time.perf_counter()
         rollout = generate(self.model, to_global(ids, self.mesh, self.share), self.sampling,
                            step_key(self.rng, step, round_index), mesh=self.mesh)
-        check_rollout(rollout, rows=self.share.total * G, max_new_tokens=self.sampling.max_new_tokens)
         rows = dict(zip(_ROLLOUT_FIELDS, local_rows(tuple(getattr(rollout, k) for k in _ROLLOUT_FIELDS), self.rows)))
         sample_s = time.perf_counter() - t0
         texts = decode_completions(p.tokenizer, rows["tokens"], rows["lengths"])

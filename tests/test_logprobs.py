@@ -41,7 +41,7 @@ def test_completion_logprobs_match_the_model_forward():
     comp = rng.integers(3, 256, (3, 5)).astype(np.int32)
     lp, _ = completion_logprobs(model, jnp.asarray(prompt), jnp.asarray(pmask), jnp.asarray(comp), chunk=2)
     logits = model(jnp.asarray(np.concatenate([prompt, comp], 1)),
-                   attention_mask_BT=jnp.asarray(np.concatenate([pmask, np.ones_like(comp)], 1)))
+                   attention_mask=jnp.asarray(np.concatenate([pmask, np.ones_like(comp)], 1)))
     ref, _ = _reference(np.asarray(logits)[:, 5:-1], comp, 1.0)
     np.testing.assert_allclose(np.asarray(lp), ref, atol=1e-5)
 

@@ -6,9 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from grpo_jax.models import UnsupportedModelError, from_pretrained, save_pretrained
+from grpo_jax.models import Transformer, UnsupportedModelError, from_pretrained, save_pretrained
+from grpo_jax.models.presets import tiny
 from hf_models import build_hf_model
 
 
@@ -143,3 +145,12 @@ def test_tokenizer_saved_beside_the_model_loads_offline(good_dir, tmp_path):
     assert loaded.eos_token_id == 2
     with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
         load_tokenizer(good_dir)  # weights and config only
+
+
+def test_decoding_past_the_cache_is_refused():
+    """The cache is sized statically; a step beyond it fails instead of writing a clamped slot."""
+    model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
+    _, cache = model.prefill(np.ones((1, 3), np.int32), decode_steps=1)
+    _, cache = model.decode_step(np.asarray([4], np.int32), cache)
+    with pytest.raises(ValueError, match="decode step 1 is outside this cache's 1 decode slots"):
+        model.decode_step(np.asarray([5], np.int32), cache)

@@ -44,12 +44,20 @@ def hf_case(request, tmp_path_factory):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, ids, mask):
-    return nnx.merge(graphdef, state)(ids, attention_mask_BT=mask)
+    return nnx.merge(graphdef, state)(ids, attention_mask=mask)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _extend(graphdef, state, ids, cache, mask):
-    return nnx.merge(graphdef, state).extend(ids, cache, mask)
+# The sampler's own entry points: `generate` prefills N prompts once and decodes with `decode_step`.
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _prefill(graphdef, state, ids, mask, group_size, decode_steps, chunks):
+    return nnx.merge(graphdef, state).prefill(ids, mask, group_size=group_size, decode_steps=decode_steps,
+                                              chunks=chunks)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
+def _decode(graphdef, state, tokens, cache, chunk):
+    model = nnx.merge(graphdef, state)
+    return model.decode_step(tokens, cache, chunk=chunk, weights=model.layer_weights())
 
 
 def forward(model, ids, mask):
@@ -87,29 +95,36 @@ def test_gemma_sliding_window_is_exercised(tmp_path):
     assert np.abs(windowed[0, -1] - unwindowed[0, -1]).max() > 1e-2
 
 
-def test_kv_cache_decode_matches_full_pass(hf_case):
-    """Prefill a left-padded batch, decode 8 tokens one at a time: every position equals the full pass."""
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_kv_cache_decode_matches_full_pass(hf_case, group_size):
+    """Prefill a left-padded batch once and decode 8 tokens per row through the sampler's cache (3
+    chunks; with G = 2 the two rows of a prompt share its prompt block and feed different tokens):
+    every step's logits equal the full pass over that row's prompt and tokens."""
     _, hf_model, path = hf_case
     ours = from_pretrained(path)
-    prompt_ids, prompt_mask = left_padded_batch(hf_model.config.vocab_size, [6, 4, 2], seed=1)
-    new = np.random.default_rng(2).integers(3, hf_model.config.vocab_size, (3, 8)).astype(np.int32)
-    full_ids = np.concatenate([prompt_ids, new], axis=1)
-    full_mask = np.concatenate([prompt_mask, np.ones_like(new)], axis=1)
-    full = forward(ours, full_ids, full_mask)
+    V, G, steps = hf_model.config.vocab_size, group_size, 8
+    prompt_ids, prompt_mask = left_padded_batch(V, [6, 4, 2], seed=1)
+    N, P = prompt_ids.shape
+    new = np.random.default_rng(2).integers(3, V, (N * G, steps)).astype(np.int32)
+    row_ids, row_mask = np.repeat(prompt_ids, G, axis=0), np.repeat(prompt_mask, G, axis=0)
+    full_mask = np.concatenate([row_mask, np.ones_like(new)], axis=1)
+    full = forward(ours, np.concatenate([row_ids, new], axis=1), full_mask)
 
     graphdef, state = nnx.split(ours)
-    cache = ours.init_cache(batch=3, capacity=full_ids.shape[1])
-    logits, cache = _extend(graphdef, state, jnp.asarray(prompt_ids), cache, jnp.asarray(prompt_mask))
-    steps = [np.asarray(logits)]
-    for t in range(new.shape[1]):
-        logits, cache = _extend(graphdef, state, jnp.asarray(new[:, t:t + 1]), cache,
-                                jnp.ones((3, 1), jnp.int32))
-        steps.append(np.asarray(logits))
-    cached = np.concatenate(steps, axis=1)
-    assert cached.shape == full.shape
-    assert_close(cached, full, full_mask, rel=1e-5)
-    assert int(cache.index) == full_ids.shape[1]
-    np.testing.assert_array_equal(np.asarray(cache.next_pos_B), full_mask.sum(1))
+    logits, cache = _prefill(graphdef, state, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), G, steps, 3)
+    assert (cache.rows, cache.group_size, cache.num_chunks, cache.chunk_size) == (N * G, G, 3, 3)
+    assert cache.prompt_keys[0].shape[0] == N  # one copy of each prompt, whatever G
+    assert_close(np.repeat(np.asarray(logits), G, axis=0), full[:, :P], row_mask, rel=1e-5)
+    cached = []
+    for t in range(steps):
+        logits, cache = _decode(graphdef, state, jnp.asarray(new[:, t]), cache, cache.chunk_of(t))
+        cached.append(np.asarray(logits))
+    cached = np.stack(cached, axis=1)
+    assert cached.shape == (N * G, steps, V)
+    assert_close(cached, full[:, P:], np.ones_like(new), rel=1e-5)
+    assert int(cache.length) == steps
+    np.testing.assert_array_equal(np.asarray(cache.next_pos), full_mask.sum(1))
+    np.testing.assert_array_equal(np.asarray(cache.mask)[:, :P + steps], full_mask)
 
 
 def test_bf16_compute_tracks_fp32(hf_case):
@@ -209,36 +224,3 @@ def test_random_init_model_is_usable_and_config_validates():
         cfg.replace(layer_types=("sliding_attention", "full_attention"))
     with pytest.raises(ValueError, match="activation"):
         cfg.replace(activation="relu")
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=3)
-def _extend_bucketed(graphdef, state, ids, cache, mask, buckets):
-    return nnx.merge(graphdef, state).extend(ids, cache, mask, attend_buckets=buckets)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _prefill(graphdef, state, ids, mask, capacity, repeats):
-    return nnx.merge(graphdef, state).prefill(ids, mask, capacity=capacity, repeats=repeats)
-
-
-def test_prefill_with_repeats_then_decode_matches_full_pass(hf_case):
-    """prefill(repeats=G) copies each prompt's cache to G rows; decoding each row differently still
-    matches the full pass of that row's tokens."""
-    _, hf_model, path = hf_case
-    ours = from_pretrained(path)
-    V = hf_model.config.vocab_size
-    prompt_ids, prompt_mask = left_padded_batch(V, [6, 3], seed=3)
-    G, steps = 2, 5
-    new = np.random.default_rng(4).integers(3, V, (4, steps)).astype(np.int32)
-    graphdef, state = nnx.split(ours)
-    logits, cache = _prefill(graphdef, state, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), 6 + steps, G)
-    assert cache.batch == 4 and int(cache.index) == 6
-    rows = np.repeat(prompt_ids, G, axis=0)
-    row_mask = np.repeat(prompt_mask, G, axis=0)
-    full = forward(ours, np.concatenate([rows, new], 1), np.concatenate([row_mask, np.ones_like(new)], 1))
-    assert_close(np.repeat(np.asarray(logits), G, axis=0), full[:, :6], row_mask, rel=1e-5)
-    # Attention bounded to the filled part of the cache (buckets 7 and 9 are crossed while decoding).
-    for t in range(steps):
-        logits, cache = _extend_bucketed(graphdef, state, jnp.asarray(new[:, t:t + 1]), cache,
-                                         jnp.ones((4, 1), jnp.int32), (7, 9, 6 + steps))
-        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, 6 + t], atol=1e-5 * max(1, np.abs(full).max()))

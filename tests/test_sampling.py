@@ -11,7 +11,8 @@ import scipy.stats
 import torch
 
 from grpo_jax.models import from_pretrained
-from grpo_jax.sampling import SamplingConfig, generate, pad_prompts, sample_tokens
+from grpo_jax.config import SamplingConfig
+from grpo_jax.sampling import Rollout, check_rollout, generate, pad_prompts, sample_tokens
 from hf_models import build_hf_model
 
 PROMPTS = [[5, 9, 13, 40, 41, 7, 8], [22, 23], [60, 61, 62, 63]]
@@ -32,7 +33,7 @@ def _teacher_forced_logprobs(model, rollout, temperature):
     p_mask = np.repeat(np.asarray(rollout.prompt_mask), G, axis=0)
     ids = np.concatenate([p_ids, np.asarray(rollout.tokens)], axis=1)
     mask = np.concatenate([p_mask, np.ones_like(np.asarray(rollout.tokens))], axis=1)
-    logits = np.asarray(jax.jit(lambda i, m: model(i, attention_mask_BT=m))(ids, mask), np.float64)
+    logits = np.asarray(jax.jit(lambda i, m: model(i, attention_mask=m))(ids, mask), np.float64)
     P = p_ids.shape[1]
     pred = logits[:, P - 1:-1] / (temperature or 1.0)
     logp = pred - np.log(np.exp(pred - pred.max(-1, keepdims=True)).sum(-1, keepdims=True)) - pred.max(-1, keepdims=True)
@@ -158,3 +159,41 @@ def test_bad_input_fails_with_clear_errors(models):
                        (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(max_new_tokens=0), "max_new")]:
         with pytest.raises(ValueError, match=match):
             SamplingConfig(**bad)
+
+
+def _rollout(R=6, N=3, M=4, P=8) -> Rollout:
+    return Rollout(tokens=np.zeros((R, M), np.int32), logprobs=np.zeros((R, M), np.float32),
+                   mask=np.ones((R, M), np.int32), lengths=np.full((R,), M, np.int32), truncated=np.ones((R,), bool),
+                   prompt_ids=np.zeros((N, P), np.int32), prompt_mask=np.ones((N, P), np.int32))
+
+
+def test_malformed_rollout_fails_naming_the_field():
+    good = _rollout()
+    check_rollout(good, rows=6, max_new_tokens=4)
+    cases = [
+        (dict(rows=8, max_new_tokens=4), {}, "Rollout.tokens"),  # wrong number of rows
+        (dict(rows=6, max_new_tokens=5), {}, "Rollout.tokens"),  # wrong completion width
+        ({}, dict(logprobs=np.zeros((6, 4), np.float16)), "Rollout.logprobs"),  # wrong dtype
+        ({}, dict(mask=np.ones((6, 4), bool)), "Rollout.mask"),
+        ({}, dict(lengths=np.zeros((5,), np.int32)), "Rollout.lengths"),
+        ({}, dict(truncated=np.zeros((6,), np.int32)), "Rollout.truncated"),
+        ({}, dict(prompt_ids=np.zeros((4, 8), np.int32)), "Rollout.prompt_ids"),  # 4 prompts for 6 rows
+        ({}, dict(prompt_mask=np.ones((3, 7), np.int32)), "Rollout.prompt_mask"),
+    ]
+    for kwargs, fields, name in cases:
+        with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+            check_rollout(good.replace(**fields), **{"rows": 6, "max_new_tokens": 4, **kwargs})
+
+
+def test_malformed_prompt_arrays_fail_naming_the_field(models):
+    _, ours = models
+    cfg = SamplingConfig(group_size=2, max_new_tokens=4, prompt_buckets=(8,))
+    ids, mask = pad_prompts(PROMPTS, (8,), 0)
+    for prompts, name in [((ids.astype(np.float32), mask), "prompt ids"), ((ids, mask.astype(np.float32)), "prompt mask"),
+                          ((ids[0], mask[0]), "prompt ids"), ((ids, mask[:, 1:]), "prompt mask")]:
+        with pytest.raises(ValueError, match=name):
+            generate(ours, prompts, cfg, jax.random.key(0))
+    # A bool mask and int64 ids are accepted, and give the rollout of the int32 arrays.
+    a = generate(ours, (ids.astype(np.int64), mask.astype(bool)), cfg, jax.random.key(0))
+    b = generate(ours, (ids, mask), cfg, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))

@@ -1,14 +1,19 @@
 """One Flax NNX decoder-only transformer for every supported family.
 
-Layers are stored stacked (a leading `layers` axis on every per-layer parameter) and run with one
-`lax.scan`, so compile time does not grow with depth and per-layer differences (sliding window,
-rope base) are data, not code. Every parameter carries logical axis names in its `logical_axes`
+Layers are stored stacked (a leading `layers` axis on every per-layer parameter). The plain pass and
+`prefill` run them with one `lax.scan`, so their compile time does not grow with depth and per-layer
+differences (sliding window, rope base) are data, not code. `decode_step` unrolls the layers over
+per-layer weights and cache buffers instead: on CPU the scan's per-layer dynamic slices are copied
+before every matmul, which made a decode step 11-16% slower (benchmarks/RESULTS.md, "Decode over
+layers"); its compile time grows with depth. Inference is `prefill` + `decode_step` over the one
+cache type, `cache.KVCache`. Every parameter carries logical axis names in its `logical_axes`
 metadata; `grpo_jax.sharding` maps them to mesh axes.
 
 Shape suffixes used throughout the models package: B batch, T new tokens, S key slots (cache
-capacity, or T in a plain pass), E embed, H query heads, K kv heads, G = H // K, D head_dim,
+slots, or T in a plain pass), E embed, H query heads, K kv heads, G = H // K, D head_dim,
 F mlp, V vocab, L layers, Y layer kinds (full / sliding attention), N rows and positions folded
-into one axis (B*T) for the projections, M = G*T query rows per kv head in attention.
+into one axis (B*T) for the projections, M = G*T query rows per kv head in attention; when
+decoding, R rows (a prompt's G samples are consecutive rows), P prompt slots, C chunk slots.
 """
 
 from __future__ import annotations
@@ -23,12 +28,10 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.models import rope
-from grpo_jax.models.cache import KVCache
+from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
 
 _NEG = float(np.finfo(np.float32).min)
-# Attention with at most this many query rows per (row, kv head) counts as decoding (see _attention).
-_DECODE_ROWS = 8
 
 
 def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -137,27 +140,30 @@ class Transformer(nnx.Module):
         self.lm_head = params.get(("lm_head",))  # None when tied to the embedding
 
     # ------------------------------------------------------------------ public API
-    def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
-                 attention_mask_BT: jax.Array | None = None) -> jax.Array:
-        """Plain causal pass -> float32 logits [B, T, V].
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        """Plain causal pass over input_ids int [B, T] -> float32 logits [B, T, V].
 
-        With `attention_mask_BT` (1 = real token) and no positions, positions count real tokens
-        only (cumsum of the mask - 1), so a left-padded row gives the logits of the unpadded row.
+        attention_mask [B, T] (1 = real token; default all real); positions int [B, T] (default:
+        real tokens count up from 0 and padding repeats its neighbour's position, so a left-padded
+        row gives the logits of the unpadded row).
         """
-        return self.logits(self.hidden_states(input_ids_BT, positions_BT, attention_mask_BT))
+        return self.logits(self.hidden_states(input_ids, positions, attention_mask))
 
-    def hidden_states(self, input_ids_BT, positions_BT=None, attention_mask_BT=None) -> jax.Array:
-        """Final-normed hidden states [B, T, E] in the compute dtype (feed to `logits`)."""
-        chex.assert_rank(input_ids_BT, 2)
-        B, T = input_ids_BT.shape
-        mask_BT = _as_mask(attention_mask_BT, (B, T))
-        if positions_BT is None:
-            positions_BT = _positions(mask_BT, jnp.zeros((B,), jnp.int32))
-        chex.assert_shape(positions_BT, (B, T))
-        h_BTE, _ = self._run(input_ids_BT, positions_BT, mask_BT, old=None, collect_kv=False)
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                      attention_mask: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, E] in the compute dtype (feed to `logits`); arguments as `__call__`."""
+        chex.assert_rank(input_ids, 2)
+        B, T = input_ids.shape
+        mask_BT = _as_mask(attention_mask, (B, T))
+        if positions is None:
+            positions = _positions(mask_BT)
+        chex.assert_shape(positions, (B, T))
+        h_BTE, _ = self._run(input_ids, positions, mask_BT, collect_kv=False)
         return h_BTE
 
     def logits(self, h_BTE: jax.Array) -> jax.Array:
+        """float32 logits [B, T, V] of hidden states [B, T, E]."""
         cfg = self.config
         B, T, E = h_BTE.shape
         # Rows and positions are folded into one axis: XLA:CPU lowers a singleton T (decoding) to slow dots.
@@ -173,121 +179,72 @@ class Transformer(nnx.Module):
             logits_NV = jnp.tanh(logits_NV / cap) * cap
         return logits_NV.reshape(B, T, -1)
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache.init(self.config, batch, capacity, self.dtype)
+    def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, decode_steps: int,
+                group_size: int = 1, chunks: int = 1, last_only: bool = False) -> tuple[jax.Array, KVCache]:
+        """Run N (left-padded) prompts, input_ids int [N, P] and attention_mask [N, P], once ->
+        (float32 logits [N, P, V], or [N, 1, V] of the last position with `last_only`; a `KVCache`).
 
-    def prefill(self, input_ids_BT: jax.Array, attention_mask_BT: jax.Array | None = None, *, capacity: int,
-                repeats: int = 1, last_only: bool = False) -> tuple[jax.Array, KVCache]:
-        """Run a (left-padded) prompt batch and return (logits, a cache of `capacity` slots holding it).
-
-        With `repeats` = G the cache has B*G rows, row b*G + g holding prompt b: the prompt is run
-        once and its keys/values are copied to its G rows. `last_only` returns logits [B, 1, V] of
-        the last position instead of [B, T, V] (the sampler needs no more).
+        The cache holds the prompts' keys/values once per prompt, has N * `group_size` rows (row
+        i*G + j decodes from prompt i) and room for `decode_steps` decode steps in `chunks` chunks.
         """
-        chex.assert_rank(input_ids_BT, 2)
-        B, T = input_ids_BT.shape
-        if T > capacity:
-            raise ValueError(f"a prompt of {T} tokens does not fit a cache of capacity {capacity}")
-        mask_BT = _as_mask(attention_mask_BT, (B, T))
-        positions_BT = _positions(mask_BT, jnp.zeros((B,), jnp.int32))
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids_BT, positions_BT, mask_BT, old=None, collect_kv=True)
+        chex.assert_rank(input_ids, 2)
+        mask_BT = _as_mask(attention_mask, input_ids.shape)
+        positions_BT = _positions(mask_BT)
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT, collect_kv=True)
         if last_only:
             h_BTE = h_BTE[:, -1:]
-        cache = KVCache.init(self.config, B * repeats, capacity, self.dtype)
-
-        def fill(buf, x, batch_axis, slot_axis):
-            x = jnp.repeat(x, repeats, axis=batch_axis) if repeats > 1 else x
-            return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0, axis=slot_axis)
-
-        cache = KVCache(k_LBKSD=fill(cache.k_LBKSD, k_LBKTD, 1, 3), v_LBKSD=fill(cache.v_LBKSD, v_LBKTD, 1, 3),
-                        mask_BS=fill(cache.mask_BS, mask_BT, 0, 1), pos_BS=fill(cache.pos_BS, positions_BT, 0, 1),
-                        next_pos_B=jnp.repeat(mask_BT.sum(axis=1, dtype=jnp.int32), repeats),
-                        index=jnp.asarray(T, jnp.int32))
+        cache = KVCache.from_prefill(k_LBKTD, v_LBKTD, mask_BT, positions_BT, group_size=group_size,
+                                     decode_steps=decode_steps, chunks=chunks)
         return self.logits(h_BTE), cache
 
-    def extend(self, input_ids_BT: jax.Array, cache: KVCache, attention_mask_BT: jax.Array | None = None, *,
-               attend_buckets: tuple[int, ...] | None = None) -> tuple[jax.Array, KVCache]:
-        """Append T tokens (a prompt chunk, or T=1 when decoding) to `cache` -> (logits [B,T,V], cache).
+    def decode_step(self, input_ids: jax.Array, cache: KVCache, *, chunk: int | None = None,
+                    weights: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, KVCache]:
+        """Feed one token per row, input_ids int [R] -> (float32 logits [R, V] of the next token, cache).
 
-        `attend_buckets` (increasing slot counts, the last >= capacity) bounds attention to the
-        cache's filled part: the new tokens attend over the first b slots, b the smallest bucket
-        holding every filled slot, chosen at run time by `lax.switch` (one compiled attention per
-        bucket, the rest of the layer compiled once). Without it attention covers all slots.
+        The token goes to the cache's next decode slot, which must lie in chunk `chunk`; the step
+        attends the prompt block and chunks 0..chunk only. `chunk` is static (it fixes the attended
+        shapes), so a jitted caller passes it (`cache.chunk_of(step)`); None reads it from a
+        concrete `cache.length`. `weights`: `layer_weights()`, hoisted out of a decode loop so the
+        per-layer slicing and the cast to the compute dtype are not repeated every step.
 
-        Slots [index, index + T) must fit in the cache's capacity: writes past the end are clamped
-        by XLA, so callers size the cache statically (prompt bucket + max_new_tokens). The cache is
-        only read inside the layer scan and written once after it, so under a jitted loop with the
-        cache as loop state XLA updates it in place.
-        """
-        chex.assert_rank(input_ids_BT, 2)
-        B, T = input_ids_BT.shape
-        if T > cache.capacity or B != cache.batch:
-            raise ValueError(
-                f"cannot extend a cache of batch {cache.batch}, capacity {cache.capacity} with input of shape {(B, T)}"
-            )
-        new_mask_BT = _as_mask(attention_mask_BT, (B, T))
-        positions_BT = _positions(new_mask_BT, cache.next_pos_B)
-        if attend_buckets is not None:
-            attend_buckets = tuple(sorted(min(int(b), cache.capacity) for b in attend_buckets))
-            if attend_buckets[-1] != cache.capacity:
-                raise ValueError(f"attend_buckets {attend_buckets} must end at the cache capacity {cache.capacity}")
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids_BT, positions_BT, new_mask_BT, old=cache, collect_kv=True,
-                                              attend_buckets=attend_buckets)
-        at = (0, 0, 0, cache.index, 0)
-        new_cache = KVCache(
-            k_LBKSD=jax.lax.dynamic_update_slice(cache.k_LBKSD, k_LBKTD.astype(cache.k_LBKSD.dtype), at),
-            v_LBKSD=jax.lax.dynamic_update_slice(cache.v_LBKSD, v_LBKTD.astype(cache.v_LBKSD.dtype), at),
-            mask_BS=jax.lax.dynamic_update_slice(cache.mask_BS, new_mask_BT, (0, cache.index)),
-            pos_BS=jax.lax.dynamic_update_slice(cache.pos_BS, positions_BT, (0, cache.index)),
-            next_pos_B=cache.next_pos_B + new_mask_BT.sum(axis=1, dtype=jnp.int32),
-            index=cache.index + T)
-        return self.logits(h_BTE), new_cache
-
-    def decode_step(self, tok_B: jax.Array, keys, values, mask_BS: jax.Array, pos_BS: jax.Array,
-                    next_pos_B: jax.Array, *, chunk: int, at: jax.Array, weights=None):
-        """One decoding step over a chunked per-layer cache -> (logits [B, V], keys, values).
-
-        `keys[l]` / `values[l]` are lists of chunks of layer l's cache: keys [B, K, D, S_c] (slots
-        minor, so a single query's scores are one batched matmul with no transpose), values
-        [B, K, S_c, D]. The new token's key/value is written at slot `at` of chunk `chunk` (static),
-        then the token attends over chunks 0..chunk, i.e. the first sum(S_c) slots of `mask_BS` /
-        `pos_BS`, which must already mark the new slot. Chunks are separate buffers, so under a
-        jitted loop each write is in place and no step copies or slices the cache (a slice of one
-        stacked cache is copied by XLA:CPU before every read). `weights`: per-layer parameter dicts
-        (`layer_weights()`), sliced once outside the decode loop instead of once per step.
+        Layers are unrolled here, not scanned (see the module docstring for why).
         """
         cfg, dtype = self.config, self.dtype
-        B = tok_B.shape[0]
+        chex.assert_shape(input_ids, (cache.rows,))
+        if chunk is None:
+            if isinstance(cache.length, jax.core.Tracer):
+                raise ValueError("decode_step under jit needs a static chunk: pass chunk=cache.chunk_of(step)")
+            chunk = cache.chunk_of(int(cache.length))
         weights = self.layer_weights() if weights is None else weights
-        x = self._embed(tok_B[:, None])
-        pos_B1 = next_pos_B[:, None]
-        tables = {k: rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)), pos_B1, dtype)
-                  for k in cfg.kinds}
-        n = sum(c.shape[2] for c in values[0][:chunk + 1])
+        cache = cache.open_slot()
+        R, K, D = cache.rows, cfg.num_kv_heads, cfg.head_dim
+        pos_R1 = cache.next_pos[:, None]
+        cos_YR1D, sin_YR1D = _rope_tables(cfg, pos_R1, dtype)
+        n = cache.prompt_len + (chunk + 1) * cache.chunk_size  # slots attended
         masks = {}
         for kind in cfg.kinds:
-            m = mask_BS[:, :n]
             window = cfg.window_of(kind)
-            if window is not None:
-                m = m & (pos_B1 - pos_BS[:, :n] < window)
-            masks[kind] = m
-        keys, values = [list(k) for k in keys], [list(v) for v in values]
+            in_window = True if window is None else pos_R1 - cache.pos[:, :n] < window
+            masks[kind] = cache.mask[:, :n] & in_window
+        at = cache.slot_in_chunk(chunk)
+        x_R1E = self._embed(input_ids[:, None])
+        keys, values = [], []
         for l, kind in enumerate(cfg.layer_types):
-            p = weights[l]
-            q, k, v = _qkv(x, p, cfg, *tables[kind])  # [B, 1, H, D], [B, 1, K, D]
-            K, D = k.shape[2], k.shape[3]
-            G = q.shape[2] // K
-            kc, vc = keys[l], values[l]
-            kc[chunk] = jax.lax.dynamic_update_slice(kc[chunk], k.reshape(B, K, D, 1).astype(kc[chunk].dtype),
-                                                     (0, 0, 0, at))
-            vc[chunk] = jax.lax.dynamic_update_slice(vc[chunk], v.reshape(B, K, 1, D).astype(vc[chunk].dtype),
-                                                     (0, 0, at, 0))
-            o_BKGD = _decode_attention(q.reshape(B, K, G, D), kc[:chunk + 1], vc[:chunk + 1], masks[kind], cfg, dtype)
-            x = _finish_layer(x, o_BKGD.reshape(B, 1, K * G, D), p, cfg)
-        return self.logits(_rms_norm(x, self.final_norm[...], cfg))[:, 0], keys, values
+            y = cfg.kinds.index(kind)
+            q, k, v = _qkv(x_R1E, weights[l], cfg, cos_YR1D[y], sin_YR1D[y])  # [R, 1, H, D], [R, 1, K, D]
+            k_RKDC, v_RKCD = write_slot(cache.keys[chunk][l], cache.values[chunk][l], at, k[:, 0], v[:, 0])
+            keys.append(k_RKDC)
+            values.append(v_RKCD)
+            earlier = range(chunk)
+            o_RKGD = _decode_attention(
+                q.reshape(R, K, -1, D), [cache.prompt_keys[l], *(cache.keys[c][l] for c in earlier), k_RKDC],
+                [cache.prompt_values[l], *(cache.values[c][l] for c in earlier), v_RKCD], masks[kind], cfg, dtype)
+            x_R1E = _finish_layer(x_R1E, o_RKGD.reshape(R, 1, -1, D), weights[l], cfg)
+        logits_RV = self.logits(_rms_norm(x_R1E, self.final_norm[...], cfg))[:, 0]
+        return logits_RV, cache.close_slot(chunk, tuple(keys), tuple(values))
 
     def layer_weights(self) -> list[dict[str, jax.Array]]:
-        """Per-layer parameter dicts in the compute dtype (for `decode_step`)."""
+        """Per-layer parameter dicts in the compute dtype (for `decode_step`): L separate buffers each."""
         arrays = self.layers.arrays()
         return [{n: a[l].astype(self.dtype) for n, a in arrays.items()} for l in range(self.config.num_layers)]
 
@@ -300,69 +257,44 @@ class Transformer(nnx.Module):
         return x_BTE
 
     # ------------------------------------------------------------------ internals
-    def _run(self, input_ids_BT, positions_BT, new_mask_BT, *, old: KVCache | None, collect_kv: bool,
-             attend_buckets: tuple[int, ...] | None = None):
-        """Embed, run the layers, final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] of the new tokens or None).
-
-        Attention of the new tokens covers two key blocks: the new tokens themselves (causal) and,
-        with `old`, the cache's filled slots. The cache is never copied or written here.
-        """
+    def _run(self, input_ids_BT, positions_BT, mask_BT, *, collect_kv: bool):
+        """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None)."""
         cfg, dtype = self.config, self.dtype
-        B, T = input_ids_BT.shape
-        x_BTE = self._embed(input_ids_BT)
-
-        # One rope table and one pair of masks per layer kind; the scan picks by the layer's kind index.
-        cos_sin = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)),
-                                positions_BT, dtype) for k in cfg.kinds]
-        cos_YBTD = jnp.stack([c for c, _ in cos_sin])
-        sin_YBTD = jnp.stack([s for _, s in cos_sin])
-        causal_TT = jnp.tril(jnp.ones((T, T), jnp.bool_))
-        new_BTT = causal_TT[None] & new_mask_BT[:, None, :]
-        new_masks, old_masks = [], []
+        T = input_ids_BT.shape[1]
+        cos_YBTD, sin_YBTD = _rope_tables(cfg, positions_BT, dtype)
+        # One causal mask per layer kind; the scan picks by the layer's kind index.
+        causal_BTT = jnp.tril(jnp.ones((T, T), jnp.bool_))[None] & mask_BT[:, None, :]
+        masks = []
         for kind in cfg.kinds:
             window = cfg.window_of(kind)
-            m_new = new_BTT
-            m_old = None if old is None else jnp.broadcast_to(old.mask_BS[:, None, :], (B, T, old.capacity))
-            if window is not None:
-                m_new = m_new & (positions_BT[:, :, None] - positions_BT[:, None, :] < window)
-                if old is not None:
-                    m_old = m_old & (positions_BT[:, :, None] - old.pos_BS[:, None, :] < window)
-            new_masks.append(m_new)
-            old_masks.append(m_old)
-        new_YBTT = jnp.stack(new_masks)
-        old_YBTS = None if old is None else jnp.stack(old_masks)
-        kind_L = jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
-        if old is not None and attend_buckets is not None:
-            # Slots [0, old.index) are filled: the smallest bucket that holds them all.
-            bucket = jnp.minimum(jnp.sum(jnp.asarray(attend_buckets) < old.index), len(attend_buckets) - 1)
-
-        def attend(q, k, v, kind, old_k, old_v):
-            new_block = (k, v, new_YBTT[kind])
-            if old is None:
-                return _attention(q, [new_block], cfg)
-
-            def upto(n, q, old_k, old_v, old_mask):
-                return _attention(q, [new_block, (old_k[:, :, :n].astype(dtype), old_v[:, :, :n].astype(dtype),
-                                                  old_mask[..., :n])], cfg)
-
-            if attend_buckets is None:
-                return upto(old.capacity, q, old_k, old_v, old_YBTS[kind])
-            branches = [functools.partial(upto, n) for n in attend_buckets]
-            return jax.lax.switch(bucket, branches, q, old_k, old_v, old_YBTS[kind])
+            in_window = True if window is None else positions_BT[:, :, None] - positions_BT[:, None, :] < window
+            masks.append(causal_BTT & in_window)
+        mask_YBTT = jnp.stack(masks)
 
         def body(x, xs):
-            p, kind, old_k, old_v = xs
+            p, kind = xs
             p = {n: a.astype(dtype) for n, a in p.items()}
             q, k, v = _qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-            x = _finish_layer(x, attend(q, k, v, kind, old_k, old_v), p, cfg)
+            x = _finish_layer(x, _attention(q, k, v, mask_YBTT[kind], cfg), p, cfg)
             return x, ((k, v) if collect_kv else None)
 
         if self.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        old_kv = (None, None) if old is None else (old.k_LBKSD, old.v_LBKSD)
-        x_BTE, kv = jax.lax.scan(body, x_BTE, (self.layers.arrays(), kind_L, *old_kv))
+        x_BTE, kv = jax.lax.scan(body, self._embed(input_ids_BT), (self.layers.arrays(), _kind_index(cfg)))
         return _rms_norm(x_BTE, self.final_norm[...], cfg), kv
+
+
+def _kind_index(cfg: TransformerConfig) -> jax.Array:
+    """int32 [L]: each layer's index into `cfg.kinds` (its attention kind: full / sliding)."""
+    return jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
+
+
+def _rope_tables(cfg: TransformerConfig, positions_BT: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [Y, B, T, D]: one rope table per layer kind (their bases may differ)."""
+    tables = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)), positions_BT, dtype)
+              for k in cfg.kinds]
+    return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
 
 
 def _as_mask(attention_mask_BT, shape) -> jax.Array:
@@ -372,10 +304,9 @@ def _as_mask(attention_mask_BT, shape) -> jax.Array:
     return attention_mask_BT.astype(jnp.bool_)
 
 
-def _positions(mask_BT: jax.Array, start_B: jax.Array) -> jax.Array:
-    """Rotary positions of new tokens: real tokens count up from the row's next position."""
-    counted_BT = jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1
-    return start_B[:, None] + jnp.maximum(counted_BT, 0)
+def _positions(mask_BT: jax.Array) -> jax.Array:
+    """Rotary positions: real tokens count up from 0; padding takes its neighbour's (it is masked anyway)."""
+    return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, cfg: TransformerConfig) -> jax.Array:
@@ -408,37 +339,22 @@ def _qkv(x_BTE, p, cfg: TransformerConfig, cos_BTD, sin_BTD):
     return rope.apply(q, cos_BTD, sin_BTD), rope.apply(k, cos_BTD, sin_BTD), v
 
 
-def _attention(q_BTHD, blocks, cfg: TransformerConfig) -> jax.Array:
-    """Softmax attention of q over the concatenation of key blocks [(k_BKSD, v_BKSD, mask_BTS), ...].
+def _attention(q_BTHD, k_BKTD, v_BKTD, mask_BTT, cfg: TransformerConfig) -> jax.Array:
+    """Masked softmax attention of T queries over T keys -> [B, T, H, D].
 
-    The G query heads of a kv head and the T query positions are folded into one axis M, so every
-    contraction is a plain batched matmul over (row, kv head); a singleton T (decoding) would
-    otherwise lower to many tiny dots on CPU.
+    The G query heads of a kv head and the T positions are folded into one axis M, so every
+    contraction is a plain batched matmul over (row, kv head).
     """
     B, T, H, D = q_BTHD.shape
-    K = blocks[0][0].shape[1]
+    K = k_BKTD.shape[1]
     G = H // K
     q_BKMD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
-    scores = []
-    for k_BKSD, _, mask_BTS in blocks:
-        if G * T <= _DECODE_ROWS:
-            # Decoding: a multiply-reduce that XLA fuses with the read of this layer's cache slice;
-            # as a dot, the slice is first copied out of the stacked cache (15-25% of a CPU step).
-            s_BKMS = jnp.sum(q_BKMD[:, :, :, None, :].astype(jnp.float32) * k_BKSD[:, :, None, :, :], axis=-1)
-        else:
-            s_BKMS = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKSD, preferred_element_type=jnp.float32)
-        s_BKMS = s_BKMS * cfg.query_scale
-        if cfg.attn_logit_softcap is not None:
-            s_BKMS = jnp.tanh(s_BKMS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
-        s_BKGTS = s_BKMS.reshape(B, K, G, T, -1)
-        scores.append(jnp.where(mask_BTS[:, None, None], s_BKGTS, _NEG))
-    p_BKGTS = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    out_BKMD, start = 0, 0
-    for k_BKSD, v_BKSD, _ in blocks:
-        S = k_BKSD.shape[2]
-        p_BKMS = p_BKGTS[..., start:start + S].reshape(B, K, G * T, S).astype(v_BKSD.dtype)
-        out_BKMD = out_BKMD + jnp.einsum("bkms,bksd->bkmd", p_BKMS, v_BKSD)
-        start += S
+    s_BKMS = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKTD, preferred_element_type=jnp.float32) * cfg.query_scale
+    if cfg.attn_logit_softcap is not None:
+        s_BKMS = jnp.tanh(s_BKMS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
+    s_BKGTS = jnp.where(mask_BTT[:, None, None], s_BKMS.reshape(B, K, G, T, T), _NEG)
+    p_BKMS = jax.nn.softmax(s_BKGTS, axis=-1).reshape(B, K, G * T, T).astype(v_BKTD.dtype)
+    out_BKMD = jnp.einsum("bkms,bksd->bkmd", p_BKMS, v_BKTD)
     return out_BKMD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
@@ -480,8 +396,10 @@ def _decode_attention(q_BKGD, k_chunks, v_chunks, mask_BS, cfg: TransformerConfi
 
 def _finish_layer(x_BTE, attn_BTHD, p, cfg: TransformerConfig):
     B, T, E = x_BTE.shape
-    attn_NHD = attn_BTHD.reshape(B * T, *attn_BTHD.shape[2:])
-    a = jnp.einsum("nhd,hde->ne", attn_NHD, p["o_proj"])
+    # One plain matmul over (heads x head_dim): contracting two axes, XLA:CPU chose to transpose the
+    # o_proj weight into (head_dim, heads) order, a copy of it per layer and decode step inside a scan.
+    attn_NF = attn_BTHD.reshape(B * T, -1)
+    a = jnp.einsum("nf,fe->ne", attn_NF, p["o_proj"].reshape(attn_NF.shape[1], E))
     if cfg.o_bias:
         a = a + p["o_bias"]
     if cfg.post_norms:
