@@ -14,6 +14,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from grpo_jax.config import SamplingConfig
+
 PRESETS = {
     "tiny": dict(model_type="qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=4096),
@@ -120,7 +122,6 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
     import jax
     import numpy as np
 
-    from grpo_jax.config import SamplingConfig
     from grpo_jax.sampling import generate
 
     if reference:
@@ -168,7 +169,6 @@ def _sampler_reference(hf, device, prompt_ids, group_size, new_tokens, ours_s, i
     import numpy as np
     import torch
 
-    from grpo_jax.config import SamplingConfig
 
     rows, prompt_len = len(prompt_ids) * group_size, len(prompt_ids[0])
     ids_t = torch.as_tensor(np.repeat(np.asarray(prompt_ids), group_size, axis=0), dtype=torch.long, device=device)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpo_jax
+from grpo_jax.config import ConfigError, SamplingConfig, load_config
 
 
 def _smoke(args: argparse.Namespace) -> int:
@@ -23,7 +24,6 @@ def _smoke(args: argparse.Namespace) -> int:
     import numpy as np
     from flax import nnx
 
-    from grpo_jax.config import SamplingConfig
     from grpo_jax.logprobs import completion_logprobs
     from grpo_jax.models import Transformer, from_pretrained, save_pretrained
     from grpo_jax.models.presets import tiny
@@ -78,8 +78,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from grpo_jax.config import load_config
-
     return load_config(args.config, args.set or ())
 
 
@@ -99,24 +97,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import jax
 
     from grpo_jax.checkpoint import load_policy
     from grpo_jax.evaluation import evaluate
-    from grpo_jax.run import DTYPES, prepare
+    from grpo_jax.run import JNP_DTYPES, prepare
     from grpo_jax.sharding import place_model
 
     config = _load(args)
     prepared = prepare(config)  # data and reward checks before the checkpoint is read
-    model, _, files = load_policy(args.checkpoint, dtype=DTYPES[config.model.dtype],
-                                  param_dtype=DTYPES[config.model.param_dtype])
+    model, _, files = load_policy(args.checkpoint, dtype=JNP_DTYPES[config.model.dtype],
+                                  param_dtype=JNP_DTYPES[config.model.param_dtype])
     place_model(model, prepared.mesh)  # evaluated on the run's mesh, as the trainer evaluates
-    sampling = dataclasses.replace(
-        prepared.sampling, group_size=config.eval.k,
-        temperature=prepared.sampling.temperature if config.eval.temperature is None else config.eval.temperature)
-    result = evaluate(model, prepared.eval_examples, reward=prepared.eval_reward, sampling=sampling,
+    result = evaluate(model, prepared.eval_examples, reward=prepared.eval_reward, sampling=prepared.eval_sampling,
                       tokenizer=prepared.tokenizer, rng=jax.random.key(config.train.seed + 1), mesh=prepared.mesh)
     result = {"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, **result}
     print(json.dumps(result))
@@ -198,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    from grpo_jax.config import ConfigError
-
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as e:  # the user's input: a message, not a traceback

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from grpo_jax.hosts import gather_rows, local_rows, row_share, whole
 from grpo_jax.config import SamplingConfig
+from grpo_jax.hosts import gather_rows, local_rows, row_share, whole
 from grpo_jax.rewards import RewardSpec, combine_rewards
 from grpo_jax.sampling import generate
 from grpo_jax.sharding import rows_per_shard

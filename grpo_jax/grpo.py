@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from grpo_jax.config import ESTIMATORS, KL_ESTIMATORS, SCALES, Estimator, Scale
 
 
-
 @flax.struct.dataclass
 class GroupAdvantages:
     advantages: jax.Array  # float32 [R]; exactly 0 for dropped samples and zero-variance groups

@@ -26,8 +26,7 @@ from jax.sharding import Mesh
 from grpo_jax.config import RunConfig
 from grpo_jax.grpo import GroupAdvantages
 from grpo_jax.sharding import place_train_state, replicate, replicated, split_rows, tree_shardings, unreplicate
-from grpo_jax.train_step import (Batch, TrainState, make_advantages_step, make_ref_logprobs_step,
-                                 make_train_step)
+from grpo_jax.train_step import Batch, TrainState, make_advantages_step, make_ref_logprobs_step, make_train_step
 
 
 class Parallel(abc.ABC):
@@ -60,8 +59,9 @@ class Parallel(abc.ABC):
         """The state where `step` wants it (from a fresh, restored or unplaced state)."""
 
     @abc.abstractmethod
-    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, float]]:
-        """One update on a global batch -> (state, host-side metrics)."""
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update on a global batch -> (state, metrics: scalars still on device, so that
+        `grpo.num_iterations` updates run without waiting for the host)."""
 
     @abc.abstractmethod
     def sampler_params(self, state: TrainState) -> nnx.State:
@@ -85,8 +85,7 @@ class MeshParallel(Parallel):
         return state
 
     def step(self, state, batch):
-        state, out = self._step(state, batch)
-        return state, {k: float(v) for k, v in out.items()}
+        return self._step(state, batch)
 
     def sampler_params(self, state):
         return state.params
@@ -110,7 +109,7 @@ class PmapParallel(Parallel):
     def step(self, state, batch):
         rows = split_rows(jax.tree.map(np.asarray, batch), len(self.devices))
         state, out = self._step(state, rows)
-        return state, {k: float(v) for k, v in unreplicate(out).items()}
+        return state, unreplicate(out)
 
     def sampler_params(self, state):
         return jax.device_put(unreplicate(state.params), replicated(self.mesh))

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax import data
-from grpo_jax.config import ConfigError, MeshConfig, check_micro_batches, ModelConfig, RunConfig, SamplingConfig, unknown_key
+from grpo_jax.config import (ConfigError, MeshConfig, ModelConfig, RunConfig, SamplingConfig, check_micro_batches,
+                             unknown_key)
 from grpo_jax.hosts import row_share
-from grpo_jax.models import RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config
-from grpo_jax.models import load_tokenizer
+from grpo_jax.models import (RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config,
+                             load_tokenizer)
 from grpo_jax.rewards import RewardSpec, get_reward_fn
 from grpo_jax.sharding import make_mesh, mesh_devices, mesh_shape
-
 
 
 @dataclasses.dataclass
@@ -34,6 +34,7 @@ class Prepared:
     tokenizer: Any
     model_config: TransformerConfig
     sampling: SamplingConfig  # the run's sampling config with stop/pad ids resolved from the tokenizer
+    eval_sampling: SamplingConfig  # the same with eval.k samples per prompt at eval.temperature
     rewards: list[RewardSpec]
     eval_reward: RewardSpec
     train_stream: Any  # grpo_jax.data.PromptStream over the train split: this host's share of each batch
@@ -73,13 +74,13 @@ def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
         raise ConfigError(f"model.architecture: {e}") from None
 
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # model.dtype / model.param_dtype names
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # model.dtype / model.param_dtype names
 
 
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int) -> Transformer:
     if cfg.path is not None:
-        return from_pretrained(cfg.path, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
-    return Transformer(model_config, rngs=nnx.Rngs(seed), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+        return from_pretrained(cfg.path, dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype])
+    return Transformer(model_config, rngs=nnx.Rngs(seed), dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype])
 
 
 def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: TransformerConfig) -> SamplingConfig:
@@ -93,6 +94,10 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
     pad = sampling.pad_token_id
     if pad is None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    outside = [t for t in (*stops, pad) if not 0 <= t < model_config.vocab_size]
+    if outside:
+        raise ConfigError(f"sampling: token ids {outside} (stop_token_ids / pad_token_id) are outside the model's "
+                          f"vocabulary of {model_config.vocab_size}")
     return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
 
 
@@ -218,8 +223,11 @@ def prepare(config: RunConfig) -> Prepared:
     eval_stream = data.PromptStream(eval_source, data.IndexSampler(len(eval_source), seed=0, shuffle=False),
                                     formatter())
     eval_examples = eval_stream.next_batch(min(config.eval.num_prompts, len(eval_source)))
-    return Prepared(config=config, tokenizer=tokenizer, model_config=model_config,
-                    sampling=resolve_sampling(config.sampling, tokenizer, model_config), rewards=rewards,
+    sampling = resolve_sampling(config.sampling, tokenizer, model_config)
+    eval_sampling = dataclasses.replace(sampling, group_size=config.eval.k, temperature=(
+        sampling.temperature if config.eval.temperature is None else config.eval.temperature))
+    return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
+                    eval_sampling=eval_sampling, rewards=rewards,
                     eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples, mesh=mesh,
                     share=share, sft_stream=sft_stream)
 

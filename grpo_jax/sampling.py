@@ -37,9 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
+from grpo_jax.hosts import replicated_key
 from grpo_jax.models.transformer import Transformer
+from grpo_jax.sharding import BATCH, batch_sharding, replicated, shard_rows
 
 
 @flax.struct.dataclass
@@ -151,9 +154,6 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     if mesh is None:
         rollout = _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
     else:
-        from grpo_jax.hosts import replicated_key
-        from grpo_jax.sharding import shard_rows
-
         ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.hosts.to_global) stay where they are
         rollout = _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
@@ -205,8 +205,6 @@ def _check(field: str, assertion, *args) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _sharded_generate(graphdef, config: SamplingConfig, share_prefill: bool, mesh):
-    from grpo_jax.sharding import batch_sharding, replicated
-
     def rows(ndim):
         return batch_sharding(mesh, ndim)
 
@@ -237,8 +235,6 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
         last_RV = logits_R1V[:, 0]
     if mesh is not None:
         # Keep the cache's rows where their prompts' rows are, for the whole loop.
-        from grpo_jax.sharding import BATCH
-
         cache = _constrain_rows(cache, mesh, BATCH)
         last_RV = _constrain_rows(last_RV, mesh, BATCH)
 
@@ -289,8 +285,6 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
 def _constrain_rows(tree, mesh, batch_axes):
     """with_sharding_constraint splitting each array's leading (row) axis over the batch mesh axes:
     every buffer of the KVCache and the logits have rows first."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     def one(x):
         if x.ndim == 0:
             return x

@@ -24,7 +24,6 @@ be on storage all hosts share.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import time
@@ -84,9 +83,6 @@ class Trainer:
         self.mesh, self.share = self.prepared.mesh, self.prepared.share
         self.rows = self.share.scaled(config.sampling.group_size)  # this host's rows of the rollout and batch
         self.sampling = self.prepared.sampling
-        self.eval_sampling = dataclasses.replace(
-            self.sampling, group_size=config.eval.k,
-            temperature=self.sampling.temperature if config.eval.temperature is None else config.eval.temperature)
         self.rng = jax.random.key(config.train.seed)
 
     def _open_run_dir(self) -> None:
@@ -227,7 +223,8 @@ class Trainer:
                 batch, tokens = self._batch(collected)
                 t1 = time.perf_counter()
                 for _ in range(cfg.grpo.num_iterations):
-                    state, metrics = self.par.step(state, batch)
+                    state, out = self.par.step(state, batch)
+                metrics = {k: float(v) for k, v in out.items()}  # waits for the last update
                 train_s = time.perf_counter() - t1
                 nnx.update(self.model, self.par.sampler_params(state))
                 check_skips(metrics, cfg.train.max_consecutive_skips)
@@ -281,7 +278,7 @@ class Trainer:
 
     def _evaluate(self, step: int, writer: MetricsWriter | None) -> dict:
         p = self.prepared
-        ev = evaluate(self.model, p.eval_examples, reward=p.eval_reward, sampling=self.eval_sampling,
+        ev = evaluate(self.model, p.eval_examples, reward=p.eval_reward, sampling=p.eval_sampling,
                       tokenizer=p.tokenizer, mesh=self.mesh, rng=jax.random.key(self.config.train.seed + 1))
         if writer is not None:
             writer.write(step, ev)

@@ -7,8 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from grpo_jax.config import (ConfigError, RunConfig, apply_overrides, config_from_dict, config_to_dict,
-                             load_config)
+from grpo_jax.config import ConfigError, RunConfig, apply_overrides, config_from_dict, config_to_dict, load_config
 
 BASE = {
     "model": {"architecture": {"family": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
@@ -110,6 +109,11 @@ def test_without_a_mesh_section_a_run_uses_every_device(tmp_path):
     assert mesh.devices.size == 8 and dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     one = run_mesh(load_config(write(tmp_path, BASE), ["mesh.fsdp=1"]))
     assert one.devices.size == 1
+    # Another axis taking the rest leaves fsdp at 1: `mesh.data: -1` alone is data parallelism.
+    data = run_mesh(load_config(write(tmp_path, BASE), ["mesh.data=-1"]))
+    assert dict(data.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ConfigError, match="at most one -1"):
+        load_config(write(tmp_path, BASE), ["mesh.data=-1", "mesh.fsdp=-1"])
 
 
 def test_pmap_takes_the_default_mesh_and_refuses_a_chosen_one(tmp_path):
@@ -131,5 +135,22 @@ def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
     config = load_config(write(tmp_path, BASE))
     assert config.sampling.pad_token_id is None
     assert resolve_sampling(config.sampling, tok, model_config).pad_token_id == tok.pad_token_id
-    chosen = load_config(write(tmp_path, BASE), ["sampling.pad_token_id=5"]).sampling
-    assert resolve_sampling(chosen, tok, model_config).pad_token_id == 5
+    chosen = resolve_sampling(load_config(write(tmp_path, BASE), ["sampling.pad_token_id=5"]).sampling, tok,
+                              model_config)
+    assert chosen.pad_token_id == 5
+    too_big = load_config(write(tmp_path, BASE), [f"sampling.pad_token_id={model_config.vocab_size}"]).sampling
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        resolve_sampling(too_big, tok, model_config)
+    # The sampler writes it after each completion's stop token.
+    import jax
+    from flax import nnx
+
+    from grpo_jax.models import Transformer
+    from grpo_jax.sampling import generate
+
+    model = Transformer(model_config, rngs=nnx.Rngs(0))
+    config = dataclasses.replace(chosen, group_size=2, max_new_tokens=6, stop_token_ids=tuple(range(3, 60)),
+                                 prompt_buckets=(8,))
+    rollout = generate(model, [tok.encode("12+3=")], config, jax.random.key(0))
+    tokens, mask = jax.device_get((rollout.tokens, rollout.mask))
+    assert (mask == 0).any() and (tokens[mask == 0] == 5).all()

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 from flax import nnx
+from hf_models import build_hf_model
 from safetensors.numpy import load_file, save_file
 
 from grpo_jax.models import Transformer, UnsupportedModelError, from_pretrained, save_pretrained
 from grpo_jax.models.presets import tiny
-from hf_models import build_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,9 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-
-from grpo_jax.models import (
-    TransformerConfig,
-    config_from_hf,
-    from_pretrained,
-    load_config,
-    save_pretrained,
-)
 from hf_models import CASES, build_hf_model, left_padded_batch, torch_logits
+
+from grpo_jax.models import TransformerConfig, config_from_hf, from_pretrained, load_config, save_pretrained
 
 LENGTHS = [12, 7, 3]  # unequal, left-padded; 12 > Gemma's sliding window of 4
 

@@ -22,11 +22,11 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from test_trainer import CONFIG
 
 from grpo_jax.checkpoint import load_policy
 from grpo_jax.config import ConfigError, apply_overrides, config_from_dict
 from grpo_jax.trainer import train
-from test_trainer import CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("multihost_worker.py")

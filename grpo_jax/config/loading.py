@@ -16,9 +16,8 @@ from typing import Any
 
 import yaml
 
-from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig,
-                                    MeshConfig, ModelConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig,
-                                    TrainConfig)
+from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig, MeshConfig,
+                                    ModelConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig, TrainConfig)
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,

@@ -18,11 +18,6 @@ LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"grpo.{name}={value!r} is not one of {list(choices)}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
     """How the sampler draws G completions per prompt (grpo_jax.sampling.generate)."""
@@ -93,11 +88,11 @@ class GRPOConfig:
     num_iterations: int = 1  # mu: policy updates per rollout
 
     def __post_init__(self):
-        _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
-        _choice("loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("advantage_scale", self.advantage_scale, SCALES)
-        _choice("advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        _choice_in("grpo", "ratio_level", self.ratio_level, RATIO_LEVELS)
+        _choice_in("grpo", "loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
+        _choice_in("grpo", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice_in("grpo", "advantage_scale", self.advantage_scale, SCALES)
+        _choice_in("grpo", "advantage_estimator", self.advantage_estimator, ESTIMATORS)
         if not 0 < self.epsilon_low < 1:
             raise ValueError(f"grpo.epsilon_low must be in (0, 1), got {self.epsilon_low}")
         if self.epsilon_high < self.epsilon_low:
@@ -282,13 +277,16 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
     """Device mesh sizes along `data`, `fsdp`, `tensor` (see grpo_jax.sharding); -1 = the rest.
-    The default uses every device, fully sharded (`fsdp: -1`, as MaxText does)."""
+    By default every device is used, fully sharded (`fsdp: -1`, as MaxText does); an unset `fsdp`
+    is 1 when another axis takes the rest (`data: -1` alone is data parallelism)."""
 
     data: int = 1
-    fsdp: int = -1
+    fsdp: int | None = None  # None: -1, or 1 when data or tensor is -1
     tensor: int = 1
 
     def __post_init__(self):
+        if self.fsdp is None:
+            object.__setattr__(self, "fsdp", 1 if -1 in (self.data, self.tensor) else -1)
         sizes = (self.data, self.fsdp, self.tensor)
         if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
             raise ValueError(f"mesh sizes must be positive, with at most one -1, got {sizes}")
