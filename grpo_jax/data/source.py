@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import io
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,21 +129,37 @@ def load_source(
     if manual_dir is not None and name != "gsm8k":
         raise TypeError(f"manual_dir is only used by gsm8k, not {name!r}")
     data_dir = Path(data_dir)
-    if name == "gsm8k":
-        builder = _gsm8k_builder(data_dir, manual_dir, builder_config, config_overrides)
-    else:
-        builder = _synthetic_builder(name, data_dir, builder_config, config_overrides)
-    builder.download_and_prepare(
-        file_format="array_record",
-        download_config=tfds.download.DownloadConfig(
-            manual_dir=None if manual_dir is None else str(manual_dir),
-            # The GCS lookup would be a network call, and GCS holds only TFRecord copies anyway.
-            try_download_gcs=False,
-        ),
-    )
+    with _quiet():
+        if name == "gsm8k":
+            builder = _gsm8k_builder(data_dir, manual_dir, builder_config, config_overrides)
+        else:
+            builder = _synthetic_builder(name, data_dir, builder_config, config_overrides)
+        builder.download_and_prepare(
+            file_format="array_record",
+            download_config=tfds.download.DownloadConfig(
+                manual_dir=None if manual_dir is None else str(manual_dir),
+                # The GCS lookup would be a network call, and GCS holds only TFRecord copies anyway.
+                try_download_gcs=False,
+            ),
+        )
     if isinstance(builder, SyntheticBuilder):
         _check_params(builder)
     return DataSource(builder.as_data_source(split), name=name, split=split, builder=builder)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """TFDS's preparation banners and progress bars, and absl's "custom data configuration"
+    warnings, are library noise in a training run's output: a user sees our lines only. Errors
+    still propagate as exceptions."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        absl.setLevel(level)
 
 
 def _check_params(builder: SyntheticBuilder) -> None:
