@@ -8,12 +8,14 @@ repeated runs after a warm-up (compilation is reported separately, never mixed i
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import grpo_jax
 from grpo_jax.config import SamplingConfig
 
 PRESETS = {
@@ -246,4 +248,70 @@ def forward(*, preset: str = "tiny", batch: int = 8, seq: int = 128, dtype: str 
         "ratio_vs_transformers": round(hf_s / ours_s, 3),
         "max_abs_logit_diff": float(np.abs(ours_logits - torch_logits).max()),
         "logit_scale": float(np.abs(torch_logits).max()),
+    }
+
+
+def peak_matmul_flops(dtype: str = "float32", n: int = 2048, iters: int = 5) -> float:
+    """FLOP/s of a jitted n x n x n matmul on the default device (median of `iters`): the in-run
+    peak that MFU is measured against."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.dtype(dtype))
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.dtype(dtype))
+    matmul = jax.jit(lambda x, y: x @ y)
+    _, seconds = median_time(lambda: matmul(a, b).block_until_ready(), iters, warmup=2)
+    return 2.0 * n**3 / seconds
+
+
+def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5, warmup: int = 2) -> dict:
+    """Whole GRPO steps of a run config through the trainer itself (`grpo_jax.trainer.Trainer`,
+    the code `grpo-jax train` runs): `warmup` steps, then `steps` timed ones, in a temporary run
+    directory, without warm start, evaluation between steps or checkpoints between steps. Returns
+    medians of the trainer's own per-step timings (sample, rewards, reference, update, step), model
+    FLOPs per step (grpo_jax.flops), the in-run matmul peak and MFU."""
+    import jax
+
+    from grpo_jax.config import load_config
+    from grpo_jax.flops import step_flops
+    from grpo_jax.trainer import Trainer
+
+    config = load_config(config_path, [*overrides, f"train.steps={warmup + steps}", "train.progress=false",
+                                       "train.samples_every=0", "sft.steps=0", "eval.every=0",
+                                       "checkpoint.every=0"])
+    seen: list[dict] = []
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer = Trainer(config, run_dir, hooks=[lambda step, m: seen.append(m)], log=lambda line: None)
+        t0 = time.perf_counter()
+        trainer.run()
+        run_s = time.perf_counter() - t0
+    timed = seen[warmup:]
+
+    def median(key: str) -> float:
+        return statistics.median(m[key] for m in timed)
+
+    s, d = config.sampling, config.data
+    prompt_len = min(b for b in s.prompt_buckets if b >= d.max_prompt_tokens)
+    model_cfg = trainer.prepared.model_config
+    flops = step_flops(model_cfg, prompts=d.prompts_per_step, group_size=s.group_size, prompt_len=prompt_len,
+                       completion_len=s.max_new_tokens, decode_steps=int(median("completion/len_max")) - 1,
+                       reference=config.grpo.beta > 0, num_iterations=config.grpo.num_iterations)
+    dtype = config.model.dtype
+    peak = peak_matmul_flops(dtype)
+    step_s, train_s = median("perf/step_s"), median("perf/train_s")
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "system": "grpo_jax", "version": grpo_jax.__version__, "config": str(config_path), "overrides": list(overrides),
+        "steps_timed": len(timed), "warmup_steps": warmup, "run_s": round(run_s, 2),
+        "step_s_median": step_s, "sample_s_median": median("perf/sample_s"),
+        "reward_s_median": median("perf/reward_s"), "ref_s_median": median("perf/ref_s"), "train_s_median": train_s,
+        "tokens_per_s": median("perf/sample_tokens") / step_s,
+        "flops_per_step": flops.total, "flops": dataclasses.asdict(flops),
+        "peak_matmul_flops_per_s": peak, "peak_matmul_dtype": dtype,
+        "mfu": flops.total / step_s / peak, "train_mfu": flops.update / train_s / peak,
+        "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+        "workload": {"prompts_per_step": d.prompts_per_step, "group_size": s.group_size, "prompt_len": prompt_len,
+                     "completion_len": s.max_new_tokens, "vocab_size": model_cfg.vocab_size,
+                     "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers},
+        "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
     }

@@ -66,7 +66,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     preset = args.preset or ("small" if args.which == "sampler" else "tiny")
     common = dict(preset=preset, dtype=args.dtype, iters=args.iters)
-    if args.which == "sampler":
+    if args.which == "grpo-step":
+        if not args.config:
+            raise ConfigError("bench grpo-step needs --config FILE (e.g. benchmarks/configs/peers.yaml)")
+        result = bench.grpo_step(args.config, overrides=args.set or (), steps=args.steps, warmup=args.warmup)
+    elif args.which == "sampler":
         result = bench.sampler(prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
                                new_tokens=args.new_tokens, **common)
     else:
@@ -170,8 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--seed", type=int, default=0)
     smoke.set_defaults(func=_smoke)
 
-    bench = sub.add_parser("bench", help="throughput against transformers on the same weights (JSON)")
-    bench.add_argument("which", choices=["sampler", "forward"])
+    bench = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
+                                         "weights; grpo-step: whole GRPO steps of a run config, with MFU")
+    bench.add_argument("which", choices=["sampler", "forward", "grpo-step"])
+    bench.add_argument("--config", default=None, help="grpo-step: the run config (YAML)")
+    bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="grpo-step: config overrides")
+    bench.add_argument("--steps", type=int, default=5, help="grpo-step: timed steps")
+    bench.add_argument("--warmup", type=int, default=2, help="grpo-step: untimed steps first (compiles)")
     bench.add_argument("--preset", default=None, help="model shape: tiny, small, qwen3-0.6b, llama3.2-1b")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     bench.add_argument("--iters", type=int, default=3)

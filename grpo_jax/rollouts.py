@@ -32,6 +32,7 @@ class Round:
     texts: list[str]  # the decoded completions [N_h*G]
     rewards: RewardResult  # total [N_h*G], NaN = the sample was dropped
     sample_s: float = 0.0  # seconds spent sampling
+    reward_s: float = 0.0  # seconds spent scoring
 
 
 @dataclasses.dataclass
@@ -42,7 +43,7 @@ class Collected:
     rows: dict[str, np.ndarray]  # [N_h*G, ...], as in Round.rows
     rewards: np.ndarray  # float32 [N_h*G]; NaN for the samples of filler groups
     first: Round  # the first round: what reward statistics and logged samples describe
-    stats: dict[str, float]  # this host's dynamic/* counters, sample_tokens, sample_s
+    stats: dict[str, float]  # this host's dynamic/* counters, sample_tokens, sample_s, reward_s
 
 
 def collect(draw: Callable[[int], Round], *, num_groups: int, group_size: int, dynamic_sampling: bool = False,
@@ -80,7 +81,7 @@ def collect(draw: Callable[[int], Round], *, num_groups: int, group_size: int, d
     stats = {"dynamic/rounds": float(len(rounds)), "dynamic/dropped_groups": float(len(spare)),
              "dynamic/filled_groups": float(filled),
              "sample_tokens": float(sum(int(r.rows["lengths"].sum()) for r in rounds)),
-             "sample_s": sum(r.sample_s for r in rounds)}
+             "sample_s": sum(r.sample_s for r in rounds), "reward_s": sum(r.reward_s for r in rounds)}
     return Collected(examples=[r.examples[i] for r, i, _ in chosen], rows=rows, rewards=rewards, first=rounds[0],
                      stats=stats)
 

@@ -84,19 +84,23 @@ def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id
 
 
 def sample_tokens(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row -> (tokens [B] int32, log-probs [B] under softmax(logits / T))."""
+                  top_p: float = 1.0, banned_V: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row -> (tokens [B] int32, log-probs [B] under softmax(logits / T)).
+
+    `banned_V` (bool [V]) removes tokens from the draw only, like top-k / top-p: the reported
+    log-prob stays that of the untruncated distribution, which the trainer recomputes."""
     chex.assert_rank(logits_BV, 2)
     logits_BV = logits_BV.astype(jnp.float32)
+    allowed_BV = logits_BV if banned_V is None else jnp.where(banned_V[None], -jnp.inf, logits_BV)
     if temperature == 0:
-        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        tokens_B = jnp.argmax(allowed_BV, axis=-1).astype(jnp.int32)
         logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     else:
         scaled_BV = logits_BV / temperature
         logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
         # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
         # (jax.random.categorical), 4x cheaper per decode step on CPU and exact in distribution.
-        probs_BV = jax.nn.softmax(_truncate(scaled_BV, top_k, top_p), axis=-1)
+        probs_BV = jax.nn.softmax(_truncate(allowed_BV / temperature, top_k, top_p), axis=-1)
         cdf_BV = _cumsum(probs_BV)
         u_B1 = jax.random.uniform(key, (logits_BV.shape[0], 1)) * cdf_BV[:, -1:]
         tokens_B = jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits_BV.shape[-1] - 1).astype(jnp.int32)
@@ -243,7 +247,10 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
                                top_p=config.top_p)
 
     def emit(t, last_RV, done_R, tokens_RM, logprobs_RM):
-        tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t))
+        # Before min_new_tokens, stop tokens cannot be drawn (a benchmark's fixed-length completions).
+        banned_V = (jnp.isin(jnp.arange(last_RV.shape[-1]), stop_ids) & (t < config.min_new_tokens)
+                    if config.min_new_tokens else None)
+        tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t), banned_V=banned_V)
         tok_R = jnp.where(done_R, config.pad_id, tok_R)
         logp_R = jnp.where(done_R, 0.0, logp_R)
         tokens_RM = tokens_RM.at[:, t].set(tok_R)

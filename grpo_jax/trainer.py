@@ -144,10 +144,12 @@ class Trainer:
                            step_key(self.rng, step, round_index), mesh=self.mesh)
         rows = dict(zip(_ROLLOUT_FIELDS, local_rows(tuple(getattr(rollout, k) for k in _ROLLOUT_FIELDS), self.rows)))
         sample_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         texts = decode_completions(p.tokenizer, rows["tokens"], rows["lengths"])
         fields = {**repeat_fields(examples, G), "completion_tokens": rows["lengths"].tolist()}
         result = combine_rewards(p.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts, fields)
-        return Round(examples=examples, rows=rows, texts=texts, rewards=result, sample_s=sample_s)
+        return Round(examples=examples, rows=rows, texts=texts, rewards=result, sample_s=sample_s,
+                     reward_s=time.perf_counter() - t1)
 
     def _collect(self, step: int) -> Collected:
         t = self.config.train
@@ -155,9 +157,10 @@ class Trainer:
                        group_size=self.sampling.group_size, dynamic_sampling=t.dynamic_sampling,
                        max_resample_rounds=t.max_resample_rounds, any_short=any_host)
 
-    def _batch(self, c: Collected) -> tuple[Batch, int]:
+    def _batch(self, c: Collected) -> tuple[Batch, int, float]:
         """The global batch from every host's chosen groups, completed on device (advantages of the
-        whole batch; the reference's log-probs), and the number of tokens in it."""
+        whole batch; the reference's log-probs), the number of tokens in it, and the seconds the
+        reference pass took."""
         G = self.sampling.group_size
         prompts = [ex.prompt_ids for ex in c.examples]
         prompt_ids, prompt_mask = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets),
@@ -169,9 +172,13 @@ class Trainer:
         rows = to_global(rows, self.mesh, self.rows)
         adv = self.par.advantages(rows["rewards"])
         batch = Batch(**rows, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
+        ref_s = 0.0
         if self.ref_params is not None:
-            batch = batch.replace(ref_logprobs=self.par.ref_logprobs(self.ref_params, batch))
-        return batch, int(tokens)
+            t0 = time.perf_counter()
+            # Waiting for it costs nothing (the update needs it next) and times it on its own.
+            ref = jax.block_until_ready(self.par.ref_logprobs(self.ref_params, batch))
+            batch, ref_s = batch.replace(ref_logprobs=ref), time.perf_counter() - t0
+        return batch, int(tokens), ref_s
 
     def _host_metrics(self, c: Collected) -> dict[str, float]:
         """Reward statistics of the first round, dynamic sampling and data counters, over all hosts."""
@@ -183,11 +190,13 @@ class Trainer:
             messages=first.messages)
         stats = dict(self.prepared.train_stream.stats)
         epoch = max_over_hosts(stats.pop("epoch"))
-        counts = sum_over_shares({**{k: v for k, v in c.stats.items() if k not in ("dynamic/rounds", "sample_s")},
+        local = ("dynamic/rounds", "sample_s", "reward_s")  # the same on every host, or its own time
+        counts = sum_over_shares({**{k: v for k, v in c.stats.items() if k not in local},
                                   **{f"data/{k}": v for k, v in stats.items()}}, self.share)
         sample_tokens = counts.pop("sample_tokens")
         return {**reward_metrics(everyone, self.sampling.group_size), **counts, "data/epoch": float(epoch),
                 "dynamic/rounds": c.stats["dynamic/rounds"], "perf/sample_s": c.stats["sample_s"],
+                "perf/reward_s": c.stats["reward_s"], "perf/sample_tokens": sample_tokens,
                 "perf/sample_tokens_per_s": sample_tokens / max(c.stats["sample_s"], 1e-9)}
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -220,7 +229,7 @@ class Trainer:
             for step in range(first_step, cfg.train.steps + 1):
                 t0 = time.perf_counter()
                 collected = self._collect(step)
-                batch, tokens = self._batch(collected)
+                batch, tokens, ref_s = self._batch(collected)
                 t1 = time.perf_counter()
                 for _ in range(cfg.grpo.num_iterations):
                     state, out = self.par.step(state, batch)
@@ -230,6 +239,7 @@ class Trainer:
                 check_skips(metrics, cfg.train.max_consecutive_skips)
                 metrics.update(self._host_metrics(collected))
                 metrics["perf/train_tokens_per_s"] = tokens * cfg.grpo.num_iterations / max(train_s, 1e-9)
+                metrics.update({"perf/ref_s": ref_s, "perf/train_s": train_s})
                 metrics["perf/step_s"] = time.perf_counter() - t0
                 if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.train.steps:
                     evals.append((step, self._evaluate(step, None)))

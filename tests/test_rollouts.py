@@ -28,7 +28,7 @@ def make_round(index: int, group_rewards: list[list[float]]) -> Round:
     return Round(examples=[Example(f"r{index}g{i}") for i in range(n)], rows=rows,
                  texts=[f"r{index}g{i}s{j}" for i in range(n) for j in range(G)],
                  rewards=RewardResult(total=total, per_fn={"acc": total}, failures={"acc": 0}, messages={}),
-                 sample_s=0.5)
+                 sample_s=0.5, reward_s=0.25)
 
 
 MIXED, SAME, NONE = [0, 1, 0, 0], [1, 1, 1, 1], [np.nan, 1, np.nan, np.nan]
@@ -55,7 +55,7 @@ def test_without_dynamic_sampling_the_first_round_is_the_batch():
     assert groups_of(c) == [(0, 0), (0, 1), (0, 2)]
     np.testing.assert_array_equal(c.rewards, np.asarray([SAME, MIXED, SAME], np.float32).reshape(-1))
     assert c.stats["dynamic/dropped_groups"] == 0 and c.stats["dynamic/filled_groups"] == 0
-    assert c.stats["sample_tokens"] == 3 * G * 3 and c.stats["sample_s"] == 0.5
+    assert c.stats["sample_tokens"] == 3 * G * 3 and c.stats["sample_s"] == 0.5 and c.stats["reward_s"] == 0.25
 
 
 def test_dynamic_sampling_keeps_signal_and_resamples_until_full():
@@ -67,7 +67,7 @@ def test_dynamic_sampling_keeps_signal_and_resamples_until_full():
     assert not np.isnan(c.rewards).any()
     np.testing.assert_array_equal(c.rows["logprobs"][:, 0], np.repeat([0, 1, 2], G))
     assert c.stats == {"dynamic/rounds": 3.0, "dynamic/dropped_groups": 6.0, "dynamic/filled_groups": 0.0,
-                       "sample_tokens": 3.0 * 3 * G * 3, "sample_s": 1.5}
+                       "sample_tokens": 3.0 * 3 * G * 3, "sample_s": 1.5, "reward_s": 0.75}
     assert c.first.examples[0].prompt_text == "r0g0"  # statistics describe the first round
 
 

@@ -111,6 +111,24 @@ def test_rows_stop_at_their_stop_token(models):
         assert (logprobs[r, :n] < 0).all()
 
 
+def test_min_new_tokens_keeps_stop_tokens_out_until_then(models):
+    _, ours = models
+    M, MIN = 12, 5
+    stops = tuple(range(10, 40))  # so many stop tokens that most rows would stop at once
+    base = SamplingConfig(group_size=8, max_new_tokens=M, temperature=1.5, stop_token_ids=stops,
+                          prompt_buckets=(8,), pad_token_id=0)
+    free = generate(ours, PROMPTS, base, jax.random.key(5))
+    held = generate(ours, PROMPTS, SamplingConfig(**{**base.__dict__, "min_new_tokens": MIN}), jax.random.key(5))
+    assert int(np.asarray(free.lengths).min()) < MIN
+    lengths, tokens = np.asarray(held.lengths), np.asarray(held.tokens)
+    assert lengths.min() >= MIN and not np.isin(tokens[:, :MIN - 1], stops).any()
+    # Reported log-probs are those of the untruncated distribution, as the trainer recomputes them.
+    np.testing.assert_allclose(np.asarray(held.logprobs) * np.asarray(held.mask),
+                               _teacher_forced_logprobs(ours, held, 1.5) * np.asarray(held.mask), atol=1e-4)
+    with pytest.raises(ValueError, match="min_new_tokens must be in"):
+        SamplingConfig(max_new_tokens=4, min_new_tokens=5)
+
+
 def _chi_square(tokens: np.ndarray, probs: np.ndarray) -> float:
     counts = np.bincount(tokens, minlength=len(probs))
     assert counts[probs == 0].sum() == 0, "a token outside the truncated support was drawn"

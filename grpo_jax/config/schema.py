@@ -24,6 +24,7 @@ class SamplingConfig:
 
     group_size: int = 8
     max_new_tokens: int = 256
+    min_new_tokens: int = 0  # stop tokens cannot be drawn before this many (0 = off)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
@@ -43,6 +44,9 @@ class SamplingConfig:
             raise ValueError(f"sampling.group_size must be >= 1, got {self.group_size}")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"sampling.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

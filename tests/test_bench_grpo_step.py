@@ -1,0 +1,48 @@
+"""`grpo-jax bench grpo-step`: whole steps through the trainer, a JSON with the pinned fields, and
+model FLOPs equal to a count made by hand for the tiny model. (Speed itself is measured in
+benchmarks/, never asserted here.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from test_trainer import CONFIG
+
+from grpo_jax import cli
+from grpo_jax.data import char_tokenizer
+
+FIELDS = ("step_s_median", "sample_s_median", "ref_s_median", "train_s_median", "tokens_per_s", "flops_per_step",
+          "peak_matmul_flops_per_s", "mfu")
+
+
+def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path):
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "bench.json"
+    # min_new_tokens = max_new_tokens: every completion is 3 tokens, so the count below is exact.
+    assert cli.main(["bench", "grpo-step", "--config", str(path), "--steps", "1", "--warmup", "0",
+                     "--set", "sampling.min_new_tokens=3", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in FIELDS:
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["steps_timed"] == 1 and 0 < result["mfu"] < 1
+    assert result["workload"] == {"prompts_per_step": 32, "group_size": 8, "prompt_len": 8, "completion_len": 3,
+                                  "vocab_size": len(char_tokenizer(add_bos=True)), "hidden_size": 64,
+                                  "num_layers": 2}
+    assert result["tokens_per_s"] * result["step_s_median"] == pytest.approx(32 * 8 * 3)
+
+    # By hand: qwen3, hidden 64, mlp 192, 2 layers, 4 heads of 16, 2 kv heads; 32 prompts of 8
+    # (bucket) x G = 8 rows, 3 completion tokens; beta > 0, so a reference pass.
+    V, L = result["workload"]["vocab_size"], 2
+    per_token_layer = 2 * 64 * 16 * (4 + 2 * 2) + 2 * 4 * 16 * 64 + 3 * 2 * 64 * 192  # qkv, o, gate/up/down
+    attend = 4 * 4 * 16  # per key attended, per layer (scores + weighted sum)
+    logit = 2 * 64 * V
+    prefill = 32 * (8 * L * per_token_layer + L * attend * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) + logit)
+    decode = 256 * (L * per_token_layer + L * attend * 9 + logit) + 256 * (L * per_token_layer + L * attend * 10
+                                                                            + logit)
+    one_pass = 256 * (11 * L * per_token_layer + L * attend * sum(range(1, 12)) + 3 * logit)
+    assert result["flops"] == {"sample": prefill + decode, "reference": one_pass, "update": 3 * one_pass}
+    assert result["flops_per_step"] == prefill + decode + 4 * one_pass
