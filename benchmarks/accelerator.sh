@@ -2,7 +2,8 @@
 # The device check for a lent GPU machine (run from the repo root; results land in $OUT).
 # Uses the machine's own jax/flax/torch/transformers: nothing is installed there.
 #   1. the model parity, KV-cache and sampler tests on the GPU backend (fp32, highest matmul precision);
-#   2. sampler and forward throughput, bf16, grpo_jax vs transformers on the same weights.
+#   2. sampler and forward throughput, bf16, grpo_jax vs transformers on the same weights;
+#   3. whole GRPO steps at Qwen3-0.6B's shape, bf16 (bench grpo-step; needs tensorflow-datasets there).
 set -uo pipefail
 OUT=${OUT:-/tmp/grpo_jax_out}
 mkdir -p "$OUT"
@@ -21,3 +22,7 @@ for spec in ${BENCH_SPECS:-sampler,qwen3-0.6b,--prompts=4,--group-size=16,--new-
   timeout 200 $PY -m grpo_jax bench "$which" --preset "$preset" ${rest//,/ } --dtype "${BENCH_DTYPE:-bfloat16}" \
     --iters 5 --output "$OUT/${which}_$preset.json" 2>&1 | grep -v "Writing model shards\|original_max" | tail -3
 done
+if [ -z "${SKIP_GRPO_STEP:-}" ]; then
+  timeout 300 $PY -m grpo_jax bench grpo-step --config benchmarks/configs/qwen3_0.6b_gpu.yaml \
+    --set data.data_dir="$OUT/tfds" --output "$OUT/grpo_step_qwen3-0.6b.json" 2>&1 | tail -3
+fi
