@@ -23,6 +23,6 @@ for spec in ${BENCH_SPECS:-sampler,qwen3-0.6b,--prompts=4,--group-size=16,--new-
     --iters 5 --output "$OUT/${which}_$preset.json" 2>&1 | grep -v "Writing model shards\|original_max" | tail -3
 done
 if [ -z "${SKIP_GRPO_STEP:-}" ]; then
-  timeout 300 $PY -m grpo_jax bench grpo-step --config benchmarks/configs/qwen3_0.6b_gpu.yaml \
+  timeout 300 "$PY" -m grpo_jax bench grpo-step --config benchmarks/configs/qwen3_0.6b_gpu.yaml \
     --set data.data_dir="$OUT/tfds" --output "$OUT/grpo_step_qwen3-0.6b.json" 2>&1 | tail -3
 fi
