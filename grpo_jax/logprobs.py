@@ -3,7 +3,8 @@
 The [B, T, V] logits are never materialised: a `lax.scan` over chunks of C positions computes
 [B, C, V] logits from the hidden states, reduces them to log-prob and entropy, and is
 rematerialised (`jax.checkpoint`) so the backward pass recomputes each chunk's logits instead of
-storing them. Peak memory grows with C, not with T.
+storing them. Peak memory grows with C, not with T. `completion_logprobs` can run a group's
+shared prompt once (`group_size`), for the policy and reference passes of a GRPO batch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 import chex
 import jax
 import jax.numpy as jnp
+
+from grpo_jax.models.grouped import grouped_hidden_states
 
 
 def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
@@ -51,11 +54,28 @@ def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callabl
 
 
 def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *, chunk: int = 128,
-                        temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """Log-probs and entropies [R, M] of each completion token given its prompt and the tokens before it."""
-    P = prompt_ids_RP.shape[1]
-    ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
-    mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
-    h = model.hidden_states(ids, attention_mask=mask)
-    # Position P-1+t predicts completion token t.
-    return chunked_logprobs(h[:, P - 1:-1], completion_ids_RM, model.logits, chunk=chunk, temperature=temperature)
+                        temperature: float = 1.0, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies float32 [R, M] of each completion token (int [R, M]) given its prompt
+    (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it.
+
+    group_size=G > 1: rows i*G .. i*G+G-1 share prompt i (the sampler's layout; only the first row
+    of each group is read), which then runs once per group (`models.grouped`): N x P + R x M tokens
+    instead of R x (P + M), with the same result up to float rounding.
+    """
+    chex.assert_rank([prompt_ids_RP, prompt_mask_RP, completion_ids_RM], 2)
+    R, P = prompt_ids_RP.shape
+    if group_size > 1:
+        if R % group_size:
+            raise ValueError(f"{R} rows are not whole groups of group_size={group_size}")
+        N = R // group_size
+        h_NPE, h_RME = grouped_hidden_states(model, prompt_ids_RP.reshape(N, group_size, P)[:, 0],
+                                             prompt_mask_RP.reshape(N, group_size, P)[:, 0], completion_ids_RM)
+        # The prompt's last position predicts completion token 0, completion position t token t+1.
+        h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
+        h = jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
+    else:
+        ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
+        mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
+        # Position P-1+t predicts completion token t.
+        h = model.hidden_states(ids, attention_mask=mask)[:, P - 1:-1]
+    return chunked_logprobs(h, completion_ids_RM, model.logits, chunk=chunk, temperature=temperature)

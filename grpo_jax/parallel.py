@@ -36,7 +36,9 @@ class Parallel(abc.ABC):
                  *, temperature: float):
         self.mesh, self.graphdef, self.optimizer = mesh, graphdef, optimizer
         t = config.train
-        self.step_kw = dict(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk, temperature=temperature)
+        group_size = config.sampling.group_size if t.shared_prompt else 1  # rows that share one prompt pass
+        self.step_kw = dict(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk, temperature=temperature,
+                            group_size=group_size)
         self.grpo = config.grpo
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None
@@ -50,7 +52,8 @@ class Parallel(abc.ABC):
         """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
         if self._ref is None:
             self._ref = make_ref_logprobs_step(self.graphdef, logprob_chunk=self.step_kw["logprob_chunk"],
-                                               temperature=self.step_kw["temperature"], mesh=self.mesh,
+                                               temperature=self.step_kw["temperature"],
+                                               group_size=self.step_kw["group_size"], mesh=self.mesh,
                                                params_shardings=tree_shardings(params))
         return self._ref(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
 

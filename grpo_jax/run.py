@@ -157,6 +157,12 @@ def _check_devices(config: RunConfig) -> None:
         check_micro_batches(rows, config.train.micro_batches, f"each of the {ways} batch shards")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    prompts = config.data.prompts_per_step // ways
+    if config.train.shared_prompt and prompts % config.train.micro_batches:
+        raise ConfigError(f"train.shared_prompt runs each group's prompt once, so a micro-batch holds whole groups: "
+                          f"each of the {ways} batch shards has {prompts} prompts, which train.micro_batches="
+                          f"{config.train.micro_batches} does not divide; change micro_batches or set "
+                          "train.shared_prompt: false")
     if config.sft.steps and config.sft.batch_size % ways:
         raise ConfigError(f"sft.batch_size={config.sft.batch_size} must be a multiple of the {ways} ways the "
                           "batch is split")

@@ -78,6 +78,22 @@ def check_batch(batch: Batch, *, micro_batches: int = 1) -> None:
     check_micro_batches(R, micro_batches, "Batch")
 
 
+def check_group_rows(rows: int, micro_batches: int, group_size: int, groups: int | None = None) -> None:
+    """With a shared prompt pass (group_size > 1) the rows of each micro-batch must be whole groups
+    of the batch's layout (`groups` prompts of rows / groups samples each, when known)."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if group_size == 1:
+        return
+    if groups is not None and (rows // groups) % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the batch's {rows // groups} samples per prompt "
+                         f"({rows} rows, {groups} prompts): pass sampling.group_size")
+    if (rows // micro_batches) % group_size:
+        raise ValueError(f"{rows} rows in train.micro_batches={micro_batches} give micro-batches of "
+                         f"{rows // micro_batches} rows, not whole groups of group_size={group_size} (the shared "
+                         "prompt pass needs whole groups): choose micro_batches (x devices) dividing the prompts")
+
+
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32
@@ -103,12 +119,17 @@ def init_state(model, optimizer: optax.GradientTransformation) -> tuple[nnx.Grap
 
 def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.GradientTransformation,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
-               temperature: float = 1.0, axis_name: str | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               temperature: float = 1.0, axis_name: str | None = None,
+               group_size: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
     """One GRPO update. Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the
     rows: the loss normaliser and the batch metrics come from all devices' rows (gathered, they are
     small), gradients and loss sums are summed across devices, so every device applies the update
-    the whole batch gives, exactly as the jit path does."""
+    the whole batch gives, exactly as the jit path does.
+
+    group_size=G > 1 computes each group's shared prompt once in the policy pass (see
+    `completion_logprobs`); every micro-batch (of every device) must then hold whole groups."""
     check_batch(batch, micro_batches=micro_batches)
+    check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
     R = batch.completion_ids.shape[0]
     mask_RM = effective_mask(batch.completion_mask, config, valid_R=batch.valid, truncated_R=batch.truncated)
     if axis_name is None:
@@ -125,7 +146,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
     def micro_loss(params, mb):
         model = nnx.merge(graphdef, params)
         logp, entropy = completion_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
-                                            chunk=logprob_chunk, temperature=temperature)
+                                            chunk=logprob_chunk, temperature=temperature, group_size=group_size)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
         old = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp)
         return policy_loss(logp, old, mb.advantages, mb.completion_mask, config, valid_R=mb.valid,
@@ -186,7 +207,7 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
-                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None):
+                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None, group_size: int = 1):
     """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
 
     With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
@@ -196,9 +217,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
     parallelism="pmap": pure data parallelism over `devices` (default: all local devices) with the
     same `train_step`: the state is replicated (`sharding.replicate`), the batch's rows split
     across devices (`sharding.split_rows`), gradients summed with `lax.psum`.
+
+    group_size: see `train_step` (each device's rows must be whole groups too).
     """
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
-                             micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature)
+                             micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
+                             group_size=group_size)
     if parallelism == "pmap":
         if mesh is not None:
             raise ValueError("parallelism='pmap' replicates the state over devices; it takes no mesh")
@@ -242,21 +266,23 @@ def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh=None):
 
 
 def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
-                      *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0) -> jax.Array:
+                      *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0,
+                      group_size: int = 1) -> jax.Array:
     """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
     (int32 [R, P], left-padded, with their mask) under `params` (the KL reference), tempered as
-    the sampler's."""
+    the sampler's. group_size=G > 1: each group's shared prompt runs once (`completion_logprobs`)."""
+    check_group_rows(completion_ids.shape[0], 1, group_size)
     logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
-                                     chunk=logprob_chunk, temperature=temperature)
+                                     chunk=logprob_chunk, temperature=temperature, group_size=group_size)
     return logp_RM
 
 
 def make_ref_logprobs_step(graphdef, *, logprob_chunk: int = 128, temperature: float = 1.0, mesh=None,
-                           params_shardings=None):
+                           params_shardings=None, group_size: int = 1):
     """`ref_logprobs_step` jitted once; with a mesh, the reference params keep `params_shardings`
     and the rows of every input and of the output are split over (data, fsdp)."""
     step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
-                             temperature=temperature)
+                             temperature=temperature, group_size=group_size)
     if mesh is None:
         return jax.jit(step)
     if params_shardings is None:

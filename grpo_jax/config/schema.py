@@ -203,6 +203,10 @@ class TrainConfig:
     adam_eps: float = 1e-8
     micro_batches: int = 1
     logprob_chunk: int = 128
+    # The policy and reference passes run each group's prompt once and let its G completions attend
+    # to it (equal to every row carrying its own copy, tests/test_shared_prompt.py; 1.2-1.4x faster
+    # updates on the peers' workload). Micro-batches must then hold whole groups.
+    shared_prompt: bool = True
     # DAPO dynamic sampling: keep only groups whose rewards differ, resample up to this many extra
     # rounds to fill the batch; what is still missing is filled with zero-advantage groups (counted).
     dynamic_sampling: bool = False
