@@ -295,7 +295,8 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
     model_cfg = trainer.prepared.model_config
     flops = step_flops(model_cfg, prompts=d.prompts_per_step, group_size=s.group_size, prompt_len=prompt_len,
                        completion_len=s.max_new_tokens, decode_steps=int(median("completion/len_max")) - 1,
-                       reference=config.grpo.beta > 0, num_iterations=config.grpo.num_iterations)
+                       reference=config.grpo.beta > 0, num_iterations=config.grpo.num_iterations,
+                       shared_prompt=config.train.shared_prompt)
     dtype = config.model.dtype
     peak = peak_matmul_flops(dtype)
     step_s, train_s = median("perf/step_s"), median("perf/train_s")

@@ -8,8 +8,10 @@ optimizer are left out (a few percent at most). The backward pass counts as twic
 
 A step (`step_flops`): the sampler's prefill (the N prompts once, logits at the last position) and
 its decode steps (R = N x G rows, each attending the prompt and what it generated so far); the
-reference pass (beta > 0) and the update's forward over every row's prompt and completion
-(logits at the M completion positions), the update counted 3x.
+reference pass (beta > 0) and the update's forward, the update counted 3x. With
+`train.shared_prompt` that forward runs the N prompts once (logits at their last position) and the
+R completions after them (logits at all but their last position); without it, every row's own
+prompt copy and completion (logits at the M completion positions).
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class StepFlops:
 
 
 def step_flops(cfg: TransformerConfig, *, prompts: int, group_size: int, prompt_len: int, completion_len: int,
-               decode_steps: int | None = None, reference: bool = True, num_iterations: int = 1) -> StepFlops:
+               decode_steps: int | None = None, reference: bool = True, num_iterations: int = 1,
+               shared_prompt: bool = True) -> StepFlops:
     """FLOPs of one GRPO step: `prompts` x `group_size` rows, prompts padded to `prompt_len`,
     completions of `completion_len` slots (the train step computes all of them), and
     `decode_steps` decode steps run by the sampler (default completion_len - 1: no early stop)."""
@@ -61,6 +64,10 @@ def step_flops(cfg: TransformerConfig, *, prompts: int, group_size: int, prompt_
     steps = M - 1 if decode_steps is None else decode_steps
     prefill = forward_flops(cfg, rows=N, start=0, count=P, logits=1)
     decode = sum(forward_flops(cfg, rows=N * G, start=P + t, count=1, logits=1) for t in range(steps))
-    one_pass = forward_flops(cfg, rows=N * G, start=0, count=P + M, logits=M)
+    if shared_prompt:
+        one_pass = (forward_flops(cfg, rows=N, start=0, count=P, logits=1)
+                    + forward_flops(cfg, rows=N * G, start=P, count=M, logits=M - 1))
+    else:
+        one_pass = forward_flops(cfg, rows=N * G, start=0, count=P + M, logits=M)
     return StepFlops(sample=prefill + decode, reference=one_pass if reference else 0.0,
                      update=3 * one_pass * num_iterations)

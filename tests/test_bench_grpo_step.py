@@ -12,6 +12,8 @@ from test_trainer import CONFIG
 
 from grpo_jax import cli
 from grpo_jax.data import char_tokenizer
+from grpo_jax.flops import step_flops
+from grpo_jax.run import architecture
 
 FIELDS = ("step_s_median", "sample_s_median", "ref_s_median", "train_s_median", "tokens_per_s", "flops_per_step",
           "peak_matmul_flops_per_s", "mfu")
@@ -43,6 +45,13 @@ def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path)
     prefill = 32 * (8 * L * per_token_layer + L * attend * (1 + 2 + 3 + 4 + 5 + 6 + 7 + 8) + logit)
     decode = 256 * (L * per_token_layer + L * attend * 9 + logit) + 256 * (L * per_token_layer + L * attend * 10
                                                                             + logit)
-    one_pass = 256 * (11 * L * per_token_layer + L * attend * sum(range(1, 12)) + 3 * logit)
+    # train.shared_prompt (the default): the 32 prompts once, then the 256 completions after them.
+    one_pass = prefill + 256 * (3 * L * per_token_layer + L * attend * (9 + 10 + 11) + 2 * logit)
     assert result["flops"] == {"sample": prefill + decode, "reference": one_pass, "update": 3 * one_pass}
     assert result["flops_per_step"] == prefill + decode + 4 * one_pass
+    # Each row with its own prompt copy: 256 rows of 11 tokens, logits at the 3 completion positions.
+    plain = 256 * (11 * L * per_token_layer + L * attend * sum(range(1, 12)) + 3 * logit)
+    model_config = architecture(CONFIG["model"]["architecture"], char_tokenizer(add_bos=True))
+    counted = step_flops(model_config, prompts=32, group_size=8, prompt_len=8, completion_len=3,
+                         shared_prompt=False)
+    assert (counted.reference, counted.update, counted.sample) == (plain, 3 * plain, prefill + decode)
