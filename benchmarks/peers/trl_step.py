@@ -16,7 +16,6 @@ own methods split it:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -61,12 +60,7 @@ def _wrap(timers: _Timers, key: str, fn, when=None):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", required=True, type=Path, help="directory written by make_weights.py")
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--warmup", type=int, default=w.WARMUP_STEPS)
-    parser.add_argument("--steps", type=int, default=w.TIMED_STEPS, help="timed steps")
-    args = parser.parse_args()
+    args = w.parse_args(__doc__)
     os.environ.setdefault("WANDB_DISABLED", "true")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

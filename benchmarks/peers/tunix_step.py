@@ -28,7 +28,6 @@ Workarounds (each needed for this workload, see README.md):
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.metadata as md
 import os
@@ -89,12 +88,7 @@ def _check_weights(weights: Path, model) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", required=True, type=Path, help="directory written by make_weights.py")
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--warmup", type=int, default=w.WARMUP_STEPS)
-    parser.add_argument("--steps", type=int, default=w.TIMED_STEPS, help="timed steps")
-    args = parser.parse_args()
+    args = w.parse_args(__doc__)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import jax

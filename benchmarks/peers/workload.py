@@ -6,6 +6,7 @@ but the standard library: the model shape, the prompts, the reward and the JSON 
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -102,3 +103,13 @@ def write_record(path: str | Path, rec: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec, indent=2) + "\n")
     print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, list)}, indent=2))
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    """The command line every peer script takes: the weights directory, the output JSON, the steps."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, type=Path, help="directory written by make_weights.py")
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
+    parser.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed steps")
+    return parser.parse_args()
