@@ -184,7 +184,9 @@ def test_launch_starts_train_on_all_workers(bare_path, tmp_path):
     env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
     subprocess.run(["bash", "-c", remote], env=env, check=True, timeout=10)
     deadline = time.monotonic() + 10
-    while not (project / "started.pid").exists() and time.monotonic() < deadline:
+    started = project / "started.pid"
+    # The shell creates the file before it writes the pid into it: wait for the content.
+    while not (started.exists() and started.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert (project / "train.pid").read_text().strip() == (project / "started.pid").read_text().strip()
     assert (project / "train.log").read_text().splitlines() == [
