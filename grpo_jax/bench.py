@@ -272,10 +272,12 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
     FLOPs per step (grpo_jax.flops), the in-run matmul peak and MFU."""
     import jax
 
-    from grpo_jax.config import load_config
+    from grpo_jax.config import ConfigError, load_config
     from grpo_jax.flops import step_flops
     from grpo_jax.trainer import Trainer
 
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"bench grpo-step needs --steps >= 1 and --warmup >= 0, got {steps} and {warmup}")
     config = load_config(config_path, [*overrides, f"train.steps={warmup + steps}", "train.progress=false",
                                        "train.samples_every=0", "sft.steps=0", "eval.every=0",
                                        "checkpoint.every=0"])
@@ -291,14 +293,17 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
         return statistics.median(m[key] for m in timed)
 
     s, d = config.sampling, config.data
-    prompt_len = min(b for b in s.prompt_buckets if b >= d.max_prompt_tokens)
+    prompt_len = int(median("perf/prompt_len"))  # the bucket the steps padded to
     model_cfg = trainer.prepared.model_config
     flops = step_flops(model_cfg, prompts=d.prompts_per_step, group_size=s.group_size, prompt_len=prompt_len,
                        completion_len=s.max_new_tokens, decode_steps=int(median("completion/len_max")) - 1,
                        reference=config.grpo.beta > 0, num_iterations=config.grpo.num_iterations,
                        shared_prompt=config.train.shared_prompt)
+    # Dynamic sampling samples a round per median "dynamic/rounds".
+    flops = dataclasses.replace(flops, sample=flops.sample * median("dynamic/rounds"))
     dtype = config.model.dtype
-    peak = peak_matmul_flops(dtype)
+    # The step runs on every device of the mesh: the peak is one device's matmul rate times their number.
+    peak = peak_matmul_flops(dtype) * len(trainer.mesh.devices.flat)
     step_s, train_s = median("perf/step_s"), median("perf/train_s")
     stats = jax.devices()[0].memory_stats() or {}
     return {

@@ -64,12 +64,19 @@ def _smoke(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from grpo_jax import bench
 
+    # An option of another benchmark is refused, not ignored (grpo-step takes its model from --config).
+    model_options = {"--preset": args.preset, "--dtype": args.dtype, "--iters": args.iters}
+    run_options = {"--config": args.config, "--set": args.set, "--steps": args.steps, "--warmup": args.warmup}
+    wrong = [k for k, v in (model_options if args.which == "grpo-step" else run_options).items() if v is not None]
+    if wrong:
+        raise ConfigError(f"bench {args.which} does not take {', '.join(wrong)}")
     preset = args.preset or ("small" if args.which == "sampler" else "tiny")
-    common = dict(preset=preset, dtype=args.dtype, iters=args.iters)
+    common = dict(preset=preset, dtype=args.dtype or "float32", iters=args.iters or 3)
     if args.which == "grpo-step":
         if not args.config:
             raise ConfigError("bench grpo-step needs --config FILE (e.g. benchmarks/configs/peers.yaml)")
-        result = bench.grpo_step(args.config, overrides=args.set or (), steps=args.steps, warmup=args.warmup)
+        result = bench.grpo_step(args.config, overrides=args.set or (), steps=5 if args.steps is None else args.steps,
+                                 warmup=2 if args.warmup is None else args.warmup)
     elif args.which == "sampler":
         result = bench.sampler(prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
                                new_tokens=args.new_tokens, **common)
@@ -179,11 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("which", choices=["sampler", "forward", "grpo-step"])
     bench.add_argument("--config", default=None, help="grpo-step: the run config (YAML)")
     bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="grpo-step: config overrides")
-    bench.add_argument("--steps", type=int, default=5, help="grpo-step: timed steps")
-    bench.add_argument("--warmup", type=int, default=2, help="grpo-step: untimed steps first (compiles)")
+    bench.add_argument("--steps", type=int, default=None, help="grpo-step: timed steps (default 5)")
+    bench.add_argument("--warmup", type=int, default=None, help="grpo-step: untimed steps first (default 2)")
     bench.add_argument("--preset", default=None, help="model shape: tiny, small, qwen3-0.6b, llama3.2-1b")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    bench.add_argument("--iters", type=int, default=3)
+    bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32")
+    bench.add_argument("--iters", type=int, default=None, help="default 3")
     bench.add_argument("--output", default=None, help="also write the JSON result to this file")
     bench.add_argument("--prompts", type=int, default=4, help="sampler: distinct prompts")
     bench.add_argument("--group-size", type=int, default=16, help="sampler: samples per prompt")

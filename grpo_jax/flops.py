@@ -9,9 +9,9 @@ optimizer are left out (a few percent at most). The backward pass counts as twic
 A step (`step_flops`): the sampler's prefill (the N prompts once, logits at the last position) and
 its decode steps (R = N x G rows, each attending the prompt and what it generated so far); the
 reference pass (beta > 0) and the update's forward, the update counted 3x. With
-`train.shared_prompt` that forward runs the N prompts once (logits at their last position) and the
-R completions after them (logits at all but their last position); without it, every row's own
-prompt copy and completion (logits at the M completion positions).
+`train.shared_prompt` that forward runs the N prompts once and the R completions after them;
+without it, every row's own prompt copy and completion. Either way the lm head runs at the M
+positions that predict each row's completion tokens.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def step_flops(cfg: TransformerConfig, *, prompts: int, group_size: int, prompt_
     prefill = forward_flops(cfg, rows=N, start=0, count=P, logits=1)
     decode = sum(forward_flops(cfg, rows=N * G, start=P + t, count=1, logits=1) for t in range(steps))
     if shared_prompt:
-        one_pass = (forward_flops(cfg, rows=N, start=0, count=P, logits=1)
-                    + forward_flops(cfg, rows=N * G, start=P, count=M, logits=M - 1))
+        one_pass = (forward_flops(cfg, rows=N, start=0, count=P, logits=0)
+                    + forward_flops(cfg, rows=N * G, start=P, count=M, logits=M))
     else:
         one_pass = forward_flops(cfg, rows=N * G, start=0, count=P + M, logits=M)
     return StepFlops(sample=prefill + decode, reference=one_pass if reference else 0.0,

@@ -230,7 +230,7 @@ def prepare(config: RunConfig) -> Prepared:
                                     formatter())
     eval_examples = eval_stream.next_batch(min(config.eval.num_prompts, len(eval_source)))
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
-    eval_sampling = dataclasses.replace(sampling, group_size=config.eval.k, temperature=(
+    eval_sampling = dataclasses.replace(sampling, group_size=config.eval.k, min_new_tokens=0, temperature=(
         sampling.temperature if config.eval.temperature is None else config.eval.temperature))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards,

@@ -168,7 +168,9 @@ class Trainer:
         rows = dict(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
                     completion_ids=c.rows["tokens"], completion_mask=c.rows["mask"], rewards=c.rewards,
                     truncated=c.rows["truncated"], old_logprobs=c.rows["logprobs"])
-        tokens = sum_over_shares({"t": rows["prompt_mask"].sum() + rows["completion_mask"].sum()}, self.share)["t"]
+        # The update's tokens: each prompt once per group when the prompt pass is shared.
+        prompt_tokens = prompt_mask.sum() * (1 if self.config.train.shared_prompt else G)
+        tokens = sum_over_shares({"t": prompt_tokens + rows["completion_mask"].sum()}, self.share)["t"]
         rows = to_global(rows, self.mesh, self.rows)
         adv = self.par.advantages(rows["rewards"])
         batch = Batch(**rows, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
@@ -239,7 +241,8 @@ class Trainer:
                 check_skips(metrics, cfg.train.max_consecutive_skips)
                 metrics.update(self._host_metrics(collected))
                 metrics["perf/train_tokens_per_s"] = tokens * cfg.grpo.num_iterations / max(train_s, 1e-9)
-                metrics.update({"perf/ref_s": ref_s, "perf/train_s": train_s})
+                metrics.update({"perf/ref_s": ref_s, "perf/train_s": train_s,
+                                "perf/prompt_len": float(batch.prompt_ids.shape[1])})
                 metrics["perf/step_s"] = time.perf_counter() - t0
                 if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.train.steps:
                     evals.append((step, self._evaluate(step, None)))

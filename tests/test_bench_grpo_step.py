@@ -46,7 +46,8 @@ def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path)
     decode = 256 * (L * per_token_layer + L * attend * 9 + logit) + 256 * (L * per_token_layer + L * attend * 10
                                                                             + logit)
     # train.shared_prompt (the default): the 32 prompts once, then the 256 completions after them.
-    one_pass = prefill + 256 * (3 * L * per_token_layer + L * attend * (9 + 10 + 11) + 2 * logit)
+    prompts_once = prefill - 32 * logit  # the lm head runs at the 3 positions per row predicting completions
+    one_pass = prompts_once + 256 * (3 * L * per_token_layer + L * attend * (9 + 10 + 11) + 3 * logit)
     assert result["flops"] == {"sample": prefill + decode, "reference": one_pass, "update": 3 * one_pass}
     assert result["flops_per_step"] == prefill + decode + 4 * one_pass
     # Each row with its own prompt copy: 256 rows of 11 tokens, logits at the 3 completion positions.
@@ -55,3 +56,14 @@ def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path)
     counted = step_flops(model_config, prompts=32, group_size=8, prompt_len=8, completion_len=3,
                          shared_prompt=False)
     assert (counted.reference, counted.update, counted.sample) == (plain, 3 * plain, prefill + decode)
+
+
+def test_grpo_step_refuses_options_it_would_ignore(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    assert cli.main(["bench", "grpo-step", "--config", str(path), "--preset", "small"]) == 2
+    assert "bench grpo-step does not take --preset" in capsys.readouterr().err
+    assert cli.main(["bench", "sampler", "--steps", "3"]) == 2
+    assert "bench sampler does not take --steps" in capsys.readouterr().err
+    assert cli.main(["bench", "grpo-step", "--config", str(path), "--steps", "0"]) == 2
+    assert "--steps >= 1" in capsys.readouterr().err

@@ -154,3 +154,15 @@ def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
     rollout = generate(model, [tok.encode("12+3=")], config, jax.random.key(0))
     tokens, mask = jax.device_get((rollout.tokens, rollout.mask))
     assert (mask == 0).any() and (tokens[mask == 0] == 5).all()
+
+
+def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
+    from grpo_jax.run import _check_devices
+
+    base = {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}, "train": {**BASE["train"],
+                                                                                  "micro_batches": 2}}
+    # 8 devices: one prompt (4 rows) per shard, which 2 micro-batches would split mid-group.
+    with pytest.raises(ConfigError, match="train.shared_prompt runs each group's prompt once"):
+        _check_devices(load_config(write(tmp_path, base)))
+    _check_devices(load_config(write(tmp_path, base), ["train.shared_prompt=false"]))
+    _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))  # 8 prompts on one device

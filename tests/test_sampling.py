@@ -121,7 +121,7 @@ def test_min_new_tokens_keeps_stop_tokens_out_until_then(models):
     held = generate(ours, PROMPTS, SamplingConfig(**{**base.__dict__, "min_new_tokens": MIN}), jax.random.key(5))
     assert int(np.asarray(free.lengths).min()) < MIN
     lengths, tokens = np.asarray(held.lengths), np.asarray(held.tokens)
-    assert lengths.min() >= MIN and not np.isin(tokens[:, :MIN - 1], stops).any()
+    assert lengths.min() >= MIN + 1 and not np.isin(tokens[:, :MIN], stops).any()
     # Reported log-probs are those of the untruncated distribution, as the trainer recomputes them.
     np.testing.assert_allclose(np.asarray(held.logprobs) * np.asarray(held.mask),
                                _teacher_forced_logprobs(ours, held, 1.5) * np.asarray(held.mask), atol=1e-4)
