@@ -318,6 +318,8 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
         "peak_memory_bytes": stats.get("peak_bytes_in_use"),
         "workload": {"prompts_per_step": d.prompts_per_step, "group_size": s.group_size, "prompt_len": prompt_len,
                      "completion_len": s.max_new_tokens, "vocab_size": model_cfg.vocab_size,
-                     "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers},
+                     "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,
+                     "micro_batch_rows": d.prompts_per_step * s.group_size // config.train.micro_batches,
+                     "scan_layers": config.model.scan_layers},
         "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
     }

@@ -78,9 +78,10 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # model.dtype /
 
 
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int) -> Transformer:
+    dtypes = dict(dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype], scan_layers=cfg.scan_layers)
     if cfg.path is not None:
-        return from_pretrained(cfg.path, dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype])
-    return Transformer(model_config, rngs=nnx.Rngs(seed), dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype])
+        return from_pretrained(cfg.path, **dtypes)
+    return Transformer(model_config, rngs=nnx.Rngs(seed), **dtypes)
 
 
 def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: TransformerConfig) -> SamplingConfig:

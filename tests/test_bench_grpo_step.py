@@ -26,14 +26,15 @@ def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path)
     out = tmp_path / "bench.json"
     # min_new_tokens = max_new_tokens: every completion is 3 tokens, so the count below is exact.
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--steps", "1", "--warmup", "0",
-                     "--set", "sampling.min_new_tokens=3", "--output", str(out)]) == 0
+                     "--set", "sampling.min_new_tokens=3", "--set", "model.scan_layers=false",
+                     "--set", "train.micro_batches=2", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in FIELDS:
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["steps_timed"] == 1 and 0 < result["mfu"] < 1
     assert result["workload"] == {"prompts_per_step": 32, "group_size": 8, "prompt_len": 8, "completion_len": 3,
                                   "vocab_size": len(char_tokenizer(add_bos=True)), "hidden_size": 64,
-                                  "num_layers": 2}
+                                  "num_layers": 2, "micro_batch_rows": 128, "scan_layers": False}
     assert result["tokens_per_s"] * result["step_s_median"] == pytest.approx(32 * 8 * 3)
 
     # By hand: qwen3, hidden 64, mlp 192, 2 layers, 4 heads of 16, 2 kv heads; 32 prompts of 8

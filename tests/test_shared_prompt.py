@@ -12,11 +12,12 @@ import optax
 import pytest
 from flax import nnx
 
-from grpo_jax.config import GRPOConfig
+from grpo_jax.config import GRPOConfig, ModelConfig
 from grpo_jax.grpo import group_advantages, policy_loss
 from grpo_jax.logprobs import completion_logprobs
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
+from grpo_jax.run import build_model
 from grpo_jax.train_step import Batch, init_state, make_ref_logprobs_step, make_train_step
 
 P, M = 7, 6
@@ -112,3 +113,31 @@ def test_a_micro_batch_that_splits_a_group_is_refused():
     with pytest.raises(ValueError, match="not whole groups of group_size=3"):
         make_ref_logprobs_step(graphdef, group_size=3)(state.params, batch.prompt_ids, batch.prompt_mask,
                                                        batch.completion_ids)
+
+
+def test_unrolled_layers_equal_the_scan():
+    # scan_layers=False runs the same layers unrolled: logits, log-probs (plain and shared prompt)
+    # and every gradient agree with the scan. Gemma: sliding and full layers, per-kind rope tables.
+    family = "gemma3_text"
+    batch = grouped_batch(N=3, G=2, seed=3)
+    outs = []
+    for scan in (True, False):
+        model = Transformer(CONFIGS[family], rngs=nnx.Rngs(2), scan_layers=scan)
+        assert model.scan_layers is scan
+        graphdef, params = nnx.split(model, nnx.Param)
+        ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
+        mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
+        logits = model(ids, attention_mask=mask)
+        outs.append((logits, *(logprobs_loss_grads(params, batch, graphdef=graphdef, group_size=g) for g in (1, 2))))
+    (scan_logits, *scanned), (unrolled_logits, *unrolled) = outs
+    np.testing.assert_allclose(np.asarray(unrolled_logits), np.asarray(scan_logits), atol=1e-5)
+    for a, b in zip(scanned, unrolled):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+def test_a_run_builds_the_model_with_its_scan_layers_setting():
+    cfg = CONFIGS["qwen3"]
+    for scan in (True, False):
+        model = build_model(ModelConfig(architecture={}, tokenizer="char", scan_layers=scan), cfg, seed=0)
+        assert model.scan_layers is scan

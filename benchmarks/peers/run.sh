@@ -13,7 +13,8 @@ TUNIX_SPEC="google-tunix==0.1.7 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8"
 
 usage() {
   cat <<EOF
-Usage: benchmarks/peers/run.sh [--out DIR] [--systems LIST] [--warmup N] [--steps N] [--rebuild]
+Usage: benchmarks/peers/run.sh [--out DIR] [--systems LIST] [--warmup N] [--steps N]
+                               [--micro-batch-rows N] [--rebuild]
 
 Runs grpo_jax, TRL and Tunix on the peers workload (Llama-style 4 x 256, vocab 2048, random
 weights; 8 prompts x 8 completions, 64 prompt + exactly 128 completion tokens; beta 0.04,
@@ -25,6 +26,10 @@ and writes DIR/<system>.json, DIR/<system>.log and DIR/table.md.
   --warmup N       warm-up steps (default 2; passed to the peer scripts only, grpo_jax reads
                    its step count from the config)
   --steps N        timed steps (default 5; likewise)
+  --micro-batch-rows N
+                   completions per forward/backward micro-batch of every system's update
+                   (default 16: the fastest for grpo_jax here, benchmarks/RESULTS.md; 64 = one
+                   pass over the whole batch); one generation and one AdamW step per step
   --rebuild        rebuild the peer virtualenvs and the shared weights
   -h, --help       this text
 
@@ -41,6 +46,7 @@ OUT="$ROOT/benchmarks/results/peers"
 SYSTEMS="grpo_jax,trl,tunix"
 WARMUP=2
 STEPS=5
+MICRO_ROWS=16
 REBUILD=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -49,11 +55,17 @@ while [[ $# -gt 0 ]]; do
     --systems) SYSTEMS="$2"; shift 2 ;;
     --warmup) WARMUP="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
+    --micro-batch-rows) MICRO_ROWS="$2"; shift 2 ;;
     --rebuild) REBUILD=1; shift ;;
     *) echo "run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
+ROWS=64  # 8 prompts x G = 8
+if ! [[ "$MICRO_ROWS" =~ ^[0-9]+$ ]] || (( MICRO_ROWS < 8 || ROWS % MICRO_ROWS || MICRO_ROWS % 8 )); then
+  echo "run.sh: --micro-batch-rows must be a multiple of 8 (the group size) dividing $ROWS, got '$MICRO_ROWS'" >&2
+  exit 2
+fi
 GRPO_JAX_VENV="${GRPO_JAX_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 WEIGHTS="$HERE/.weights"
@@ -109,15 +121,16 @@ run() {
 
 if wants grpo_jax; then
   run grpo_jax "$GRPO_JAX_VENV/bin/grpo-jax" bench grpo-step --config benchmarks/configs/peers.yaml \
-    --set model.architecture=null --set "model.path=$WEIGHTS" --output "$OUT/grpo_jax.json"
+    --set model.architecture=null --set "model.path=$WEIGHTS" --set "train.micro_batches=$((ROWS / MICRO_ROWS))" \
+    --output "$OUT/grpo_jax.json"
 fi
 if wants trl; then
   run trl "$HERE/.venv-trl/bin/python" "$HERE/trl_step.py" --weights "$WEIGHTS" \
-    --output "$OUT/trl.json" --warmup "$WARMUP" --steps "$STEPS"
+    --output "$OUT/trl.json" --warmup "$WARMUP" --steps "$STEPS" --micro-batch-rows "$MICRO_ROWS"
 fi
 if wants tunix; then
   run tunix "$HERE/.venv-tunix/bin/python" "$HERE/tunix_step.py" --weights "$WEIGHTS" \
-    --output "$OUT/tunix.json" --warmup "$WARMUP" --steps "$STEPS"
+    --output "$OUT/tunix.json" --warmup "$WARMUP" --steps "$STEPS" --micro-batch-rows "$MICRO_ROWS"
 fi
 
 echo

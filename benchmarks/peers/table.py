@@ -44,19 +44,20 @@ def build(out: Path, systems: list[str]) -> str:
             records[system] = json.loads(path.read_text())
     base = _value(records["grpo_jax"], "step") if "grpo_jax" in records else None
     lines = [
-        ("| system | version | step s (median) | generation s | reference log-probs s | update s | tokens/s "
-         "| peer step s / grpo_jax step s |"),
-        "|---|---|---|---|---|---|---|---|",
+        ("| system | version | micro-batch rows | step s (median) | generation s | reference log-probs s | update s "
+         "| tokens/s | peer step s / grpo_jax step s |"),
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for system in systems:
         rec = records.get(system)
         if rec is None:
-            lines.append(f"| {system} | (no result: see {system}.log) | - | - | - | - | - | - |")
+            lines.append(f"| {system} | (no result: see {system}.log) | - | - | - | - | - | - | - |")
             continue
         step = _value(rec, "step")
         ratio = "-" if base is None or step is None else f"{step / base:.2f}"
         lines.append(
-            f"| {system} | {rec.get('version', '?')} | {_fmt(step)} | {_fmt(_value(rec, 'sample'))} "
+            f"| {system} | {rec.get('version', '?')} | {rec.get('workload', {}).get('micro_batch_rows', '?')} "
+            f"| {_fmt(step)} | {_fmt(_value(rec, 'sample'))} "
             f"| {_fmt(_value(rec, 'ref'))} | {_fmt(_value(rec, 'train'))} | {_fmt(_value(rec, 'tokens'), 0)} "
             f"| {ratio} |"
         )

@@ -4,7 +4,8 @@
 
 One optimizer step = 8 prompts x 8 completions of exactly 128 tokens (generate with
 min_new_tokens = max_new_tokens), rewards, the reference model's log-probs, one AdamW update over
-all 64 completions (per_device_train_batch_size=64, gradient_accumulation_steps=1). A
+all 64 completions (per_device_train_batch_size = --micro-batch-rows, default 64, with
+gradient_accumulation_steps = 64 / that, so one generation and one AdamW step per step). A
 TrainerCallback times each whole step (on_step_begin -> on_step_end); wrappers around the trainer's
 own methods split it:
   sample_s  `_generate_single_turn` (transformers' generate over the 64 rows)
@@ -83,8 +84,10 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_peers_"),  # nothing is saved (save_strategy="no")
         max_steps=total,
-        per_device_train_batch_size=w.PROMPTS_PER_STEP * w.GROUP_SIZE,
-        gradient_accumulation_steps=1,
+        # One generation of 64 completions per optimizer step, its update in micro-batches of
+        # --micro-batch-rows (steps_per_generation defaults to gradient_accumulation_steps).
+        per_device_train_batch_size=args.micro_batch_rows,
+        gradient_accumulation_steps=w.PROMPTS_PER_STEP * w.GROUP_SIZE // args.micro_batch_rows,
         num_generations=w.GROUP_SIZE,
         max_completion_length=w.COMPLETION_LEN,
         generation_kwargs={"min_new_tokens": w.COMPLETION_LEN},
@@ -160,7 +163,7 @@ def main() -> None:
                    f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
                    step, sample, ref, train,
                    notes="train_s = step - _prepare_inputs (policy forward/backward + AdamW); "
-                         "other_s = decode, rewards, advantages")
+                         "other_s = decode, rewards, advantages", micro_batch_rows=args.micro_batch_rows)
     rec["other_s"] = other
     w.write_record(args.output, rec)
 

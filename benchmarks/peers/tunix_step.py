@@ -4,7 +4,8 @@
 
 One global step = 8 prompts x 8 completions of exactly 128 tokens (Tunix's vanilla rollout on
 the actor's weights), rewards, the reference model's log-probs, one AdamW update over all 64
-completions (mini batch = micro batch = the whole batch). Timed by wrapping the learner's and the
+completions (mini batch = the whole batch, micro batch = --micro-batch-rows completions,
+default all 64; rollout and reference log-probs over the whole batch). Timed by wrapping the learner's and the
 cluster's own methods (each result is blocked on, so asynchronous dispatch cannot move time
 between the parts):
   step_s    `GRPOLearner._run_global_step` (+ `RLCluster.sync_weights`, a no-op here: actor and
@@ -126,7 +127,8 @@ def main() -> None:
             eval_every_n_steps=10_000,
             max_steps=total,
             mini_batch_size=w.PROMPTS_PER_STEP,
-            train_micro_batch_size=w.PROMPTS_PER_STEP,
+            # Prompts per forward/backward micro-batch (x G completions); gradients accumulate.
+            train_micro_batch_size=args.micro_batch_rows // w.GROUP_SIZE,
             rollout_micro_batch_size=w.PROMPTS_PER_STEP,
             compute_logps_micro_batch_size=w.PROMPTS_PER_STEP,
             metrics_logging_options=None,
@@ -220,7 +222,8 @@ def main() -> None:
     step, sample, ref, train = (rows[n][k:] for n in ("step", "sample", "ref", "train"))
     rec = w.record("tunix", f"google-tunix {md.version('google-tunix')}, jax {jax.__version__}, "
                    f"flax {md.version('flax')}", step, sample, ref, train,
-                   notes="train_s = RLCluster.update_actor; other_s = rewards, advantages, queues, metrics")
+                   notes="train_s = RLCluster.update_actor; other_s = rewards, advantages, queues, metrics",
+                   micro_batch_rows=args.micro_batch_rows)
     rec["other_s"] = [s - a - b - c for s, a, b, c in zip(step, sample, ref, train)]
     w.write_record(args.output, rec)
 

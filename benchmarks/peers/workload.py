@@ -66,7 +66,8 @@ def digit_share(completion: str) -> float:
 
 
 def record(system: str, version: str, step_s: list[float], sample_s: list[float] | None,
-           ref_s: list[float] | None, train_s: list[float] | None, notes: str = "") -> dict:
+           ref_s: list[float] | None, train_s: list[float] | None, notes: str = "",
+           micro_batch_rows: int = PROMPTS_PER_STEP * GROUP_SIZE) -> dict:
     """The JSON record that run.sh tabulates (medians over the timed steps)."""
     def median(xs):
         return None if xs is None else statistics.median(xs)
@@ -94,6 +95,7 @@ def record(system: str, version: str, step_s: list[float], sample_s: list[float]
             "vocab_size": VOCAB_SIZE,
             "hidden_size": HIDDEN_SIZE,
             "num_layers": NUM_LAYERS,
+            "micro_batch_rows": micro_batch_rows,
         },
     }
 
@@ -112,4 +114,11 @@ def parse_args(doc: str) -> argparse.Namespace:
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--warmup", type=int, default=WARMUP_STEPS)
     parser.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed steps")
-    return parser.parse_args()
+    rows = PROMPTS_PER_STEP * GROUP_SIZE
+    parser.add_argument("--micro-batch-rows", type=int, default=rows,
+                        help=f"completions per forward/backward micro-batch of the update, whole groups dividing the "
+                             f"{rows} rows (default: all {rows}, one pass); gradients accumulate into one AdamW step")
+    args = parser.parse_args()
+    if args.micro_batch_rows < GROUP_SIZE or rows % args.micro_batch_rows or args.micro_batch_rows % GROUP_SIZE:
+        parser.error(f"--micro-batch-rows must be a multiple of the group size {GROUP_SIZE} dividing {rows}")
+    return args

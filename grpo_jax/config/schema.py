@@ -139,6 +139,10 @@ class ModelConfig:
     tokenizer: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # master weights
+    # true: the training and reference passes and the prefill run the layers in one lax.scan
+    # (compile time independent of depth); false: unrolled (compile time grows with depth; the GRPO
+    # update was 5-14% faster on CPU for the 4-layer benchmark model, benchmarks/RESULTS.md).
+    scan_layers: bool = True
 
     def __post_init__(self):
         if (self.path is None) == (self.architecture is None):

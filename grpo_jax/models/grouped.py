@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.transformer import (_NEG, _as_mask, _attention, _finish_layer, _kind_index, _positions, _qkv,
-                                         _rms_norm, _rope_tables)
+from grpo_jax.models.transformer import (_NEG, _as_mask, _attention, _finish_layer, _positions, _qkv, _rms_norm,
+                                         _rope_tables, run_layers)
 
 
 def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None, completion_ids: jax.Array,
@@ -61,10 +61,8 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
         out_RTHD = _completion_attention(qc, kp, vp, kc, vc, completion_masks[kind], cfg)
         return (_finish_layer(x_NPE, out_NPHD, p, cfg), _finish_layer(x_RTE, out_RTHD, p, cfg)), None
 
-    if model.remat:
-        body = jax.checkpoint(body, prevent_cse=False)
     x0 = (model._embed(prompt_ids), model._embed(completion_ids))
-    (x_NPE, x_RTE), _ = jax.lax.scan(body, x0, (model.layers.arrays(), _kind_index(cfg)))
+    (x_NPE, x_RTE), _ = run_layers(model, body, x0)
     return _rms_norm(x_NPE, model.final_norm[...], cfg), _rms_norm(x_RTE, model.final_norm[...], cfg)
 
 

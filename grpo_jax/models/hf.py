@@ -150,8 +150,9 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
-                    remat: bool = False) -> Transformer:
-    """Load an HF-format directory (config.json + one or sharded safetensors) into a Transformer."""
+                    remat: bool = False, scan_layers: bool = True) -> Transformer:
+    """Load an HF-format directory (config.json + one or sharded safetensors) into a Transformer
+    (`remat`, `scan_layers`: see `Transformer`)."""
     path = Path(path)
     config = load_config(path)
     reader = _Reader(path)
@@ -160,7 +161,8 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     finally:
         reader.close()
     abstract = nnx.eval_shape(
-        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat))
+        lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat,
+                            scan_layers=scan_layers))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     if set(flat) != set(values):

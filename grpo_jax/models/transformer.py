@@ -1,8 +1,11 @@
 """One Flax NNX decoder-only transformer for every supported family.
 
 Layers are stored stacked (a leading `layers` axis on every per-layer parameter). The plain pass and
-`prefill` run them with one `lax.scan`, so their compile time does not grow with depth and per-layer
-differences (sliding window, rope base) are data, not code. `decode_step` unrolls the layers over
+`prefill` run them with one `lax.scan` (`scan_layers=True`, the default), so their compile time does
+not grow with depth and per-layer differences (sliding window, rope base) are data, not code; with
+`scan_layers=False` they are unrolled (`run_layers`): compile time grows with depth, but the scan's
+per-layer weight slices and stacked residuals go away, which made the GRPO update 5-14% faster on
+CPU for the 4-layer benchmark model (benchmarks/RESULTS.md, "What the update spends"). `decode_step` unrolls the layers over
 per-layer weights and cache buffers instead: on CPU the scan's per-layer dynamic slices are copied
 before every matmul, which made a decode step 11-16% slower (benchmarks/RESULTS.md, "Decode over
 layers"); its compile time grows with depth. Inference is `prefill` + `decode_step` over the one
@@ -127,11 +130,12 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, remat: bool = False):
+                 param_dtype=jnp.float32, remat: bool = False, scan_layers: bool = True):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.remat = remat
+        self.scan_layers = scan_layers
         values = _random_params(config, rngs.params(), self.param_dtype)
         params = {k: nnx.Param(values[k], logical_axes=axes) for k, (_, axes) in param_specs(config).items()}
         self.embed = params[("embed",)]
@@ -279,10 +283,26 @@ class Transformer(nnx.Module):
             x = _finish_layer(x, _attention(q, k, v, mask_YBTT[kind], cfg), p, cfg)
             return x, ((k, v) if collect_kv else None)
 
-        if self.remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        x_BTE, kv = jax.lax.scan(body, self._embed(input_ids_BT), (self.layers.arrays(), _kind_index(cfg)))
+        x_BTE, kv = run_layers(self, body, self._embed(input_ids_BT))
         return _rms_norm(x_BTE, self.final_norm[...], cfg), kv
+
+
+def run_layers(model: Transformer, body, x0):
+    """Run `body(x, (layer params, kind index)) -> (x, y)` over the model's layers -> (x, ys stacked
+    on a leading layers axis, or None), rematerialised per layer when `model.remat`: one `lax.scan`
+    when `model.scan_layers`, else unrolled over per-layer weights (split from the stacked arrays
+    with `jnp.split`, whose gradient is one concatenation rather than a padded sum per layer)."""
+    if model.remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    cfg, arrays = model.config, model.layers.arrays()
+    if model.scan_layers:
+        return jax.lax.scan(body, x0, (arrays, _kind_index(cfg)))
+    per_layer = {n: jnp.split(a, cfg.num_layers) for n, a in arrays.items()}
+    x, ys = x0, []
+    for l, kind in enumerate(cfg.layer_types):
+        x, y = body(x, ({n: a[l][0] for n, a in per_layer.items()}, cfg.kinds.index(kind)))
+        ys.append(y)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys[0] is not None else None
 
 
 def _kind_index(cfg: TransformerConfig) -> jax.Array:
