@@ -61,27 +61,62 @@ def _smoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# The options each benchmark reads; any other option given is refused, never silently ignored.
+_BENCH_OPTIONS = {
+    "sampler": ("preset", "dtype", "iters", "prompts", "group_size", "prompt_len", "new_tokens"),
+    "forward": ("preset", "dtype", "iters", "batch", "seq"),
+    "grpo-step": ("config", "set", "steps", "warmup"),
+    "scaling": ("config", "set", "steps", "warmup", "group_sizes", "completion_lens", "prompt_counts", "plot"),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def _bench(args: argparse.Namespace) -> int:
     from grpo_jax import bench
 
-    # An option of another benchmark is refused, not ignored (grpo-step takes its model from --config).
-    model_options = {"--preset": args.preset, "--dtype": args.dtype, "--iters": args.iters}
-    run_options = {"--config": args.config, "--set": args.set, "--steps": args.steps, "--warmup": args.warmup}
-    wrong = [k for k, v in (model_options if args.which == "grpo-step" else run_options).items() if v is not None]
+    allowed = _BENCH_OPTIONS[args.which]
+    wrong = ["--" + k.replace("_", "-") for k in dict.fromkeys(k for opts in _BENCH_OPTIONS.values() for k in opts)
+             if k not in allowed and getattr(args, k) is not None]
     if wrong:
         raise ConfigError(f"bench {args.which} does not take {', '.join(wrong)}")
+    if args.which in ("grpo-step", "scaling") and not args.config:
+        raise ConfigError(f"bench {args.which} needs --config FILE (e.g. benchmarks/configs/peers.yaml)")
     preset = args.preset or ("small" if args.which == "sampler" else "tiny")
     common = dict(preset=preset, dtype=args.dtype or "float32", iters=args.iters or 3)
+
+    def given(name, default):
+        value = getattr(args, name)
+        return default if value is None else value
+
     if args.which == "grpo-step":
-        if not args.config:
-            raise ConfigError("bench grpo-step needs --config FILE (e.g. benchmarks/configs/peers.yaml)")
-        result = bench.grpo_step(args.config, overrides=args.set or (), steps=5 if args.steps is None else args.steps,
-                                 warmup=2 if args.warmup is None else args.warmup)
+        result = bench.grpo_step(args.config, overrides=args.set or (), steps=given("steps", 5),
+                                 warmup=given("warmup", 2))
+    elif args.which == "scaling":
+        sweeps = {axis: values for axis, values in (("group_size", args.group_sizes),
+                                                     ("completion_len", args.completion_lens),
+                                                     ("prompts_per_step", args.prompt_counts)) if values}
+        result = bench.scaling(args.config, overrides=args.set or (), sweeps=sweeps or None,
+                               steps=given("steps", 2), warmup=given("warmup", 1),
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
+        plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
+        if plot:
+            Path(plot).parent.mkdir(parents=True, exist_ok=True)
+            bench.plot_scaling(result, plot)
+            result["plot"] = plot
     elif args.which == "sampler":
-        result = bench.sampler(prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
-                               new_tokens=args.new_tokens, **common)
+        result = bench.sampler(prompts=given("prompts", 4), group_size=given("group_size", 16),
+                               prompt_len=given("prompt_len", 32), new_tokens=given("new_tokens", 128), **common)
     else:
-        result = bench.forward(batch=args.batch, seq=args.seq, **common)
+        result = bench.forward(batch=given("batch", 8), seq=given("seq", 128), **common)
     print(json.dumps(result))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +136,9 @@ def _train(args: argparse.Namespace) -> int:
     initialize_distributed(config)
     out = args.output if args.output and "://" in args.output else Path(args.output or Path("runs") / Path(args.config).stem)
     summary = train(config, out)
+    if "stopped" in summary:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+        print(json.dumps(summary))
+        return 0
     start, end = summary["eval_start"], summary["eval_end"]
     print(json.dumps({"run_dir": summary["run_dir"], "metrics": f"{summary['run_dir']}/metrics.jsonl", "plot": summary["plot"],
                       "eval_accuracy_start": start["eval/accuracy"], "eval_accuracy_end": end["eval/accuracy"],
@@ -118,6 +156,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     config = _load(args)
     prepared = prepare(config)  # data and reward checks before the checkpoint is read
+    if prepared.eval_note:
+        print(prepared.eval_note, file=sys.stderr)
     model, _, files = load_policy(args.checkpoint, dtype=JNP_DTYPES[config.model.dtype],
                                   param_dtype=JNP_DTYPES[config.model.param_dtype])
     place_model(model, prepared.mesh)  # evaluated on the run's mesh, as the trainer evaluates
@@ -182,22 +222,32 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.set_defaults(func=_smoke)
 
     bench = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
-                                         "weights; grpo-step: whole GRPO steps of a run config, with MFU")
-    bench.add_argument("which", choices=["sampler", "forward", "grpo-step"])
-    bench.add_argument("--config", default=None, help="grpo-step: the run config (YAML)")
-    bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="grpo-step: config overrides")
-    bench.add_argument("--steps", type=int, default=None, help="grpo-step: timed steps (default 5)")
-    bench.add_argument("--warmup", type=int, default=None, help="grpo-step: untimed steps first (default 2)")
+                                         "weights; grpo-step: whole GRPO steps of a run config, with MFU; "
+                                         "scaling: grpo-step against group size, completion length, prompts")
+    bench.add_argument("which", choices=list(_BENCH_OPTIONS))
+    bench.add_argument("--config", default=None, help="grpo-step, scaling: the run config (YAML)")
+    bench.add_argument("--set", action="append", metavar="KEY=VALUE", help="grpo-step, scaling: config overrides")
+    bench.add_argument("--steps", type=int, default=None, help="grpo-step: timed steps (default 5; scaling: 2 per point)")
+    bench.add_argument("--warmup", type=int, default=None,
+                       help="grpo-step: untimed steps first (default 2; scaling: 1 per point)")
+    bench.add_argument("--group-sizes", type=_int_list, default=None, metavar="G,G,...",
+                       help="scaling: group sizes to sweep (default 2,4,8,16,32; with none of the three sweep "
+                            "options, all three default sweeps run)")
+    bench.add_argument("--completion-lens", type=_int_list, default=None, metavar="T,T,...",
+                       help="scaling: completion lengths to sweep (default 64,128,256,512)")
+    bench.add_argument("--prompt-counts", type=_int_list, default=None, metavar="N,N,...",
+                       help="scaling: prompts per step to sweep (default 2,4,8,16)")
+    bench.add_argument("--plot", default=None, help="scaling: the PNG (default: --output with .png)")
     bench.add_argument("--preset", default=None, help="model shape: tiny, small, qwen3-0.6b, llama3.2-1b")
     bench.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default float32")
     bench.add_argument("--iters", type=int, default=None, help="default 3")
     bench.add_argument("--output", default=None, help="also write the JSON result to this file")
-    bench.add_argument("--prompts", type=int, default=4, help="sampler: distinct prompts")
-    bench.add_argument("--group-size", type=int, default=16, help="sampler: samples per prompt")
-    bench.add_argument("--prompt-len", type=int, default=32, help="sampler: prompt tokens")
-    bench.add_argument("--new-tokens", type=int, default=128, help="sampler: generated tokens per row")
-    bench.add_argument("--batch", type=int, default=8, help="forward: rows")
-    bench.add_argument("--seq", type=int, default=128, help="forward: tokens per row")
+    bench.add_argument("--prompts", type=int, default=None, help="sampler: distinct prompts (default 4)")
+    bench.add_argument("--group-size", type=int, default=None, help="sampler: samples per prompt (default 16)")
+    bench.add_argument("--prompt-len", type=int, default=None, help="sampler: prompt tokens (default 32)")
+    bench.add_argument("--new-tokens", type=int, default=None, help="sampler: generated tokens per row (default 128)")
+    bench.add_argument("--batch", type=int, default=None, help="forward: rows (default 8)")
+    bench.add_argument("--seq", type=int, default=None, help="forward: tokens per row (default 128)")
     bench.set_defaults(func=_bench)
     return parser
 

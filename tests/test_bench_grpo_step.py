@@ -68,3 +68,49 @@ def test_grpo_step_refuses_options_it_would_ignore(tmp_path, capsys):
     assert "bench sampler does not take --steps" in capsys.readouterr().err
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--steps", "0"]) == 2
     assert "--steps >= 1" in capsys.readouterr().err
+
+
+def test_scaling_writes_its_curves_as_json_and_png(tmp_path):
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "scaling.json"
+    assert cli.main(["bench", "scaling", "--config", str(path), "--group-sizes", "2,4", "--completion-lens", "2",
+                     "--steps", "1", "--warmup", "0", "--set", "train.micro_batches=4", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["base"] == {"group_size": 8, "completion_len": 3, "prompts_per_step": 32, "micro_batch_rows": 64}
+    assert [(p["axis"], p["value"]) for p in result["points"]] == [("group_size", 2), ("group_size", 4),
+                                                                    ("completion_len", 2)]
+    for p in result["points"]:
+        for key in ("step_s_median", "sample_s_median", "ref_s_median", "train_s_median", "flops_per_step"):
+            assert p[key] > 0, (p["axis"], p["value"], key)
+        # The config's 64-row micro-batches, kept at every point.
+        assert p["prompts_per_step"] * p["group_size"] // p["micro_batches"] == 64
+    g2, g4, t2 = result["points"]
+    assert (g2["group_size"], g4["group_size"], t2["completion_len"]) == (2, 4, 2)
+    assert g2["flops_per_step"] < g4["flops_per_step"]  # twice the rows, more work
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scaling_micro_batches_are_whole_groups_near_the_target():
+    from grpo_jax.bench import scaling_micro_batches
+
+    for rows_per_group in (2, 3, 8, 32):
+        for groups in (1, 2, 3, 8, 16):
+            rows = rows_per_group * groups
+            for target in (1, 8, 16, 64):
+                mb = scaling_micro_batches(rows, rows_per_group, target)
+                assert rows % mb == 0 and (rows // mb) % rows_per_group == 0, (rows, rows_per_group, target, mb)
+                # Never smaller than one group or than the target allows.
+                assert rows // mb >= min(rows, max(rows_per_group, target - target % rows_per_group))
+
+
+def test_bench_refuses_sweeps_for_other_benchmarks(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    assert cli.main(["bench", "grpo-step", "--config", str(path), "--group-sizes", "2,4"]) == 2
+    assert "bench grpo-step does not take --group-sizes" in capsys.readouterr().err
+    assert cli.main(["bench", "grpo-step", "--config", str(path), "--prompts", "3"]) == 2
+    assert "bench grpo-step does not take --prompts" in capsys.readouterr().err
+    assert cli.main(["bench", "scaling"]) == 2
+    assert "bench scaling needs --config" in capsys.readouterr().err
