@@ -10,12 +10,28 @@ written at the start of the run) and the run's resolved configuration in `RUN_DI
 `find_run` walks up from a checkpoint path to them.
 
 A run resumes (`resume`) from its newest checkpoint: the train state, the KL reference and each
-host's position in its prompt stream, as `save_step` wrote them.
+host's position in its prompt stream, as `save_step` wrote them; `check_resumable` refuses a
+restart that could not resume before it writes anything.
+
+Preemption (`StopSignals`): a preemption notice (SIGTERM) or Ctrl-C (SIGINT) ends the current
+step, saves a checkpoint at it and lets the run return normally; a second signal aborts at once.
+
+On one host the trainer's own signal handlers set the flag. On several hosts (jax.distributed)
+JAX's preemption service already owns SIGTERM: it agrees on a step every host reaches
+(`multihost_utils.reached_preemption_sync_point`), so every host saves the same step; SIGINT is
+still ours, and a flag set on any host stops every host at the same step (one small collective
+per step, shared with the wall-clock checkpoint decision).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +40,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from grpo_jax.config import ConfigError
-from grpo_jax.hosts import gather_json
+from grpo_jax.hosts import any_hosts, gather_json, multi_process
 from grpo_jax.models import Transformer, load_config, load_tokenizer
 from grpo_jax.storage import is_remote
 from grpo_jax.train_step import TrainState
@@ -73,8 +90,17 @@ class Checkpointer:
         restored = dataclasses.replace(out.train_state, params=out.params)
         return restored, (out.reference if reference is not None else None), dict(out.meta)
 
+    def restore_meta(self, step: int) -> dict:
+        """The `meta` item of a saved step alone (no arrays read)."""
+        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out.meta)
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    def wait(self) -> None:
+        """Until every save in flight is complete (committed) on storage."""
+        self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
@@ -145,11 +171,26 @@ def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, strea
     checkpointer.save(step, state, meta, reference=reference)
 
 
-def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None):
-    """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
-    host's prompt stream moved to where it was. A checkpoint of another number of hosts, or a
-    stream with other settings, is a ConfigError."""
-    restored, saved_reference, meta = checkpointer.restore(step, state, reference)
+def check_resumable(checkpointer: Checkpointer, step: int, *, stream, run_dir: Path, model_json: dict) -> None:
+    """Everything that would stop `resume` from continuing checkpoint `step`, checked before a
+    restarted run writes anything: the run's architecture (`run_dir/model/config.json`) against the
+    config's (`model_json`, what `write_model_files` would write), the number of hosts, and this
+    host's prompt stream against the saved one (loaded into `stream`, as `resume` does again). A
+    ConfigError says what differs."""
+    saved_file = Path(run_dir) / "model" / "config.json"
+    if saved_file.exists():
+        saved = json.loads(saved_file.read_text())
+        ignore = {"torch_dtype", "dtype", "transformers_version"}
+        changed = sorted(k for k in set(saved) | set(model_json) if k not in ignore and saved.get(k) != model_json.get(k))
+        if changed:
+            diff = ", ".join(f"{k} {saved.get(k)!r} -> {model_json.get(k)!r}" for k in changed[:6])
+            raise ConfigError(f"{run_dir} holds a run of another model ({diff}); resume it with its own config "
+                              f"({Path(run_dir) / 'config.yaml'}) or choose another --output")
+    meta = checkpointer.restore_meta(step)
+    _load_stream(meta, step, stream)
+
+
+def _load_stream(meta: dict, step: int, stream) -> None:
     streams = meta.get("data_by_process") or [meta["data"]]
     if len(streams) != jax.process_count():
         raise ConfigError(f"checkpoint step {step} was written by {len(streams)} processes, this run has "
@@ -158,4 +199,71 @@ def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, 
         stream.load_state_dict(streams[jax.process_index()])
     except ValueError as e:
         raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
+
+
+def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None):
+    """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
+    host's prompt stream moved to where it was. A checkpoint of another number of hosts, or a
+    stream with other settings, is a ConfigError."""
+    restored, saved_reference, meta = checkpointer.restore(step, state, reference)
+    _load_stream(meta, step, stream)
     return restored, (reference if saved_reference is None else saved_reference)
+
+
+def _jax_preemption_service() -> bool:
+    """True when jax.distributed runs its preemption service (it then handles SIGTERM itself)."""
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - a JAX without the module: no service to defer to
+        return False
+    return distributed.global_state.preemption_sync_manager is not None
+
+
+class StopSignals:
+    """Context manager installing the handlers (main thread only; restored on exit), and the
+    per-step decision `check(step)` -> (stop, checkpoint due by the clock), the same on every host."""
+
+    def __init__(self, log: Callable[[str], None], *, every_minutes: float = 0.0):
+        self.log = log
+        self.every_s = every_minutes * 60.0
+        self.received: str | None = None  # the signal's name, once one arrived (on this host)
+        self.last_save = time.monotonic()
+        self._previous: dict[int, object] = {}
+        self._jax_service = multi_process() and _jax_preemption_service()
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            signals = [signal.SIGINT] + ([] if self._jax_service else [signal.SIGTERM])
+            for sig in signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:  # the second signal: stop now, without saving
+            signal.signal(signum, signal.SIG_DFL)
+            self.log(f"received {name} again: aborting now, without a checkpoint")
+            os.kill(os.getpid(), signum)
+            return
+        self.received = name
+        self.log(f"received {name}: finishing this step, then saving a checkpoint and stopping "
+                 f"(send {name} again to abort at once)")
+
+    def saved(self) -> None:
+        """A checkpoint was just written: the clock starts again."""
+        self.last_save = time.monotonic()
+
+    def check(self, step: int) -> tuple[bool, bool]:
+        """(stop after this step, a checkpoint is due by `every_minutes`): decided together by all
+        hosts, so each saves and stops at the same step."""
+        due = bool(self.every_s) and time.monotonic() - self.last_save >= self.every_s
+        stop, due = any_hosts(self.received is not None, due)
+        if self._jax_service and multihost_utils.reached_preemption_sync_point(step):
+            stop = True
+            self.received = self.received or "a preemption notice (JAX preemption service)"
+        return stop, due

@@ -162,6 +162,14 @@ def any_host(flag: bool) -> bool:
     return bool(multihost_utils.process_allgather(np.asarray(flag, np.int32)).any())
 
 
+def any_hosts(*flags: bool) -> tuple[bool, ...]:
+    """`any_host` of several flags in one collective."""
+    if not multi_process():
+        return tuple(bool(f) for f in flags)
+    gathered = multihost_utils.process_allgather(np.asarray(flags, np.int32))
+    return tuple(bool(v) for v in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))
+
+
 def max_over_hosts(value: int) -> int:
     if not multi_process():
         return int(value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +21,7 @@ from flax import nnx
 
 from grpo_jax import data
 from grpo_jax.config import (ConfigError, MeshConfig, ModelConfig, RunConfig, SamplingConfig, check_micro_batches,
-                             unknown_key)
+                             did_you_mean, unknown_key)
 from grpo_jax.hosts import row_share
 from grpo_jax.models import (RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config,
                              load_tokenizer)
@@ -38,10 +39,11 @@ class Prepared:
     rewards: list[RewardSpec]
     eval_reward: RewardSpec
     train_stream: Any  # grpo_jax.data.PromptStream over the train split: this host's share of each batch
-    eval_examples: list  # the first eval.num_prompts usable rows of the eval split (every host has all)
+    eval_examples: list  # the first eval.num_prompts usable rows of the eval split, each once (every host has all)
     mesh: Any  # the run's device mesh (jit: data x fsdp x tensor; pmap: data over the local devices)
     share: Any  # grpo_jax.hosts.RowShare: this host's block of the prompts_per_step prompts of a step
     sft_stream: Any = None  # the warm start's own stream (its own share of sft.batch_size), if sft.steps
+    eval_note: str | None = None  # why there are fewer eval prompts than eval.num_prompts (logged)
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -102,12 +104,33 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
     return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
 
 
+def check_reward_kwargs(fn, kwargs: Mapping[str, Any], where: str) -> None:
+    """Every configured keyword is a named parameter of the reward function after (prompts,
+    completions): a function's **kwargs takes the dataset's example fields, so a misspelled option
+    would vanish into it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or C function without a signature: nothing to check against
+    named = [p.name for p in list(params.values())[2:]
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in named]
+    if unknown:
+        label = getattr(fn, "__name__", repr(fn))
+        raise ConfigError(f"{where}: {unknown[0]!r} is not an option of reward {label}"
+                          f"{did_you_mean(unknown[0], named)}; its options: {', '.join(named) or 'none'}")
+
+
 def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec]:
     if not config.rewards:
         raise ConfigError("rewards: configure at least one reward function, e.g. rewards: [{name: math_accuracy}]")
     specs = []
-    for r in config.rewards:
-        fn = get_reward_fn(r.name)
+    for i, r in enumerate(config.rewards):
+        try:
+            fn = get_reward_fn(r.name)
+        except ValueError as e:
+            raise ConfigError(f"rewards[{i}].name: {e}") from None
+        check_reward_kwargs(fn, r.kwargs, f"rewards[{i}].kwargs")
         specs.append(RewardSpec(name=r.name, fn=functools.partial(fn, **r.kwargs) if r.kwargs else fn, weight=r.weight))
     name = config.eval.reward or specs[0].name
     return specs, next(s for s in specs if s.name == name)
@@ -198,6 +221,8 @@ def prepare(config: RunConfig) -> Prepared:
                           f"{model_config.vocab_size}; use the model's own tokenizer")
     try:
         rewards, eval_reward = build_rewards(config)
+    except ConfigError:
+        raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rewards: {e}") from None
     d = config.data
@@ -227,21 +252,31 @@ def prepare(config: RunConfig) -> Prepared:
     train_stream, share = stream(d.prompts_per_step, config.train.seed)
     # The warm start reads its own stream (another seed), so GRPO's batches do not depend on it.
     sft_stream = stream(config.sft.batch_size, config.train.seed + 1)[0] if config.sft.steps else None
-    eval_stream = data.PromptStream(eval_source, data.IndexSampler(len(eval_source), seed=0, shuffle=False),
-                                    formatter())
-    eval_examples = eval_stream.next_batch(min(config.eval.num_prompts, len(eval_source)))
+    eval_examples, rejected = data.first_usable(eval_source, formatter(), config.eval.num_prompts)
+    if not eval_examples:
+        raise ConfigError(f"data.eval_split {d.eval_split!r}: none of its {len(eval_source)} rows makes a usable "
+                          "prompt (check data.template's fields and data.max_prompt_tokens)")
+    eval_note = None
+    if len(eval_examples) < config.eval.num_prompts:
+        eval_note = (f"eval: {len(eval_examples)} prompts, not eval.num_prompts={config.eval.num_prompts}: the "
+                     f"{d.eval_split!r} split has {len(eval_source)} rows, {rejected} of them unusable (too long or "
+                     "missing template fields); each prompt is evaluated once")
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
     eval_sampling = dataclasses.replace(sampling, group_size=config.eval.k, min_new_tokens=0, temperature=(
         sampling.temperature if config.eval.temperature is None else config.eval.temperature))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards,
                     eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples, mesh=mesh,
-                    share=share, sft_stream=sft_stream)
+                    share=share, sft_stream=sft_stream, eval_note=eval_note)
+
+
+def model_json(prepared: Prepared) -> dict:
+    """The HF config.json of the run's architecture (what `write_model_files` writes)."""
+    return config_to_hf(prepared.model_config, dtype_name=prepared.config.model.param_dtype)
 
 
 def write_model_files(prepared: Prepared, directory: Path) -> None:
     """The architecture (config.json) and tokenizer a checkpoint's params belong to."""
     directory.mkdir(parents=True, exist_ok=True)
-    dtype = prepared.config.model.param_dtype
-    (directory / "config.json").write_text(json.dumps(config_to_hf(prepared.model_config, dtype_name=dtype), indent=2))
+    (directory / "config.json").write_text(json.dumps(model_json(prepared), indent=2))
     prepared.tokenizer.save_pretrained(str(directory))

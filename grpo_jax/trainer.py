@@ -8,7 +8,9 @@ and checkpoints. Orchestration only; each phase lives where it can be tested alo
 - sampling rounds with dynamic sampling, reward statistics: `rollouts.collect`;
 - group normalisation and the KL reference's log-probs, on device: `train_step.advantages_step`,
   `train_step.ref_logprobs_step`;
-- checkpoints and resume: `checkpoint.save_step`, `checkpoint.resume`.
+- checkpoints, resume and preemption: `checkpoint.save_step`, `checkpoint.check_resumable` (before
+  anything is written), `checkpoint.resume`, `checkpoint.StopSignals` (SIGTERM/SIGINT: save the
+  step and stop; checkpoints by the clock).
 
 Files in the run directory: `config.yaml`, `model/` (architecture + tokenizer), `metrics.jsonl`,
 `samples.jsonl`, `tensorboard/`, `checkpoints/<step>/`, `metrics.png` (at the end).
@@ -37,7 +39,7 @@ import optax
 import yaml
 from flax import nnx
 
-from grpo_jax.checkpoint import Checkpointer, resume, save_step
+from grpo_jax.checkpoint import Checkpointer, StopSignals, check_resumable, resume, save_step
 from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
 from grpo_jax.hosts import (any_host, common_bucket, gather_rows, is_primary, local_rows, max_over_hosts,
@@ -46,7 +48,7 @@ from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.parallel import make_parallel
 from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollouts import Collected, Round, collect, reward_metrics, sample_records, step_key
-from grpo_jax.run import build_model, prepare, write_model_files
+from grpo_jax.run import build_model, model_json, prepare, write_model_files
 from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import warm_start
 from grpo_jax.sharding import place_model
@@ -81,9 +83,13 @@ class Trainer:
         if not self.primary:
             self.log = lambda line: None
         self.mesh, self.share = self.prepared.mesh, self.prepared.share
+        if self.prepared.eval_note:
+            self.log(self.prepared.eval_note)
         self.rows = self.share.scaled(config.sampling.group_size)  # this host's rows of the rollout and batch
         self.sampling = self.prepared.sampling
         self.rng = jax.random.key(config.train.seed)
+        self._reward_streaks: dict[str, int] = {}  # reward name -> steps in a row it failed on every sample
+        self._slow_rewards_said = False
 
     def _open_run_dir(self) -> None:
         """Write the run's config and model files (after the checkpoint check: a refused start
@@ -210,6 +216,11 @@ class Trainer:
             if resume_from is not None and not cfg.train.resume:
                 raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {resume_from}); resume "
                                   "it (train.resume: true) or choose another --output")
+            if resume_from is not None:  # every reason to refuse, before anything is written
+                if self.primary:
+                    self.storage.pull()  # a remote run's model/config.json, to compare
+                check_resumable(checkpointer, resume_from, stream=self.prepared.train_stream,
+                                run_dir=self.run_dir, model_json=model_json(self.prepared))
             self._open_run_dir()
             return self._run(checkpointer, resume_from)
         finally:
@@ -217,53 +228,104 @@ class Trainer:
 
     def _run(self, checkpointer: Checkpointer, resume_from: int | None) -> dict:
         cfg = self.config
-        state = self._setup(checkpointer, resume_from)
-        evals, rewards = self._past_evals(resume_from), []
-        writer = MetricsWriter(self.run_dir) if self.primary else None
-        if writer is not None and resume_from is not None:
-            writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
-        first_step = (resume_from or 0) + 1
-        bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
-                                      initial=min(first_step - 1, cfg.train.steps))
-        try:
-            if resume_from is None:
-                evals.append((0, self._evaluate(0, writer)))
-            for step in range(first_step, cfg.train.steps + 1):
-                t0 = time.perf_counter()
-                collected = self._collect(step)
-                batch, tokens, ref_s = self._batch(collected)
-                t1 = time.perf_counter()
-                for _ in range(cfg.grpo.num_iterations):
-                    state, out = self.par.step(state, batch)
-                metrics = {k: float(v) for k, v in out.items()}  # waits for the last update
-                train_s = time.perf_counter() - t1
-                nnx.update(self.model, self.par.sampler_params(state))
-                check_skips(metrics, cfg.train.max_consecutive_skips)
-                metrics.update(self._host_metrics(collected))
-                metrics["perf/train_tokens_per_s"] = tokens * cfg.grpo.num_iterations / max(train_s, 1e-9)
-                metrics.update({"perf/ref_s": ref_s, "perf/train_s": train_s,
-                                "perf/prompt_len": float(batch.prompt_ids.shape[1])})
-                metrics["perf/step_s"] = time.perf_counter() - t0
-                if cfg.eval.every and step % cfg.eval.every == 0 or step == cfg.train.steps:
-                    evals.append((step, self._evaluate(step, None)))
-                    metrics.update(evals[-1][1])
-                self._publish(step, metrics, collected.first, writer, bar)
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                    self._save(checkpointer, step, state)
-                rewards.append(metrics["reward/mean"])
-            if any_host(not evals):  # resumed after the last step, on a host without the logs
-                evals.append((cfg.train.steps, self._evaluate(cfg.train.steps, None)))
-        finally:
-            bar.close()
-            self._bar = None
-            if writer is not None:
-                writer.close()
-            if self.primary:
-                self.storage.sync()  # what there is, even when the run stops with an error
+        with StopSignals(self.log, every_minutes=cfg.checkpoint.every_minutes) as signals:
+            state = self._setup(checkpointer, resume_from)
+            evals, rewards = self._past_evals(resume_from), []
+            writer = MetricsWriter(self.run_dir) if self.primary else None
+            if writer is not None and resume_from is not None:
+                writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
+            first_step = (resume_from or 0) + 1
+            bar = self._bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
+                                          initial=min(first_step - 1, cfg.train.steps))
+            stopped_at = None
+            try:
+                if resume_from is None:
+                    evals.append((0, self._evaluate(0, writer)))
+                for step in range(first_step, cfg.train.steps + 1):
+                    state, metrics, collected = self._step(step, state)
+                    last = step == cfg.train.steps
+                    if cfg.eval.every and step % cfg.eval.every == 0 or last:
+                        evals.append((step, self._evaluate(step, None)))
+                        metrics.update(evals[-1][1])
+                    self._publish(step, metrics, collected.first, writer, bar)
+                    stop, due = signals.check(step)
+                    if stop or due or cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or last:
+                        self._save(checkpointer, step, state)
+                        signals.saved()
+                    rewards.append(metrics["reward/mean"])
+                    if stop and not last:
+                        stopped_at = step
+                        break
+                if stopped_at is None and any_host(not evals):  # resumed after the last step, on a host without the logs
+                    evals.append((cfg.train.steps, self._evaluate(cfg.train.steps, None)))
+            finally:
+                bar.close()
+                self._bar = None
+                if writer is not None:
+                    writer.close()
+                if self.primary:
+                    self.storage.sync()  # what there is, even when the run stops with an error
         self.state = state
+        if stopped_at is not None:
+            return self._stopped(checkpointer, stopped_at, signals.received)
         return self._summary(evals, rewards)
 
+    def _step(self, step: int, state):
+        """Sample and score, complete the batch, update -> (state, the step's metrics, the rollout)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        collected = self._collect(step)
+        batch, tokens, ref_s = self._batch(collected)
+        t1 = time.perf_counter()
+        for _ in range(cfg.grpo.num_iterations):
+            state, out = self.par.step(state, batch)
+        metrics = {k: float(v) for k, v in out.items()}  # waits for the last update
+        train_s = time.perf_counter() - t1
+        nnx.update(self.model, self.par.sampler_params(state))
+        check_skips(metrics, cfg.train.max_consecutive_skips)
+        metrics.update(self._host_metrics(collected))
+        metrics["perf/train_tokens_per_s"] = tokens * cfg.grpo.num_iterations / max(train_s, 1e-9)
+        metrics.update({"perf/ref_s": ref_s, "perf/train_s": train_s,
+                        "perf/prompt_len": float(batch.prompt_ids.shape[1])})
+        metrics["perf/step_s"] = time.perf_counter() - t0
+        self._check_rewards(step, collected.first, metrics)
+        return state, metrics, collected
+
+    def _stopped(self, checkpointer: Checkpointer, step: int, why: str) -> dict:
+        """After a stop signal: the step's checkpoint complete on storage, one line on how to go on."""
+        checkpointer.wait()
+        if self.primary:
+            self.storage.sync()
+        self.log(f"stopped by {why} after step {step} of {self.config.train.steps}: its checkpoint is in "
+                 f"{self.storage}; run the same command again to resume from it")
+        return {"stopped": why, "step": step, "run_dir": str(self.storage)}
+
     # --- around the loop --------------------------------------------------------------------------
+    def _check_rewards(self, step: int, first: Round, metrics: dict) -> None:
+        """Make reward failures visible: each failing function's first message of the step (this
+        host's samples) is logged; one that failed on every sample of the batch for
+        `train.max_reward_failure_steps` steps in a row stops the run with its message (decided
+        from the global counts, so every host stops together). Rewards that take more than half of
+        a step are reported once."""
+        rows = self.config.data.prompts_per_step * self.sampling.group_size
+        streaks = self._reward_streaks
+        for spec in self.prepared.rewards:
+            failed = int(metrics.get(f"reward/{spec.name}/failures", 0))
+            message = first.rewards.messages.get(spec.name)
+            if failed and message:
+                self.log(f"step {step}: reward {spec.name!r} raised on {failed} of {rows} samples (scored None, "
+                         f"dropped): {message}")
+            streaks[spec.name] = streaks.get(spec.name, 0) + 1 if failed >= rows else 0
+            limit = self.config.train.max_reward_failure_steps
+            if streaks[spec.name] >= limit:
+                raise RuntimeError(f"reward function {spec.name!r} raised on every sample for {limit} steps in a row "
+                                   f"(train.max_reward_failure_steps); last error: {message or 'on another host'}")
+        reward_s, step_s = metrics["perf/reward_s"], metrics["perf/step_s"]
+        if reward_s > 0.5 * step_s and not self._slow_rewards_said:
+            self._slow_rewards_said = True
+            self.log(f"step {step}: rewards took {reward_s:.1f} s of a {step_s:.1f} s step (perf/reward_s); the "
+                     "reward functions, not the model, set the pace")
+
     def _past_evals(self, resume_from: int | None) -> list[tuple[int, dict]]:
         """A resumed run's evaluations so far, from its metrics.jsonl (pulled from remote storage)."""
         if resume_from is None or not self.primary:

@@ -42,7 +42,7 @@ def test_overrides_are_parsed_as_yaml_and_validated(tmp_path):
     assert config.train.dynamic_sampling is True
     with pytest.raises(ConfigError, match="grpo.epsilon_low must be in"):
         load_config(write(tmp_path, BASE), ["grpo.epsilon_low=1.5"])
-    with pytest.raises(ConfigError, match="must be a number"):
+    with pytest.raises(ConfigError, match="train.steps must be an integer, got 'many'"):
         load_config(write(tmp_path, BASE), ["train.steps=many"])
     with pytest.raises(ConfigError, match="key=value"):
         apply_overrides({}, ["train.steps"])
@@ -166,3 +166,40 @@ def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
         _check_devices(load_config(write(tmp_path, base)))
     _check_devices(load_config(write(tmp_path, base), ["train.shared_prompt=false"]))
     _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))  # 8 prompts on one device
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.steps=1.5", "train.steps must be an integer, got 1.5"),
+    ("sampling.group_size=2.5", "sampling.group_size must be an integer, got 2.5"),
+    ("train.learning_rate=.inf", "train.learning_rate must be a finite number, got inf"),
+    ("grpo.beta=.nan", "grpo.beta must be a finite number, got nan"),
+    ("rewards=[{name: math_accuracy, weight: .nan}]", "rewards[0].weight must be a finite number, got nan"),
+    ("data.template={questoin}", "data.template must be a string, got a mapping {'questoin': None}"),
+    ("sampling.prompt_buckets=8", "sampling.prompt_buckets must be a list, got 8"),
+    ("sampling.stop_token_ids=[2, two]", "sampling.stop_token_ids[1] must be an integer, got 'two'"),
+    ("model.dtype=float16", "model.dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
+    ("train.shared_prompt=1", "train.shared_prompt must be true or false, got 1"),
+    ("data.builder_kwargs=[1]", "data.builder_kwargs must be a mapping of keys to values, got a list [1]"),
+    ("rewards=[{name: format, kwargs: {require_reasonin: false}}]",
+     "rewards[0].kwargs: 'require_reasonin' is not an option of reward format_reward (did you mean "
+     "'require_reasoning'?)"),
+    ("rewards=[{name: no_such_module_xyz:fn}]", "rewards[0].name: reward 'no_such_module_xyz:fn': importing "
+     "'no_such_module_xyz' failed: ModuleNotFoundError"),
+])
+def test_a_wrong_value_is_one_line_naming_its_key_before_anything_runs(tmp_path, capsys, override, message):
+    from grpo_jax import cli
+
+    rc = cli.main(["train", "--config", write(tmp_path, BASE), "--set", "mesh={data: 1, fsdp: 1, tensor: 1}",
+                   "--set", override, "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err, err
+    assert err.count("\n") == 1, err  # one line
+    assert not (tmp_path / "run").exists()
+
+
+def test_whole_floats_are_integers_and_integers_are_floats(tmp_path):
+    config = load_config(write(tmp_path, BASE), ["train.steps=4.0", "train.learning_rate=1", "mesh.fsdp=null"])
+    assert config.train.steps == 4 and type(config.train.steps) is int
+    assert config.train.learning_rate == 1.0 and type(config.train.learning_rate) is float
+    assert config.mesh.fsdp == -1  # null: the default (the rest of the devices)

@@ -183,6 +183,12 @@ def test_dynamic_sampling_drops_uniform_groups_and_fills_without_gradient(tmp_pa
         assert m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
 
 
+def _snapshot(run_dir) -> dict[str, bytes]:
+    """Every file of a run directory but its logs: config.yaml, model/ and checkpoints/."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and (p.name == "config.yaml" or p.parts[len(run_dir.parts)] in ("model", "checkpoints"))}
+
+
 def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, tmp_path, capsys):
     """Preempted after step 33 (its logs written), last checkpoint at step 20: running the same
     command again resumes from step 20, drops the logs of steps 21-33 and ends where the
@@ -197,9 +203,21 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
     shutil.rmtree(copy / "checkpoints" / "40")
     lines = (copy / "metrics.jsonl").read_text().splitlines()
     (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 33))
-    # A run directory with checkpoints is left alone when resuming is off.
+    # A refused start leaves the run directory byte-identical: resuming off, another model, another
+    # data layout (each refused before anything is written).
+    before = _snapshot(copy)
     assert cli.main(["train", "--config", path, "--output", str(copy), "--set", "train.resume=false"]) == 2
     assert "already holds checkpoints (newest: step 20)" in capsys.readouterr().err
+    other_model = {**CONFIG, "model": {**CONFIG["model"], "architecture": {**CONFIG["model"]["architecture"],
+                                                                           "hidden_size": 32}}}
+    other_model["data"] = yaml.safe_load(open(path))["data"]
+    assert cli.main(["train", "--config", write_config(tmp_path, other_model, "other.yaml"),
+                     "--output", str(copy)]) == 2
+    assert "holds a run of another model (hidden_size 64 -> 32)" in capsys.readouterr().err
+    assert cli.main(["train", "--config", path, "--output", str(copy), "--set", "train.seed=1"]) == 2
+    assert "cannot resume step 20 with this config: sampler state was saved by a sampler with other settings" \
+        in capsys.readouterr().err
+    assert _snapshot(copy) == before
     assert cli.main(["train", "--config", path, "--output", str(copy)]) == 0
     ref, got = read_metrics(out), read_metrics(copy)
     assert [r["step"] for r in got] == [r["step"] for r in ref]  # steps 21-33 once, not twice
@@ -210,3 +228,48 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
     a = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(out)[0]))
     b = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(copy)[0]))
     assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-6
+
+
+def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeypatch):
+    # User code by module:function (importable from the working directory) and by file path.
+    (tmp_path / "my_rewards_mod.py").write_text(
+        "def broken(prompts, completions, **fields):\n"
+        "    raise RuntimeError('the checker service is down')\n")
+    (tmp_path / "good.py").write_text(
+        "def digits(prompts, completions, *, bonus=0.0, **fields):\n"
+        "    return [bonus + sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")},
+              "rewards": [{"name": "good.py:digits", "kwargs": {"bonus": 0.5}}, {"name": "my_rewards_mod:broken"}],
+              "sft": {"steps": 0}, "eval": {"every": 0, "num_prompts": 4, "k": 2, "reward": "good.py:digits"},
+              "train": {**CONFIG["train"], "steps": 5, "max_reward_failure_steps": 2}, "checkpoint": {"every": 0}}
+    from grpo_jax.config import config_from_dict
+    from grpo_jax.trainer import Trainer
+
+    lines = []
+    trainer = Trainer(config_from_dict(config), tmp_path / "run", log=lines.append)
+    with pytest.raises(RuntimeError, match="'my_rewards_mod:broken' raised on every sample for 2 steps in a row"
+                                           ".*RuntimeError: the checker service is down"):
+        trainer.run()
+    failing = [line for line in lines if "raised on" in line]
+    assert len(failing) == 2, lines  # steps 1 and 2, each once
+    assert failing[0].startswith("step 1: reward 'my_rewards_mod:broken' raised on 256 of 256 samples")
+    assert failing[0].endswith("RuntimeError: the checker service is down")
+    rows = read_metrics(tmp_path / "run")
+    assert [r["reward/my_rewards_mod:broken/failures"] for r in rows if "reward/mean" in r] == [256.0]
+    assert all(r["reward/good.py:digits/mean"] >= 0.5 for r in rows if "reward/mean" in r)  # the bonus kwarg
+
+
+def test_eval_never_repeats_a_prompt(tmp_path):
+    from grpo_jax.config import config_from_dict
+    from grpo_jax.run import prepare
+
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")},
+              "eval": {**CONFIG["eval"], "num_prompts": 50}}  # the test split has 20 rows
+    prepared = prepare(config_from_dict(config))
+    indices = [ex.index for ex in prepared.eval_examples]
+    assert indices == list(range(20))
+    assert "eval: 20 prompts, not eval.num_prompts=50" in prepared.eval_note
+    config["eval"]["num_prompts"] = 5
+    prepared = prepare(config_from_dict(config))
+    assert [ex.index for ex in prepared.eval_examples] == list(range(5)) and prepared.eval_note is None

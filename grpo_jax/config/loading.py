@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,22 +45,71 @@ def unknown_key(key: str, where: str, valid: Iterable[str]) -> ConfigError:
     return ConfigError(f"unknown key {key!r} in {where}{did_you_mean(key, valid)}. Valid keys: {', '.join(valid)}")
 
 
+def _shown(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"a mapping {dict(value)!r} (YAML reads {{...}} as a mapping: quote the text if you meant a string)"
+    if isinstance(value, list):
+        return f"a list {value!r}"
+    return repr(value)
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """YAML lists become tuples where the field is a tuple; ints are fine for floats."""
+    """`value` checked against the field's annotation (one line naming `where` when it does not
+    fit): integers are integers (a whole float such as 2.0 is taken as 2, 1.5 is refused), floats
+    are finite numbers, strings are strings, lists are lists of their element type (YAML lists
+    become tuples), booleans are true/false, Literal fields one of their choices."""
     origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return value
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
-            return None
-        return _coerce(value, args[0], where) if len(args) == 1 else value
-    if origin is tuple and isinstance(value, list):
-        return tuple(value)
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+            if len(args) < len(typing.get_args(annotation)):
+                return None
+            raise ConfigError(f"{where} cannot be null")
+        errors = []
+        for arg in args:
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where} got {_shown(value)}, which is none of: "
+                          + "; ".join(e.removeprefix(f"{where} ") for e in errors))
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices):
+            raise ConfigError(f"{where} must be one of {list(choices)}, got {_shown(value)}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {_shown(value)} (e.g. [{value!r}] for one item)")
+        args = typing.get_args(annotation)
+        item = args[0] if len(args) == 2 and args[1] is Ellipsis else Any
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict, typing.Mapping) or annotation in (Mapping, dict):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {_shown(value)}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {_shown(value)}")
+        return value
+    if annotation is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {_shown(value)}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {_shown(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
         return float(value)
-    if annotation in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if annotation is bool and not isinstance(value, bool):
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {_shown(value)}")
+        return value
     return value
 
 

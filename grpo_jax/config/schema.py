@@ -216,6 +216,9 @@ class TrainConfig:
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
     max_consecutive_skips: int = 5  # abort after this many non-finite updates in a row
+    # Stop the run when a reward function raised on every sample of this many steps in a row (its
+    # message is logged every step it fails; `reward/<fn>/failures` counts the samples).
+    max_reward_failure_steps: int = 3
     samples_every: int = 10  # log a few completions with their rewards every N steps (0 = never)
     samples_count: int = 4
     progress: bool = True
@@ -229,6 +232,7 @@ class TrainConfig:
         _positive("train", "micro_batches", self.micro_batches)
         _positive("train", "logprob_chunk", self.logprob_chunk)
         _positive("train", "max_consecutive_skips", self.max_consecutive_skips)
+        _positive("train", "max_reward_failure_steps", self.max_reward_failure_steps)
         _choice_in("train", "lr_schedule", self.lr_schedule, ("constant", "cosine"))
         for name in ("warmup_steps", "max_resample_rounds", "samples_every", "samples_count", "weight_decay"):
             if getattr(self, name) < 0:
@@ -277,12 +281,19 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    every: int = 0  # 0 = only at the end
+    """When the trainer saves: every `every` steps, after any step that ends `every_minutes` or more
+    after the last save (0 turns either off), at the last step, and at the step a SIGTERM/SIGINT
+    (preemption) arrives in; a preempted run always has something to resume from."""
+
+    every: int = 100
+    every_minutes: float = 30.0
     keep: int = 3
 
     def __post_init__(self):
         if self.every < 0:
             raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
+        if self.every_minutes < 0:
+            raise ValueError(f"checkpoint.every_minutes must be >= 0, got {self.every_minutes}")
         _positive("checkpoint", "keep", self.keep)
 
 

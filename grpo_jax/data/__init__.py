@@ -15,7 +15,7 @@ from grpo_jax.data.gsm8k import Gsm8kLocal
 from grpo_jax.data.prompts import Prompt, PromptFormatter
 from grpo_jax.data.sampler import IndexSampler
 from grpo_jax.data.source import DATASETS, DataSource, load_source
-from grpo_jax.data.stream import Example, PromptStream
+from grpo_jax.data.stream import Example, PromptStream, first_usable
 from grpo_jax.data.synthetic import SyntheticConfig
 from grpo_jax.data.tokenizer import DEFAULT_ALPHABET, char_tokenizer
 
@@ -28,6 +28,7 @@ __all__ = [
     "CountdownConfig",
     "DataSource",
     "Example",
+    "first_usable",
     "Gsm8kLocal",
     "IndexSampler",
     "Prompt",

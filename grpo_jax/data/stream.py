@@ -21,6 +21,23 @@ class Example:
     index: int
 
 
+def first_usable(source: Sequence[dict[str, Any]], formatter: PromptFormatter, n: int) -> tuple[list[Example], int]:
+    """The first `n` rows of `source` the formatter accepts, in order, each at most once (fewer
+    when the source has fewer usable rows), and how many rows were rejected on the way."""
+    examples, rejected = [], 0
+    for index in range(len(source)):
+        if len(examples) == n:
+            break
+        row = source[index]
+        prompt = formatter.encode(row)
+        if prompt is None:
+            rejected += 1
+            continue
+        fields = {k: v for k, v in row.items() if k not in formatter.prompt_fields}
+        examples.append(Example(prompt.ids, prompt.text, fields, index))
+    return examples, rejected
+
+
 class PromptStream:
     """Endless batches of formatted prompts read in the sampler's order.
 
