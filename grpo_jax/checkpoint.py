@@ -95,6 +95,29 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out.meta)
 
+    def all_steps(self) -> list[int]:
+        """Saved steps orbax lists as finalized, newest first (one may still be damaged)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps(), reverse=True)
+
+    def set_aside(self, steps: list[int]) -> None:
+        """Damaged steps out of the way (a resumed run saves these step numbers again): moved to
+        `checkpoints_damaged/` beside the checkpoints (deleted on remote storage), by process 0."""
+        if multi_process():
+            multihost_utils.sync_global_devices("grpo_jax_set_aside_before")
+        if jax.process_index() == 0:
+            for step in steps:
+                if isinstance(self.directory, Path):
+                    aside = self.directory.parent / "checkpoints_damaged"
+                    aside.mkdir(exist_ok=True)
+                    target = aside / f"{step}.{int(time.time())}"
+                    (self.directory / str(step)).rename(target)
+                else:
+                    self._manager.delete(step)
+        if multi_process():
+            multihost_utils.sync_global_devices("grpo_jax_set_aside_after")
+        self._manager.reload()
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
@@ -112,6 +135,7 @@ class RunFiles:
     run_dir: Path
     checkpoints: Path
     step: int
+    older: tuple[int, ...] = ()  # saved steps before `step`, newest first (fallbacks when it was not named)
 
 
 def find_run(checkpoint: str | Path) -> RunFiles:
@@ -136,8 +160,8 @@ def find_run(checkpoint: str | Path) -> RunFiles:
     if not steps:
         raise FileNotFoundError(f"{path} holds no saved step yet")
     if step is None:
-        step = steps[-1]
-    elif step not in steps:
+        return RunFiles(run_dir=run_dir, checkpoints=path, step=steps[-1], older=tuple(reversed(steps[:-1])))
+    if step not in steps:
         raise FileNotFoundError(f"{path} has no step {step}; saved steps: {steps}")
     return RunFiles(run_dir=run_dir, checkpoints=path, step=step)
 
@@ -150,16 +174,40 @@ def restore_params(files: RunFiles, abstract_params):
     return restored.params
 
 
-def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32):
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
+
+
+def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                warn: Callable[[str], None] = _stderr):
     """(model, tokenizer, RunFiles) of a saved step: the run's architecture with the step's params,
-    computing in `dtype` and stored in `param_dtype` (a run's `model.dtype` / `model.param_dtype`)."""
+    computing in `dtype` and stored in `param_dtype` (a run's `model.dtype` / `model.param_dtype`).
+    Without a named step, a damaged or incomplete newest checkpoint is skipped with a warning
+    (`warn`) and the newest one that restores is used (RunFiles.step says which)."""
     files = find_run(checkpoint)
     config = load_config(files.run_dir / "model")
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    params = restore_params(files, params)
-    model = nnx.merge(graphdef, params, rest)
-    return model, load_tokenizer(files.run_dir / "model"), files
+    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    errors = []
+    for step in (files.step, *files.older):  # a named step only; else the newest that restores
+        here = dataclasses.replace(files, step=step, older=())
+        try:
+            params = restore_params(here, abstract_params)
+        except Exception as e:  # noqa: BLE001 - any failure to read it means the checkpoint is damaged
+            errors.append(f"step {step}: {_short(e)}")
+            if files.older:
+                warn(f"warning: checkpoint {files.checkpoints / str(step)} is damaged or incomplete "
+                     f"({_short(e)}); trying the previous one")
+            continue
+        model = nnx.merge(graphdef, params, rest)
+        return model, load_tokenizer(files.run_dir / "model"), here
+    raise FileNotFoundError(f"no restorable checkpoint in {files.checkpoints}: " + "; ".join(errors))
 
 
 def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,

@@ -106,15 +106,16 @@ class Trainer:
             write_model_files(self.prepared, self.run_dir / "model")
 
     # --- setup ------------------------------------------------------------------------------------
-    def _setup(self, checkpointer: Checkpointer, resume_from: int | None):
-        """The model, the parallelism, the placed train state and the KL reference (restored when
-        resuming) -> the state."""
+    def _setup(self, checkpointer: Checkpointer, candidates: list[int]):
+        """The model, the parallelism, the placed train state and the KL reference (restored from
+        the newest of `candidates` that restores, when resuming) -> (state, the step resumed or None)."""
         cfg = self.config
         self.model = build_model(cfg.model, self.prepared.model_config, cfg.train.seed)
         # Every host built the same parameters; place them on the mesh by the rules (pmap mode: its
         # data-only mesh, so replicated) for the warm start and the sampler.
         place_model(self.model, self.mesh)
-        if cfg.sft.steps and resume_from is None:  # a resumed run's params come from its checkpoint
+        resume_from = None
+        if cfg.sft.steps and not candidates:  # a resumed run's params come from its checkpoint
             t0 = time.perf_counter()
             losses = warm_start(self.prepared, self.model, self.log)
             self.log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
@@ -128,15 +129,14 @@ class Trainer:
         for line in self.par.not_sharded:
             self.log(f"not sharded (its mesh axis does not divide it): {line}")
         self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param)) if cfg.grpo.beta > 0 else None
-        if resume_from is not None:
-            state, self.ref_params = resume(checkpointer, resume_from, self.par.unplace(state),
-                                            stream=self.prepared.train_stream, reference=self.ref_params)
+        if candidates:
+            state, resume_from = self._restore(checkpointer, candidates, self.par.unplace(state))
             state = self.par.place(state)
             self.log(f"resumed from the checkpoint of step {resume_from} in {self.storage}"
                      + (f"; the run already reached train.steps={t.steps}, nothing left to train"
                         if resume_from >= t.steps else ""))
         nnx.update(self.model, self.par.sampler_params(state))
-        return state
+        return state, resume_from
 
     # --- one step ---------------------------------------------------------------------------------
     def _round(self, step: int, round_index: int) -> Round:
@@ -212,24 +212,72 @@ class Trainer:
         cfg = self.config
         checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
         try:
-            resume_from = checkpointer.latest_step()
-            if resume_from is not None and not cfg.train.resume:
-                raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {resume_from}); resume "
+            steps = checkpointer.all_steps()
+            if steps and not cfg.train.resume:
+                raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {steps[0]}); resume "
                                   "it (train.resume: true) or choose another --output")
-            if resume_from is not None:  # every reason to refuse, before anything is written
-                if self.primary:
-                    self.storage.pull()  # a remote run's model/config.json, to compare
-                check_resumable(checkpointer, resume_from, stream=self.prepared.train_stream,
-                                run_dir=self.run_dir, model_json=model_json(self.prepared))
+            candidates = self._resumable(checkpointer, steps) if steps else []  # before anything is written
             self._open_run_dir()
-            return self._run(checkpointer, resume_from)
+            return self._run(checkpointer, candidates)
         finally:
             checkpointer.close()
 
-    def _run(self, checkpointer: Checkpointer, resume_from: int | None) -> dict:
+    def _resumable(self, checkpointer: Checkpointer, steps: list[int]) -> list[int]:
+        """The saved steps to resume from, newest first, starting at the newest whose metadata
+        restores; every reason to refuse the restart (another model, data layout, seed, host count:
+        a ConfigError) is found here, before the run directory is written. Damaged checkpoints are
+        skipped with a warning (decided by all hosts together)."""
+        if self.primary:
+            self.storage.pull()  # a remote run's model/config.json, to compare
+        errors = []
+        for i, step in enumerate(steps):
+            try:
+                check_resumable(checkpointer, step, stream=self.prepared.train_stream, run_dir=self.run_dir,
+                                model_json=model_json(self.prepared))
+                error = None
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unreadable metadata: a damaged or partial checkpoint
+                error = e
+            if not any_host(error is not None):
+                return steps[i:]
+            errors.append(f"step {step}: {error or 'damaged on another host'}")
+            self.log(f"warning: checkpoint of step {step} in {self.storage} is damaged or incomplete ({errors[-1]}); "
+                     "trying the previous one")
+        raise ConfigError(f"{self.storage} holds checkpoints {sorted(steps)} but none of them restores ("
+                          + "; ".join(errors) + "); move checkpoints/ away to start afresh")
+
+    def _restore(self, checkpointer: Checkpointer, candidates: list[int], state):
+        """(state, step) from the newest candidate that restores completely; damaged newer steps are
+        set aside (`Checkpointer.set_aside`) so the resumed run can save those steps again."""
+        damaged = [s for s in checkpointer.all_steps() if s > candidates[0]]  # skipped by `_resumable`
+        for step in candidates:
+            try:
+                restored, reference = resume(checkpointer, step, state, stream=self.prepared.train_stream,
+                                             reference=self.ref_params)
+                error = None
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unreadable arrays: a damaged checkpoint
+                error = e
+            if any_host(error is not None):
+                self.log(f"warning: checkpoint of step {step} in {self.storage} is damaged or incomplete "
+                         f"({type(error).__name__ if error else 'on another host'}: "
+                         f"{' '.join(str(error).split())[:200] if error else ''}); trying the previous one")
+                damaged.append(step)
+                continue
+            if damaged:
+                checkpointer.set_aside(damaged)
+                self.log(f"set aside the damaged checkpoints of steps {sorted(damaged)} (checkpoints_damaged/)")
+            self.ref_params = reference
+            return restored, step
+        raise ConfigError(f"none of the checkpoints in {self.storage} restores (steps {sorted(damaged)}); move "
+                          "checkpoints/ away to start afresh")
+
+    def _run(self, checkpointer: Checkpointer, candidates: list[int]) -> dict:
         cfg = self.config
         with StopSignals(self.log, every_minutes=cfg.checkpoint.every_minutes) as signals:
-            state = self._setup(checkpointer, resume_from)
+            state, resume_from = self._setup(checkpointer, candidates)
             evals, rewards = self._past_evals(resume_from), []
             writer = MetricsWriter(self.run_dir) if self.primary else None
             if writer is not None and resume_from is not None:

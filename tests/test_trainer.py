@@ -273,3 +273,60 @@ def test_eval_never_repeats_a_prompt(tmp_path):
     config["eval"]["num_prompts"] = 5
     prepared = prepare(config_from_dict(config))
     assert [ex.index for ex in prepared.eval_examples] == list(range(5)) and prepared.eval_note is None
+
+
+def _damage(step_dir, how):
+    import shutil
+
+    if how == "truncated data file":
+        for f in (step_dir / "params").rglob("d/*"):
+            with open(f, "r+b") as fh:
+                fh.truncate(8)
+    elif how == "garbage _METADATA":
+        (step_dir / "params" / "_METADATA").write_text("garbage{")
+    elif how == "missing item":
+        shutil.rmtree(step_dir / "params")
+    elif how == "empty step directory":
+        shutil.rmtree(step_dir)
+        step_dir.mkdir()
+
+
+@pytest.mark.parametrize("how", ["truncated data file", "garbage _METADATA", "missing item", "empty step directory"])
+def test_export_skips_a_damaged_newest_checkpoint_with_a_warning(run, tmp_path, capsys, how):
+    import shutil
+
+    _, out = run
+    copy = tmp_path / "damaged"
+    shutil.copytree(out, copy)
+    _damage(copy / "checkpoints" / "40", how)
+    assert cli.main(["export", "--checkpoint", str(copy), "--out", str(tmp_path / "hf")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["step"] == 20
+    assert f"checkpoint {copy / 'checkpoints' / '40'} is damaged or incomplete" in captured.err
+    # A step named on purpose is not swapped for another: its damage is the error.
+    assert cli.main(["export", "--checkpoint", str(copy / "checkpoints" / "40"), "--out", str(tmp_path / "x")]) == 2
+    assert "no restorable checkpoint" in capsys.readouterr().err
+
+
+def test_train_and_eval_fall_back_from_a_damaged_newest_checkpoint(run, tmp_path, capsys):
+    import shutil
+
+    path, out = run
+    copy = tmp_path / "damaged"
+    shutil.copytree(out, copy)
+    _damage(copy / "checkpoints" / "40", "truncated data file")
+    assert cli.main(["eval", "--config", path, "--checkpoint", str(copy)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["step"] == 20
+    assert "is damaged or incomplete" in captured.err
+    # train resumes from step 20, sets step 40 aside, and ends where the undamaged run ended.
+    assert cli.main(["train", "--config", path, "--output", str(copy)]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint of step 40" in err and "is damaged or incomplete" in err
+    assert "resumed from the checkpoint of step 20" in err
+    assert [p.name.split(".")[0] for p in (copy / "checkpoints_damaged").iterdir()] == ["40"]
+    assert sorted(int(p.name) for p in (copy / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
+    ref, got = read_metrics(out), read_metrics(copy)
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for key in ("train/loss", "reward/mean"):
+        assert got[-1][key] == pytest.approx(ref[-1][key], abs=1e-6)
