@@ -156,8 +156,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     config = _load(args)
     prepared = prepare(config)  # data and reward checks before the checkpoint is read
-    if prepared.eval_note:
-        print(prepared.eval_note, file=sys.stderr)
+    for note in prepared.notes:
+        print(note, file=sys.stderr)
     model, _, files = load_policy(args.checkpoint, dtype=JNP_DTYPES[config.model.dtype],
                                   param_dtype=JNP_DTYPES[config.model.param_dtype])
     place_model(model, prepared.mesh)  # evaluated on the run's mesh, as the trainer evaluates

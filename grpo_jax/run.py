@@ -25,7 +25,8 @@ from grpo_jax.config import (ConfigError, MeshConfig, ModelConfig, RunConfig, Sa
 from grpo_jax.hosts import row_share
 from grpo_jax.models import (RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config,
                              load_tokenizer)
-from grpo_jax.rewards import RewardSpec, get_reward_fn
+from grpo_jax.rewards import RewardSpec, code_reward, get_reward_fn
+from grpo_jax.rewards.code import check_isolation
 from grpo_jax.sharding import make_mesh, mesh_devices, mesh_shape
 
 
@@ -43,7 +44,7 @@ class Prepared:
     mesh: Any  # the run's device mesh (jit: data x fsdp x tensor; pmap: data over the local devices)
     share: Any  # grpo_jax.hosts.RowShare: this host's block of the prompts_per_step prompts of a step
     sft_stream: Any = None  # the warm start's own stream (its own share of sft.batch_size), if sft.steps
-    eval_note: str | None = None  # why there are fewer eval prompts than eval.num_prompts (logged)
+    notes: tuple[str, ...] = ()  # lines a run logs at start: the code sandbox's isolation, a short eval split
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -102,6 +103,24 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
         raise ConfigError(f"sampling: token ids {outside} (stop_token_ids / pad_token_id) are outside the model's "
                           f"vocabulary of {model_config.vocab_size}")
     return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
+
+
+def _unwrapped(fn) -> tuple[Any, dict]:
+    """(the function, its bound keywords) of a reward that may be a functools.partial."""
+    if isinstance(fn, functools.partial):
+        return fn.func, dict(fn.keywords)
+    return fn, {}
+
+
+def sandbox_check(spec: RewardSpec, index: int) -> str:
+    """The code reward's sandbox isolation as a line to log, checked before the run starts: without
+    user, mount and PID namespaces it is refused unless its kwargs say allow_weak_isolation."""
+    _, kwargs = _unwrapped(spec.fn)
+    try:
+        return check_isolation(allow_weak_isolation=kwargs.get("allow_weak_isolation", False),
+                               python=kwargs.get("python"))
+    except ValueError as e:
+        raise ConfigError(f"rewards[{index}] ({spec.name}): {e}") from None
 
 
 def check_reward_kwargs(fn, kwargs: Mapping[str, Any], where: str) -> None:
@@ -225,6 +244,7 @@ def prepare(config: RunConfig) -> Prepared:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rewards: {e}") from None
+    notes = [sandbox_check(spec, i) for i, spec in enumerate(rewards) if _unwrapped(spec.fn)[0] is code_reward]
     d = config.data
     def formatter():  # one per stream: each counts what it skipped
         return data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
@@ -256,9 +276,8 @@ def prepare(config: RunConfig) -> Prepared:
     if not eval_examples:
         raise ConfigError(f"data.eval_split {d.eval_split!r}: none of its {len(eval_source)} rows makes a usable "
                           "prompt (check data.template's fields and data.max_prompt_tokens)")
-    eval_note = None
     if len(eval_examples) < config.eval.num_prompts:
-        eval_note = (f"eval: {len(eval_examples)} prompts, not eval.num_prompts={config.eval.num_prompts}: the "
+        notes.append(f"eval: {len(eval_examples)} prompts, not eval.num_prompts={config.eval.num_prompts}: the "
                      f"{d.eval_split!r} split has {len(eval_source)} rows, {rejected} of them unusable (too long or "
                      "missing template fields); each prompt is evaluated once")
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
@@ -267,7 +286,7 @@ def prepare(config: RunConfig) -> Prepared:
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards,
                     eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples, mesh=mesh,
-                    share=share, sft_stream=sft_stream, eval_note=eval_note)
+                    share=share, sft_stream=sft_stream, notes=tuple(notes))
 
 
 def model_json(prepared: Prepared) -> dict:

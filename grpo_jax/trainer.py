@@ -83,8 +83,8 @@ class Trainer:
         if not self.primary:
             self.log = lambda line: None
         self.mesh, self.share = self.prepared.mesh, self.prepared.share
-        if self.prepared.eval_note:
-            self.log(self.prepared.eval_note)
+        for note in self.prepared.notes:
+            self.log(note)
         self.rows = self.share.scaled(config.sampling.group_size)  # this host's rows of the rollout and batch
         self.sampling = self.prepared.sampling
         self.rng = jax.random.key(config.train.seed)

@@ -41,8 +41,10 @@ def fenced(source: str) -> str:
 
 @pytest.fixture
 def shared_dir():
-    """A directory the sandbox user (possibly `nobody`) can write, to observe processes from outside."""
-    path = tempfile.mkdtemp(prefix="sandbox_test_")
+    """A directory the sandbox user (possibly `nobody`) can write, to observe processes from outside.
+    Not under /tmp: with a mount namespace the sandbox has its own /tmp (as root, /srv: `nobody`
+    cannot traverse /root; else the home directory, which the sandbox's user owns)."""
+    path = tempfile.mkdtemp(prefix="sandbox_test_", dir="/srv" if os.geteuid() == 0 else os.path.expanduser("~"))
     os.chmod(path, 0o777)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -55,7 +57,11 @@ def test_a_program_runs_with_stdin_in_a_fresh_directory_that_is_removed():
     assert r.status == "ok" and r.returncode == 0, r
     reversed_line, cwd = r.stdout.splitlines()
     assert reversed_line == "cba"
-    assert os.path.basename(cwd).startswith("grpo_sandbox_") and not os.path.exists(cwd)
+    if "mountns" in r.isolation:
+        assert cwd == "/tmp/work"  # in its private /tmp
+    else:
+        assert os.path.basename(cwd).startswith("grpo_sandbox_") and not os.path.exists(cwd)
+    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("grpo_sandbox_")]
 
 
 def test_the_environment_is_minimal(monkeypatch):
@@ -262,7 +268,11 @@ def test_without_namespaces_the_sandbox_still_limits_kills_and_grades(monkeypatc
                       "except OSError as e:\n    print(e)", timeout_s=5.0)
     assert r.stdout.strip() == "[Errno 101] network access is disabled in the sandbox", r
     exits = "def add(a, b):\n    return 0\nimport sys\nsys.exit(0)"
-    assert code_reward(["q"] * 2, [fenced(CORRECT_ADD), fenced(exits)], tests=[ADD_TESTS] * 2) == [1.0, 0.0]
+    # Without namespaces samples share /tmp: the code reward refuses unless told to accept that.
+    with pytest.raises(ValueError, match="no userns, mountns, pidns here.*allow_weak_isolation: true"):
+        code_reward(["q"], [fenced(CORRECT_ADD)], tests=[ADD_TESTS])
+    assert code_reward(["q"] * 2, [fenced(CORRECT_ADD), fenced(exits)], tests=[ADD_TESTS] * 2,
+                       allow_weak_isolation=True) == [1.0, 0.0]
 
 
 # --- the harness: a real module, run by path, its helpers tested in-process ----------------------------
@@ -323,7 +333,9 @@ def test_the_harness_runs_by_path_from_a_copy_in_the_sandbox_directory():
         argv = ast.literal_eval(argv_line)
         assert argv[1] == "-I" and "-c" not in argv, argv
         assert os.path.basename(argv[2]) == ".sandbox_harness.py", argv
-        assert os.path.realpath(os.path.dirname(argv[2])) == os.path.realpath(cwd), (argv, cwd)
+        assert os.path.basename(os.path.dirname(argv[2])).startswith("grpo_sandbox_"), argv
+        if "mountns" not in r.isolation:  # else the program's cwd is its private /tmp/work
+            assert os.path.realpath(os.path.dirname(argv[2])) == os.path.realpath(cwd), (argv, cwd)
 
 
 def test_a_candidate_cannot_import_a_sibling_of_the_harness_or_a_file_it_wrote():
@@ -354,13 +366,17 @@ def test_the_harness_drops_its_directory_from_sys_path_even_without_isolated_mod
     workdir = tmp_path / "work"
     workdir.mkdir()
     config = {"code": "import sibling", "tests": None, "nonce": "n", "limits": [], "unlink": []}
-    (workdir / "config.json").write_text(json.dumps(config))
+    config_file = tempfile.TemporaryFile()
+    config_file.write(json.dumps(config).encode())
+    config_file.flush()
     status_r, status_w = os.pipe()
     control_r, control_w = os.pipe()  # held open: closing it would tell the harness to stop
     try:
-        proc = subprocess.run([sys.executable, str(package / "harness.py"), "config.json", str(status_w), str(control_r)],
-                              cwd=workdir, capture_output=True, text=True, timeout=30, pass_fds=(status_w, control_r))
+        proc = subprocess.run([sys.executable, str(package / "harness.py"), str(config_file.fileno()), str(status_w),
+                               str(control_r)], cwd=workdir, capture_output=True, text=True, timeout=30,
+                              pass_fds=(config_file.fileno(), status_w, control_r))
     finally:
+        config_file.close()
         for fd in (status_w, control_r, control_w):
             os.close(fd)
     with os.fdopen(status_r, "rb") as f:

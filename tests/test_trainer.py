@@ -269,10 +269,10 @@ def test_eval_never_repeats_a_prompt(tmp_path):
     prepared = prepare(config_from_dict(config))
     indices = [ex.index for ex in prepared.eval_examples]
     assert indices == list(range(20))
-    assert "eval: 20 prompts, not eval.num_prompts=50" in prepared.eval_note
+    assert [n for n in prepared.notes if n.startswith("eval: 20 prompts, not eval.num_prompts=50")]
     config["eval"]["num_prompts"] = 5
     prepared = prepare(config_from_dict(config))
-    assert [ex.index for ex in prepared.eval_examples] == list(range(5)) and prepared.eval_note is None
+    assert [ex.index for ex in prepared.eval_examples] == list(range(5)) and prepared.notes == ()
 
 
 def _damage(step_dir, how):

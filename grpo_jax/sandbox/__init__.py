@@ -8,11 +8,14 @@ The sandbox (`run_sandboxed`) is a separate process tree, never this interpreter
   namespaces: no network interface but a down loopback; its own /proc, in which no process
   outside the sandbox is visible; and every process it starts dies with it, including ones that
   left the process group with `setsid`;
+- with a mount namespace, its own tmpfs for /tmp, /dev/shm and /var/tmp (`max_tmp_mb` in total;
+  its cwd and HOME inside), so no sample sees the host's or another sample's temporary files and
+  nothing it writes there outlives it; then every capability is dropped (no_new_privs), so it
+  cannot unmount them;
 - when this process is root, the program runs as `nobody` (uid 65534), so it cannot write the
   checkout or read /root; with a user namespace alone, it would keep root's access to files.
-  When this process is not root, the program runs as this user and can read and write what this
-  user can: the filesystem is not isolated (a read-only root would need a mount setup step
-  that this sandbox does not have);
+  When this process is not root, the program runs as this user and can read what this user can
+  (the root filesystem is not remounted read-only);
 - rlimits set before any model code runs: CPU seconds, address space (memory), file size,
   process count (only where it counts the sandbox's own processes: in its own user namespace or
   uid) and no core dumps; and not dumpable, so concurrent sandboxes running as the same uid
@@ -27,11 +30,13 @@ supervisor dying) is `status="infra_error"`. Linux only (namespaces, pidfd, prct
 
 With `tests`, a trusted harness (`harness.py`, run by path inside the sandbox) runs the candidate
 as module `solution`, then each top-level test statement in a separate namespace that holds the
-candidate's names and a copy of the builtins taken before the candidate ran, and only when the
-last test has run it prints a random per-run nonce with the pass count. The nonce and the tests
-reach the sandbox in a file the harness deletes before the candidate runs. The process limits are
-the security boundary; the harness only keeps the grading honest against ordinary exploits (see
-`grpo_jax.rewards.code` for what it does and does not stop).
+candidate's names and a copy of the builtins taken before the candidate ran, then the `calls`
+whose values it returns as plain data for the caller to compare outside the sandbox, and only
+when all have run it prints a random per-run nonce with the pass count and those values. Code,
+tests, calls and nonce reach the sandbox on an inherited descriptor of an unlinked file: they
+never have a name another sample could open. A program that kills the harness is a failure
+("killed"), not an infrastructure error. The process limits are the security boundary; see
+`grpo_jax.rewards.code` for what the grading does and does not trust.
 
 Modules: `launcher` (probing, starting, supervising, classifying a run) and `harness` (the code
 that runs inside the sandbox; standard library only).

@@ -1,9 +1,10 @@
 """Starting, supervising and tearing down one sandboxed run (the measures: see `grpo_jax.sandbox`).
 
 The launcher is found once per interpreter by probing the strongest isolation first. Each run gets
-a fresh temporary directory (its cwd, chowned to the sandbox user) holding the config (code, tests,
-nonce, limits) and a copy of `harness.py`, which runs by path as
-`python -I <workdir>/.sandbox_harness.py CONFIG STATUS_FD CONTROL_FD`. The copy, not the package's
+a fresh temporary directory (chowned to the sandbox user) holding a copy of `harness.py`, which
+runs by path as `python -I <workdir>/.sandbox_harness.py CONFIG_FD STATUS_FD CONTROL_FD`; the
+config (code, tests, calls, nonce, limits) arrives on CONFIG_FD, an unlinked file no other sample
+can open. With a mount namespace the harness then moves into a private tmpfs (`harness.private_tmp`). The copy, not the package's
 own file, because as root the harness runs as `nobody`, who may not be able to read the checkout
 or site-packages (a checkout under /root, mode 700); the harness deletes both files before any
 candidate code runs.
@@ -11,6 +12,7 @@ candidate code runs.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,6 @@ SandboxStatus = Literal["ok", "error", "timeout", "killed", "infra_error"]
 _SANDBOX_UID = 65534  # nobody: used only when this process is root
 _UNSHARE_ARGS = ("--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--")
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-_CONFIG_NAME = ".sandbox.json"
 _HARNESS_NAME = ".sandbox_harness.py"  # the per-run copy of harness.py in the sandbox's cwd
 _HARNESS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
 _DRAIN_S = 0.2  # after the program exits, how long stragglers may keep its pipes open
@@ -60,6 +62,8 @@ class SandboxResult:
     stderr_truncated: bool = False
     tests_passed: int | None = None  # assert-style tests only, from the harness's sentinel
     tests_total: int | None = None
+    # With `calls`: per call, ("ok", its value as plain Python data) or ("error", the exception's name).
+    call_values: tuple | None = None
     isolation: tuple[str, ...] = ()
     pid: int | None = None  # of the sandbox's session leader; its process group is gone on return
 
@@ -192,9 +196,9 @@ def _infra(start: float, detail: str, isolation: tuple[str, ...] = (), pid: int 
 
 
 def _check_limits(timeout_s: float, cpu_s: float | None, memory_mb: int, max_output_bytes: int, max_file_mb: int,
-                  max_procs: int) -> None:
+                  max_procs: int, max_tmp_mb: int = 64) -> None:
     for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes),
-                        ("max_file_mb", max_file_mb), ("max_procs", max_procs)):
+                        ("max_file_mb", max_file_mb), ("max_procs", max_procs), ("max_tmp_mb", max_tmp_mb)):
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if max_procs < 2:
@@ -203,9 +207,11 @@ def _check_limits(timeout_s: float, cpu_s: float | None, memory_mb: int, max_out
         raise ValueError(f"cpu_s must be positive, got {cpu_s}")
 
 
-def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, timeout_s: float = 10.0,
+def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, calls: Sequence[str] | None = None,
+                  timeout_s: float = 10.0,
                   cpu_s: float | None = None, memory_mb: int = 1024, max_output_bytes: int = 1_000_000,
-                  max_file_mb: int = 16, max_procs: int = 32, python: str | None = None) -> SandboxResult:
+                  max_file_mb: int = 16, max_procs: int = 32, max_tmp_mb: int = 64,
+                  python: str | None = None) -> SandboxResult:
     """Run the Python program `code` in a sandbox (see `grpo_jax.sandbox`) and report what happened.
 
     Without `tests`, `code` runs as `__main__` with `stdin` on its standard input. With `tests`
@@ -213,11 +219,22 @@ def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, timeo
     on its own; `tests_passed`/`tests_total` count the top-level `assert` and expression statements
     (e.g. `check(candidate)`) that ran without raising, read from the harness's nonce sentinel.
 
+    `calls` (Python expressions, e.g. `add(2, 3)`; implies `tests`, "" if not given) are evaluated
+    after the tests, in their namespace; `call_values` returns their values as plain data
+    (`decode_value`), for the caller to compare with the expected values outside the sandbox.
+    Only values of exact plain types come back (int, float, str, bytes, None and lists, tuples,
+    sets, dicts of them); anything else is ("error", "TypeError").
+
+    With a mount namespace the program's /tmp, /dev/shm and /var/tmp are its own tmpfs of
+    `max_tmp_mb` in total (its cwd and HOME inside it), gone when it ends.
+
     `timeout_s` is wall-clock time for the whole process tree; `cpu_s` (default `timeout_s` + 1)
     is CPU time per process; `memory_mb` is address space per process; `max_file_mb` caps a
     written file; `max_procs` caps processes; `max_output_bytes` caps stdout and stderr each.
     """
-    _check_limits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_procs)
+    _check_limits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_procs, max_tmp_mb)
+    if calls is not None and tests is None:
+        tests = ""
     start = time.monotonic()
     try:
         launcher = _launcher(python)
@@ -231,7 +248,9 @@ def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, timeo
     if "nproc" in launcher.isolation:  # else it would count every process of this user, not the sandbox's
         limits.append(("RLIMIT_NPROC", max_procs, max_procs))
     nonce = secrets.token_hex(16)
-    config = {"code": code, "tests": tests, "nonce": nonce, "limits": limits, "unlink": [_HARNESS_NAME]}
+    config = {"code": code, "tests": tests, "calls": list(calls or ()), "nonce": nonce, "limits": limits,
+              "unlink": [_HARNESS_NAME],
+              "private_tmp_mb": max_tmp_mb if "mountns" in launcher.isolation else 0}
     try:
         proc, workdir, status_r, control_w = _spawn(launcher, config, stdin)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
@@ -257,13 +276,15 @@ def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, timeo
 def _spawn(launcher: _Launcher, config: dict, stdin: str) -> tuple[subprocess.Popen, str, int, int]:
     """Start the harness in a fresh temporary directory: (process, workdir, status read end,
     control write end). On failure everything made so far is undone and the error raised."""
-    workdir = stdin_file = None
+    workdir = stdin_file = config_file = None
     status_r = status_w = control_r = control_w = -1
     try:
         workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
         if launcher.uid is not None:
             os.chown(workdir, launcher.uid, launcher.uid)
-        _write_private(os.path.join(workdir, _CONFIG_NAME), json.dumps(config).encode(), launcher.uid)
+        config_file = tempfile.TemporaryFile()  # noqa: SIM115 - unlinked: reachable only through the fd
+        config_file.write(json.dumps(config).encode())
+        config_file.flush()
         harness = os.path.join(workdir, _HARNESS_NAME)
         _write_private(harness, _harness_source(), launcher.uid)
         # A file, not a pipe: no deadlock against a program that never reads. Closed below on both paths.
@@ -274,21 +295,24 @@ def _spawn(launcher: _Launcher, config: dict, stdin: str) -> tuple[subprocess.Po
         control_r, control_w = os.pipe()  # closing control_w stops the sandbox
         env = {"PATH": _SAFE_PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         proc = subprocess.Popen(
-            [*launcher.prefix, launcher.python, "-I", harness, _CONFIG_NAME, str(status_w), str(control_r)],
+            [*launcher.prefix, launcher.python, "-I", harness, str(config_file.fileno()), str(status_w),
+             str(control_r)],
             stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-            start_new_session=True, pass_fds=(status_w, control_r), **_user_kwargs(launcher.uid))
+            start_new_session=True, pass_fds=(config_file.fileno(), status_w, control_r), **_user_kwargs(launcher.uid))
     except BaseException:
         for fd in (status_r, status_w, control_r, control_w):
             if fd >= 0:
                 os.close(fd)
-        if stdin_file is not None:
-            stdin_file.close()
+        for f in (stdin_file, config_file):
+            if f is not None:
+                f.close()
         if workdir is not None:
             _remove_tree(workdir)
         raise
     os.close(status_w)
     os.close(control_r)
     stdin_file.close()
+    config_file.close()
     return proc, workdir, status_r, control_w
 
 
@@ -348,16 +372,46 @@ def _supervise(proc: subprocess.Popen, status_r: int, control: list[int], start:
                      launcher, proc.pid)
 
 
+def decode_value(encoded):
+    """The plain Python value of `harness.encode_value`'s output (built here from literals only)."""
+    tag, payload = encoded
+    if tag == "v":
+        if type(payload) not in (bool, int, str, bytes, type(None)):
+            raise ValueError(f"not a scalar: {payload!r}")
+        return payload
+    if tag == "f":
+        return float(payload)
+    if tag in ("l", "t", "s", "fs"):
+        items = [decode_value(v) for v in payload]
+        return {"l": list, "t": tuple, "s": set, "fs": frozenset}[tag](items)
+    if tag == "d":
+        return {decode_value(k): decode_value(v) for k, v in payload}
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _decode_calls(text: bytes) -> tuple | None:
+    """The calls' results from the sentinel line; None when it does not read back (then nothing
+    of it can be trusted)."""
+    try:
+        raw = ast.literal_eval(text.decode())
+        return tuple(("ok", decode_value(v)) if kind == "ok" else ("error", str(v)) for kind, v in raw)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError):
+        return None
+
+
 def _classify(outputs: dict[str, bytearray], truncated: set[str], timed_out: bool, wall_s: float, start: float,
               timeout_s: float, max_output_bytes: int, nonce: str, with_tests: bool, launcher: _Launcher,
               pid: int) -> SandboxResult:
     """The result of a finished (or stopped) run, from what it wrote on its three pipes."""
     stdout, stderr = bytes(outputs["stdout"]), bytes(outputs["stderr"])
-    passed = total = None
+    passed = total = values = None
     if with_tests:
-        sentinel = re.search(rb"\n" + re.escape(nonce.encode()) + rb" (\d+) (\d+)\n", stdout)
-        if sentinel:
+        # The last one: the harness writes it after everything the candidate ran, then exits.
+        found = list(re.finditer(rb"\n" + re.escape(nonce.encode()) + rb" (\d+) (\d+) ([^\n]*)\n", stdout))
+        if found:
+            sentinel = found[-1]
             passed, total = int(sentinel.group(1)), int(sentinel.group(2))
+            values = _decode_calls(sentinel.group(3))
             stdout = stdout[:sentinel.start()] + stdout[sentinel.end():]
     status_text = bytes(outputs["status"])
     reported = _STATUS_LINE.findall(status_text)
@@ -365,7 +419,7 @@ def _classify(outputs: dict[str, bytearray], truncated: set[str], timed_out: boo
     stderr_text = stderr.decode(errors="replace")
     fields = dict(stdout=stdout.decode(errors="replace"), stderr=stderr_text, wall_s=wall_s, isolation=launcher.isolation,
                   pid=pid, stdout_truncated="stdout" in truncated, stderr_truncated="stderr" in truncated,
-                  tests_passed=passed, tests_total=total)
+                  tests_passed=passed, tests_total=total, call_values=values)
     if not status_text.startswith(b"S\n"):
         return _infra(start, f"the sandbox did not start: {stderr_text.strip()[-500:]}", launcher.isolation, pid,
                       stderr_text)
@@ -375,8 +429,10 @@ def _classify(outputs: dict[str, bytearray], truncated: set[str], timed_out: boo
         return SandboxResult(status="killed", returncode=returncode,
                              detail=f"{' and '.join(sorted(truncated))} exceeded {max_output_bytes} bytes", **fields)
     if returncode is None:
-        return _infra(start, "the sandbox's supervisor ended without reporting the program's exit status",
-                      launcher.isolation, pid, stderr_text)
+        # The harness started the program (it wrote "S") and was killed before reporting: only the
+        # program, or the limits its tree ran into, can do that. A failure, not the sandbox's.
+        return SandboxResult(status="killed", returncode=None,
+                             detail="the sandbox's supervisor was killed before it reported an exit status", **fields)
     if returncode == 0:
         return SandboxResult(status="ok", returncode=0, **fields)
     if returncode < 0:
