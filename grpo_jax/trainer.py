@@ -355,6 +355,11 @@ class Trainer:
         `train.max_reward_failure_steps` steps in a row stops the run with its message (decided
         from the global counts, so every host stops together). Rewards that take more than half of
         a step are reported once."""
+        reward_s, step_s = metrics["perf/reward_s"], metrics["perf/step_s"]
+        if reward_s > 0.5 * step_s and not self._slow_rewards_said:
+            self._slow_rewards_said = True
+            self.log(f"step {step}: rewards took {reward_s:.1f} s of a {step_s:.1f} s step (perf/reward_s); the "
+                     "reward functions, not the model, set the pace")
         rows = self.config.data.prompts_per_step * self.sampling.group_size
         streaks = self._reward_streaks
         for spec in self.prepared.rewards:
@@ -368,11 +373,6 @@ class Trainer:
             if streaks[spec.name] >= limit:
                 raise RuntimeError(f"reward function {spec.name!r} raised on every sample for {limit} steps in a row "
                                    f"(train.max_reward_failure_steps); last error: {message or 'on another host'}")
-        reward_s, step_s = metrics["perf/reward_s"], metrics["perf/step_s"]
-        if reward_s > 0.5 * step_s and not self._slow_rewards_said:
-            self._slow_rewards_said = True
-            self.log(f"step {step}: rewards took {reward_s:.1f} s of a {step_s:.1f} s step (perf/reward_s); the "
-                     "reward functions, not the model, set the pace")
 
     def _past_evals(self, resume_from: int | None) -> list[tuple[int, dict]]:
         """A resumed run's evaluations so far, from its metrics.jsonl (pulled from remote storage)."""

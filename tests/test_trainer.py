@@ -236,7 +236,9 @@ def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeyp
         "def broken(prompts, completions, **fields):\n"
         "    raise RuntimeError('the checker service is down')\n")
     (tmp_path / "good.py").write_text(
+        "import time\n"
         "def digits(prompts, completions, *, bonus=0.0, **fields):\n"
+        "    time.sleep(2.0)  # slower than the rest of the step: reported once\n"
         "    return [bonus + sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
     monkeypatch.chdir(tmp_path)
     config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")},
@@ -251,6 +253,8 @@ def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="'my_rewards_mod:broken' raised on every sample for 2 steps in a row"
                                            ".*RuntimeError: the checker service is down"):
         trainer.run()
+    slow = [line for line in lines if "rewards took" in line]
+    assert len(slow) == 1 and "rewards took" in slow[0] and "(perf/reward_s)" in slow[0], lines
     failing = [line for line in lines if "raised on" in line]
     assert len(failing) == 2, lines  # steps 1 and 2, each once
     assert failing[0].startswith("step 1: reward 'my_rewards_mod:broken' raised on 256 of 256 samples")
