@@ -23,6 +23,7 @@ from grpo_jax import data
 from grpo_jax.config import (ConfigError, MeshConfig, ModelConfig, RunConfig, SamplingConfig, check_micro_batches,
                              did_you_mean, unknown_key)
 from grpo_jax.hosts import row_share
+from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models import (RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config,
                              load_tokenizer)
 from grpo_jax.rewards import RewardSpec, code_reward, get_reward_fn
@@ -230,7 +231,7 @@ def prepare(config: RunConfig) -> Prepared:
     _check_devices(config)
     if config.model.path is not None:
         model_config = load_config(config.model.path)  # a missing path or config.json fails here
-        if not any(Path(config.model.path).glob("*.safetensors")):
+        if not is_gguf(config.model.path) and not any(Path(config.model.path).glob("*.safetensors")):
             raise FileNotFoundError(f"model.path {config.model.path!r} has no *.safetensors weights")
     tokenizer = build_tokenizer(config.model)
     if config.model.path is None:

@@ -127,7 +127,7 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Where the policy comes from: an HF-format directory (`path`), or a random initialisation of
+    """Where the policy comes from: an HF-format directory or a `.gguf` file (`path`), or a random initialisation of
     `architecture` (TransformerConfig fields; vocab_size defaults to the tokenizer's) for demos.
 
     tokenizer: a directory with tokenizer files (default: `path`), or "char" for the built-in

