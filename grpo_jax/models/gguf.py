@@ -8,8 +8,10 @@ path like any model directory, and the second load is a plain safetensors read.
 The conversion undoes what llama.cpp's converter did to the Hugging Face weights: GGUF stores
 linear weights [out, in] as HF does, under its own names (`blk.N.attn_q.weight`, ...); for
 llama-family rope it permutes the rows of q and k (interleaved rotary pairs), which is reversed
-here. Architectures: `llama` (SmolLM2, Llama 3). Others fail with a message naming what is
-supported; quantisation types are whatever the `gguf` package dequantises.
+here; for Gemma it stored every RMSNorm weight plus one (Gemma computes x * (1 + w)), which is
+subtracted again. Architectures: `llama` (SmolLM2, Llama 3) and `gemma3` (Gemma 3 text models).
+Others fail with a message naming what is supported; quantisation types are whatever the `gguf`
+package dequantises.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 _FORMAT = 1  # bump when the conversion changes: cached directories of older conversions are redone
 
 # GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`).
@@ -38,6 +40,11 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's sandwich norms: llama.cpp's names -> HF's (the rest as _LAYER).
+_GEMMA3_LAYER = {**_LAYER, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 
@@ -104,8 +111,8 @@ def hf_config(reader) -> dict:
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
     bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    common = {
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
@@ -113,14 +120,25 @@ def hf_config(reader) -> dict:
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(_field(reader, "tokenizer.ggml.tokens") or []))),
         "tie_word_embeddings": "output.weight" not in names,
         **({"bos_token_id": int(bos)} if bos is not None else {}),
         **({"eos_token_id": int(eos)} if eos is not None else {}),
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        **({"pad_token_id": int(pad)} if pad is not None else {}),
+        "attention_bias": False, "torch_dtype": "float32",
     }
+    if arch == "gemma3":
+        # As transformers' GGUF loader reads it: llama.cpp keeps the global rope base and the
+        # window; the local base (10,000), the 5:1 sliding pattern and the query scale
+        # (1/sqrt(head_dim)) are Gemma 3's fixed values.
+        return {**common, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": common["head_dim"],
+                "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window")),
+                "sliding_window_pattern": 6, "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 1e6)),
+                "rope_local_base_freq": 10_000.0, "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "mlp_bias": False, "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -134,24 +152,28 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
     from gguf import quants
 
     out = {}
+    gemma = config["model_type"] == "gemma3_text"
     for t in reader.tensors:
         if t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
-            name = _LAYER.get(rest)
+            name = (_GEMMA3_LAYER if gemma else _LAYER).get(rest)
             name = name and f"model.layers.{layer}.{name}"
         else:
             name = _GLOBAL.get(t.name)
         if name is None:
             if t.name == "rope_freqs.weight":
                 raise ValueError("GGUF rope frequency factors (rope_freqs.weight) are not supported yet")
-            raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart in a llama model")
+            raise ValueError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart in a {config['model_type']} model")
         try:
             w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
         except NotImplementedError as e:
             raise ValueError(f"GGUF tensor {t.name!r} uses quantisation {t.tensor_type.name}, which the gguf package "
                              f"cannot dequantise: {e}") from None
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGUF lists dims innermost first
-        if name.endswith("q_proj.weight"):
+        if gemma:
+            if t.name.endswith("norm.weight"):
+                w = w - np.float32(1.0)  # llama.cpp stored 1 + w
+        elif name.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = _unpermute(w, config["num_key_value_heads"])
