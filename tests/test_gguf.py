@@ -165,3 +165,36 @@ def test_gemma3_greedy_generation_matches_transformers(gemma):
     with torch.no_grad():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert got == out[0, len(ids):].tolist()
+
+
+def test_one_grpo_step_on_smollm2_runs_and_changes_the_parameters(loaded, tmp_path, monkeypatch):
+    from grpo_jax.config import config_from_dict
+    from grpo_jax.trainer import Trainer
+
+    ours, _, _, _, cache = loaded
+    monkeypatch.setenv("GRPO_JAX_CACHE", str(cache))  # the conversion the fixture made
+    # A reward that differs within each group (math accuracy is likely 0 everywhere after 8 tokens,
+    # and equal rewards give zero advantages, so no update).
+    (tmp_path / "spread.py").write_text(
+        "def spread(prompts, completions, **fields):\n"
+        "    return [sum(map(ord, c)) % 7 / 7 for c in completions]\n")
+    config = config_from_dict({
+        "model": {"path": str(SMOLLM2)},
+        "data": {"name": "arithmetic", "builder_config": "tiny", "data_dir": str(tmp_path / "tfds"),
+                 "builder_kwargs": {"num_train": 8, "num_test": 2}, "prompts_per_step": 2, "max_prompt_tokens": 64},
+        "rewards": [{"name": f"{tmp_path / 'spread.py'}:spread"}, {"name": "math_accuracy", "weight": 0.0}],
+        "sampling": {"group_size": 2, "max_new_tokens": 8, "prompt_buckets": [64]},
+        "train": {"steps": 1, "learning_rate": 1e-4, "progress": False, "samples_every": 0},
+        "eval": {"num_prompts": 2, "k": 1, "reward": "math_accuracy"}, "checkpoint": {"every": 0, "every_minutes": 0},
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
+    })
+    trainer = Trainer(config, tmp_path / "run", log=lambda line: None)
+    trainer.run()
+    from flax import nnx
+
+    assert trainer.prepared.tokenizer.chat_template  # the prompts went through the file's chat template
+    before = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(ours, nnx.Param)))
+    after = jax.tree.leaves(jax.tree.map(np.asarray, trainer.state.params))
+    assert len(before) == len(after)
+    changed = [float(np.abs(a - b).max()) for a, b in zip(after, before)]
+    assert max(changed) > 0 and all(np.isfinite(c) for c in changed)
