@@ -118,9 +118,6 @@ class Checkpointer:
             multihost_utils.sync_global_devices("grpo_jax_set_aside_after")
         self._manager.reload()
 
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
     def wait(self) -> None:
         """Until every save in flight is complete (committed) on storage."""
         self._manager.wait_until_finished()
@@ -174,7 +171,8 @@ def restore_params(files: RunFiles, abstract_params):
     return restored.params
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
+    """One line naming an exception: its type and the start of its message."""
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
@@ -200,10 +198,10 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
         try:
             params = restore_params(here, abstract_params)
         except Exception as e:  # noqa: BLE001 - any failure to read it means the checkpoint is damaged
-            errors.append(f"step {step}: {_short(e)}")
+            errors.append(f"step {step}: {short_error(e)}")
             if files.older:
                 warn(f"warning: checkpoint {files.checkpoints / str(step)} is damaged or incomplete "
-                     f"({_short(e)}); trying the previous one")
+                     f"({short_error(e)}); trying the previous one")
             continue
         model = nnx.merge(graphdef, params, rest)
         return model, load_tokenizer(files.run_dir / "model"), here

@@ -39,7 +39,7 @@ import optax
 import yaml
 from flax import nnx
 
-from grpo_jax.checkpoint import Checkpointer, StopSignals, check_resumable, resume, save_step
+from grpo_jax.checkpoint import Checkpointer, StopSignals, check_resumable, resume, save_step, short_error
 from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
 from grpo_jax.hosts import (any_host, common_bucket, gather_rows, is_primary, local_rows, max_over_hosts,
@@ -241,8 +241,9 @@ class Trainer:
                 error = e
             if not any_host(error is not None):
                 return steps[i:]
-            errors.append(f"step {step}: {error or 'damaged on another host'}")
-            self.log(f"warning: checkpoint of step {step} in {self.storage} is damaged or incomplete ({errors[-1]}); "
+            why = short_error(error) if error else "damaged on another host"
+            errors.append(f"step {step}: {why}")
+            self.log(f"warning: checkpoint of step {step} in {self.storage} is damaged or incomplete ({why}); "
                      "trying the previous one")
         raise ConfigError(f"{self.storage} holds checkpoints {sorted(steps)} but none of them restores ("
                           + "; ".join(errors) + "); move checkpoints/ away to start afresh")
@@ -262,8 +263,7 @@ class Trainer:
                 error = e
             if any_host(error is not None):
                 self.log(f"warning: checkpoint of step {step} in {self.storage} is damaged or incomplete "
-                         f"({type(error).__name__ if error else 'on another host'}: "
-                         f"{' '.join(str(error).split())[:200] if error else ''}); trying the previous one")
+                         f"({short_error(error) if error else 'damaged on another host'}); trying the previous one")
                 damaged.append(step)
                 continue
             if damaged:

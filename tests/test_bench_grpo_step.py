@@ -8,7 +8,7 @@ import json
 
 import pytest
 import yaml
-from test_trainer import CONFIG
+from test_trainer import CONFIG, write_config
 
 from grpo_jax import cli
 from grpo_jax.data import char_tokenizer
@@ -20,9 +20,7 @@ FIELDS = ("step_s_median", "sample_s_median", "ref_s_median", "train_s_median", 
 
 
 def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path):
-    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = write_config(tmp_path, {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}})
     out = tmp_path / "bench.json"
     # min_new_tokens = max_new_tokens: every completion is 3 tokens, so the count below is exact.
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--steps", "1", "--warmup", "0",
@@ -71,9 +69,7 @@ def test_grpo_step_refuses_options_it_would_ignore(tmp_path, capsys):
 
 
 def test_scaling_writes_its_curves_as_json_and_png(tmp_path):
-    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = write_config(tmp_path, {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}})
     out = tmp_path / "scaling.json"
     assert cli.main(["bench", "scaling", "--config", str(path), "--group-sizes", "2,4", "--completion-lens", "2",
                      "--steps", "1", "--warmup", "0", "--set", "train.micro_batches=4", "--output", str(out)]) == 0

@@ -183,6 +183,22 @@ def test_dynamic_sampling_drops_uniform_groups_and_fills_without_gradient(tmp_pa
         assert m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
 
 
+def assert_same_run(reference, run) -> None:
+    """Two run directories logged the same steps once each, with equal metrics (timings aside),
+    and their final checkpoints hold equal parameters."""
+    from grpo_jax.checkpoint import load_policy
+
+    ref, got = read_metrics(reference), read_metrics(run)
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for r, g in zip(ref, got):
+        for key, value in r.items():
+            if not key.startswith("perf/"):
+                assert g[key] == pytest.approx(value, abs=1e-6, nan_ok=True), (r["step"], key)
+    a = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(reference)[0]))
+    b = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(run)[0]))
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-6
+
+
 def _snapshot(run_dir) -> dict[str, bytes]:
     """Every file of a run directory but its logs: config.yaml, model/ and checkpoints/."""
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
@@ -195,7 +211,6 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
     uninterrupted run ended, metrics and parameters alike."""
     import shutil
 
-    from grpo_jax.checkpoint import load_policy
 
     path, out = run
     copy = tmp_path / "preempted"
@@ -219,15 +234,7 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
         in capsys.readouterr().err
     assert _snapshot(copy) == before
     assert cli.main(["train", "--config", path, "--output", str(copy)]) == 0
-    ref, got = read_metrics(out), read_metrics(copy)
-    assert [r["step"] for r in got] == [r["step"] for r in ref]  # steps 21-33 once, not twice
-    for r, g in zip(ref, got):
-        for key, value in r.items():
-            if not key.startswith("perf/"):
-                assert g[key] == pytest.approx(value, abs=1e-6, nan_ok=True), (r["step"], key)
-    a = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(out)[0]))
-    b = jax.tree.leaves(jax.tree.map(np.asarray, load_policy(copy)[0]))
-    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) <= 1e-6
+    assert_same_run(out, copy)  # steps 21-33 logged once, not twice
 
 
 def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeypatch):
