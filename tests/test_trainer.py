@@ -211,7 +211,6 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
     uninterrupted run ended, metrics and parameters alike."""
     import shutil
 
-
     path, out = run
     copy = tmp_path / "preempted"
     shutil.copytree(out, copy)
