@@ -18,7 +18,12 @@ from grpo_jax.models.config import RopeConfig
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """float32 [head_dim // 2] inverse frequencies for one layer type."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (1.0 / (np.float32(rope.theta) ** exponent)).astype(np.float32)
+    # theta ** exponent correctly rounded to float32 (computed in float64), then a float32 division:
+    # this is what PyTorch's float32 pow gives (all but ~1 of 128 entries bit for bit), while NumPy's
+    # float32 pow is 1 ulp off in ~20% of them. One ulp of a rotary frequency is a 1e-4 angle error
+    # by position 800: 2.9e-3 in Gemma 3 270M's logits against transformers at 848 tokens, 4.7e-4 once fixed.
+    power = (np.float64(rope.theta) ** exponent.astype(np.float64)).astype(np.float32)
+    inv_freq = (np.float32(1.0) / power).astype(np.float32)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":
