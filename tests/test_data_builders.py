@@ -213,3 +213,38 @@ def test_source_rows_are_python_values(data_dir):
     assert type(row["target"]) is int and all(type(n) is int for n in row["numbers"])
     with pytest.raises(IndexError, match="out of range"):
         source[len(source)]
+
+
+def _word_problem_key(question: str) -> tuple:
+    """The story with names, items and numbers taken out, and its numbers: the builder's notion of
+    one problem, recovered from the text alone."""
+    from grpo_jax.data.word_problems import ITEMS, NAMES
+
+    skeleton = re.sub(r"\b(" + "|".join(NAMES + ITEMS) + r")\b", "_", question)
+    return re.sub(r"\d+", "#", skeleton), tuple(int(n) for n in re.findall(r"\d+", question))
+
+
+@pytest.mark.parametrize("config, steps", [("one_step", {1}), ("easy", {1, 2}), ("hard", {2, 3})])
+def test_word_problems_worked_answers_are_right_and_splits_disjoint(config, steps, data_dir):
+    kw = {"builder_config": config, "num_train": 150, "num_test": 30}
+    train = rows(load_source("word_problems", "train", data_dir=data_dir, **kw))
+    test = rows(load_source("word_problems", "test", data_dir=data_dir, **kw))
+    assert train == rows(load_source("word_problems", "train", data_dir=data_dir / "again", **kw))  # seeded
+    seen_steps = set()
+    for row in train + test:
+        *lines, last = row["solution"].split("\n")
+        assert last == f"#### {row['answer']}", row
+        seen_steps.add(len(lines))
+        numbers = collections.Counter(int(n) for n in re.findall(r"\d+", row["question"]))
+        results = []
+        for line in lines:
+            expression, value = line.rsplit(" = ", 1)
+            exact, used = _evaluate(expression)
+            assert exact == int(value) and int(value) >= 0, row  # exact division, nothing negative
+            # every operand is a number of the question, an earlier result, or the story's "2" (split with a sibling)
+            assert all(n in numbers or n in results or (n == 2 and "sibling" in row["question"]) for n in used), row
+            results.append(int(value))
+        assert results[-1] == int(row["answer"])
+    assert seen_steps == steps
+    train_keys, test_keys = {_word_problem_key(r["question"]) for r in train}, {_word_problem_key(r["question"]) for r in test}
+    assert len(train_keys) == len(train) and not train_keys & test_keys

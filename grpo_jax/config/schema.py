@@ -157,7 +157,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Prompts: a TFDS dataset (project builders `arithmetic`, `countdown`, or `gsm8k`) and how rows
+    """Prompts: a TFDS dataset (project builders `arithmetic`, `countdown`, `word_problems`, or `gsm8k`) and how rows
     become prompt tokens (the tokenizer's chat template when it has one, else `template`)."""
 
     name: str = "arithmetic"

@@ -18,6 +18,7 @@ from grpo_jax.data.source import DATASETS, DataSource, load_source
 from grpo_jax.data.stream import Example, PromptStream, first_usable
 from grpo_jax.data.synthetic import SyntheticConfig
 from grpo_jax.data.tokenizer import DEFAULT_ALPHABET, char_tokenizer
+from grpo_jax.data.word_problems import WordProblems, WordProblemsConfig
 
 __all__ = [
     "DATASETS",
@@ -37,4 +38,6 @@ __all__ = [
     "SyntheticConfig",
     "char_tokenizer",
     "load_source",
+    "WordProblems",
+    "WordProblemsConfig",
 ]

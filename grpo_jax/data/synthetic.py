@@ -1,4 +1,4 @@
-"""Shared machinery of the seeded synthetic TFDS builders (arithmetic, countdown).
+"""Shared machinery of the seeded synthetic TFDS builders (arithmetic, countdown, word_problems).
 
 A synthetic dataset is a pure function of its config: the same config gives the same rows on
 any machine, so a run's data is fully described by the config it logs. The config's
