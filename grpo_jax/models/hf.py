@@ -22,9 +22,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.gguf import hf_dir, is_gguf
+from grpo_jax.models.gguf import SCHEME, hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer, layer_param_specs
+from grpo_jax.storage import is_remote, local_copy
 
 # Our per-layer parameter -> (HF name inside `layers.{i}.`, number of leading "input" axes of our
 # layout; None for vectors). Gemma's sandwich norms reuse HF names with other meanings, see below.
@@ -138,7 +139,10 @@ def _load(reader: _Reader, name: str, hf_shape: tuple[int, ...], used: set[str])
 
 
 def _model_dir(path: str | os.PathLike) -> Path:
-    """A model directory, or a `.gguf` file's cached HF conversion (`models.gguf.hf_dir`)."""
+    """A model directory, or a `.gguf` file's cached HF conversion (`models.gguf.hf_dir`); a remote
+    one (`gs://...`) is downloaded into the local cache first (`storage.local_copy`)."""
+    if is_remote(path) and not str(path).startswith(SCHEME):
+        path = local_copy(str(path))
     if is_gguf(path):
         return hf_dir(path)
     return Path(path)
