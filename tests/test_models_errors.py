@@ -154,3 +154,20 @@ def test_decoding_past_the_cache_is_refused():
     _, cache = model.decode_step(np.asarray([4], np.int32), cache)
     with pytest.raises(ValueError, match="decode step 1 is outside this cache's 1 decode slots"):
         model.decode_step(np.asarray([5], np.int32), cache)
+
+
+def test_a_remote_model_directory_is_downloaded_once_and_loads_as_the_local_one(good_dir, tmp_path, monkeypatch):
+    """gs:// paths go through fsspec; file:// is the same code path without a bucket."""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("GRPO_JAX_CACHE", str(tmp_path / "cache"))
+    remote = f"file://{good_dir}"
+    ids = jnp.asarray([[1, 5, 9, 3]])
+    np.testing.assert_array_equal(np.asarray(from_pretrained(path=remote)(ids)), np.asarray(from_pretrained(path=good_dir)(ids)))
+    (copy,) = (tmp_path / "cache" / "remote").iterdir()
+    weights = next(copy.glob("*.safetensors"))
+    stamp = weights.stat().st_mtime_ns
+    from_pretrained(path=remote)
+    assert weights.stat().st_mtime_ns == stamp  # not downloaded again
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(path=f"file://{tmp_path}/no_such_model")
