@@ -132,7 +132,7 @@ class WordProblems(SyntheticBuilder, skip_registration=True):
     name = "word_problems"
     DESCRIPTION = "Seeded synthetic GSM8K-style word problems: 1-3 operations over small integers."
     BUILDER_CONFIGS = [
-        WordProblemsConfig(name="one_step", description="One operation, numbers up to 40 (SmolLM2-135M: ~16% at T=0.6).",
+        WordProblemsConfig(name="one_step", description="One operation, numbers up to 40 (SmolLM2-135M-Instruct: 8% at T=0.6).",
                            min_steps=1, max_steps=1, max_number=40, max_factor=9, num_train=2000, num_test=300),
         WordProblemsConfig(name="easy", description="1-2 operations, numbers up to 50.",
                            min_steps=1, max_steps=2, max_number=50, max_factor=9, num_train=20000, num_test=500),
