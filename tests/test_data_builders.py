@@ -183,7 +183,7 @@ def test_gsm8k_bad_line_names_file_and_line(tmp_path):
 
 
 def test_load_source_errors(data_dir, tmp_path):
-    valid = r"\['arithmetic', 'countdown', 'gsm8k'\]"
+    valid = r"\['arithmetic', 'countdown', 'word_problems', 'gsm8k'\]"
     with pytest.raises(ValueError, match=rf"unknown dataset 'gsm8K'.*{valid}.*did you mean 'gsm8k'"):
         load_source("gsm8K", "train", data_dir=data_dir)
     with pytest.raises(ValueError, match=r"no split 'tset'.*\['test', 'train'\].*did you mean 'test'"):

@@ -142,14 +142,15 @@ def few_shot(n: int) -> str:
 def test_gemma3_logits_match_transformers_within_and_beyond_the_sliding_window(gemma):
     ours, tokenizer, reference, reference_tokenizer = gemma
     assert ours.config.family == "gemma3_text" and ours.config.sliding_window == 512
-    for n, atol in ((5, 1e-3), (70, 5e-3)):
+    for n in (5, 70):
         ids = tokenizer(few_shot(n))["input_ids"]
         assert ids == reference_tokenizer(few_shot(n))["input_ids"]
         with torch.no_grad():
             want = reference(torch.tensor([ids])).logits.numpy()
         got = np.asarray(ours(jnp.asarray([ids])))
-        # Measured: 1.6e-4 at 57 tokens; 2.9e-3 at 848 tokens (logits up to 42, mean |diff| 1.4e-5).
-        np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg=f"{len(ids)} tokens")
+        # Measured: 1.6e-4 at 57 tokens, 4.7e-4 at 848 (logits up to 42). It was 2.9e-3 at 848 while our
+        # rotary frequencies were NumPy's float32 pow, 1 ulp off PyTorch's in 26 of 128 (rope.py).
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=0, err_msg=f"{len(ids)} tokens")
         assert (got.argmax(-1) == want.argmax(-1)).all()
     assert len(ids) > 512  # the long prompt crosses the sliding window
 
@@ -167,7 +168,7 @@ def test_gemma3_greedy_generation_matches_transformers(gemma):
     assert got == out[0, len(ids):].tolist()
 
 
-def test_one_grpo_step_on_smollm2_runs_and_changes_the_parameters(loaded, tmp_path, monkeypatch):
+def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_transformers(loaded, tmp_path, monkeypatch):
     from grpo_jax.config import config_from_dict
     from grpo_jax.trainer import Trainer
 
@@ -198,3 +199,24 @@ def test_one_grpo_step_on_smollm2_runs_and_changes_the_parameters(loaded, tmp_pa
     assert len(before) == len(after)
     changed = [float(np.abs(a - b).max()) for a, b in zip(after, before)]
     assert max(changed) > 0 and all(np.isfinite(c) for c in changed)
+
+    # Item 5: `grpo-jax export` of the tuned model is an HF directory transformers loads, with the
+    # file's chat template, and generates from as our model does.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_jax.checkpoint import load_policy
+    from grpo_jax.cli import main
+    from grpo_jax.sampling import generate
+
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tokenizer.chat_template == trainer.prepared.tokenizer.chat_template
+    ids = chat_ids(hf_tokenizer)
+    tuned, _, _ = load_policy(tmp_path / "run")
+    config = SamplingConfig(group_size=1, max_new_tokens=8, min_new_tokens=8, temperature=0.0, prompt_buckets=(64,),
+                            pad_token_id=hf_tokenizer.pad_token_id or 0)
+    ours_tokens = np.asarray(generate(tuned, [ids], config, jax.random.key(0)).tokens)[0].tolist()
+    with torch.no_grad():
+        theirs = exported.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert ours_tokens == theirs[0, len(ids):].tolist()
