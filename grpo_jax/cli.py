@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                "path; configs name it model.path: gguf://NAME")
     fetch.add_argument("name", nargs="?", default=None, help="smollm2-135m-instruct or gemma3-270m")
     fetch.add_argument("--cache-dir", default=None,
-                       help="where the file goes (default $GRPO_JAX_CACHE/models or ~/.cache/grpo_jax/models)")
+                       help="where the file goes (default $GRPO_JAX_CACHE/models or ~/.cache/grpo_jax/models); "
+                            "the file of an installed model package is used where it is")
     fetch.add_argument("--list", action="store_true", help="list the known models")
     fetch.set_defaults(func=_fetch_model)
 

@@ -24,6 +24,13 @@ def is_remote(path: str | os.PathLike) -> bool:
     return "://" in str(path)
 
 
+def cache_dir(kind: str) -> Path:
+    """This machine's cache for `kind` (gguf conversions, fetched models, remote model copies):
+    $GRPO_JAX_CACHE/<kind>, else ~/.cache/grpo_jax/<kind>."""
+    base = os.environ.get("GRPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_jax")
+    return Path(base) / kind
+
+
 def staging_root() -> Path:
     """Where remote runs stage their small files: $GRPO_JAX_STAGING, else the temp directory."""
     return Path(os.environ.get("GRPO_JAX_STAGING") or Path(tempfile.gettempdir()) / "grpo_jax_runs")
@@ -107,8 +114,7 @@ def local_copy(url: str, cache: str | os.PathLike | None = None) -> Path:
         raise ConfigError(f"model path {url!r}: {e} (gs:// needs `pip install gcsfs`, in the tpu extra)") from None
     if not fs.exists(root):
         raise FileNotFoundError(f"model path {url!r} does not exist")
-    base = Path(cache) if cache is not None else Path(
-        os.environ.get("GRPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_jax")) / "remote"
+    base = Path(cache) if cache is not None else cache_dir("remote")
     name = url.split("://", 1)[1].strip("/").replace("/", "_")[-80:]
     local = base / f"{name}-{hashlib.sha1(url.rstrip('/').encode()).hexdigest()[:8]}"
     if fs.isdir(root):

@@ -21,6 +21,7 @@ supported; quantisation types are whatever the `gguf` package dequantises.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -33,6 +34,8 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from grpo_jax.storage import cache_dir
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _FORMAT = 1  # bump when the conversion changes: cached directories of older conversions are redone
@@ -104,11 +107,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 def cache_root() -> Path:
     """Where converted files go: $GRPO_JAX_CACHE/gguf, else ~/.cache/grpo_jax/gguf."""
-    return _cache_base() / "gguf"
-
-
-def _cache_base() -> Path:
-    return Path(os.environ.get("GRPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "grpo_jax"))
+    return cache_dir("gguf")
 
 
 def known_model(name: str) -> KnownModel:
@@ -132,7 +131,7 @@ def fetch_model(name: str, cache: str | os.PathLike | None = None, *, download: 
     SHA-256 is checked before it is returned.
     """
     model = known_model(name)
-    out = Path(cache) if cache is not None else _cache_base() / "models"
+    out = Path(cache) if cache is not None else cache_dir("models")
     target = out / model.file
     if target.is_file() and _sha256(target) == model.sha256:
         return target
@@ -204,6 +203,15 @@ def fingerprint(path: str | os.PathLike) -> str:
 
 
 def _sha256(path: str | os.PathLike) -> str:
+    """Hashed once per process for an unchanged file: a run resolves its model path several times
+    (config, tokenizer, weights), and Gemma's file is 240 MB."""
+    stat = os.stat(path)
+    return _sha256_of(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # the cache key: a rewritten file is hashed again
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
