@@ -88,23 +88,6 @@ def test_the_conversion_is_cached_by_fingerprint(loaded, tmp_path):
     assert gguf_models.fingerprint(SMOLLM2)[:16] in converted.name
 
 
-def test_an_unsupported_architecture_names_what_is_supported(tmp_path):
-    from gguf import GGUFWriter
-
-    path = tmp_path / "mamba.gguf"
-    writer = GGUFWriter(str(path), "mamba")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: llama"):
-        from_pretrained(path)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        from_pretrained(tmp_path / "missing.gguf")
-
-
 def test_export_of_the_gguf_model_loads_in_transformers_with_equal_logits(loaded, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -62,6 +62,14 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def finish(writer) -> None:
+    """Write a GGUFWriter's header, metadata and tensors, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(model, arch: str, path: Path, *, quantize: bool = True) -> Path:
     """`model` as a GGUF file: f32 norms/biases, Q8_0 2-D weights (as a quantised file has them)."""
     c = model.config
@@ -94,10 +102,7 @@ def write_gguf(model, arch: str, path: Path, *, quantize: bool = True) -> Path:
             writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
@@ -146,16 +151,24 @@ def test_a_file_without_a_tokenizer_loads_as_a_model_and_says_so_for_the_tokeniz
         load_tokenizer(path=path)
 
 
+def test_an_unsupported_architecture_names_what_is_supported(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    finish(writer)
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3, gemma3"):
+        from_pretrained(path=tmp_path / "mamba.gguf")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        from_pretrained(path=tmp_path / "missing.gguf")
+
+
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "yarn.gguf"), "qwen3")
     writer.add_head_count(4)
     writer.add_embedding_length(64)
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)  # long-context Qwen files: refused, not ignored
     writer.add_tensor("token_embd.weight", np.zeros((96, 64), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises(ValueError, match="rope scaling .* is not supported"):
         from_pretrained(path=tmp_path / "yarn.gguf")
 
