@@ -31,6 +31,12 @@ def cache_dir(kind: str) -> Path:
     return Path(base) / kind
 
 
+def _local_name(url: str) -> str:
+    """A directory name for remote `url`: its readable tail and a hash of the whole URL."""
+    name = url.split("://", 1)[1].strip("/").replace("/", "_")[-80:]
+    return f"{name}-{hashlib.sha1(url.encode()).hexdigest()[:8]}"
+
+
 def staging_root() -> Path:
     """Where remote runs stage their small files: $GRPO_JAX_STAGING, else the temp directory."""
     return Path(os.environ.get("GRPO_JAX_STAGING") or Path(tempfile.gettempdir()) / "grpo_jax_runs")
@@ -51,9 +57,7 @@ class RunDirectory:
             except (ImportError, ValueError) as e:
                 raise ConfigError(f"run directory {self.target!r}: {e} (gs:// needs `pip install gcsfs`, "
                                   "in the tpu extra)") from None
-            name = self.target.split("://", 1)[1].strip("/").replace("/", "_")[-80:]
-            digest = hashlib.sha1(self.target.encode()).hexdigest()[:8]
-            self.local = staging_root() / f"{name}-{digest}"
+            self.local = staging_root() / _local_name(self.target)
             self.checkpoints: str | Path = self.target.rstrip("/") + "/checkpoints"
         else:
             self.local = Path(target)
@@ -115,8 +119,7 @@ def local_copy(url: str, cache: str | os.PathLike | None = None) -> Path:
     if not fs.exists(root):
         raise FileNotFoundError(f"model path {url!r} does not exist")
     base = Path(cache) if cache is not None else cache_dir("remote")
-    name = url.split("://", 1)[1].strip("/").replace("/", "_")[-80:]
-    local = base / f"{name}-{hashlib.sha1(url.rstrip('/').encode()).hexdigest()[:8]}"
+    local = base / _local_name(url.rstrip("/"))
     if fs.isdir(root):
         entries = [e for e in fs.ls(root, detail=True) if e["type"] == "file"]
         target = local
