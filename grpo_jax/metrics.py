@@ -182,6 +182,25 @@ class MetricsWriter:
             self._tb_event(step, summary=summary_pb2.Summary(value=values))
             self._tb.flush()
 
+    def write_histogram(self, step: int, tag: str, values, *, bins: int = 10,
+                        value_range: tuple[float, float] | None = None) -> None:
+        """A histogram of `values` at `step`, in TensorBoard only (tag unchanged; metrics.jsonl holds
+        scalars). Nothing is written for an empty array or without TensorBoard."""
+        values = np.asarray(values, np.float64).ravel()
+        values = values[np.isfinite(values)]
+        if self._tb is None or not values.size:
+            return
+        from tensorboard.compat.proto import summary_pb2
+
+        counts, edges = np.histogram(values, bins=bins, range=value_range)
+        proto = summary_pb2.HistogramProto(min=float(values.min()), max=float(values.max()), num=float(values.size),
+                                           sum=float(values.sum()), sum_squares=float(np.square(values).sum()),
+                                           bucket_limit=[float(e) for e in edges[1:]],
+                                           bucket=[float(c) for c in counts])
+        self._tb_event(_check_step(step), summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag,
+                                                                                                    histo=proto)]))
+        self._tb.flush()
+
     def write_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
         """Append sampled completions, one JSON object per row, e.g. `{"prompt", "completion",
         "reward", ...}`; in TensorBoard they form one text table (tag `samples`) at `step`."""

@@ -1,9 +1,14 @@
-"""The critic baseline's math (issue 15, in progress): generalised advantage estimation.
+"""The critic baseline (`algorithm: ppo`): a value head, generalised advantage estimation and the
+clipped value loss, as pure jnp functions used inside the train step.
 
 `gae(rewards, values, mask, gamma, lam)` over completion tokens: rewards [B, T] (a sequence's
-verifiable reward sits on its last token), values [B, T] (the critic's estimate at each token),
-mask [B, T] (1 on the completion's tokens, right-padded). A position after the last real token is
-terminal: its value is 0 and nothing flows back from it.
+verifiable reward sits on its last token: `terminal_rewards`), values [B, T] (the critic's
+estimate of the state before each token), mask [B, T] (1 on the completion's tokens,
+right-padded). A position after the last real token is terminal: its value is 0 and nothing
+flows back from it.
+
+The critic is a linear head on the policy's final hidden states (`init_critic`, `values`): one
+forward pass gives both the log-probs and the values, so PPO's update costs what GRPO's does.
 """
 
 from __future__ import annotations
@@ -41,3 +46,40 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1
     _, adv_TB = jax.lax.scan(back, jnp.zeros_like(r[:, 0]), (delta.T, m_next.T, m.T), reverse=True)
     advantages = adv_TB.T
     return advantages, (advantages + v) * m
+
+
+def init_critic(hidden_size: int) -> dict[str, jax.Array]:
+    """The value head's parameters, zero (V = 0 until it learns): w float32 [E], b float32 []."""
+    return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def values(critic: dict[str, jax.Array], h_RME: jax.Array) -> jax.Array:
+    """float32 [R, M]: the value of each state (hidden states [R, M, E], e.g. `completion_states`)."""
+    chex.assert_rank(h_RME, 3)
+    return jnp.einsum("rme,e->rm", h_RME.astype(jnp.float32), critic["w"]) + critic["b"]
+
+
+def terminal_rewards(rewards_R: jax.Array, mask_RM: jax.Array) -> jax.Array:
+    """float32 [R, M]: each row's reward (float [R]; NaN = dropped, taken as 0) on its last real token."""
+    chex.assert_shape(rewards_R, (mask_RM.shape[0],))
+    m = mask_RM.astype(jnp.int32)
+    last_R = jnp.maximum(m.sum(axis=1) - 1, 0)
+    at_last = jnp.arange(m.shape[1])[None, :] == last_R[:, None]
+    r_R = jnp.nan_to_num(rewards_R.astype(jnp.float32), nan=0.0)
+    return jnp.where(at_last & (m > 0), r_R[:, None], 0.0)
+
+
+def value_loss(values_RM: jax.Array, old_values_RM: jax.Array, returns_RM: jax.Array, clip: float) -> jax.Array:
+    """Per-token clipped value loss [R, M] (PPO2): 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)."""
+    chex.assert_equal_shape([values_RM, old_values_RM, returns_RM])
+    clipped = old_values_RM + jnp.clip(values_RM - old_values_RM, -clip, clip)
+    return 0.5 * jnp.maximum((values_RM - returns_RM) ** 2, (clipped - returns_RM) ** 2)
+
+
+def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens, from the sums `n`, `ret`,
+    `ret2`, `err`, `err2` (accumulated over micro-batches). NaN when the returns do not vary."""
+    n = jnp.maximum(sums["n"], 1.0)
+    var_ret = sums["ret2"] / n - (sums["ret"] / n) ** 2
+    var_err = sums["err2"] / n - (sums["err"] / n) ** 2
+    return jnp.where(var_ret > 1e-12, 1.0 - var_err / jnp.maximum(var_ret, 1e-12), jnp.nan)

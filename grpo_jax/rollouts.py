@@ -33,6 +33,13 @@ class Round:
     rewards: RewardResult  # total [N_h*G], NaN = the sample was dropped
     sample_s: float = 0.0  # seconds spent sampling
     reward_s: float = 0.0  # seconds spent scoring
+    # What the update learns from [N_h*G]: rewards.total, unless a control replaces it
+    # (reward_control: random); reward statistics always describe `rewards`.
+    scores: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.scores is None:
+            self.scores = self.rewards.total
 
 
 @dataclasses.dataclass
@@ -41,7 +48,7 @@ class Collected:
 
     examples: list  # [N_h]
     rows: dict[str, np.ndarray]  # [N_h*G, ...], as in Round.rows
-    rewards: np.ndarray  # float32 [N_h*G]; NaN for the samples of filler groups
+    rewards: np.ndarray  # float32 [N_h*G]: the rounds' scores; NaN for the samples of filler groups
     first: Round  # the first round: what reward statistics and logged samples describe
     stats: dict[str, float]  # this host's dynamic/* counters, sample_tokens, sample_s, reward_s
 
@@ -61,7 +68,7 @@ def collect(draw: Callable[[int], Round], *, num_groups: int, group_size: int, d
     while True:
         rnd = draw(len(rounds))
         rounds.append(rnd)
-        uniform = np.asarray(uniform_groups(rnd.rewards.total, group_size))
+        uniform = np.asarray(uniform_groups(rnd.scores, group_size))
         for i in range(len(rnd.examples)):
             (spare if dynamic_sampling and uniform[i] else kept).append((rnd, i))
         if (not dynamic_sampling or len(rounds) > max_resample_rounds
@@ -76,7 +83,7 @@ def collect(draw: Callable[[int], Round], *, num_groups: int, group_size: int, d
         return slice(i * group_size, (i + 1) * group_size)
 
     rows = {k: np.concatenate([r.rows[k][group(r, i)] for r, i, _ in chosen]) for k in rounds[0].rows}
-    rewards = np.concatenate([r.rewards.total[group(r, i)] if real else np.full(group_size, np.nan)
+    rewards = np.concatenate([r.scores[group(r, i)] if real else np.full(group_size, np.nan)
                               for r, i, real in chosen]).astype(np.float32)
     stats = {"dynamic/rounds": float(len(rounds)), "dynamic/dropped_groups": float(len(spare)),
              "dynamic/filled_groups": float(filled),

@@ -41,6 +41,7 @@ class Prepared:
     eval_sampling: SamplingConfig  # the same with eval.k samples per prompt at eval.temperature
     rewards: list[RewardSpec]
     eval_reward: RewardSpec
+    eval_verifier: RewardSpec | None  # eval.verifier: a second judge of the held-out samples
     train_stream: Any  # grpo_jax.data.PromptStream over the train split: this host's share of each batch
     eval_examples: list  # the first eval.num_prompts usable rows of the eval split, each once (every host has all)
     mesh: Any  # the run's device mesh (jit: data x fsdp x tensor; pmap: data over the local devices)
@@ -142,19 +143,25 @@ def check_reward_kwargs(fn, kwargs: Mapping[str, Any], where: str) -> None:
                           f"{did_you_mean(unknown[0], named)}; its options: {', '.join(named) or 'none'}")
 
 
-def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec]:
+def _reward_spec(name: str, kwargs, weight: float, where: tuple[str, str]) -> RewardSpec:
+    try:
+        fn = get_reward_fn(name)
+    except ValueError as e:
+        raise ConfigError(f"{where[0]}: {e}") from None
+    check_reward_kwargs(fn, kwargs, where[1])
+    return RewardSpec(name=name, fn=functools.partial(fn, **kwargs) if kwargs else fn, weight=weight)
+
+
+def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:
+    """(the training rewards, the one evaluation judges correctness by, eval.verifier's or None)."""
     if not config.rewards:
         raise ConfigError("rewards: configure at least one reward function, e.g. rewards: [{name: math_accuracy}]")
-    specs = []
-    for i, r in enumerate(config.rewards):
-        try:
-            fn = get_reward_fn(r.name)
-        except ValueError as e:
-            raise ConfigError(f"rewards[{i}].name: {e}") from None
-        check_reward_kwargs(fn, r.kwargs, f"rewards[{i}].kwargs")
-        specs.append(RewardSpec(name=r.name, fn=functools.partial(fn, **r.kwargs) if r.kwargs else fn, weight=r.weight))
+    specs = [_reward_spec(r.name, r.kwargs, r.weight, (f"rewards[{i}].name", f"rewards[{i}].kwargs")) for i, r in enumerate(config.rewards)]
     name = config.eval.reward or specs[0].name
-    return specs, next(s for s in specs if s.name == name)
+    e = config.eval
+    verifier = None if e.verifier is None else _reward_spec(e.verifier, e.verifier_kwargs, 1.0,
+                                                            ("eval.verifier", "eval.verifier_kwargs"))
+    return specs, next(s for s in specs if s.name == name), verifier
 
 
 def initialize_distributed(config: RunConfig) -> None:
@@ -242,7 +249,7 @@ def prepare(config: RunConfig) -> Prepared:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; use the model's own tokenizer")
     try:
-        rewards, eval_reward = build_rewards(config)
+        rewards, eval_reward, eval_verifier = build_rewards(config)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
@@ -290,7 +297,7 @@ def prepare(config: RunConfig) -> Prepared:
         sampling.temperature if config.eval.temperature is None else config.eval.temperature))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards,
-                    eval_reward=eval_reward, train_stream=train_stream, eval_examples=eval_examples, mesh=mesh,
+                    eval_reward=eval_reward, eval_verifier=eval_verifier, train_stream=train_stream, eval_examples=eval_examples, mesh=mesh,
                     share=share, sft_stream=sft_stream, notes=tuple(notes))
 
 

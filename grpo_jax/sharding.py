@@ -185,7 +185,8 @@ def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES
     state = state.replace(params=params, opt_state=opt_state,
                           step=jax.device_put(state.step, replicated(mesh)),
                           skipped_total=jax.device_put(state.skipped_total, replicated(mesh)),
-                          skipped_streak=jax.device_put(state.skipped_streak, replicated(mesh)))
+                          skipped_streak=jax.device_put(state.skipped_streak, replicated(mesh)),
+                          critic=jax.device_put(state.critic, replicated(mesh)))  # PPO's value head: small
     return state, tree_shardings(state), sharded.replicated
 
 

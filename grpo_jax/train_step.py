@@ -23,9 +23,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from grpo_jax.config import GRPOConfig, check_micro_batches
-from grpo_jax.grpo import GroupAdvantages, effective_mask, group_advantages, loss_metrics, loss_weights, policy_loss
-from grpo_jax.logprobs import completion_logprobs
+from grpo_jax.config import GRPOConfig, PPOConfig, check_micro_batches
+from grpo_jax.grpo import (MAX_SUMS, GroupAdvantages, accumulate_sums, effective_mask, group_advantages, loss_metrics,
+                           loss_weights, policy_loss)
+from grpo_jax.logprobs import chunked_logprobs, completion_logprobs, completion_states
+from grpo_jax.ppo import explained_variance, gae, terminal_rewards, value_loss
+from grpo_jax.ppo import values as ppo_values
 from grpo_jax.sharding import batch_sharding, replicated
 
 
@@ -101,6 +104,7 @@ class TrainState:
     opt_state: optax.OptState
     skipped_total: jax.Array  # int32: updates skipped for non-finite gradients
     skipped_streak: jax.Array  # int32: of which in a row, up to this step
+    critic: dict | None = None  # algorithm: ppo: the value head (grpo_jax.ppo.init_critic), trained with params
 
 
 def make_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
@@ -110,18 +114,34 @@ def make_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0, weight_d
                        optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
-def init_state(model, optimizer: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
+def pair_optimizer(policy: optax.GradientTransformation,
+                   critic: optax.GradientTransformation) -> optax.GradientTransformation:
+    """One optimizer over the pair (params, critic) of a PPO state: `policy` on the params, `critic`
+    on the value head (each with its own learning rate and gradient clipping)."""
+    def labels(pair):
+        params, head = pair
+        return (jax.tree.map(lambda _: "policy", params), jax.tree.map(lambda _: "critic", head))
+
+    return optax.multi_transform({"policy": policy, "critic": critic}, labels)
+
+
+def init_state(model, optimizer: optax.GradientTransformation, *,
+               critic: dict | None = None) -> tuple[nnx.GraphDef, TrainState]:
+    """The model's graphdef and a fresh TrainState; with `critic` (PPO's value head) the optimizer
+    holds the pair (params, critic)."""
     graphdef, params = nnx.split(model, nnx.Param)
+    opt_state = optimizer.init(params if critic is None else (params, critic))
     # Distinct buffers for each counter: the step donates the whole state.
-    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                                skipped_total=jnp.zeros((), jnp.int32), skipped_streak=jnp.zeros((), jnp.int32))
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                                skipped_total=jnp.zeros((), jnp.int32), skipped_streak=jnp.zeros((), jnp.int32),
+                                critic=critic)
 
 
 def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.GradientTransformation,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
-               group_size: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One GRPO update. Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the
+               group_size: int = 1, ppo_config: PPOConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One GRPO update (or PPO's, when the state holds a critic: `_ppo_loss` with `ppo_config`). Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the
     rows: the loss normaliser and the batch metrics come from all devices' rows (gathered, they are
     small), gradients and loss sums are summed across devices, so every device applies the update
     the whole batch gives, exactly as the jit path does.
@@ -143,48 +163,115 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
             "advantages", "valid", "truncated", "completion_mask")})
         _, normaliser = loss_weights(gather(mask_RM), config)
 
-    def micro_loss(params, mb):
+    ppo = state.critic is not None
+    if ppo and ppo_config is None:
+        raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
+
+    def micro_loss(trainable, mb):
+        params, critic = trainable if ppo else (trainable, None)
         model = nnx.merge(graphdef, params)
-        logp, entropy = completion_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
-                                            chunk=logprob_chunk, temperature=temperature, group_size=group_size)
+        h = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size)
+        logp, entropy = chunked_logprobs(h, mb.completion_ids, model.logits, chunk=logprob_chunk,
+                                         temperature=temperature)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
         old = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp)
+        if ppo:
+            return _ppo_loss(critic, h, logp, old, entropy, mb, config, ppo_config, normaliser)
         return policy_loss(logp, old, mb.advantages, mb.completion_mask, config, valid_R=mb.valid,
                            truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy,
-                           normaliser=normaliser)
+                           normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
 
-    per_row = batch.replace(zero_std=None, rewards=None)
+    per_row = batch.replace(zero_std=None)
     micro = jax.tree.map(lambda x: x.reshape(micro_batches, R // micro_batches, *x.shape[1:]), per_row)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    trainable = (state.params, state.critic) if ppo else state.params
 
     def accumulate(carry, mb):
-        loss, grads, sums = carry
-        (l, s), g = grad_fn(state.params, mb)
-        sums = {k: (jnp.maximum(sums[k], v) if k == "policy/ratio_max" else sums[k] + v) for k, v in s.items()}
-        return (loss + l, jax.tree.map(jnp.add, grads, g), sums), None
+        loss, grads, sums, sq = carry
+        (l, s), g = grad_fn(trainable, mb)
+        # sq: the sum of squared norms of the micro-batch gradients, for the gradient noise scale.
+        return (loss + l, jax.tree.map(jnp.add, grads, g), accumulate_sums(sums, s), sq + _sq_norm(g)), None
 
-    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro))
+    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro))
     zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
-    (loss, grads, sums), _ = jax.lax.scan(accumulate, (zeros(l_shape), zeros(g_shape), zeros(s_shape)), micro)
+    init = (zeros(l_shape), zeros(g_shape), zeros(s_shape), jnp.zeros((), jnp.float32))
+    (loss, grads, sums, sq), _ = jax.lax.scan(accumulate, init, micro)
+    pieces = micro_batches
     if axis_name is not None:
         # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
-        loss, grads = jax.lax.psum((loss, grads), axis_name)
-        sums = {k: (jax.lax.pmax(v, axis_name) if k == "policy/ratio_max" else jax.lax.psum(v, axis_name))
+        loss, grads, sq = jax.lax.psum((loss, grads, sq), axis_name)
+        sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
                 for k, v in sums.items()}
-
+        pieces = micro_batches * jax.lax.psum(1, axis_name)
+    rows = R if axis_name is None else R * jax.lax.psum(1, axis_name)
+    noise_scale = grad_noise_scale(sq, _sq_norm(grads), pieces=pieces, rows=rows)
+    if ppo:
+        ev = explained_variance({k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
+    else:
+        ev = None
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-    state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
-                       opt_state=keep(new_opt, state.opt_state),
+    updates, new_opt = optimizer.update(grads, state.opt_state, trainable)
+    new_trainable = keep_if(finite, optax.apply_updates(trainable, updates), trainable)
+    new_params, new_critic = new_trainable if ppo else (new_trainable, None)
+    state = TrainState(step=state.step + 1, params=new_params, opt_state=keep_if(finite, new_opt, state.opt_state),
                        skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
-                       skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1))
+                       skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1), critic=new_critic)
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
                "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
-               **_batch_metrics(everyone)}
+               "health/grad_noise_scale": noise_scale, **_batch_metrics(everyone)}
+    if ev is not None:
+        metrics["value/explained_variance"] = ev
     return state, metrics
+
+
+def keep_if(finite: jax.Array, new, old):
+    """`new` where the update is finite, else `old`, leaf by leaf (a skipped step is bit-identical)."""
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+
+def _sq_norm(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def grad_noise_scale(sum_sq_pieces: jax.Array, sq_total: jax.Array, *, pieces, rows) -> jax.Array:
+    """The simple gradient noise scale B = tr(Sigma) / |g|^2 (McCandlish et al., 2018), in rows.
+
+    The batch's gradient g = sum_k g_k is the sum of K = `pieces` micro-batch contributions (each
+    already divided by the whole batch's normaliser), so K g_k estimates g from b = rows / K rows.
+    tr(Sigma) per row = b * the unbiased variance of those K estimates around their mean g:
+    b / (K - 1) * sum_k |K g_k - g|^2 = b / (K - 1) * (K^2 sum_k |g_k|^2 - K |g|^2). |g|^2 is the
+    batch gradient's own squared norm (slightly above the true one by tr(Sigma) / rows), so B stays
+    finite and below about the batch's rows; B near `rows` means the batch is mostly noise.
+    `sum_sq_pieces` = sum_k |g_k|^2, `sq_total` = |g|^2. NaN with one piece (no spread to measure).
+    """
+    k = jnp.asarray(pieces, jnp.float32)
+    b = jnp.asarray(rows, jnp.float32) / k
+    trace = b / jnp.maximum(k - 1.0, 1.0) * (k * k * sum_sq_pieces - k * sq_total)
+    return jnp.where(k > 1, jnp.maximum(trace, 0.0) / jnp.maximum(sq_total, 1e-30), jnp.nan)
+
+
+def _ppo_loss(critic, h_RME, logp_RM, old_RM, entropy_RM, mb: Batch, config: GRPOConfig, ppo: PPOConfig, normaliser):
+    """The PPO objective of one micro-batch: GRPO's clipped surrogate on GAE's per-token advantages
+    (from the values of the rollout's policy: these, without gradient, at mu = 1), plus
+    `value_coef` x the clipped value loss, under the same token weights and normaliser."""
+    mask_RM = effective_mask(mb.completion_mask, config, valid_R=mb.valid, truncated_R=mb.truncated)
+    v_RM = ppo_values(critic, h_RME)
+    old_v = jax.lax.stop_gradient(v_RM)
+    rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
+    adv_RM, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam)
+    loss, sums = policy_loss(logp_RM, old_RM, adv_RM, mb.completion_mask, config, valid_R=mb.valid,
+                             truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy_RM,
+                             normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
+    weights, _ = loss_weights(mask_RM, config)
+    v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
+    loss = loss + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
+    err = jax.lax.stop_gradient(ret_RM - v_RM)
+    sums.update({"value/loss": jnp.sum(jax.lax.stop_gradient(v_loss_RM) * mask_RM),
+                 "value/mean": jnp.sum(old_v * mask_RM), "value/_n": mask_RM.sum(),
+                 "value/_ret": jnp.sum(ret_RM * mask_RM), "value/_ret2": jnp.sum(ret_RM**2 * mask_RM),
+                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM)})
+    return loss, sums
 
 
 def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
@@ -207,7 +294,8 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
-                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None, group_size: int = 1):
+                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None, group_size: int = 1,
+                    ppo_config: PPOConfig | None = None):
     """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
 
     With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
@@ -222,7 +310,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
     """
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
-                             group_size=group_size)
+                             group_size=group_size, ppo_config=ppo_config)
     if parallelism == "pmap":
         if mesh is not None:
             raise ValueError("parallelism='pmap' replicates the state over devices; it takes no mesh")

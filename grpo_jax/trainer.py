@@ -42,10 +42,12 @@ from flax import nnx
 from grpo_jax.checkpoint import Checkpointer, StopSignals, check_resumable, resume, save_step, short_error
 from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
+from grpo_jax.health import distinct_answers, random_control, rollout_health
 from grpo_jax.hosts import (any_host, common_bucket, gather_rows, is_primary, local_rows, max_over_hosts,
                             sum_over_shares, to_global)
 from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.parallel import make_parallel
+from grpo_jax.ppo import init_critic
 from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollouts import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.run import build_model, model_json, prepare, write_model_files
@@ -53,7 +55,7 @@ from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import warm_start
 from grpo_jax.sharding import place_model
 from grpo_jax.storage import RunDirectory
-from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer
+from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, pair_optimizer
 
 MetricHook = Callable[[int, dict], None]
 _ROLLOUT_FIELDS = ("tokens", "logprobs", "mask", "truncated", "lengths")
@@ -90,6 +92,7 @@ class Trainer:
         self.rng = jax.random.key(config.train.seed)
         self._reward_streaks: dict[str, int] = {}  # reward name -> steps in a row it failed on every sample
         self._slow_rewards_said = False
+        self.pass_rates = np.zeros(0)  # the last step's per-group pass rates (TensorBoard histogram)
 
     def _open_run_dir(self) -> None:
         """Write the run's config and model files (after the checkpoint check: a refused start
@@ -121,9 +124,15 @@ class Trainer:
             self.log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
                      f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")
         t = cfg.train
-        optimizer = make_optimizer(learning_rate(cfg), max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay,
-                                   b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps)
-        graphdef, state = init_state(self.model, optimizer)
+        adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
+                    eps=t.adam_eps)
+        optimizer = make_optimizer(learning_rate(cfg), **adam)
+        critic = None
+        if cfg.algorithm == "ppo":
+            critic = init_critic(self.prepared.model_config.hidden_size)
+            critic_lr = cfg.ppo.critic_learning_rate or learning_rate(cfg)
+            optimizer = pair_optimizer(optimizer, make_optimizer(critic_lr, **adam))
+        graphdef, state = init_state(self.model, optimizer, critic=critic)
         self.par = make_parallel(cfg, self.mesh, graphdef, optimizer, temperature=self.sampling.temperature)
         state = self.par.place(state)
         for line in self.par.not_sharded:
@@ -154,8 +163,15 @@ class Trainer:
         texts = decode_completions(p.tokenizer, rows["tokens"], rows["lengths"])
         fields = {**repeat_fields(examples, G), "completion_tokens": rows["lengths"].tolist()}
         result = combine_rewards(p.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts, fields)
+        scores = None
+        if self.config.reward_control == "random":
+            everyone = gather_rows(result.total, self.rows)
+            judged = everyone[~np.isnan(everyone)]
+            mean = float(judged.mean()) if judged.size else float("nan")  # the whole batch's mean reward
+            rng = np.random.default_rng([self.config.train.seed, step, round_index, self.rows.start])
+            scores = random_control(result.total, mean, rng)
         return Round(examples=examples, rows=rows, texts=texts, rewards=result, sample_s=sample_s,
-                     reward_s=time.perf_counter() - t1)
+                     reward_s=time.perf_counter() - t1, scores=scores)
 
     def _collect(self, step: int) -> Collected:
         t = self.config.train
@@ -202,7 +218,12 @@ class Trainer:
         counts = sum_over_shares({**{k: v for k, v in c.stats.items() if k not in local},
                                   **{f"data/{k}": v for k, v in stats.items()}}, self.share)
         sample_tokens = counts.pop("sample_tokens")
-        return {**reward_metrics(everyone, self.sampling.group_size), **counts, "data/epoch": float(epoch),
+        G = self.sampling.group_size
+        health, self.pass_rates = rollout_health(
+            everyone, gather_rows(distinct_answers(c.first.texts, G), self.share),
+            gather_rows(c.first.rows["lengths"], self.rows), group_size=G,
+            correct_by=self.prepared.eval_reward.name, specs=self.prepared.rewards)
+        return {**reward_metrics(everyone, G), **health, **counts, "data/epoch": float(epoch),
                 "dynamic/rounds": c.stats["dynamic/rounds"], "perf/sample_s": c.stats["sample_s"],
                 "perf/reward_s": c.stats["reward_s"], "perf/sample_tokens": sample_tokens,
                 "perf/sample_tokens_per_s": sample_tokens / max(c.stats["sample_s"], 1e-9)}
@@ -325,9 +346,11 @@ class Trainer:
         collected = self._collect(step)
         batch, tokens, ref_s = self._batch(collected)
         t1 = time.perf_counter()
-        for _ in range(cfg.grpo.num_iterations):
+        for i in range(cfg.grpo.num_iterations):
             state, out = self.par.step(state, batch)
-        metrics = {k: float(v) for k, v in out.items()}  # waits for the last update
+            if i == 0:  # sampler vs trainer: only the first update sees the sampler's policy
+                drift = {k: v for k, v in out.items() if k.startswith("health/sampler_train")}
+        metrics = {k: float(v) for k, v in {**out, **drift}.items()}  # waits for the last update
         train_s = time.perf_counter() - t1
         nnx.update(self.model, self.par.sampler_params(state))
         check_skips(metrics, cfg.train.max_consecutive_skips)
@@ -386,6 +409,8 @@ class Trainer:
     def _publish(self, step: int, metrics: dict, first: Round, writer: MetricsWriter | None, bar) -> None:
         if writer is not None:
             writer.write(step, metrics)
+            writer.write_histogram(step, "health/pass_rate", self.pass_rates, bins=self.sampling.group_size + 1,
+                                   value_range=(0.0, 1.0))
             t = self.config.train
             if t.samples_every and step % t.samples_every == 0:  # process 0's rows: the batch's first
                 writer.write_samples(step, sample_records(first, self.sampling.group_size, t.samples_count))
@@ -401,7 +426,8 @@ class Trainer:
 
     def _evaluate(self, step: int, writer: MetricsWriter | None) -> dict:
         p = self.prepared
-        ev = evaluate(self.model, p.eval_examples, reward=p.eval_reward, sampling=p.eval_sampling,
+        ev = evaluate(self.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
+                      sampling=p.eval_sampling,
                       tokenizer=p.tokenizer, mesh=self.mesh, rng=jax.random.key(self.config.train.seed + 1))
         if writer is not None:
             writer.write(step, ev)

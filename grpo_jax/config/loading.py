@@ -1,6 +1,6 @@
 """YAML to a validated RunConfig: sections map onto the schema's dataclasses (`model:`, `data:`,
-`rewards:`, `sampling:`, `grpo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`, `parallelism:`,
-`distributed:`). An unknown key fails with the valid keys of its section and the nearest match;
+`rewards:`, `sampling:`, `grpo:`, `ppo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
+`distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown key fails with the valid keys of its section and the nearest match;
 `--set section.key=value` overrides are parsed as YAML scalars and go through the same checks.
 Imports nothing of JAX, Flax, optax, orbax, transformers or TFDS."""
 
@@ -18,14 +18,16 @@ from typing import Any
 import yaml
 
 from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig, MeshConfig,
-                                    ModelConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig, TrainConfig)
+                                    ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig,
+                                    TrainConfig)
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
-    "mesh": MeshConfig, "distributed": DistributedConfig,
+    "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig,
 }
-_TOP_LEVEL = (*_SECTIONS, "rewards", "parallelism")
+_SCALARS = ("parallelism", "algorithm", "reward_control")  # top-level choices, not sections
+_TOP_LEVEL = (*_SECTIONS, "rewards", *_SCALARS)
 
 
 class ConfigError(ValueError):
@@ -145,7 +147,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
             if not isinstance(value, list):
                 raise ConfigError("rewards must be a list of {name, weight, kwargs} entries")
             kwargs[key] = tuple(_build(RewardConfig, v, f"rewards[{i}]") for i, v in enumerate(value))
-        elif key == "parallelism":
+        elif key in _SCALARS:
             kwargs[key] = value
         else:
             raise unknown_key(str(key), "the config's top level", _TOP_LEVEL)

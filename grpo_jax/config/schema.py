@@ -90,6 +90,11 @@ class GRPOConfig:
     advantage_estimator: Estimator = "grpo"
     advantage_eps: float = 1e-6
     num_iterations: int = 1  # mu: policy updates per rollout
+    # Truncated importance sampling for a sampler whose log-probs differ from the trainer's (bf16
+    # sampling, another engine): each token's loss is weighted by min(pi_train / pi_sampler, cap),
+    # the trainer's and sampler's probabilities of the sampled token. None = off. The difference is
+    # measured on every run either way (health/sampler_train_logprob_diff).
+    sampler_is_cap: float | None = None
 
     def __post_init__(self):
         _choice_in("grpo", "ratio_level", self.ratio_level, RATIO_LEVELS)
@@ -113,6 +118,8 @@ class GRPOConfig:
                 raise ValueError(f"grpo.{name} must be >= 0, got {getattr(self, name)}")
         if self.num_iterations < 1:
             raise ValueError(f"grpo.num_iterations must be >= 1, got {self.num_iterations}")
+        if self.sampler_is_cap is not None and self.sampler_is_cap < 1:
+            raise ValueError(f"grpo.sampler_is_cap must be >= 1 (or null = off), got {self.sampler_is_cap}")
         if self.ratio_level == "sequence" and max(self.epsilon_low, self.epsilon_high) >= 0.01:
             warnings.warn(
                 f"GSPO (ratio_level=sequence) with epsilon {self.epsilon_low}/{self.epsilon_high}: sequence "
@@ -122,6 +129,34 @@ class GRPOConfig:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """The critic baseline (`algorithm: ppo`): a linear value head on the policy's final hidden
+    states (a shared trunk), trained with the policy by a clipped value loss weighted by
+    `value_coef`; per-token advantages by GAE(gamma, lam) with the sequence's reward on its last
+    token. The policy loss is GRPO's clipped surrogate with the `grpo` section's clip range,
+    aggregation and KL term, so the two algorithms differ only in where advantages come from."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_coef: float = 0.5
+    value_clip: float = 0.2  # |V - V_old| beyond this is clipped in the value loss (PPO2)
+    # The value head's own AdamW learning rate (constant); None = train.learning_rate and its
+    # schedule. Critics usually learn faster than policies (a freshly zeroed head must catch up).
+    critic_learning_rate: float | None = None
+
+    def __post_init__(self):
+        if self.critic_learning_rate is not None:
+            _positive("ppo", "critic_learning_rate", self.critic_learning_rate)
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"ppo.{name} must be in [0, 1], got {getattr(self, name)}")
+        _positive("ppo", "value_coef", self.value_coef)
+        _positive("ppo", "value_clip", self.value_clip)
+
+
+ALGORITHMS: tuple[str, ...] = ("grpo", "ppo")
+REWARD_CONTROLS: tuple[str, ...] = ("none", "random")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 
@@ -269,8 +304,16 @@ class EvalConfig:
     k: int = 4
     temperature: float | None = None  # None = sampling.temperature
     reward: str | None = None
+    # A second, independent judge of the same held-out samples (a registered reward name or
+    # module:function, with `verifier_kwargs`), e.g. math_accuracy with {verifier: math_verify}
+    # beside a regex-checked training reward: eval/verifier_accuracy and
+    # health/verifier_disagreement (the share of judged samples the two judges disagree on).
+    verifier: str | None = None
+    verifier_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if self.verifier_kwargs and self.verifier is None:
+            raise ValueError("eval.verifier_kwargs is set but eval.verifier is not")
         if self.every < 0:
             raise ValueError(f"eval.every must be >= 0, got {self.every}")
         _positive("eval", "num_prompts", self.num_prompts)
@@ -352,10 +395,19 @@ class RunConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     parallelism: Literal["jit", "pmap"] = "jit"
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    # grpo: group-relative advantages (GRPO, Dr. GRPO, RLOO by the grpo section's options); ppo: a
+    # critic and GAE (the ppo section). Same sampler, data, mesh and checkpoints.
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    # random: the update sees coin flips with the batch's mean reward instead of the rewards (the
+    # spurious-reward control); the true rewards are still logged (reward/*) and evaluated.
+    reward_control: Literal["none", "random"] = "none"
 
     def __post_init__(self):
         object.__setattr__(self, "rewards", tuple(self.rewards))
         _choice_in("run", "parallelism", self.parallelism, ("jit", "pmap"))
+        _choice_in("run", "algorithm", self.algorithm, ALGORITHMS)
+        _choice_in("run", "reward_control", self.reward_control, REWARD_CONTROLS)
         if self.sampling.group_size < 2:
             raise ValueError(
                 f"sampling.group_size={self.sampling.group_size}: GRPO normalises rewards within a group, "
@@ -371,6 +423,13 @@ class RunConfig:
             raise ValueError(
                 f"data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds the largest sampling.prompt_buckets "
                 f"entry {max(self.sampling.prompt_buckets)}; raise the buckets or lower the limit")
+        if self.algorithm == "ppo" and self.grpo.num_iterations > 1:
+            raise ValueError("algorithm: ppo with grpo.num_iterations > 1 is not supported yet: its old values would "
+                             "need a separate value pass before the updates; use num_iterations: 1")
+        if self.grpo.sampler_is_cap is not None and self.grpo.num_iterations > 1:
+            raise ValueError(
+                "grpo.sampler_is_cap with grpo.num_iterations > 1 is not supported: the ratio's old policy would be "
+                "the sampler's, not the trainer's; use num_iterations: 1 with the correction, or turn it off")
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"rewards: each function may appear once, got {names}")
