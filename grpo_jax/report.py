@@ -304,12 +304,14 @@ def render(run_dir: Path, records: Sequence[Mapping[str, Any]], flags: Sequence[
                      f"<p>What addresses it:</p><ul>{knobs}</ul></div>")
     evals = [r for r in records if "eval/accuracy" in r]
     if evals:
+        judged = any("health/verifier_disagreement" in r for r in evals)
         parts.append("<h2>Held-out evaluations</h2><table><tr><th>step</th><th>accuracy</th><th>pass@k</th>"
-                     "<th>verifier disagreement</th></tr>")
+                     + ("<th>verifier accuracy</th><th>disagreement</th>" if judged else "") + "</tr>")
         for r in evals:
-            dis = r.get("health/verifier_disagreement", float("nan"))
-            parts.append(f"<tr><td>{r['step']}</td><td>{r['eval/accuracy']:.3f}</td>"
-                         f"<td>{r.get('eval/pass@k', float('nan')):.3f}</td><td>{dis:.3f}</td></tr>")
+            cells = [r["eval/accuracy"], r.get("eval/pass@k", math.nan)]
+            if judged:
+                cells += [r.get("eval/verifier_accuracy", math.nan), r.get("health/verifier_disagreement", math.nan)]
+            parts.append(f"<tr><td>{r['step']}</td>" + "".join(f"<td>{v:.3f}</td>" for v in cells) + "</tr>")
         parts.append("</table>")
     parts.append("<h2>Plots</h2><div class='plots'>")
     for title, series in _PLOTS:

@@ -241,8 +241,8 @@ def grad_noise_scale(sum_sq_pieces: jax.Array, sq_total: jax.Array, *, pieces, r
     already divided by the whole batch's normaliser), so K g_k estimates g from b = rows / K rows.
     tr(Sigma) per row = b * the unbiased variance of those K estimates around their mean g:
     b / (K - 1) * sum_k |K g_k - g|^2 = b / (K - 1) * (K^2 sum_k |g_k|^2 - K |g|^2). |g|^2 is the
-    batch gradient's own squared norm (slightly above the true one by tr(Sigma) / rows), so B stays
-    finite and below about the batch's rows; B near `rows` means the batch is mostly noise.
+    batch gradient's own squared norm (above the true one by tr(Sigma) / rows on average).
+    B at or above `rows` means the batch's gradient is mostly noise: larger batches would help.
     `sum_sq_pieces` = sum_k |g_k|^2, `sq_total` = |g|^2. NaN with one piece (no spread to measure).
     """
     k = jnp.asarray(pieces, jnp.float32)
