@@ -349,8 +349,8 @@ def screenshot(html_path: str | Path, png_path: str | Path, *, width: int = 1300
     out = Path(png_path).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={width},{height}",
-           f"--screenshot={out}", Path(html_path).resolve().as_uri()]
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+           f"--window-size={width},{height}", f"--screenshot={out}", Path(html_path).resolve().as_uri()]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"{browser} did not write {out} (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")

@@ -141,10 +141,15 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
                group_size: int = 1, ppo_config: PPOConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One GRPO update (or PPO's, when the state holds a critic: `_ppo_loss` with `ppo_config`). Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the
-    rows: the loss normaliser and the batch metrics come from all devices' rows (gathered, they are
-    small), gradients and loss sums are summed across devices, so every device applies the update
-    the whole batch gives, exactly as the jit path does.
+    """One GRPO update (or PPO's, when the state holds a critic: `_ppo_loss` with `ppo_config`).
+
+    Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the rows: the loss
+    normaliser and the batch metrics come from all devices' rows (gathered, they are small),
+    gradients and loss sums are summed across devices, so every device applies the update the
+    whole batch gives, exactly as the jit path does.
+
+    The gradient noise scale (`health/grad_noise_scale`) comes from the micro-batch gradients the
+    step computes anyway (their squared norms, summed in the scan), over micro-batches x devices.
 
     group_size=G > 1 computes each group's shared prompt once in the policy pass (see
     `completion_logprobs`); every micro-batch (of every device) must then hold whole groups."""
@@ -188,9 +193,9 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
 
     def accumulate(carry, mb):
         loss, grads, sums, sq = carry
-        (l, s), g = grad_fn(trainable, mb)
+        (piece_loss, s), g = grad_fn(trainable, mb)
         # sq: the sum of squared norms of the micro-batch gradients, for the gradient noise scale.
-        return (loss + l, jax.tree.map(jnp.add, grads, g), accumulate_sums(sums, s), sq + _sq_norm(g)), None
+        return (loss + piece_loss, jax.tree.map(jnp.add, grads, g), accumulate_sums(sums, s), sq + _sq_norm(g)), None
 
     (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro))
     zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))

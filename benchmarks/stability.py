@@ -1,0 +1,157 @@
+"""Stability lab: GRPO, Dr. GRPO, RLOO and PPO on the CPU demo task, several seeds each.
+
+    python benchmarks/stability.py --output benchmarks/results/stability
+
+Each (variant, seed) is one `grpo-jax train --config configs/demo_cpu.yaml` run with the variant's
+`--set` overrides and `train.seed`. Every run samples the same prompts per step, G and
+max_new_tokens for the same number of steps (equal sampled tokens up to completion lengths, which
+the summary reports), with train.micro_batches: 4 so the gradient noise scale is measured. Only
+metrics.jsonl, samples.jsonl and config.yaml of each run are kept. Writes `summary.json` (per run and
+per variant: final held-out accuracy mean and spread, gradient noise scale, dead-group fraction,
+sampled tokens, wall time) and `stability.png`; `benchmarks/stability.md` reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["train.micro_batches=4", "checkpoint.every=0", "train.progress=false"]
+VARIANTS = {
+    "grpo": [],  # the demo: group mean and std, token-mean loss, clip-higher, beta 0.01
+    "dr_grpo": ["grpo.advantage_scale=none", "grpo.loss_agg=seq_mean_token_sum_norm",
+                "grpo.max_completion_length=4"],
+    "rloo": ["grpo.advantage_estimator=rloo", "grpo.advantage_scale=none"],
+    "ppo": ["algorithm=ppo", "ppo.critic_learning_rate=0.001"],
+    # The spurious-reward control: GRPO learning from coin flips with the batch's mean reward.
+    "grpo_random": ["reward_control=random"],
+}
+
+
+def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str) -> dict:
+    run_dir = out / f"{variant}_s{seed}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    sets = [*COMMON, *VARIANTS[variant], f"train.seed={seed}"] + ([f"train.steps={steps}"] if steps else [])
+    cmd = [python, "-m", "grpo_jax", "train", "--config", str(ROOT / "configs/demo_cpu.yaml"), "--output", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (out / f"{variant}_s{seed}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise RuntimeError(f"{variant} seed {seed} failed (exit {proc.returncode}); see {variant}_s{seed}.log")
+    for junk in ("checkpoints", "tensorboard", "model"):
+        shutil.rmtree(run_dir / junk, ignore_errors=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return summarise(variant, seed, records, wall)
+
+
+def _mean(records, key, start=0):
+    vals = [r[key] for r in records if r.get(key) is not None and r["step"] > start and key in r]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def summarise(variant: str, seed: int, records: list[dict], wall_s: float) -> dict:
+    evals = [r for r in records if "eval/accuracy" in r]
+    train = [r for r in records if "reward/mean" in r]
+    return {
+        "variant": variant, "seed": seed, "wall_s": wall_s,
+        "eval_start": evals[0]["eval/accuracy"], "eval_final": evals[-1]["eval/accuracy"],
+        "pass_final": evals[-1]["eval/pass@k"],
+        "eval_curve": [(r["step"], r["eval/accuracy"]) for r in evals],
+        "sampled_tokens": float(sum(r.get("perf/sample_tokens", 0.0) for r in train)),
+        "grad_noise_scale": _mean(train, "health/grad_noise_scale"),
+        "grad_noise_curve": [(r["step"], r.get("health/grad_noise_scale")) for r in train],
+        "frac_zero_std": _mean(train, "groups/frac_zero_std"),
+        "frac_zero_std_expected": _mean(train, "health/frac_zero_std_expected"),
+        "frac_zero_std_late": _mean(train, "groups/frac_zero_std", start=len(train) // 2),
+        "entropy_late": _mean(train, "policy/entropy", start=len(train) // 2),
+        "explained_variance_late": _mean(train, "value/explained_variance", start=len(train) // 2),
+        "train_s": float(sum(r.get("perf/step_s", 0.0) for r in train)),
+    }
+
+
+def aggregate(runs: list[dict]) -> dict:
+    out = {}
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        rs = [r for r in runs if r["variant"] == variant]
+        agg = {"seeds": [r["seed"] for r in rs]}
+        for key in ("eval_final", "pass_final", "grad_noise_scale", "frac_zero_std", "frac_zero_std_expected",
+                    "frac_zero_std_late", "entropy_late", "explained_variance_late", "sampled_tokens", "wall_s",
+                    "train_s"):
+            vals = np.asarray([r[key] for r in rs], float)
+            agg[key] = {"mean": float(np.mean(vals)), "min": float(np.min(vals)), "max": float(np.max(vals)),
+                        "std": float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0}
+        out[variant] = agg
+    return out
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 4.2), dpi=100, layout="constrained")
+    ax_acc, ax_noise, ax_dead = fig.subplots(1, 3)
+    colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:gray")))
+    for r in runs:
+        c = colors.get(r["variant"], "gray")
+        label = r["variant"] if r["seed"] == min(x["seed"] for x in runs if x["variant"] == r["variant"]) else None
+        steps, acc = zip(*r["eval_curve"])
+        ax_acc.plot(steps, acc, color=c, alpha=0.8, marker="o", markersize=3, label=label)
+        pts = [(s, v) for s, v in r["grad_noise_curve"] if v is not None and math.isfinite(v)]
+        if pts:
+            s, v = np.asarray(pts).T
+            k = 15  # a moving average: the per-step estimate is noisy
+            smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
+            ax_noise.plot(s[len(s) - len(smooth):], smooth, color=c, alpha=0.8, label=label)
+    for i, (variant, c) in enumerate(colors.items()):
+        rs = [r for r in runs if r["variant"] == variant]
+        if rs:
+            ax_dead.bar(i - 0.2, np.mean([r["frac_zero_std"] for r in rs]), 0.4, color=c, label="observed" if i == 0
+                        else None)
+            ax_dead.bar(i + 0.2, np.mean([r["frac_zero_std_expected"] for r in rs]), 0.4, color=c, alpha=0.4,
+                        label="expected from pass rate" if i == 0 else None)
+    ax_dead.set_xticks(range(len(colors)), list(colors))
+    ax_acc.set(title="held-out accuracy (each seed)", xlabel="step")
+    ax_noise.set(title="gradient noise scale B_simple (15-step mean)", xlabel="step", ylabel="rows", yscale="log")
+    ax_dead.set(title="dead-group fraction (mean over steps)")
+    for ax in (ax_acc, ax_noise, ax_dead):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", default="benchmarks/results/stability")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the demo's)")
+    args = parser.parse_args(argv)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in args.seeds:
+        for variant in args.variants:
+            r = run_one(variant, seed, out, args.steps, sys.executable)
+            print(f"{variant} seed {seed}: accuracy {r['eval_start']:.3f} -> {r['eval_final']:.3f}, noise scale "
+                  f"{r['grad_noise_scale']:.0f}, dead groups {r['frac_zero_std']:.3f}, {r['wall_s']:.0f} s", flush=True)
+            runs.append(r)
+            (out / "summary.json").write_text(json.dumps({"runs": runs, "variants": aggregate(runs)}, indent=1))
+    plot(runs, out / "stability.png")
+    print(json.dumps(aggregate(runs), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
