@@ -98,6 +98,17 @@ def test_group_advantages_by_keyword():
     assert np.asarray(out.zero_std).tolist() == [False, True] and bool(np.asarray(out.valid).all())
 
 
+def test_gae_by_keyword():
+    from grpo_jax.ppo import gae
+
+    # One row, reward 1 on its last real token, values 0.5: with gamma = lam = 1 the advantage of
+    # every token is the return minus its value.
+    adv, ret = gae(rewards=jnp.asarray([[0.0, 1.0, 0.0]]), values=jnp.full((1, 3), 0.5),
+                   mask=jnp.asarray([[1, 1, 0]]), gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(np.asarray(adv), [[0.5, 0.5, 0.0]], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ret), [[1.0, 1.0, 0.0]], atol=1e-6)
+
+
 def test_load_config_and_train_by_keyword(tmp_path):
     import yaml
 
