@@ -36,7 +36,8 @@ ENTROPY_DROP = 0.35  # late entropy below this share of the early one
 DEAD_EXCESS = 0.2  # observed dead-group fraction above the pass-rate expectation by this much
 DEAD_MIN = 0.3  # ... and at least this many groups dead
 REWARD_RISE = 0.05  # training reward up by at least this much
-ACCURACY_FALL = 0.05  # held-out accuracy below its best by at least this much
+ACCURACY_FALL = 0.05  # held-out accuracy below its best by at least this much (with reward rising)
+HELDOUT_REGRESSION = 0.1  # ... by this much whatever the reward does
 LENGTH_GROWTH = 1.5  # late completion length over early
 TRUNCATED_MAX = 0.2  # share of truncated completions late in the run
 KL_MAX = 0.5  # late k3 KL to the reference, in nats per token
@@ -134,6 +135,27 @@ def _reward_vs_heldout(train, records) -> Flag | None:
                  f"the checkpoint of step {int(steps[best])} (the best held-out accuracy)"))
 
 
+def _heldout_regression(train, records) -> Flag | None:
+    """Held-out accuracy well below its best without the training reward rising (that case is
+    `_reward_vs_heldout`): the update is hurting the policy, whatever the reward says."""
+    _, reward = _values(train, "reward/mean")
+    w = _windows(reward)
+    steps, acc = _values(records, "eval/accuracy")
+    if acc.size < 2 or (w is not None and w[1] - w[0] >= REWARD_RISE):
+        return None
+    best = int(np.argmax(acc))
+    if best == acc.size - 1 or acc[best] - acc[-1] < HELDOUT_REGRESSION:
+        return None
+    trend = f"; reward/mean {w[0]:.3f} -> {w[1]:.3f}" if w is not None else ""
+    return Flag("heldout_regression", "Held-out accuracy fell",
+                f"eval/accuracy fell from {acc[best]:.3f} (step {int(steps[best])}) to {acc[-1]:.3f} (step "
+                f"{int(steps[-1])}){trend}. The updates are making the policy worse: a learning rate too high for "
+                "the signal, rewards that carry no information about the task, or drift from the reference.",
+                ("train.learning_rate (lower)", "grpo.beta (a KL coefficient keeps the policy near the reference)",
+                 "rewards (do they reward the task? compare with a reward_control: random run)",
+                 f"the checkpoint of step {int(steps[best])} (the best held-out accuracy)"))
+
+
 def _verifier(records) -> Flag | None:
     _, dis = _values(records, "health/verifier_disagreement")
     if not dis.size or dis[-1] < VERIFIER_DISAGREEMENT:
@@ -216,7 +238,8 @@ def diagnose(records: Sequence[Mapping[str, Any]]) -> list[Flag]:
     checks = [_skipped(records)]
     if len(train) >= MIN_STEPS:
         checks += [_entropy_collapse(train), _dead_groups(train), _reward_vs_heldout(train, records),
-                   _length_blowup(train), _kl_drift(train), _sampler_drift(train)]
+                   _heldout_regression(train, records), _length_blowup(train), _kl_drift(train),
+                   _sampler_drift(train)]
     checks.append(_verifier(records))
     return [f for f in checks if f is not None]
 

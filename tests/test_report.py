@@ -86,6 +86,8 @@ def test_reward_up_while_heldout_accuracy_falls_is_flagged(tmp_path):
     ("sampler_train_drift", lambda r: r.update({"health/sampler_train_logprob_diff": 0.05,
                                                 "health/sampler_train_logprob_diff_max": 2.0})),
     ("skipped_steps", lambda r: r.update({"train/skipped_steps": 1 if r["step"] > 30 else 0})),
+    ("heldout_regression", lambda r: r.update({"reward/mean": 0.3, **({"eval/accuracy": 0.45 - 0.005 * r["step"]}
+                                                                     if "eval/accuracy" in r else {})})),
 ])
 def test_each_other_pattern_is_flagged_alone(tmp_path, key, change):
     records = healthy_records()
