@@ -6,7 +6,8 @@ Each (variant, seed) is one `grpo-jax train --config configs/demo_cpu.yaml` run 
 `--set` overrides and `train.seed`. Every run samples the same prompts per step, G and
 max_new_tokens for the same number of steps (equal sampled tokens up to completion lengths, which
 the summary reports), with train.micro_batches: 4 so the gradient noise scale is measured. Only
-metrics.jsonl, samples.jsonl and config.yaml of each run are kept. Writes `summary.json` (per run and
+config.yaml, samples.jsonl and metrics.jsonl (gzipped: `grpo-jax report`
+and `read_metrics` want it unzipped) of each run are kept. Writes `summary.json` (per run and
 per variant: final held-out accuracy mean and spread, gradient noise scale, dead-group fraction,
 sampled tokens, wall time) and `stability.png`; `benchmarks/stability.md` reports them.
 """
@@ -14,6 +15,7 @@ sampled tokens, wall time) and `stability.png`; `benchmarks/stability.md` report
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import shutil
@@ -51,10 +53,21 @@ def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str) 
     (out / f"{variant}_s{seed}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise RuntimeError(f"{variant} seed {seed} failed (exit {proc.returncode}); see {variant}_s{seed}.log")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    compact(run_dir)
+    return summarise(variant, seed, records, wall)
+
+
+def compact(run_dir: Path) -> None:
+    """Keep what the summary and a later look need, small enough to commit."""
     for junk in ("checkpoints", "tensorboard", "model"):
         shutil.rmtree(run_dir / junk, ignore_errors=True)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return summarise(variant, seed, records, wall)
+    for junk in ("metrics.png", "report.html"):
+        (run_dir / junk).unlink(missing_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    with gzip.open(run_dir / "metrics.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(metrics.read_text())
+    metrics.unlink()
 
 
 def _mean(records, key, start=0):

@@ -51,7 +51,7 @@ class Flag:
     key: str  # a stable identifier, e.g. "entropy_collapse"
     title: str
     evidence: str  # the numbers that raised it
-    knobs: tuple[str, ...]  # config keys (with a word on each) that address it
+    knobs: tuple[tuple[str, str], ...]  # (config key or setting, how it helps) for what addresses it
 
 
 def _values(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -87,9 +87,9 @@ def _entropy_collapse(train) -> Flag | None:
                 f"policy/entropy fell from {w[0]:.3f} to {w[1]:.3f} nats/token (below {ENTROPY_DROP:.0%} of its "
                 f"start){extra}. A collapsed policy samples the same completion G times: its groups stop "
                 "carrying signal and exploration ends.",
-                ("grpo.epsilon_high (clip-higher, e.g. 0.28: lets low-probability tokens grow)",
-                 "grpo.entropy_coef (an entropy bonus, e.g. 1e-3)",
-                 "train.learning_rate (lower)", "sampling.temperature (sample at 1.0)"))
+                (("grpo.epsilon_high", "clip-higher, e.g. 0.28: lets low-probability tokens grow"),
+                 ("grpo.entropy_coef", "an entropy bonus, e.g. 1e-3"), ("train.learning_rate", "lower"),
+                 ("sampling.temperature", "sample at 1.0")))
 
 
 def _dead_groups(train) -> Flag | None:
@@ -109,10 +109,16 @@ def _dead_groups(train) -> Flag | None:
                 f"over the second half, {obs:.0%} of groups had identical rewards{split}, against {exp:.0%} "
                 f"expected if every prompt had the batch's pass rate (excess {obs - exp:.0%} > {DEAD_EXCESS:.0%}). "
                 "Those groups give zero advantage: the batch is effectively smaller and its gradient noisier.",
-                ("train.dynamic_sampling (DAPO: resample groups with identical rewards)",
-                 "data (a curriculum closer to the model's level: drop solved and hopeless prompts)",
-                 "sampling.group_size (larger groups are less often uniform)",
-                 "grpo.advantage_scale: none (Dr. GRPO: no std scaling, so near-uniform groups are not amplified)"))
+                (("train.dynamic_sampling", "DAPO: resample groups with identical rewards"),
+                 ("data", "a curriculum closer to the model's level: drop solved and hopeless prompts"),
+                 ("sampling.group_size", "larger groups are less often uniform"),
+                 ("grpo.advantage_scale: none", "Dr. GRPO: no std scaling, so near-uniform groups are not amplified")))
+
+
+def _best_checkpoint(step: int) -> tuple[str, str]:
+    if step == 0:
+        return ("train.steps", "the policy before any update had the best held-out accuracy")
+    return (f"checkpoints/{step}", "the best held-out accuracy, if that step was saved (checkpoint.every)")
 
 
 def _reward_vs_heldout(train, records) -> Flag | None:
@@ -128,11 +134,11 @@ def _reward_vs_heldout(train, records) -> Flag | None:
                 f"reward/mean rose {w[0]:.3f} -> {w[1]:.3f} while eval/accuracy fell from its best {acc[best]:.3f} "
                 f"(step {int(steps[best])}) to {acc[-1]:.3f} (step {int(steps[-1])}). The policy is learning what the "
                 "training reward pays for, not the task: reward hacking or overfitting to the verifier.",
-                ("eval.verifier (a second, independent judge: health/verifier_disagreement)",
-                 "rewards (tighten the verifier; check samples.jsonl for what it accepts)",
-                 "grpo.beta (a KL coefficient keeps the policy near the reference)",
-                 "reward_control: random (a spurious-reward control run: gains it matches are not from the reward)",
-                 f"the checkpoint of step {int(steps[best])} (the best held-out accuracy)"))
+                (("eval.verifier", "a second, independent judge: health/verifier_disagreement"),
+                 ("rewards", "tighten the verifier; check samples.jsonl for what it accepts"),
+                 ("grpo.beta", "a KL coefficient keeps the policy near the reference"),
+                 ("reward_control: random", "a spurious-reward control run: gains it matches are not from the reward"),
+                 _best_checkpoint(int(steps[best])))))
 
 
 def _heldout_regression(train, records) -> Flag | None:
@@ -151,9 +157,9 @@ def _heldout_regression(train, records) -> Flag | None:
                 f"eval/accuracy fell from {acc[best]:.3f} (step {int(steps[best])}) to {acc[-1]:.3f} (step "
                 f"{int(steps[-1])}){trend}. The updates are making the policy worse: a learning rate too high for "
                 "the signal, rewards that carry no information about the task, or drift from the reference.",
-                ("train.learning_rate (lower)", "grpo.beta (a KL coefficient keeps the policy near the reference)",
-                 "rewards (do they reward the task? compare with a reward_control: random run)",
-                 f"the checkpoint of step {int(steps[best])} (the best held-out accuracy)"))
+                (("train.learning_rate", "lower"), ("grpo.beta", "a KL coefficient keeps the policy near the reference"),
+                 ("rewards", "do they reward the task? compare with a reward_control: random run"),
+                 _best_checkpoint(int(steps[best])))))
 
 
 def _verifier(records) -> Flag | None:
@@ -164,7 +170,7 @@ def _verifier(records) -> Flag | None:
                 f"health/verifier_disagreement {dis[0]:.3f} at the first evaluation, {dis[-1]:.3f} at the last "
                 f"(above {VERIFIER_DISAGREEMENT:.0%}): the training reward accepts answers the independent judge "
                 "does not, or the reverse.",
-                ("rewards (align the training verifier with the independent one)", "eval.verifier"))
+                (("rewards", "align the training verifier with the independent one"), ("eval.verifier", "the judge used")))
 
 
 def _length_blowup(train) -> Flag | None:
@@ -187,9 +193,9 @@ def _length_blowup(train) -> Flag | None:
                      f"{li[-max(3, li.size // 4):].mean():.1f}")
     return Flag("length_blowup", "Completion length blow-up",
                 "; ".join(parts) + f" (flagged above {LENGTH_GROWTH}x growth or {TRUNCATED_MAX:.0%} truncated).",
-                ("rewards: overlong (DAPO's soft overlong penalty)", "grpo.mask_truncated (truncated samples out "
-                 "of the loss)", "grpo.loss_agg: seq_mean_token_sum_norm (Dr. GRPO: no length bias)",
-                 "sampling.max_new_tokens"))
+                (("rewards: overlong", "DAPO's soft overlong penalty"), ("grpo.mask_truncated", "truncated samples out of the loss"),
+                 ("grpo.loss_agg: seq_mean_token_sum_norm", "Dr. GRPO: no length bias"),
+                 ("sampling.max_new_tokens", "the cap itself")))
 
 
 def _kl_drift(train) -> Flag | None:
@@ -200,8 +206,8 @@ def _kl_drift(train) -> Flag | None:
     return Flag("kl_drift", "KL drift from the reference",
                 f"kl/k3 {w[0]:.3f} -> {w[1]:.3f} nats/token (above {KL_MAX}): the policy has moved far from the "
                 "reference; gains may not transfer and the update is at risk of instability.",
-                ("grpo.beta (raise the KL coefficient)", "train.learning_rate (lower)",
-                 "grpo.epsilon_low / epsilon_high (a tighter clip range)"))
+                (("grpo.beta", "raise the KL coefficient"), ("train.learning_rate", "lower"),
+                 ("grpo.epsilon_low, grpo.epsilon_high", "a tighter clip range")))
 
 
 def _sampler_drift(train) -> Flag | None:
@@ -216,8 +222,8 @@ def _sampler_drift(train) -> Flag | None:
                 f"health/sampler_train_logprob_diff mean {m:.4f} per token, max {p:.3f} (flagged above "
                 f"{LOGPROB_DIFF_MEAN} / {LOGPROB_DIFF_MAX}): the samples come from a different policy than the "
                 "one being updated, so the update is off-policy without saying so.",
-                ("grpo.sampler_is_cap (truncated importance sampling, e.g. 2.0)",
-                 "model.dtype: float32 (sample in the training precision)"))
+                (("grpo.sampler_is_cap", "truncated importance sampling, e.g. 2.0"),
+                 ("model.dtype: float32", "sample in the training precision")))
 
 
 def _skipped(records) -> Flag | None:
@@ -227,8 +233,8 @@ def _skipped(records) -> Flag | None:
     return Flag("skipped_steps", "Skipped updates",
                 f"train/skipped_steps reached {int(skipped.max())}: updates with a non-finite loss or gradient "
                 "were dropped.",
-                ("train.learning_rate (lower)", "train.max_grad_norm", "model.dtype / param_dtype (float32 masters)",
-                 "rewards (check for NaN or huge values)"))
+                (("train.learning_rate", "lower"), ("train.max_grad_norm", "clip harder"),
+                 ("model.param_dtype: float32", "float32 master weights"), ("rewards", "check for NaN or huge values")))
 
 
 def diagnose(records: Sequence[Mapping[str, Any]]) -> list[Flag]:
@@ -248,8 +254,8 @@ def diagnose(records: Sequence[Mapping[str, Any]]) -> list[Flag]:
 _PLOTS = (
     ("Reward and held-out accuracy", [("reward/mean", "train reward"), ("eval/accuracy", "eval accuracy"),
                                       ("eval/verifier_accuracy", "verifier accuracy")]),
-    ("Entropy and diversity", [("policy/entropy", "entropy (nats/token)"),
-                               ("health/distinct_answers", "distinct answers / group")]),
+    ("Policy entropy (nats/token)", [("policy/entropy", "entropy")]),
+    ("Distinct answers per group", [("health/distinct_answers", "distinct answers")]),
     ("Dead groups", [("groups/frac_zero_std", "observed"), ("health/frac_zero_std_expected", "expected from pass rate"),
                      ("groups/frac_all_correct", "all correct"), ("groups/frac_all_wrong", "all wrong")]),
     ("Completion length (tokens)", [("completion/len_mean", "mean"), ("completion/len_correct", "correct"),
@@ -321,8 +327,7 @@ def render(run_dir: Path, records: Sequence[Mapping[str, Any]], flags: Sequence[
     if not flags:
         parts.append("<p class='ok' id='no-flags'>No failure pattern found.</p>")
     for f in flags:
-        knobs = "".join(f"<li><code>{e(k.split(' ', 1)[0])}</code> {e(k.split(' ', 1)[1]) if ' ' in k else ''}</li>"
-                        for k in f.knobs)
+        knobs = "".join(f"<li><code>{e(key)}</code>: {e(why)}</li>" for key, why in f.knobs)
         parts.append(f"<div class='flag' data-flag='{e(f.key)}'><h3>{e(f.title)}</h3><p>{e(f.evidence)}</p>"
                      f"<p>What addresses it:</p><ul>{knobs}</ul></div>")
     evals = [r for r in records if "eval/accuracy" in r]

@@ -63,7 +63,8 @@ def test_entropy_collapse_is_flagged_with_its_evidence(tmp_path):
     path, flags = write_report(run_dir=run)
     assert [f.key for f in flags] == ["entropy_collapse"]
     assert "policy/entropy fell from" in flags[0].evidence and "distinct answers" in flags[0].evidence
-    assert any("entropy_coef" in k for k in flags[0].knobs) and any("epsilon_high" in k for k in flags[0].knobs)
+    keys = [key for key, _ in flags[0].knobs]
+    assert "grpo.entropy_coef" in keys and "grpo.epsilon_high" in keys
     assert "data-flag='entropy_collapse'" in path.read_text()
 
 
@@ -76,7 +77,8 @@ def test_reward_up_while_heldout_accuracy_falls_is_flagged(tmp_path):
     _, flags = write_report(run_dir=run)
     assert [f.key for f in flags] == ["reward_up_heldout_down"]
     assert "step 10" in flags[0].evidence
-    assert any("eval.verifier" in k for k in flags[0].knobs) and any("grpo.beta" in k for k in flags[0].knobs)
+    keys = [key for key, _ in flags[0].knobs]
+    assert "eval.verifier" in keys and "grpo.beta" in keys and "checkpoints/10" in keys
 
 
 @pytest.mark.parametrize("key, change", [
