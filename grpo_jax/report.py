@@ -138,7 +138,7 @@ def _reward_vs_heldout(train, records) -> Flag | None:
                  ("rewards", "tighten the verifier; check samples.jsonl for what it accepts"),
                  ("grpo.beta", "a KL coefficient keeps the policy near the reference"),
                  ("reward_control: random", "a spurious-reward control run: gains it matches are not from the reward"),
-                 _best_checkpoint(int(steps[best])))))
+                 _best_checkpoint(int(steps[best]))))
 
 
 def _heldout_regression(train, records) -> Flag | None:
@@ -159,7 +159,7 @@ def _heldout_regression(train, records) -> Flag | None:
                 "the signal, rewards that carry no information about the task, or drift from the reference.",
                 (("train.learning_rate", "lower"), ("grpo.beta", "a KL coefficient keeps the policy near the reference"),
                  ("rewards", "do they reward the task? compare with a reward_control: random run"),
-                 _best_checkpoint(int(steps[best])))))
+                 _best_checkpoint(int(steps[best]))))
 
 
 def _verifier(records) -> Flag | None:
