@@ -42,6 +42,7 @@ RULES: Mapping[str, str | None] = {
     "mlp": "tensor",
     "head_dim": None,
     "layers": None,
+    "lora_rank": None,  # LoRA adapters: their other axes follow the weight they adapt
 }
 
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.models import rope
+from grpo_jax.models import lora, rope
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
 
@@ -112,14 +112,21 @@ def _random_params(config: TransformerConfig, key: jax.Array, param_dtype) -> di
 
 
 class Layers(nnx.Module):
-    """The stacked per-layer parameters; attribute names are those of `layer_param_specs`."""
+    """The stacked per-layer parameters; attribute names are those of `layer_param_specs`, plus
+    LoRA adapters `<proj>_lora_a` / `<proj>_lora_b` when `models.lora.add_adapters` added them."""
+
+    lora_scale: float | None = None  # alpha / rank, with adapters
 
     def __init__(self, params: dict[str, nnx.Param]):
         for name, param in params.items():
             setattr(self, name, param)
 
     def arrays(self) -> dict[str, jax.Array]:
-        return {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        """Every stacked parameter by name; adapters' B comes scaled by alpha / rank."""
+        out = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
+        if self.lora_scale is not None:
+            out.update({k: v * self.lora_scale for k, v in out.items() if k.endswith("_lora_b")})
+        return out
 
 
 class Transformer(nnx.Module):
@@ -250,7 +257,9 @@ class Transformer(nnx.Module):
     def layer_weights(self) -> list[dict[str, jax.Array]]:
         """Per-layer parameter dicts in the compute dtype (for `decode_step`): L separate buffers each."""
         arrays = self.layers.arrays()
-        return [{n: a[l].astype(self.dtype) for n, a in arrays.items()} for l in range(self.config.num_layers)]
+        # Adapters are folded into their weights once here, outside the decode loop.
+        return [{n: a.astype(self.dtype) for n, a in lora.merged({n: a[l] for n, a in arrays.items()}).items()}
+                for l in range(self.config.num_layers)]
 
     def _embed(self, input_ids_BT):
         cfg, dtype = self.config, self.dtype
@@ -348,9 +357,9 @@ def _activation(x: jax.Array, name: str) -> jax.Array:
 def _qkv(x_BTE, p, cfg: TransformerConfig, cos_BTD, sin_BTD):
     B, T, E = x_BTE.shape
     h_NE = _rms_norm(x_BTE, p["attn_norm"], cfg).reshape(B * T, E)
-    q = jnp.einsum("ne,ehd->nhd", h_NE, p["q_proj"])
-    k = jnp.einsum("ne,ekd->nkd", h_NE, p["k_proj"])
-    v = jnp.einsum("ne,ekd->nkd", h_NE, p["v_proj"])
+    q = _adapted(h_NE, p, "q_proj", jnp.einsum("ne,ehd->nhd", h_NE, p["q_proj"]))
+    k = _adapted(h_NE, p, "k_proj", jnp.einsum("ne,ekd->nkd", h_NE, p["k_proj"]))
+    v = _adapted(h_NE, p, "v_proj", jnp.einsum("ne,ekd->nkd", h_NE, p["v_proj"]))
     if cfg.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
@@ -414,23 +423,33 @@ def _decode_attention(q_BKGD, k_chunks, v_chunks, mask_BS, cfg: TransformerConfi
     return out
 
 
+def _adapted(x_NI: jax.Array, p: dict[str, jax.Array], name: str, y: jax.Array) -> jax.Array:
+    """`y` = x W of projection `name`, plus its LoRA path (x A) B when the layer has an adapter."""
+    if f"{name}_lora_a" not in p:
+        return y
+    a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
+    delta = lora.low_rank(x_NI, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1))
+    return y + delta.reshape(y.shape).astype(y.dtype)
+
+
 def _finish_layer(x_BTE, attn_BTHD, p, cfg: TransformerConfig):
     B, T, E = x_BTE.shape
     # One plain matmul over (heads x head_dim): contracting two axes, XLA:CPU chose to transpose the
     # o_proj weight into (head_dim, heads) order, a copy of it per layer and decode step inside a scan.
     attn_NF = attn_BTHD.reshape(B * T, -1)
-    a = jnp.einsum("nf,fe->ne", attn_NF, p["o_proj"].reshape(attn_NF.shape[1], E))
+    a = _adapted(attn_NF, p, "o_proj", jnp.einsum("nf,fe->ne", attn_NF, p["o_proj"].reshape(attn_NF.shape[1], E)))
     if cfg.o_bias:
         a = a + p["o_bias"]
     if cfg.post_norms:
         a = _rms_norm(a, p["attn_post_norm"], cfg)
     x_NE = x_BTE.reshape(B * T, E) + a
     h = _rms_norm(x_NE, p["mlp_norm"], cfg)
-    gate = jnp.einsum("ne,ef->nf", h, p["gate_proj"])
-    up = jnp.einsum("ne,ef->nf", h, p["up_proj"])
+    gate = _adapted(h, p, "gate_proj", jnp.einsum("ne,ef->nf", h, p["gate_proj"]))
+    up = _adapted(h, p, "up_proj", jnp.einsum("ne,ef->nf", h, p["up_proj"]))
     if cfg.mlp_bias:
         gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    m = jnp.einsum("nf,fe->ne", _activation(gate, cfg.activation) * up, p["down_proj"])
+    act = _activation(gate, cfg.activation) * up
+    m = _adapted(act, p, "down_proj", jnp.einsum("nf,fe->ne", act, p["down_proj"]))
     if cfg.mlp_bias:
         m = m + p["down_bias"]
     if cfg.post_norms:

@@ -1,0 +1,105 @@
+"""LoRA adapters on the decoder's projections (issue 16, first part).
+
+`add_adapters(model, rank=..., alpha=..., targets=..., key=...)` gives each targeted projection W
+(q, k, v, o, gate, up, down; stacked over layers like W) a pair A [in, r], B [r, out] stored as
+`LoRAParam`s in the model's `Layers` (`q_proj_lora_a`, `q_proj_lora_b`, ...). The layer then
+computes x W + (alpha / r) (x A) B:
+
+- in the training, reference and prefill passes unmerged (`Layers.arrays()` hands A and the scaled
+  B to the layer functions, which add the low-rank path beside W), so the backward pass never
+  forms a gradient the size of W;
+- in the sampler's decode steps merged (`Transformer.layer_weights()` folds W + (alpha / r) A B
+  once per `generate`, before the decode loop), so decoding costs what it costs without adapters
+  and the rollout uses the adapters by construction.
+
+A is drawn N(0, 1 / in_features), B starts at 0: fresh adapters give exactly the base model's
+logits. The adapters carry the logical axes of the weight they adapt (and `lora_rank`,
+replicated), so the mesh shards them like that weight. `split_adapters` separates the trainable
+adapters from the frozen base (`nnx.split(model, LoRAParam, nnx.Param)`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Input dims (after the layers axis) of each projection's weight; the rest are its output dims.
+_IN_DIMS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
+
+
+class LoRAParam(nnx.Param):
+    """An adapter matrix: trainable while the base's `nnx.Param`s stay frozen."""
+
+
+def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS, key: jax.Array) -> None:
+    """Give `model`'s targeted projections fresh adapters (in place; see the module docstring)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"LoRA targets {list(targets)}: choose from {list(TARGETS)}")
+    layers = model.layers
+    if getattr(layers, "lora_scale", None) is not None:
+        raise ValueError("the model already has LoRA adapters")
+    for i, name in enumerate(targets):
+        w = getattr(layers, name)
+        axes = w.get_metadata().get("logical_axes") if hasattr(w, "get_metadata") else w.logical_axes
+        shape = w[...].shape
+        n_in = _IN_DIMS[name]
+        in_shape, out_shape = shape[1:1 + n_in], shape[1 + n_in:]
+        fan_in = math.prod(in_shape)
+        a = jax.random.normal(jax.random.fold_in(key, i), (shape[0], *in_shape, rank), jnp.float32) / math.sqrt(fan_in)
+        setattr(layers, f"{name}_lora_a", LoRAParam(a.astype(w[...].dtype),
+                                                    logical_axes=(axes[0], *axes[1:1 + n_in], "lora_rank")))
+        setattr(layers, f"{name}_lora_b", LoRAParam(jnp.zeros((shape[0], rank, *out_shape), w[...].dtype),
+                                                    logical_axes=(axes[0], "lora_rank", *axes[1 + n_in:])))
+    layers.lora_scale = float(alpha) / rank
+
+
+def split_adapters(model):
+    """(graphdef, adapters state, base state): the trainable and the frozen parameters."""
+    return nnx.split(model, LoRAParam, nnx.Param)
+
+
+def low_rank(x_NI: jax.Array, a_IR: jax.Array, b_RO: jax.Array) -> jax.Array:
+    """(x A) B for x [N, in] and the (scaled) adapter pair flattened to [in, r], [r, out]."""
+    return (x_NI @ a_IR.astype(x_NI.dtype)) @ b_RO.astype(x_NI.dtype)
+
+
+def merged(p: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """One layer's weights (as `Layers.arrays()` gives them: B already scaled) with each adapter
+    folded into its weight, W + A B, and the adapters dropped."""
+    out = {k: v for k, v in p.items() if "_lora_" not in k}
+    for name in TARGETS:
+        if f"{name}_lora_a" in p:
+            w, a, b = p[name], p[f"{name}_lora_a"], p[f"{name}_lora_b"]
+            delta = a.reshape(-1, a.shape[-1]).astype(jnp.float32) @ b.reshape(b.shape[0], -1).astype(jnp.float32)
+            out[name] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+    return out
+
+
+def merge_adapters(model):
+    """A copy of `model` with every adapter folded into its weight (W + (alpha / r) A B) and the
+    adapters removed: a plain model that computes what the adapted one does (to export, or to
+    compare against)."""
+    model = nnx.clone(model)
+    layers = model.layers
+    if layers.lora_scale is None:
+        return model
+    for name in TARGETS:
+        if not hasattr(layers, f"{name}_lora_a"):
+            continue
+        w = getattr(layers, name)
+        a, b = getattr(layers, f"{name}_lora_a")[...], getattr(layers, f"{name}_lora_b")[...]
+        L, r = a.shape[0], a.shape[-1]
+        delta = jnp.einsum("lir,lro->lio", a.reshape(L, -1, r).astype(jnp.float32),
+                           b.reshape(L, r, -1).astype(jnp.float32)) * layers.lora_scale
+        w[...] = (w[...].astype(jnp.float32) + delta.reshape(w[...].shape)).astype(w[...].dtype)
+        delattr(layers, f"{name}_lora_a")
+        delattr(layers, f"{name}_lora_b")
+    layers.lora_scale = None
+    return model
