@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import yaml
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -45,6 +46,7 @@ from jax.experimental import multihost_utils
 from grpo_jax.config import ConfigError
 from grpo_jax.hosts import any_hosts, gather_json, multi_process
 from grpo_jax.models import Transformer, load_config, load_tokenizer
+from grpo_jax.models.lora import LoRAParam, add_adapters
 from grpo_jax.storage import is_remote
 from grpo_jax.train_step import TrainState
 
@@ -163,12 +165,15 @@ def find_run(checkpoint: str | Path) -> RunFiles:
     return RunFiles(run_dir=run_dir, checkpoints=path, step=step)
 
 
-def restore_params(files: RunFiles, abstract_params):
-    """The `params` item of one saved step, shaped like `abstract_params` (arrays or shape structs)."""
+def restore_params(files: RunFiles, abstract_params, abstract_reference=None):
+    """The `params` item of one saved step, shaped like `abstract_params` (arrays or shape structs);
+    with `abstract_reference`, the pair (params, the `reference` item: a LoRA run's base)."""
+    items = dict(params=ocp.args.StandardRestore(_abstract(abstract_params)))
+    if abstract_reference is not None:
+        items["reference"] = ocp.args.StandardRestore(_abstract(abstract_reference))
     with ocp.CheckpointManager(files.checkpoints) as manager:
-        restored = manager.restore(files.step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(abstract_params))))
-    return restored.params
+        restored = manager.restore(files.step, args=ocp.args.Composite(**items))
+    return restored.params if abstract_reference is None else (restored.params, restored.reference)
 
 
 def short_error(e: BaseException) -> str:
@@ -190,20 +195,32 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
     (`warn`) and the newest one that restores is used (RunFiles.step says which)."""
     files = find_run(checkpoint)
     config = load_config(files.run_dir / "model")
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
-    graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+    lora = (yaml.safe_load((files.run_dir / "config.yaml").read_text()) or {}).get("lora") or {}
+
+    def build():
+        model = Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
+        if lora.get("rank"):  # a LoRA run: its adapters, and its base from the `reference` item
+            add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                         key=jax.random.key(0))
+        return model
+
+    abstract = nnx.eval_shape(build)
+    if lora.get("rank"):
+        graphdef, abstract_params, abstract_base, rest = nnx.split(abstract, LoRAParam, nnx.Param, ...)
+    else:
+        (graphdef, abstract_params, rest), abstract_base = nnx.split(abstract, nnx.Param, ...), None
     errors = []
     for step in (files.step, *files.older):  # a named step only; else the newest that restores
         here = dataclasses.replace(files, step=step, older=())
         try:
-            params = restore_params(here, abstract_params)
+            params = restore_params(here, abstract_params, abstract_base)
         except Exception as e:  # noqa: BLE001 - any failure to read it means the checkpoint is damaged
             errors.append(f"step {step}: {short_error(e)}")
             if files.older:
                 warn(f"warning: checkpoint {files.checkpoints / str(step)} is damaged or incomplete "
                      f"({short_error(e)}); trying the previous one")
             continue
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, *(params if abstract_base is not None else (params,)), rest)
         return model, load_tokenizer(files.run_dir / "model"), here
     raise FileNotFoundError(f"no restorable checkpoint in {files.checkpoints}: " + "; ".join(errors))
 

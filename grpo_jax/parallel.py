@@ -43,6 +43,8 @@ class Parallel(abc.ABC):
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
+        # The parameters that do not train (a LoRA run's base, placed with the model), else None.
+        self.frozen: nnx.State | None = None
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
         """Group normalisation of the global rewards array [R], on the mesh."""
@@ -88,7 +90,7 @@ class MeshParallel(Parallel):
         return state
 
     def step(self, state, batch):
-        return self._step(state, batch)
+        return self._step(state, batch, self.frozen)
 
     def sampler_params(self, state):
         return state.params

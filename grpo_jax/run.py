@@ -24,6 +24,7 @@ from grpo_jax.config import (ConfigError, MeshConfig, ModelConfig, RunConfig, Sa
                              did_you_mean, unknown_key)
 from grpo_jax.hosts import row_share
 from grpo_jax.models.gguf import is_gguf
+from grpo_jax.models.lora import add_adapters
 from grpo_jax.models import (RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained, load_config,
                              load_tokenizer)
 from grpo_jax.rewards import RewardSpec, code_reward, get_reward_fn
@@ -84,10 +85,20 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # model.dtype /
 
 
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int) -> Transformer:
+    """The base policy: loaded from `model.path`, or initialised from `model.architecture` and the seed.
+    (A LoRA run adds its adapters after the warm start: `add_run_adapters`.)"""
     dtypes = dict(dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype], scan_layers=cfg.scan_layers)
     if cfg.path is not None:
         return from_pretrained(cfg.path, **dtypes)
     return Transformer(model_config, rngs=nnx.Rngs(seed), **dtypes)
+
+
+def add_run_adapters(model: Transformer, config: RunConfig) -> None:
+    """The run's LoRA adapters (`lora.rank` > 0), drawn from the seed; nothing without."""
+    lo = config.lora
+    if lo.enabled:
+        add_adapters(model, rank=lo.rank, alpha=lo.alpha, targets=lo.targets,
+                     key=jax.random.fold_in(jax.random.key(config.train.seed), 16))
 
 
 def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: TransformerConfig) -> SamplingConfig:

@@ -29,7 +29,8 @@ from grpo_jax.grpo import (MAX_SUMS, GroupAdvantages, accumulate_sums, effective
 from grpo_jax.logprobs import chunked_logprobs, completion_logprobs, completion_states
 from grpo_jax.ppo import explained_variance, gae, terminal_rewards, value_loss
 from grpo_jax.ppo import values as ppo_values
-from grpo_jax.sharding import batch_sharding, replicated
+from grpo_jax.models.lora import LoRAParam, has_adapters
+from grpo_jax.sharding import batch_sharding, replicated, tree_shardings
 
 
 @flax.struct.dataclass
@@ -125,11 +126,26 @@ def pair_optimizer(policy: optax.GradientTransformation,
     return optax.multi_transform({"policy": policy, "critic": critic}, labels)
 
 
+def split_trainable(model) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None]:
+    """(graphdef, trainable params, frozen params or None): with LoRA adapters
+    (`models.lora.add_adapters`) only they train and the base is frozen; else every parameter
+    trains. `nnx.merge(graphdef, trainable, *([frozen] if frozen is not None else []))` rebuilds it."""
+    if has_adapters(model):
+        return nnx.split(model, LoRAParam, nnx.Param)
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params, None
+
+
+def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None):
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
 def init_state(model, optimizer: optax.GradientTransformation, *,
                critic: dict | None = None) -> tuple[nnx.GraphDef, TrainState]:
-    """The model's graphdef and a fresh TrainState; with `critic` (PPO's value head) the optimizer
+    """The model's graphdef and a fresh TrainState of its trainable params (`split_trainable`: the
+    adapters only, for a model with LoRA adapters); with `critic` (PPO's value head) the optimizer
     holds the pair (params, critic)."""
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params, _ = split_trainable(model)
     opt_state = optimizer.init(params if critic is None else (params, critic))
     # Distinct buffers for each counter: the step donates the whole state.
     return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
@@ -137,11 +153,13 @@ def init_state(model, optimizer: optax.GradientTransformation, *,
                                 critic=critic)
 
 
-def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.GradientTransformation,
+def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None, *, graphdef,
+               optimizer: optax.GradientTransformation,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
                group_size: int = 1, ppo_config: PPOConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One GRPO update (or PPO's, when the state holds a critic: `_ppo_loss` with `ppo_config`).
+    `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
 
     Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the rows: the loss
     normaliser and the batch metrics come from all devices' rows (gathered, they are small),
@@ -174,7 +192,7 @@ def train_step(state: TrainState, batch: Batch, *, graphdef, optimizer: optax.Gr
 
     def micro_loss(trainable, mb):
         params, critic = trainable if ppo else (trainable, None)
-        model = nnx.merge(graphdef, params)
+        model = merge_model(graphdef, params, frozen)
         h = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size)
         logp, entropy = chunked_logprobs(h, mb.completion_ids, model.logits, chunk=logprob_chunk,
                                          temperature=temperature)
@@ -329,13 +347,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
         raise ValueError("make_train_step(mesh=...) needs state_shardings (from sharding.place_train_state)")
     compiled = {}
 
-    def sharded_step(state, batch):
-        key = jax.tree.structure(batch)  # ref_logprobs may be None: one program per structure
+    def sharded_step(state, batch, frozen=None):
+        key = jax.tree.structure((batch, frozen))  # ref_logprobs may be None: one program per structure
         if key not in compiled:
             batch_shardings = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), batch)
-            compiled[key] = jax.jit(step, in_shardings=(state_shardings, batch_shardings),
+            frozen_shardings = None if frozen is None else tree_shardings(frozen)  # placed with the model
+            compiled[key] = jax.jit(step, in_shardings=(state_shardings, batch_shardings, frozen_shardings),
                                     out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
-        return compiled[key](state, batch)
+        return compiled[key](state, batch, frozen)
 
     return sharded_step
 
@@ -362,10 +381,12 @@ def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax
                       *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0,
                       group_size: int = 1) -> jax.Array:
     """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
-    (int32 [R, P], left-padded, with their mask) under `params` (the KL reference), tempered as
-    the sampler's. group_size=G > 1: each group's shared prompt runs once (`completion_logprobs`)."""
+    (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: its params, or
+    a tuple of states to merge, such as a LoRA run's (zeroed adapters, base)), tempered as the
+    sampler's. group_size=G > 1: each group's shared prompt runs once (`completion_logprobs`)."""
     check_group_rows(completion_ids.shape[0], 1, group_size)
-    logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
+    model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
+    logp_RM, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
                                      chunk=logprob_chunk, temperature=temperature, group_size=group_size)
     return logp_RM
 

@@ -50,12 +50,12 @@ from grpo_jax.parallel import make_parallel
 from grpo_jax.ppo import init_critic
 from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollouts import Collected, Round, collect, reward_metrics, sample_records, step_key
-from grpo_jax.run import build_model, model_json, prepare, write_model_files
+from grpo_jax.run import add_run_adapters, build_model, model_json, prepare, write_model_files
 from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import warm_start
 from grpo_jax.sharding import place_model
 from grpo_jax.storage import RunDirectory
-from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, pair_optimizer
+from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, pair_optimizer, split_trainable
 
 MetricHook = Callable[[int, dict], None]
 _ROLLOUT_FIELDS = ("tokens", "logprobs", "mask", "truncated", "lengths")
@@ -132,12 +132,22 @@ class Trainer:
             critic = init_critic(self.prepared.model_config.hidden_size)
             critic_lr = cfg.ppo.critic_learning_rate or learning_rate(cfg)
             optimizer = pair_optimizer(optimizer, make_optimizer(critic_lr, **adam))
+        add_run_adapters(self.model, cfg)  # after the warm start: a LoRA run adapts the warm-started base
+        place_model(self.model, self.mesh)  # the adapters too
         graphdef, state = init_state(self.model, optimizer, critic=critic)
         self.par = make_parallel(cfg, self.mesh, graphdef, optimizer, temperature=self.sampling.temperature)
         state = self.par.place(state)
         for line in self.par.not_sharded:
             self.log(f"not sharded (its mesh axis does not divide it): {line}")
-        self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param)) if cfg.grpo.beta > 0 else None
+        frozen = split_trainable(self.model)[2]
+        # What checkpoints keep beside the train state (`reference`): the KL reference's params for
+        # a full fine-tune with beta > 0; a LoRA run's frozen base (a warm-started base exists
+        # nowhere else), which with beta > 0 is also the reference, its adapters switched off.
+        self.ref_params = frozen
+        if cfg.grpo.beta > 0 and frozen is None:
+            self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
+        self.par.frozen = frozen
+        self._adapters_off = None if frozen is None else jax.tree.map(jnp.zeros_like, state.params)
         if candidates:
             state, resume_from = self._restore(checkpointer, candidates, self.par.unplace(state))
             state = self.par.place(state)
@@ -197,10 +207,11 @@ class Trainer:
         adv = self.par.advantages(rows["rewards"])
         batch = Batch(**rows, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
         ref_s = 0.0
-        if self.ref_params is not None:
+        if self.config.grpo.beta > 0:
             t0 = time.perf_counter()
+            reference = self.ref_params if self._adapters_off is None else (self._adapters_off, self.ref_params)
             # Waiting for it costs nothing (the update needs it next) and times it on its own.
-            ref = jax.block_until_ready(self.par.ref_logprobs(self.ref_params, batch))
+            ref = jax.block_until_ready(self.par.ref_logprobs(reference, batch))
             batch, ref_s = batch.replace(ref_logprobs=ref), time.perf_counter() - t0
         return batch, int(tokens), ref_s
 
@@ -291,6 +302,9 @@ class Trainer:
                 checkpointer.set_aside(damaged)
                 self.log(f"set aside the damaged checkpoints of steps {sorted(damaged)} (checkpoints_damaged/)")
             self.ref_params = reference
+            if self.par.frozen is not None:  # a LoRA run: the base it adapts, for the update and the sampler
+                self.par.frozen = reference
+                nnx.update(self.model, reference)
             return restored, step
         raise ConfigError(f"none of the checkpoints in {self.storage} restores (steps {sorted(damaged)}); move "
                           "checkpoints/ away to start afresh")

@@ -67,3 +67,126 @@ def test_the_rollout_uses_the_adapters():
     np.testing.assert_array_equal(np.asarray(out["lora"].tokens), np.asarray(out["merged"].tokens))
     np.testing.assert_allclose(np.asarray(out["lora"].logprobs), np.asarray(out["merged"].logprobs), atol=1e-5)
     assert not np.array_equal(np.asarray(out["lora"].tokens), np.asarray(out["base"].tokens))
+
+
+def test_one_step_changes_only_the_adapters_and_keeps_their_optimizer_state_alone():
+    import optax
+    from test_train_step import make_batch
+
+    from grpo_jax.config import GRPOConfig
+    from grpo_jax.train_step import init_state, make_train_step, merge_model, split_trainable
+
+    model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
+    add_adapters(model, rank=4, alpha=8, key=jax.random.key(1))
+    graphdef, adapters, base = split_trainable(model)
+    adapters = jax.tree.map(jnp.copy, adapters)  # the step donates the state's buffers, which are the model's
+    base_before = [np.asarray(x).copy() for x in jax.tree.leaves(base)]
+    opt = optax.adam(1e-2)
+    graphdef, state = init_state(model, opt)
+    assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
+    # Adam's moments exist for the adapters only.
+    n_adapter = sum(x.size for x in jax.tree.leaves(adapters))
+    assert sum(x.size for x in jax.tree.leaves(state.opt_state)) == 2 * n_adapter + 1
+    step = make_train_step(graphdef, opt, GRPOConfig(), logprob_chunk=2)
+    before = {jax.tree_util.keystr(k): np.asarray(x).copy() for k, x in jax.tree_util.tree_flatten_with_path(
+        state.params)[0]}
+    state, _ = step(state, make_batch(rewards=[1, 0, 0, 1, 0, 1, 1, 0]), base)
+    after = {jax.tree_util.keystr(k): np.asarray(x) for k, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+    # B starts at 0, so A's gradient x^T (dY B^T) is 0 on the first step: only the B matrices move.
+    for name, value in after.items():
+        moved = not np.array_equal(before[name], value)
+        assert moved == ("_lora_b" in name), name
+    for a, b in zip(base_before, jax.tree.leaves(base)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    ids = _ids(3)
+    # The trained adapters change the policy; the base alone does not move.
+    assert np.abs(np.asarray(merge_model(graphdef, state.params, base)(ids)) - np.asarray(
+        merge_model(graphdef, adapters, base)(ids))).max() > 0
+
+
+def test_reference_logprobs_with_adapters_off_equal_the_base_models():
+    from grpo_jax.train_step import ref_logprobs_step
+
+    model = _adapted(scale=0.3)
+    graphdef, adapters, base = split_adapters(model)
+    plain = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))  # the same base weights, no adapters
+    plain_graphdef, plain_params = nnx.split(plain, nnx.Param)
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(3, 250, (4, 6)), jnp.int32)
+    mask = jnp.ones_like(prompt).at[0, :2].set(0)
+    completion = jnp.asarray(rng.integers(3, 250, (4, 5)), jnp.int32)
+    off = jax.tree.map(jnp.zeros_like, adapters)
+    got = ref_logprobs_step((off, base), prompt, mask, completion, graphdef=graphdef, logprob_chunk=5)
+    want = ref_logprobs_step(plain_params, prompt, mask, completion, graphdef=plain_graphdef, logprob_chunk=5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    on = ref_logprobs_step((adapters, base), prompt, mask, completion, graphdef=graphdef, logprob_chunk=5)
+    assert np.abs(np.asarray(on) - np.asarray(want)).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    from test_trainer import CONFIG, write_config
+
+    from grpo_jax import cli
+
+    tmp = tmp_path_factory.mktemp("lora")
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp / "tfds")}, "lora": {"rank": 8, "alpha": 16},
+              "train": {**CONFIG["train"], "learning_rate": 0.005}, "checkpoint": {"every": 40}}
+    path = write_config(tmp, config)
+    out = tmp / "run"
+    assert cli.main(["train", "--config", path, "--output", str(out)]) == 0
+    return path, out
+
+
+def test_a_lora_run_of_the_demo_task_improves_reward(lora_run):
+    from grpo_jax.metrics import read_metrics
+
+    records = read_metrics(lora_run[1])
+    rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
+    first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
+    # Measured with this seed: reward 0.29 -> 0.34 and held-out accuracy 0.23 -> 0.28 (rank 8 on a
+    # 64-wide model learns slower than full fine-tuning, tests/test_trainer.py: reward 0.23 -> 0.40).
+    assert last > first + 0.03, (first, last)
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    assert evals[-1] > evals[0] + 0.02, evals
+
+
+def test_a_lora_checkpoint_holds_adapters_and_exports_merged(lora_run, tmp_path):
+    import orbax.checkpoint as ocp
+
+    from grpo_jax import cli
+    from grpo_jax.checkpoint import load_policy
+    from grpo_jax.models import from_pretrained
+
+    _, out = lora_run
+    saved = ocp.StandardCheckpointer().metadata(out / "checkpoints" / "40" / "params")
+    names = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(
+        saved.item_metadata.tree if hasattr(saved, "item_metadata") else saved)[0]}
+    assert names and all("_lora_" in n for n in names), sorted(names)[:5]
+    model, _, _ = load_policy(out)
+    assert any(isinstance(v, LoRAParam) for _, v in nnx.iter_graph(model))
+    assert cli.main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf")]) == 0
+    exported = from_pretrained(tmp_path / "hf")
+    ids = jnp.asarray(np.random.default_rng(5).integers(3, model.config.vocab_size, (2, 6)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(exported(ids)), np.asarray(model(ids)), atol=1e-5)
+
+
+def test_adapters_are_sharded_like_the_weights_they_adapt():
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.sharding import make_mesh, place_model
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
+    model = _adapted()
+    place_model(model, mesh)
+    layers = model.layers
+    for name in TARGETS:
+        w = getattr(layers, name)[...].sharding.spec
+        a = getattr(layers, f"{name}_lora_a")[...].sharding.spec
+        b = getattr(layers, f"{name}_lora_b")[...].sharding.spec
+        n_in = 2 if name == "o_proj" else 1
+        # A: the weight's input axes then the rank (whole); B: the rank then the weight's output axes.
+        assert tuple(a) == (*tuple(w)[:1 + n_in], None), (name, w, a)
+        assert tuple(b) == (tuple(w)[0], None, *tuple(w)[1 + n_in:]), (name, w, b)
+    assert any(s is not None for s in getattr(layers, "q_proj_lora_a")[...].sharding.spec)
+    ids = _ids(6)
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(merge_adapters(model)(ids)), atol=1e-5)

@@ -8,15 +8,16 @@ and `RunConfig` over them); `loading` turns YAML files and `--set` overrides int
 
 from grpo_jax.config.loading import (ConfigError, apply_overrides, config_from_dict, config_to_dict, did_you_mean,
                                      load_config, unknown_key)
-from grpo_jax.config.schema import (DTYPES, ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, RATIO_LEVELS, SCALES,
-                                    CheckpointConfig, DataConfig, DistributedConfig, Estimator, EvalConfig,
-                                    GRPOConfig, LossAggregation, MeshConfig, ModelConfig, PPOConfig, RewardConfig, RunConfig,
-                                    SamplingConfig, Scale, SFTConfig, TrainConfig, check_micro_batches)
+from grpo_jax.config.schema import (DTYPES, ESTIMATORS, KL_ESTIMATORS, LORA_TARGETS, LOSS_AGGREGATIONS, RATIO_LEVELS,
+                                    SCALES, CheckpointConfig, DataConfig, DistributedConfig, Estimator, EvalConfig,
+                                    GRPOConfig, LoRAConfig, LossAggregation, MeshConfig, ModelConfig, PPOConfig,
+                                    RewardConfig, RunConfig, SamplingConfig, Scale, SFTConfig, TrainConfig,
+                                    check_micro_batches)
 
 __all__ = [
-    "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "SCALES", "CheckpointConfig",
-    "ConfigError", "DataConfig", "DistributedConfig", "Estimator", "EvalConfig", "GRPOConfig", "LossAggregation",
-    "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RunConfig", "SamplingConfig", "Scale", "SFTConfig",
-    "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict", "config_to_dict", "did_you_mean", "load_config",
-    "unknown_key",
+    "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "SCALES",
+    "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "Estimator", "EvalConfig", "GRPOConfig",
+    "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RunConfig",
+    "SamplingConfig", "Scale", "SFTConfig", "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict",
+    "config_to_dict", "did_you_mean", "load_config", "unknown_key",
 ]

@@ -1,5 +1,5 @@
 """YAML to a validated RunConfig: sections map onto the schema's dataclasses (`model:`, `data:`,
-`rewards:`, `sampling:`, `grpo:`, `ppo:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
+`rewards:`, `sampling:`, `grpo:`, `ppo:`, `lora:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
 `distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown key fails with the valid keys of its section and the nearest match;
 `--set section.key=value` overrides are parsed as YAML scalars and go through the same checks.
 Imports nothing of JAX, Flax, optax, orbax, transformers or TFDS."""
@@ -18,13 +18,14 @@ from typing import Any
 import yaml
 
 from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig, MeshConfig,
-                                    ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig,
+                                    LoRAConfig, ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig,
                                     TrainConfig)
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
     "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig,
+    "lora": LoRAConfig,
 }
 _SCALARS = ("parallelism", "algorithm", "reward_control")  # top-level choices, not sections
 _TOP_LEVEL = (*_SECTIONS, "rewards", *_SCALARS)

@@ -155,6 +155,37 @@ class PPOConfig:
         _positive("ppo", "value_clip", self.value_clip)
 
 
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters on the policy (`rank` 0 = off: full fine-tuning). With adapters only they
+    train (optimizer state for them alone) and the base weights stay frozen; the KL reference
+    (grpo.beta > 0) is the same model with the adapters switched off, so no second copy of the
+    weights is held. The update is x W + (alpha / rank) (x A) B on each of `targets`."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0 = off), got {self.rank}")
+        _positive("lora", "alpha", self.alpha)
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"lora.targets {list(self.targets)}: choose from {list(LORA_TARGETS)}")
+        if self.dropout != 0.0:
+            raise ValueError(f"lora.dropout={self.dropout}: adapter dropout is not implemented yet; use 0.0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 ALGORITHMS: tuple[str, ...] = ("grpo", "ppo")
 REWARD_CONTROLS: tuple[str, ...] = ("none", "random")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
@@ -402,6 +433,7 @@ class RunConfig:
     # random: the update sees coin flips with the batch's mean reward instead of the rewards (the
     # spurious-reward control); the true rewards are still logged (reward/*) and evaluated.
     reward_control: Literal["none", "random"] = "none"
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "rewards", tuple(self.rewards))
@@ -423,6 +455,8 @@ class RunConfig:
             raise ValueError(
                 f"data.max_prompt_tokens={self.data.max_prompt_tokens} exceeds the largest sampling.prompt_buckets "
                 f"entry {max(self.sampling.prompt_buckets)}; raise the buckets or lower the limit")
+        if self.lora.enabled and self.parallelism == "pmap":
+            raise ValueError("lora with parallelism: pmap is not supported yet; use parallelism: jit (the default)")
         if self.algorithm == "ppo" and self.grpo.num_iterations > 1:
             raise ValueError("algorithm: ppo with grpo.num_iterations > 1 is not supported yet: its old values would "
                              "need a separate value pass before the updates; use num_iterations: 1")

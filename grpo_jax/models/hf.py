@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from grpo_jax.models import lora
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.gguf import SCHEME, hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
@@ -243,11 +244,11 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
 
     Tensors keep the model's storage dtype; more than `max_shard_bytes` of them are split into
     shards with a `model.safetensors.index.json`, as transformers does. A tokenizer, if given, is
-    saved beside the weights.
+    saved beside the weights. A model with LoRA adapters is written merged (W + (alpha / r) A B).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(model)
+    tensors = hf_state_dict(lora.merge_adapters(model) if lora.has_adapters(model) else model)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors.items():

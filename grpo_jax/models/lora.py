@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from grpo_jax.config import LORA_TARGETS as TARGETS
 # Input dims (after the layers axis) of each projection's weight; the rest are its output dims.
 _IN_DIMS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
 
@@ -58,6 +58,10 @@ def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = T
         setattr(layers, f"{name}_lora_b", LoRAParam(jnp.zeros((shape[0], rank, *out_shape), w[...].dtype),
                                                     logical_axes=(axes[0], "lora_rank", *axes[1 + n_in:])))
     layers.lora_scale = float(alpha) / rank
+
+
+def has_adapters(model) -> bool:
+    return getattr(model.layers, "lora_scale", None) is not None
 
 
 def split_adapters(model):
