@@ -17,6 +17,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.config import GRPOConfig, PPOConfig
+from grpo_jax.grpo import effective_mask, loss_weights, policy_loss
+
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[jax.Array, jax.Array]:
@@ -83,3 +86,31 @@ def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
     var_ret = sums["ret2"] / n - (sums["ret"] / n) ** 2
     var_err = sums["err2"] / n - (sums["err"] / n) ** 2
     return jnp.where(var_ret > 1e-12, 1.0 - var_err / jnp.maximum(var_ret, 1e-12), jnp.nan)
+
+
+def ppo_loss(critic: dict[str, jax.Array], h_RME: jax.Array, logp_RM: jax.Array, old_RM: jax.Array,
+             entropy_RM: jax.Array, mb, config: GRPOConfig, ppo: PPOConfig,
+             normaliser: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The PPO objective of one micro-batch `mb` (a train_step.Batch slice) from the policy's hidden
+    states, log-probs (current and old) and entropies: GRPO's clipped surrogate on GAE's per-token
+    advantages (from the values of the rollout's policy: these, without gradient, at mu = 1), plus
+    `value_coef` x the clipped value loss, under the same token weights and normaliser. Returns
+    (loss, sums): `policy_loss`'s sums, `value/loss`, `value/mean` and the `value/_*` sums of
+    `explained_variance`."""
+    mask_RM = effective_mask(mb.completion_mask, config, valid_R=mb.valid, truncated_R=mb.truncated)
+    v_RM = values(critic, h_RME)
+    old_v = jax.lax.stop_gradient(v_RM)
+    rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
+    adv_RM, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam)
+    loss, sums = policy_loss(logp_RM, old_RM, adv_RM, mb.completion_mask, config, valid_R=mb.valid,
+                             truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy_RM,
+                             normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
+    weights, _ = loss_weights(mask_RM, config)
+    v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
+    loss = loss + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
+    err = jax.lax.stop_gradient(ret_RM - v_RM)
+    sums.update({"value/loss": jnp.sum(jax.lax.stop_gradient(v_loss_RM) * mask_RM),
+                 "value/mean": jnp.sum(old_v * mask_RM), "value/_n": mask_RM.sum(),
+                 "value/_ret": jnp.sum(ret_RM * mask_RM), "value/_ret2": jnp.sum(ret_RM**2 * mask_RM),
+                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM)})
+    return loss, sums

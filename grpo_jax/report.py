@@ -157,7 +157,8 @@ def _heldout_regression(train, records) -> Flag | None:
                 f"eval/accuracy fell from {acc[best]:.3f} (step {int(steps[best])}) to {acc[-1]:.3f} (step "
                 f"{int(steps[-1])}){trend}. The updates are making the policy worse: a learning rate too high for "
                 "the signal, rewards that carry no information about the task, or drift from the reference.",
-                (("train.learning_rate", "lower"), ("grpo.beta", "a KL coefficient keeps the policy near the reference"),
+                (("train.learning_rate", "lower"),
+                 ("grpo.beta", "a KL coefficient keeps the policy near the reference"),
                  ("rewards", "do they reward the task? compare with a reward_control: random run"),
                  _best_checkpoint(int(steps[best]))))
 
@@ -170,7 +171,8 @@ def _verifier(records) -> Flag | None:
                 f"health/verifier_disagreement {dis[0]:.3f} at the first evaluation, {dis[-1]:.3f} at the last "
                 f"(above {VERIFIER_DISAGREEMENT:.0%}): the training reward accepts answers the independent judge "
                 "does not, or the reverse.",
-                (("rewards", "align the training verifier with the independent one"), ("eval.verifier", "the judge used")))
+                (("rewards", "align the training verifier with the independent one"),
+                 ("eval.verifier", "the judge used")))
 
 
 def _length_blowup(train) -> Flag | None:

@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from grpo_jax.config import GRPOConfig, PPOConfig, check_micro_batches
+from grpo_jax.config import GRPOConfig, PPOConfig, RunConfig, check_micro_batches
 from grpo_jax.grpo import (MAX_SUMS, GroupAdvantages, accumulate_sums, effective_mask, group_advantages, loss_metrics,
                            loss_weights, policy_loss)
 from grpo_jax.logprobs import chunked_logprobs, completion_logprobs, completion_states
-from grpo_jax.ppo import explained_variance, gae, terminal_rewards, value_loss
-from grpo_jax.ppo import values as ppo_values
+from grpo_jax.ppo import explained_variance, ppo_loss
 from grpo_jax.models.lora import LoRAParam, has_adapters
 from grpo_jax.sharding import batch_sharding, replicated, tree_shardings
 
@@ -115,6 +114,28 @@ def make_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0, weight_d
                        optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
 
 
+def learning_rate(config: RunConfig):
+    """The policy's learning rate: constant, or with linear warm-up, or warm-up then cosine decay."""
+    t = config.train
+    if t.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
+    if t.warmup_steps:
+        return optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
+    return t.learning_rate
+
+
+def run_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    """The run's optimizer: `make_optimizer` with the train section's settings; for `algorithm:
+    ppo` paired with the value head's own (`ppo.critic_learning_rate`, default the policy's)."""
+    t = config.train
+    adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
+                eps=t.adam_eps)
+    optimizer = make_optimizer(learning_rate(config), **adam)
+    if config.algorithm != "ppo":
+        return optimizer
+    return pair_optimizer(optimizer, make_optimizer(config.ppo.critic_learning_rate or learning_rate(config), **adam))
+
+
 def pair_optimizer(policy: optax.GradientTransformation,
                    critic: optax.GradientTransformation) -> optax.GradientTransformation:
     """One optimizer over the pair (params, critic) of a PPO state: `policy` on the params, `critic`
@@ -158,7 +179,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
                group_size: int = 1, ppo_config: PPOConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One GRPO update (or PPO's, when the state holds a critic: `_ppo_loss` with `ppo_config`).
+    """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`).
     `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
 
     Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the rows: the loss
@@ -199,7 +220,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
         old = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp)
         if ppo:
-            return _ppo_loss(critic, h, logp, old, entropy, mb, config, ppo_config, normaliser)
+            return ppo_loss(critic, h, logp, old, entropy, mb, config, ppo_config, normaliser)
         return policy_loss(logp, old, mb.advantages, mb.completion_mask, config, valid_R=mb.valid,
                            truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy,
                            normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
@@ -274,27 +295,6 @@ def grad_noise_scale(sum_sq_pieces: jax.Array, sq_total: jax.Array, *, pieces, r
     return jnp.where(k > 1, jnp.maximum(trace, 0.0) / jnp.maximum(sq_total, 1e-30), jnp.nan)
 
 
-def _ppo_loss(critic, h_RME, logp_RM, old_RM, entropy_RM, mb: Batch, config: GRPOConfig, ppo: PPOConfig, normaliser):
-    """The PPO objective of one micro-batch: GRPO's clipped surrogate on GAE's per-token advantages
-    (from the values of the rollout's policy: these, without gradient, at mu = 1), plus
-    `value_coef` x the clipped value loss, under the same token weights and normaliser."""
-    mask_RM = effective_mask(mb.completion_mask, config, valid_R=mb.valid, truncated_R=mb.truncated)
-    v_RM = ppo_values(critic, h_RME)
-    old_v = jax.lax.stop_gradient(v_RM)
-    rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
-    adv_RM, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam)
-    loss, sums = policy_loss(logp_RM, old_RM, adv_RM, mb.completion_mask, config, valid_R=mb.valid,
-                             truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy_RM,
-                             normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
-    weights, _ = loss_weights(mask_RM, config)
-    v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
-    loss = loss + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
-    err = jax.lax.stop_gradient(ret_RM - v_RM)
-    sums.update({"value/loss": jnp.sum(jax.lax.stop_gradient(v_loss_RM) * mask_RM),
-                 "value/mean": jnp.sum(old_v * mask_RM), "value/_n": mask_RM.sum(),
-                 "value/_ret": jnp.sum(ret_RM * mask_RM), "value/_ret2": jnp.sum(ret_RM**2 * mask_RM),
-                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM)})
-    return loss, sums
 
 
 def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:

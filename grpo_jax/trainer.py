@@ -35,7 +35,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import yaml
 from flax import nnx
 
@@ -55,20 +54,10 @@ from grpo_jax.sampling import generate, pad_prompts
 from grpo_jax.sft import warm_start
 from grpo_jax.sharding import place_model
 from grpo_jax.storage import RunDirectory
-from grpo_jax.train_step import Batch, check_skips, init_state, make_optimizer, pair_optimizer, split_trainable
+from grpo_jax.train_step import Batch, check_skips, init_state, run_optimizer, split_trainable
 
 MetricHook = Callable[[int, dict], None]
 _ROLLOUT_FIELDS = ("tokens", "logprobs", "mask", "truncated", "lengths")
-
-
-def learning_rate(config: RunConfig):
-    """The policy's learning rate: constant, or with linear warm-up, or warm-up then cosine decay."""
-    t = config.train
-    if t.lr_schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
-    if t.warmup_steps:
-        return optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
-    return t.learning_rate
 
 
 class Trainer:
@@ -124,14 +113,8 @@ class Trainer:
             self.log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
                      f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")
         t = cfg.train
-        adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
-                    eps=t.adam_eps)
-        optimizer = make_optimizer(learning_rate(cfg), **adam)
-        critic = None
-        if cfg.algorithm == "ppo":
-            critic = init_critic(self.prepared.model_config.hidden_size)
-            critic_lr = cfg.ppo.critic_learning_rate or learning_rate(cfg)
-            optimizer = pair_optimizer(optimizer, make_optimizer(critic_lr, **adam))
+        optimizer = run_optimizer(cfg)
+        critic = init_critic(self.prepared.model_config.hidden_size) if cfg.algorithm == "ppo" else None
         add_run_adapters(self.model, cfg)  # after the warm start: a LoRA run adapts the warm-started base
         place_model(self.model, self.mesh)  # the adapters too
         graphdef, state = init_state(self.model, optimizer, critic=critic)

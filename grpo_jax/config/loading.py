@@ -1,6 +1,7 @@
 """YAML to a validated RunConfig: sections map onto the schema's dataclasses (`model:`, `data:`,
 `rewards:`, `sampling:`, `grpo:`, `ppo:`, `lora:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
-`distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown key fails with the valid keys of its section and the nearest match;
+`distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown
+key fails with the valid keys of its section and the nearest match;
 `--set section.key=value` overrides are parsed as YAML scalars and go through the same checks.
 Imports nothing of JAX, Flax, optax, orbax, transformers or TFDS."""
 
@@ -18,8 +19,8 @@ from typing import Any
 import yaml
 
 from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig, MeshConfig,
-                                    LoRAConfig, ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig, SFTConfig,
-                                    TrainConfig)
+                                    LoRAConfig, ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig,
+                                    SFTConfig, TrainConfig)
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
