@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import resource
 import statistics
 import tempfile
 import time
@@ -306,6 +307,15 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
     peak = peak_matmul_flops(dtype) * len(trainer.mesh.devices.flat)
     step_s, train_s = median("perf/step_s"), median("perf/train_s")
     stats = jax.devices()[0].memory_stats() or {}
+
+    def nbytes(tree) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+    memory = {  # what the run holds between steps, by part (the device's peak is backend-dependent)
+        "trainable_params_bytes": nbytes(trainer.state.params), "optimizer_state_bytes": nbytes(trainer.state.opt_state),
+        "frozen_params_bytes": nbytes(trainer.par.frozen), "reference_params_bytes": nbytes(trainer.ref_params),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     return {
         "system": "grpo_jax", "version": grpo_jax.__version__, "config": str(config_path), "overrides": list(overrides),
         "steps_timed": len(timed), "warmup_steps": warmup, "run_s": round(run_s, 2),
@@ -315,7 +325,8 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
         "flops_per_step": flops.total, "flops": dataclasses.asdict(flops),
         "peak_matmul_flops_per_s": peak, "peak_matmul_dtype": dtype,
         "mfu": flops.total / step_s / peak, "train_mfu": flops.update / train_s / peak,
-        "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+        "peak_memory_bytes": stats.get("peak_bytes_in_use"), "memory": memory,
+        "lora": dataclasses.asdict(config.lora),
         "workload": {"prompts_per_step": d.prompts_per_step, "group_size": s.group_size, "prompt_len": prompt_len,
                      "completion_len": s.max_new_tokens, "vocab_size": model_cfg.vocab_size,
                      "hidden_size": model_cfg.hidden_size, "num_layers": model_cfg.num_layers,

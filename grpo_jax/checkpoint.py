@@ -45,7 +45,8 @@ from jax.experimental import multihost_utils
 
 from grpo_jax.config import ConfigError
 from grpo_jax.hosts import any_hosts, gather_json, multi_process
-from grpo_jax.models import Transformer, load_config, load_tokenizer
+from grpo_jax import lora_base
+from grpo_jax.models import Transformer, from_pretrained, load_config, load_tokenizer
 from grpo_jax.models.lora import LoRAParam, add_adapters
 from grpo_jax.storage import is_remote
 from grpo_jax.train_step import TrainState
@@ -165,15 +166,23 @@ def find_run(checkpoint: str | Path) -> RunFiles:
     return RunFiles(run_dir=run_dir, checkpoints=path, step=step)
 
 
-def restore_params(files: RunFiles, abstract_params, abstract_reference=None):
-    """The `params` item of one saved step, shaped like `abstract_params` (arrays or shape structs);
-    with `abstract_reference`, the pair (params, the `reference` item: a LoRA run's base)."""
-    items = dict(params=ocp.args.StandardRestore(_abstract(abstract_params)))
-    if abstract_reference is not None:
-        items["reference"] = ocp.args.StandardRestore(_abstract(abstract_reference))
+def restore_params(files: RunFiles, abstract_params):
+    """The `params` item of one saved step, shaped like `abstract_params` (arrays or shape structs)."""
     with ocp.CheckpointManager(files.checkpoints) as manager:
-        restored = manager.restore(files.step, args=ocp.args.Composite(**items))
-    return restored.params if abstract_reference is None else (restored.params, restored.reference)
+        restored = manager.restore(files.step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(abstract_params))))
+    return restored.params
+
+
+def _lora_policy(files: RunFiles, lora: dict, *, dtype, param_dtype):
+    """A LoRA run's policy at one saved step: its base (from where the step's metadata says, its
+    fingerprint checked: `grpo_jax.lora_base`) with the step's adapters."""
+    with ocp.CheckpointManager(files.checkpoints) as manager:
+        meta = dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    model = from_pretrained(lora_base.locate(meta["base"], files.run_dir), dtype=dtype, param_dtype=param_dtype)
+    add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]), key=jax.random.key(0))
+    graphdef, adapters, base = nnx.split(model, LoRAParam, nnx.Param)
+    return nnx.merge(graphdef, restore_params(files, adapters), base)
 
 
 def short_error(e: BaseException) -> str:
@@ -196,41 +205,37 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
     files = find_run(checkpoint)
     config = load_config(files.run_dir / "model")
     lora = (yaml.safe_load((files.run_dir / "config.yaml").read_text()) or {}).get("lora") or {}
-
-    def build():
-        model = Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype)
-        if lora.get("rank"):  # a LoRA run: its adapters, and its base from the `reference` item
-            add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
-                         key=jax.random.key(0))
-        return model
-
-    abstract = nnx.eval_shape(build)
-    if lora.get("rank"):
-        graphdef, abstract_params, abstract_base, rest = nnx.split(abstract, LoRAParam, nnx.Param, ...)
-    else:
-        (graphdef, abstract_params, rest), abstract_base = nnx.split(abstract, nnx.Param, ...), None
     errors = []
     for step in (files.step, *files.older):  # a named step only; else the newest that restores
         here = dataclasses.replace(files, step=step, older=())
         try:
-            params = restore_params(here, abstract_params, abstract_base)
+            if lora.get("rank"):
+                model = _lora_policy(here, lora, dtype=dtype, param_dtype=param_dtype)
+            else:
+                abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype,
+                                                              param_dtype=param_dtype))
+                graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+                model = nnx.merge(graphdef, restore_params(here, abstract_params), rest)
+        except ConfigError:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure to read it means the checkpoint is damaged
             errors.append(f"step {step}: {short_error(e)}")
             if files.older:
                 warn(f"warning: checkpoint {files.checkpoints / str(step)} is damaged or incomplete "
                      f"({short_error(e)}); trying the previous one")
             continue
-        model = nnx.merge(graphdef, *(params if abstract_base is not None else (params,)), rest)
         return model, load_tokenizer(files.run_dir / "model"), here
     raise FileNotFoundError(f"no restorable checkpoint in {files.checkpoints}: " + "; ".join(errors))
 
 
 def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
-              reference=None) -> None:
+              reference=None, base: dict | None = None) -> None:
     """Checkpoint `step` (collective: every process saves its shards): the state, the KL reference
-    and every host's prompt-stream position (`stream.state_dict()`, gathered)."""
+    and every host's prompt-stream position (`stream.state_dict()`, gathered); a LoRA run's `base`
+    record (`grpo_jax.lora_base.record`) goes into the metadata."""
     streams = gather_json(stream.state_dict())  # each host's position in its share
-    meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {})}
+    meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {}),
+            **({"base": base} if base is not None else {})}
     checkpointer.save(step, state, meta, reference=reference)
 
 

@@ -175,9 +175,40 @@ def _export(args: argparse.Namespace) -> int:
     from grpo_jax.models import save_pretrained
 
     model, tokenizer, files = load_policy(args.checkpoint)
-    out = save_pretrained(model, args.out, tokenizer=tokenizer)
-    print(json.dumps({"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, "out": str(out)}))
+    extra = {}
+    if args.format == "peft":
+        from grpo_jax.models.lora import has_adapters, save_peft, strip_adapters
+
+        if not has_adapters(model):
+            print(f"grpo-jax export: error: {files.run_dir} is not a LoRA run (lora.rank: 0); --format peft exports "
+                  "adapters, use --format hf", file=sys.stderr)
+            return 2
+        base = _peft_base(files)
+        if base is None:  # the base is not an HF directory on this machine (a .gguf file, a remote copy)
+            base = save_pretrained(strip_adapters(model), Path(args.out) / "base", tokenizer=tokenizer).resolve()
+            extra["base"] = str(base)
+        out = save_peft(model, args.out, base_model_name_or_path=str(base))
+        tokenizer.save_pretrained(str(out))
+    else:
+        out = save_pretrained(model, args.out, tokenizer=tokenizer)
+    print(json.dumps({"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, "out": str(out),
+                      "format": args.format, **extra}))
     return 0
+
+
+def _peft_base(files) -> str | None:
+    """The LoRA run's base as a local HF directory (RUN_DIR/base, or `model.path` when it is one),
+    from the exported step's metadata (fingerprint checked), else None."""
+    import orbax.checkpoint as ocp
+
+    from grpo_jax import lora_base
+
+    with ocp.CheckpointManager(files.checkpoints) as manager:
+        saved = manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["base"]
+    directory = lora_base.locate(saved, files.run_dir)
+    if saved["path"] == lora_base.BASE_DIR or Path(saved["path"]).resolve() == Path(directory).resolve():
+        return str(Path(directory).resolve())
+    return None
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -241,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     export.add_argument("--checkpoint", required=True, help="a run directory or its checkpoints/<step>")
     export.add_argument("--out", required=True, help="output directory (config.json, safetensors, tokenizer)")
+    export.add_argument("--format", choices=("hf", "peft"), default="hf",
+                        help="hf: full weights (a LoRA run's merged); peft: a LoRA run's adapters in PEFT's format, "
+                             "naming its base's HF directory (RUN_DIR/base, or model.path; else written to OUT/base)")
     export.set_defaults(func=_export)
 
     plot = sub.add_parser("plot", help="PNG of reward, eval accuracy, KL, entropy, completion length")

@@ -26,6 +26,7 @@ be on storage all hosts share.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -37,6 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 from flax import nnx
+from jax.experimental import multihost_utils
+
+from grpo_jax import lora_base
 
 from grpo_jax.checkpoint import Checkpointer, StopSignals, check_resumable, resume, save_step, short_error
 from grpo_jax.config import ConfigError, RunConfig, config_to_dict
@@ -44,6 +48,7 @@ from grpo_jax.evaluation import decode_completions, evaluate, repeat_fields
 from grpo_jax.health import distinct_answers, random_control, rollout_health
 from grpo_jax.hosts import (any_host, common_bucket, gather_rows, is_primary, local_rows, max_over_hosts,
                             sum_over_shares, to_global)
+from grpo_jax.models import save_pretrained
 from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.parallel import make_parallel
 from grpo_jax.ppo import init_critic
@@ -82,6 +87,7 @@ class Trainer:
         self._reward_streaks: dict[str, int] = {}  # reward name -> steps in a row it failed on every sample
         self._slow_rewards_said = False
         self.pass_rates = np.zeros(0)  # the last step's per-group pass rates (TensorBoard histogram)
+        self.base_record: dict | None = None  # a LoRA run's base (lora_base.record), in checkpoint metadata
 
     def _open_run_dir(self) -> None:
         """Write the run's config and model files (after the checkpoint check: a refused start
@@ -115,6 +121,8 @@ class Trainer:
         t = cfg.train
         optimizer = run_optimizer(cfg)
         critic = init_critic(self.prepared.model_config.hidden_size) if cfg.algorithm == "ppo" else None
+        if cfg.lora.enabled:
+            self._lora_base(checkpointer, candidates)
         add_run_adapters(self.model, cfg)  # after the warm start: a LoRA run adapts the warm-started base
         place_model(self.model, self.mesh)  # the adapters too
         graphdef, state = init_state(self.model, optimizer, critic=critic)
@@ -123,10 +131,9 @@ class Trainer:
         for line in self.par.not_sharded:
             self.log(f"not sharded (its mesh axis does not divide it): {line}")
         frozen = split_trainable(self.model)[2]
-        # What checkpoints keep beside the train state (`reference`): the KL reference's params for
-        # a full fine-tune with beta > 0; a LoRA run's frozen base (a warm-started base exists
-        # nowhere else), which with beta > 0 is also the reference, its adapters switched off.
-        self.ref_params = frozen
+        # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
+        # is its frozen base with the adapters switched off (no copy; the base is on disk, lora_base).
+        self.ref_params = None
         if cfg.grpo.beta > 0 and frozen is None:
             self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
         self.par.frozen = frozen
@@ -139,6 +146,26 @@ class Trainer:
                         if resume_from >= t.steps else ""))
         nnx.update(self.model, self.par.sampler_params(state))
         return state, resume_from
+
+    def _lora_base(self, checkpointer: Checkpointer, candidates: list[int]) -> None:
+        """A LoRA run's base (`grpo_jax.lora_base`), before its adapters are added: a fresh run
+        writes a base that exists only in it (random init, warm start) to RUN_DIR/base; a resumed
+        run loads such a base from there (its fingerprint was checked by `_resumable`). Either way
+        `self.base_record` is what each checkpoint's metadata records of it."""
+        cfg = self.config
+        if candidates:
+            saved = checkpointer.restore_meta(candidates[0])["base"]
+            if saved["path"] == lora_base.BASE_DIR:
+                base = build_model(dataclasses.replace(cfg.model, path=str(self.run_dir / lora_base.BASE_DIR),
+                                                       architecture=None), self.prepared.model_config, cfg.train.seed)
+                nnx.update(self.model, nnx.state(base, nnx.Param))
+                place_model(self.model, self.mesh)
+        elif lora_base.base_is_written(cfg):
+            if self.primary:
+                save_pretrained(self.model, self.run_dir / lora_base.BASE_DIR)
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("grpo_jax_lora_base_written")
+        self.base_record = lora_base.record(cfg, self.run_dir)
 
     # --- one step ---------------------------------------------------------------------------------
     def _round(self, step: int, round_index: int) -> Round:
@@ -192,7 +219,7 @@ class Trainer:
         ref_s = 0.0
         if self.config.grpo.beta > 0:
             t0 = time.perf_counter()
-            reference = self.ref_params if self._adapters_off is None else (self._adapters_off, self.ref_params)
+            reference = self.ref_params if self._adapters_off is None else (self._adapters_off, self.par.frozen)
             # Waiting for it costs nothing (the update needs it next) and times it on its own.
             ref = jax.block_until_ready(self.par.ref_logprobs(reference, batch))
             batch, ref_s = batch.replace(ref_logprobs=ref), time.perf_counter() - t0
@@ -249,6 +276,7 @@ class Trainer:
             try:
                 check_resumable(checkpointer, step, stream=self.prepared.train_stream, run_dir=self.run_dir,
                                 model_json=model_json(self.prepared))
+                self._check_base(checkpointer.restore_meta(step))
                 error = None
             except ConfigError:
                 raise
@@ -262,6 +290,18 @@ class Trainer:
                      "trying the previous one")
         raise ConfigError(f"{self.storage} holds checkpoints {sorted(steps)} but none of them restores ("
                           + "; ".join(errors) + "); move checkpoints/ away to start afresh")
+
+    def _check_base(self, meta: dict) -> None:
+        """A LoRA run resumes only LoRA checkpoints of the same base (fingerprint), a full fine-tune
+        only full ones: a ConfigError otherwise."""
+        saved = meta.get("base")
+        if self.config.lora.enabled != (saved is not None):
+            kinds = ("LoRA adapters", "full parameters")
+            have, want = kinds[saved is None], kinds[not self.config.lora.enabled]
+            raise ConfigError(f"{self.storage} holds checkpoints of {have}, this config trains {want} (lora.rank="
+                              f"{self.config.lora.rank}); resume it with its own config or choose another --output")
+        if saved is not None:
+            lora_base.locate(saved, self.run_dir)
 
     def _restore(self, checkpointer: Checkpointer, candidates: list[int], state):
         """(state, step) from the newest candidate that restores completely; damaged newer steps are
@@ -285,9 +325,6 @@ class Trainer:
                 checkpointer.set_aside(damaged)
                 self.log(f"set aside the damaged checkpoints of steps {sorted(damaged)} (checkpoints_damaged/)")
             self.ref_params = reference
-            if self.par.frozen is not None:  # a LoRA run: the base it adapts, for the update and the sampler
-                self.par.frozen = reference
-                nnx.update(self.model, reference)
             return restored, step
         raise ConfigError(f"none of the checkpoints in {self.storage} restores (steps {sorted(damaged)}); move "
                           "checkpoints/ away to start afresh")
@@ -417,7 +454,7 @@ class Trainer:
 
     def _save(self, checkpointer: Checkpointer, step: int, state) -> None:
         save_step(checkpointer, step, self.par.unplace(state), stream=self.prepared.train_stream,
-                  seed=self.config.train.seed, reference=self.ref_params)
+                  seed=self.config.train.seed, reference=self.ref_params, base=self.base_record)
         if self.primary:
             self.storage.sync()
 

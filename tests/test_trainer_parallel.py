@@ -123,7 +123,10 @@ def assert_same_metrics(got: list[dict], ref: list[dict], what: str) -> None:
         for key, value in r.items():
             if key.startswith("perf/") or value is None or (isinstance(value, float) and np.isnan(value)):
                 continue
-            assert m[key] == pytest.approx(value, abs=1e-5), (what, key)
+            # The noise scale is a difference of nearly equal sums over a squared norm: its float
+            # rounding is relative to its size (~50 rows here), not absolute.
+            rel = 1e-5 if key == "health/grad_noise_scale" else None
+            assert m[key] == pytest.approx(value, abs=1e-5, rel=rel), (what, key)
 
 
 def test_two_processes_end_with_the_parameters_of_one_process_on_eight_devices(runs):

@@ -20,10 +20,13 @@ adapters from the frozen base (`nnx.split(model, LoRAParam, nnx.Param)`).
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax.config import LORA_TARGETS as TARGETS
@@ -107,3 +110,63 @@ def merge_adapters(model):
         delattr(layers, f"{name}_lora_b")
     layers.lora_scale = None
     return model
+
+
+def strip_adapters(model):
+    """A copy of `model` without its adapters (the base it adapts, unchanged)."""
+    model = nnx.clone(model)
+    layers = model.layers
+    for name in TARGETS:
+        for part in ("a", "b"):
+            if hasattr(layers, f"{name}_lora_{part}"):
+                delattr(layers, f"{name}_lora_{part}")
+    layers.lora_scale = None
+    return model
+
+
+# Our projection -> its module path inside an HF decoder layer (PEFT's target_modules use the last part).
+_HF_MODULES = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+               "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+               "down_proj": "mlp.down_proj"}
+
+
+def peft_state_dict(model) -> tuple[dict[str, np.ndarray], dict]:
+    """(tensors, adapter config) of `model`'s adapters in PEFT's LoRA format: for each layer i and
+    projection, `base_model.model.model.layers.{i}.<module>.lora_A.weight` [r, in] and `lora_B.weight`
+    [out, r], with `lora_alpha` / `r` as PEFT's scaling (HF linear weights are [out, in], ours
+    [in, out], with the same input and output orders)."""
+    layers = model.layers
+    if layers.lora_scale is None:
+        raise ValueError("the model has no LoRA adapters to export in PEFT format")
+    tensors, targets, rank = {}, [], None
+    for name in TARGETS:
+        if not hasattr(layers, f"{name}_lora_a"):
+            continue
+        targets.append(name)
+        a = np.asarray(jax.device_get(getattr(layers, f"{name}_lora_a")[...]), np.float32)
+        b = np.asarray(jax.device_get(getattr(layers, f"{name}_lora_b")[...]), np.float32)
+        L, rank = a.shape[0], a.shape[-1]
+        for i in range(L):
+            prefix = f"base_model.model.model.layers.{i}.{_HF_MODULES[name]}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": layers.lora_scale * rank,
+              "lora_dropout": 0.0, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    return tensors, config
+
+
+def save_peft(model, path, *, base_model_name_or_path: str) -> Path:
+    """Write `model`'s adapters as a PEFT adapter directory (`adapter_config.json` +
+    `adapter_model.safetensors`) whose base is `base_model_name_or_path` (an HF directory or hub
+    name holding the weights they adapt): `peft.PeftModel.from_pretrained(base, path)` on the
+    transformers base computes what the adapted model does."""
+    from safetensors.numpy import save_file
+
+    tensors, config = peft_state_dict(model)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config["base_model_name_or_path"] = str(base_model_name_or_path)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
