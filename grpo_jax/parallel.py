@@ -45,6 +45,9 @@ class Parallel(abc.ABC):
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
         # The parameters that do not train (a LoRA run's base, placed with the model), else None.
         self.frozen: nnx.State | None = None
+        # The reference model's structure: the policy's, or a LoRA run's base without its adapters
+        # (its reference is the frozen base alone: no adapter matmuls, no copy of the weights).
+        self.ref_graphdef: nnx.GraphDef = graphdef
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
         """Group normalisation of the global rewards array [R], on the mesh."""
@@ -53,7 +56,7 @@ class Parallel(abc.ABC):
     def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
         """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
         if self._ref is None:
-            self._ref = make_ref_logprobs_step(self.graphdef, logprob_chunk=self.step_kw["logprob_chunk"],
+            self._ref = make_ref_logprobs_step(self.ref_graphdef, logprob_chunk=self.step_kw["logprob_chunk"],
                                                temperature=self.step_kw["temperature"],
                                                group_size=self.step_kw["group_size"], mesh=self.mesh,
                                                params_shardings=tree_shardings(params))

@@ -381,12 +381,12 @@ def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax
                       *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0,
                       group_size: int = 1) -> jax.Array:
     """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
-    (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: its params, or
-    a tuple of states to merge, such as a LoRA run's (zeroed adapters, base)), tempered as the
-    sampler's. group_size=G > 1: each group's shared prompt runs once (`completion_logprobs`)."""
+    (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: a copy of the
+    policy's params, or a LoRA run's frozen base with `graphdef` the base's structure without
+    adapters), tempered as the sampler's. group_size=G > 1: each group's shared prompt runs once
+    (`completion_logprobs`)."""
     check_group_rows(completion_ids.shape[0], 1, group_size)
-    model = nnx.merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
-    logp_RM, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
+    logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
                                      chunk=logprob_chunk, temperature=temperature, group_size=group_size)
     return logp_RM
 

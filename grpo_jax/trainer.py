@@ -49,6 +49,7 @@ from grpo_jax.health import distinct_answers, random_control, rollout_health
 from grpo_jax.hosts import (any_host, common_bucket, gather_rows, is_primary, local_rows, max_over_hosts,
                             sum_over_shares, to_global)
 from grpo_jax.models import save_pretrained
+from grpo_jax.models.lora import strip_adapters
 from grpo_jax.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.parallel import make_parallel
 from grpo_jax.ppo import init_critic
@@ -137,7 +138,8 @@ class Trainer:
         if cfg.grpo.beta > 0 and frozen is None:
             self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
         self.par.frozen = frozen
-        self._adapters_off = None if frozen is None else jax.tree.map(jnp.zeros_like, state.params)
+        if frozen is not None:  # the base without adapters: the reference of a LoRA run
+            self.par.ref_graphdef = nnx.split(strip_adapters(self.model), nnx.Param)[0]
         if candidates:
             state, resume_from = self._restore(checkpointer, candidates, self.par.unplace(state))
             state = self.par.place(state)
@@ -219,7 +221,7 @@ class Trainer:
         ref_s = 0.0
         if self.config.grpo.beta > 0:
             t0 = time.perf_counter()
-            reference = self.ref_params if self._adapters_off is None else (self._adapters_off, self.par.frozen)
+            reference = self.ref_params if self.par.frozen is None else self.par.frozen
             # Waiting for it costs nothing (the update needs it next) and times it on its own.
             ref = jax.block_until_ready(self.par.ref_logprobs(reference, batch))
             batch, ref_s = batch.replace(ref_logprobs=ref), time.perf_counter() - t0

@@ -109,22 +109,27 @@ def test_one_step_changes_only_the_adapters_and_keeps_their_optimizer_state_alon
 
 
 def test_reference_logprobs_with_adapters_off_equal_the_base_models():
-    from grpo_jax.train_step import ref_logprobs_step
+    """A LoRA run's reference is its frozen base state in the structure without adapters (what the
+    trainer gives the reference step): the plain base model's log-probs, and not the policy's."""
+    from grpo_jax.models.lora import strip_adapters
+    from grpo_jax.train_step import ref_logprobs_step, split_trainable
 
     model = _adapted(scale=0.3)
-    graphdef, adapters, base = split_adapters(model)
-    plain = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))  # the same base weights, no adapters
+    _, _, frozen = split_trainable(model)
+    ref_graphdef = nnx.split(strip_adapters(model), nnx.Param)[0]
+    plain = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))  # the same base weights, built without adapters
     plain_graphdef, plain_params = nnx.split(plain, nnx.Param)
     rng = np.random.default_rng(4)
     prompt = jnp.asarray(rng.integers(3, 250, (4, 6)), jnp.int32)
     mask = jnp.ones_like(prompt).at[0, :2].set(0)
     completion = jnp.asarray(rng.integers(3, 250, (4, 5)), jnp.int32)
-    off = jax.tree.map(jnp.zeros_like, adapters)
-    got = ref_logprobs_step((off, base), prompt, mask, completion, graphdef=graphdef, logprob_chunk=5)
+    got = ref_logprobs_step(frozen, prompt, mask, completion, graphdef=ref_graphdef, logprob_chunk=5)
     want = ref_logprobs_step(plain_params, prompt, mask, completion, graphdef=plain_graphdef, logprob_chunk=5)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
-    on = ref_logprobs_step((adapters, base), prompt, mask, completion, graphdef=graphdef, logprob_chunk=5)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    on = ref_logprobs_step(nnx.state(model, nnx.Param), prompt, mask, completion, graphdef=nnx.graphdef(model),
+                           logprob_chunk=5)
     assert np.abs(np.asarray(on) - np.asarray(want)).max() > 1e-3
+    assert sum(x.size for x in jax.tree.leaves(frozen)) == sum(x.size for x in jax.tree.leaves(plain_params))
 
 
 @pytest.fixture(scope="module")
