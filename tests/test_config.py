@@ -203,3 +203,13 @@ def test_whole_floats_are_integers_and_integers_are_floats(tmp_path):
     assert config.train.steps == 4 and type(config.train.steps) is int
     assert config.train.learning_rate == 1.0 and type(config.train.learning_rate) is float
     assert config.mesh.fsdp == -1  # null: the default (the rest of the devices)
+
+
+def test_exponent_notation_without_a_dot_is_a_number(tmp_path):
+    # PyYAML (YAML 1.1) reads 1e-4 as a string; in a float field it is the number meant.
+    config = load_config(write(tmp_path, BASE), ["train.learning_rate=1e-4", "ppo.critic_learning_rate=3E+0"])
+    assert config.train.learning_rate == 1e-4 and config.ppo.critic_learning_rate == 3.0
+    with pytest.raises(ConfigError, match="train.steps must be an integer, got '1e2'"):
+        load_config(write(tmp_path, BASE), ["train.steps=1e2"])
+    with pytest.raises(ConfigError, match="train.learning_rate must be a number, got 'fast'"):
+        load_config(write(tmp_path, BASE), ["train.learning_rate=fast"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,6 +29,8 @@ _SECTIONS: dict[str, type] = {
     "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig,
     "lora": LoRAConfig,
 }
+# A float in exponent notation without a dot (1e-4, 3E+2), which PyYAML leaves a string.
+_YAML11_FLOAT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 _SCALARS = ("parallelism", "algorithm", "reward_control")  # top-level choices, not sections
 _TOP_LEVEL = (*_SECTIONS, "rewards", *_SCALARS)
 
@@ -105,6 +108,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be an integer, got {_shown(value)}")
         return value
     if annotation is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string; it is the number meant
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {_shown(value)}")
         if not math.isfinite(value):
