@@ -1,4 +1,4 @@
-"""LoRA adapters on the decoder's projections (issue 16, first part).
+"""LoRA adapters on the decoder's projections: adding, splitting, merging and PEFT export.
 
 `add_adapters(model, rank=..., alpha=..., targets=..., key=...)` gives each targeted projection W
 (q, k, v, o, gate, up, down; stacked over layers like W) a pair A [in, r], B [r, out] stored as
@@ -15,7 +15,9 @@ computes x W + (alpha / r) (x A) B:
 A is drawn N(0, 1 / in_features), B starts at 0: fresh adapters give exactly the base model's
 logits. The adapters carry the logical axes of the weight they adapt (and `lora_rank`,
 replicated), so the mesh shards them like that weight. `split_adapters` separates the trainable
-adapters from the frozen base (`nnx.split(model, LoRAParam, nnx.Param)`).
+adapters from the frozen base (`nnx.split(model, LoRAParam, nnx.Param)`); `merge_adapters` folds
+them into a plain model (the HF export), `strip_adapters` drops them (the base), `save_peft` writes
+them in PEFT's format. Where a LoRA run's base lives and how checkpoints name it: grpo_jax.lora_base.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import LORA_TARGETS as TARGETS
+
 # Input dims (after the layers axis) of each projection's weight; the rest are its output dims.
 _IN_DIMS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1, "up_proj": 1, "down_proj": 1}
 
