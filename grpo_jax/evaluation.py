@@ -40,7 +40,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     verifier: a second judge of the same samples: `eval/verifier_accuracy`, and
     `health/verifier_disagreement`, the share of the samples both judged on which one says correct
     and the other not (a training reward that can be satisfied without being right shows here)."""
-    judges = [reward] if verifier is None else [reward, dataclasses.replace(verifier, name="eval verifier")]
+    judges = [reward] if verifier is None else [reward, verifier]  # each scored on its own
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
     k = sampling.group_size

@@ -228,9 +228,9 @@ def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Ar
 MAX_SUMS = ("policy/ratio_max", "health/sampler_train_logprob_diff_max")  # maxima, not sums
 
 
-def accumulate_sums(a: dict[str, jax.Array], b: dict[str, jax.Array], *, sum_fn=jnp.add, max_fn=jnp.maximum):
-    """Two sets of `policy_loss` sums put together (micro-batches; devices with psum / pmax)."""
-    return {k: (max_fn(a[k], b[k]) if k in MAX_SUMS else sum_fn(a[k], b[k])) for k in a}
+def accumulate_sums(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Two micro-batches' `policy_loss` sums put together (MAX_SUMS by their maximum)."""
+    return {k: (jnp.maximum(a[k], b[k]) if k in MAX_SUMS else a[k] + b[k]) for k in a}
 
 
 def loss_metrics(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -33,7 +33,7 @@ class Parallel(abc.ABC):
     """What both modes share: the mesh, the advantage and reference log-prob steps on it."""
 
     def __init__(self, config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                 *, temperature: float):
+                 *, temperature: float, frozen: nnx.State | None = None, ref_graphdef: nnx.GraphDef | None = None):
         self.mesh, self.graphdef, self.optimizer = mesh, graphdef, optimizer
         t = config.train
         group_size = config.sampling.group_size if t.shared_prompt else 1  # rows that share one prompt pass
@@ -44,10 +44,10 @@ class Parallel(abc.ABC):
         self._ref = None
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
         # The parameters that do not train (a LoRA run's base, placed with the model), else None.
-        self.frozen: nnx.State | None = None
+        self.frozen = frozen
         # The reference model's structure: the policy's, or a LoRA run's base without its adapters
         # (its reference is the frozen base alone: no adapter matmuls, no copy of the weights).
-        self.ref_graphdef: nnx.GraphDef = graphdef
+        self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
         """Group normalisation of the global rewards array [R], on the mesh."""
@@ -127,7 +127,10 @@ class PmapParallel(Parallel):
 
 
 def make_parallel(config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                  *, temperature: float) -> Parallel:
-    """The run's parallelism object (`config.parallelism`), over `mesh` (grpo_jax.run.run_mesh)."""
+                  *, temperature: float, frozen: nnx.State | None = None,
+                  ref_graphdef: nnx.GraphDef | None = None) -> Parallel:
+    """The run's parallelism object (`config.parallelism`), over `mesh` (grpo_jax.run.run_mesh).
+    A LoRA run passes its frozen base (`frozen`) and the base's structure without adapters
+    (`ref_graphdef`, for the KL reference)."""
     cls = {"jit": MeshParallel, "pmap": PmapParallel}[config.parallelism]
-    return cls(config, mesh, graphdef, optimizer, temperature=temperature)
+    return cls(config, mesh, graphdef, optimizer, temperature=temperature, frozen=frozen, ref_graphdef=ref_graphdef)

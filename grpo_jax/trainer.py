@@ -127,19 +127,18 @@ class Trainer:
         add_run_adapters(self.model, cfg)  # after the warm start: a LoRA run adapts the warm-started base
         place_model(self.model, self.mesh)  # the adapters too
         graphdef, state = init_state(self.model, optimizer, critic=critic)
-        self.par = make_parallel(cfg, self.mesh, graphdef, optimizer, temperature=self.sampling.temperature)
+        frozen = split_trainable(self.model)[2]
+        # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
+        # is its frozen base in the structure without adapters (no copy; the base is on disk, lora_base).
+        ref_graphdef = None if frozen is None else nnx.split(strip_adapters(self.model), nnx.Param)[0]
+        self.par = make_parallel(cfg, self.mesh, graphdef, optimizer, temperature=self.sampling.temperature,
+                                 frozen=frozen, ref_graphdef=ref_graphdef)
         state = self.par.place(state)
         for line in self.par.not_sharded:
             self.log(f"not sharded (its mesh axis does not divide it): {line}")
-        frozen = split_trainable(self.model)[2]
-        # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
-        # is its frozen base with the adapters switched off (no copy; the base is on disk, lora_base).
         self.ref_params = None
         if cfg.grpo.beta > 0 and frozen is None:
             self.ref_params = jax.tree.map(jnp.copy, nnx.state(self.model, nnx.Param))
-        self.par.frozen = frozen
-        if frozen is not None:  # the base without adapters: the reference of a LoRA run
-            self.par.ref_graphdef = nnx.split(strip_adapters(self.model), nnx.Param)[0]
         if candidates:
             state, resume_from = self._restore(checkpointer, candidates, self.par.unplace(state))
             state = self.par.place(state)

@@ -53,7 +53,7 @@ def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = T
         raise ValueError("the model already has LoRA adapters")
     for i, name in enumerate(targets):
         w = getattr(layers, name)
-        axes = w.get_metadata().get("logical_axes") if hasattr(w, "get_metadata") else w.logical_axes
+        axes = w.get_metadata()["logical_axes"]
         shape = w[...].shape
         n_in = _IN_DIMS[name]
         in_shape, out_shape = shape[1:1 + n_in], shape[1 + n_in:]
