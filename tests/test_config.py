@@ -207,9 +207,17 @@ def test_whole_floats_are_integers_and_integers_are_floats(tmp_path):
 
 def test_exponent_notation_without_a_dot_is_a_number(tmp_path):
     # PyYAML (YAML 1.1) reads 1e-4 as a string; in a float field it is the number meant.
-    config = load_config(write(tmp_path, BASE), ["train.learning_rate=1e-4", "ppo.critic_learning_rate=3E+0"])
+    config = load_config(write(tmp_path, BASE), ["train.learning_rate=1e-4", "ppo.critic_learning_rate=3E+0",
+                                                 "algorithm=ppo"])
     assert config.train.learning_rate == 1e-4 and config.ppo.critic_learning_rate == 3.0
     with pytest.raises(ConfigError, match="train.steps must be an integer, got '1e2'"):
         load_config(write(tmp_path, BASE), ["train.steps=1e2"])
     with pytest.raises(ConfigError, match="train.learning_rate must be a number, got 'fast'"):
         load_config(write(tmp_path, BASE), ["train.learning_rate=fast"])
+
+
+def test_a_ppo_section_without_algorithm_ppo_is_refused(tmp_path):
+    # Accepted and ignored would be worse: GRPO never reads the critic's settings.
+    with pytest.raises(ConfigError, match="applies only with algorithm: ppo"):
+        load_config(write(tmp_path, BASE), ["ppo.lam=0.9"])
+    assert load_config(write(tmp_path, BASE), ["ppo.lam=0.9", "algorithm=ppo"]).ppo.lam == 0.9

@@ -232,18 +232,12 @@ def test_a_resumed_lora_run_continues_exactly_and_refuses_a_changed_base(lora_ru
     """Stopped after step 20's checkpoint: the same command resumes from the adapters of step 20 and
     the base in RUN_DIR/base, and ends where the uninterrupted run did. A base whose files changed
     (fingerprint) or a full fine-tuning config is refused before anything is written."""
-    import shutil
-
-    from test_trainer import assert_same_run
+    from test_trainer import assert_same_run, stopped_copy
 
     from grpo_jax import cli
 
     path, out = lora_run
-    copy = tmp_path / "stopped"
-    shutil.copytree(out, copy)
-    shutil.rmtree(copy / "checkpoints" / "40")
-    lines = (copy / "metrics.jsonl").read_text().splitlines()
-    (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 20))
+    copy = stopped_copy(out, tmp_path / "stopped", logged_through=20)
     assert cli.main(["train", "--config", path, "--output", str(copy), "--set", "lora.rank=0"]) == 2
     assert "holds checkpoints of LoRA adapters, this config trains full parameters" in capsys.readouterr().err
     weights = copy / "base" / "model.safetensors"

@@ -205,18 +205,25 @@ def _snapshot(run_dir) -> dict[str, bytes]:
             if p.is_file() and (p.name == "config.yaml" or p.parts[len(run_dir.parts)] in ("model", "checkpoints"))}
 
 
+def stopped_copy(out, copy, *, logged_through: int):
+    """A copy of the finished run `out` as if stopped after step `logged_through`: its step-40
+    checkpoint gone (step 20's is the newest) and only the logs up to that step."""
+    import shutil
+
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints" / "40")
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines
+                                                if json.loads(line)["step"] <= logged_through))
+    return copy
+
+
 def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, tmp_path, capsys):
     """Preempted after step 33 (its logs written), last checkpoint at step 20: running the same
     command again resumes from step 20, drops the logs of steps 21-33 and ends where the
     uninterrupted run ended, metrics and parameters alike."""
-    import shutil
-
     path, out = run
-    copy = tmp_path / "preempted"
-    shutil.copytree(out, copy)
-    shutil.rmtree(copy / "checkpoints" / "40")
-    lines = (copy / "metrics.jsonl").read_text().splitlines()
-    (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 33))
+    copy = stopped_copy(out, tmp_path / "preempted", logged_through=33)
     # A refused start leaves the run directory byte-identical: resuming off, another model, another
     # data layout (each refused before anything is written).
     before = _snapshot(copy)

@@ -457,6 +457,9 @@ class RunConfig:
                 f"entry {max(self.sampling.prompt_buckets)}; raise the buckets or lower the limit")
         if self.lora.enabled and self.parallelism == "pmap":
             raise ValueError("lora with parallelism: pmap is not supported yet; use parallelism: jit (the default)")
+        if self.algorithm != "ppo" and self.ppo != PPOConfig():
+            raise ValueError(f"ppo: {self.ppo} is set, but the ppo section applies only with algorithm: ppo (this "
+                             f"run's algorithm is {self.algorithm}); set algorithm: ppo or remove the ppo section")
         if self.algorithm == "ppo" and self.grpo.num_iterations > 1:
             raise ValueError("algorithm: ppo with grpo.num_iterations > 1 is not supported yet: its old values would "
                              "need a separate value pass before the updates; use num_iterations: 1")
