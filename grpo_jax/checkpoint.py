@@ -180,7 +180,8 @@ def _lora_policy(files: RunFiles, lora: dict, *, dtype, param_dtype):
     with ocp.CheckpointManager(files.checkpoints) as manager:
         meta = dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
     model = from_pretrained(lora_base.locate(meta["base"], files.run_dir), dtype=dtype, param_dtype=param_dtype)
-    add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]), key=jax.random.key(0))
+    add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
+                 dropout=lora.get("dropout", 0.0), key=jax.random.key(0))
     graphdef, adapters, base = nnx.split(model, LoRAParam, nnx.Param)
     return nnx.merge(graphdef, restore_params(files, adapters), base)
 

@@ -54,7 +54,7 @@ def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callabl
 
 
 def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *,
-                      group_size: int = 1) -> jax.Array:
+                      group_size: int = 1, dropout_key: jax.Array | None = None) -> jax.Array:
     """The hidden states [R, M, E] that predict each completion token (int [R, M]) given its prompt
     (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it: state t is the one
     before token t (feed to `model.logits`, or to a value head: the critic's state for token t).
@@ -62,6 +62,8 @@ def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *
     group_size=G > 1: rows i*G .. i*G+G-1 share prompt i (the sampler's layout; only the first row
     of each group is read), which then runs once per group (`models.grouped`): N x P + R x M tokens
     instead of R x (P + M), with the same result up to float rounding.
+
+    dropout_key: apply the LoRA adapters' input dropout (the training pass; `Layers.arrays`).
     """
     chex.assert_rank([prompt_ids_RP, prompt_mask_RP, completion_ids_RM], 2)
     R, P = prompt_ids_RP.shape
@@ -70,14 +72,15 @@ def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *
             raise ValueError(f"{R} rows are not whole groups of group_size={group_size}")
         N = R // group_size
         h_NPE, h_RME = grouped_hidden_states(model, prompt_ids_RP.reshape(N, group_size, P)[:, 0],
-                                             prompt_mask_RP.reshape(N, group_size, P)[:, 0], completion_ids_RM)
+                                             prompt_mask_RP.reshape(N, group_size, P)[:, 0], completion_ids_RM,
+                                             dropout_key=dropout_key)
         # The prompt's last position predicts completion token 0, completion position t token t+1.
         h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
         return jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
     ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
     mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
     # Position P-1+t predicts completion token t.
-    return model.hidden_states(ids, attention_mask=mask)[:, P - 1:-1]
+    return model.hidden_states(ids, attention_mask=mask, dropout_key=dropout_key)[:, P - 1:-1]
 
 
 def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *, chunk: int = 128,

@@ -38,7 +38,8 @@ class Parallel(abc.ABC):
         t = config.train
         group_size = config.sampling.group_size if t.shared_prompt else 1  # rows that share one prompt pass
         self.step_kw = dict(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk, temperature=temperature,
-                            group_size=group_size, ppo_config=config.ppo if config.algorithm == "ppo" else None)
+                            group_size=group_size, ppo_config=config.ppo if config.algorithm == "ppo" else None,
+                            seed=t.seed)
         self.grpo = config.grpo
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None

@@ -97,7 +97,7 @@ def add_run_adapters(model: Transformer, config: RunConfig) -> None:
     """The run's LoRA adapters (`lora.rank` > 0), drawn from the seed; nothing without."""
     lo = config.lora
     if lo.enabled:
-        add_adapters(model, rank=lo.rank, alpha=lo.alpha, targets=lo.targets,
+        add_adapters(model, rank=lo.rank, alpha=lo.alpha, targets=lo.targets, dropout=lo.dropout,
                      key=jax.random.fold_in(jax.random.key(config.train.seed), 16))
 
 

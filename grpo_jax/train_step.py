@@ -178,7 +178,8 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
                optimizer: optax.GradientTransformation,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
-               group_size: int = 1, ppo_config: PPOConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               group_size: int = 1, ppo_config: PPOConfig | None = None,
+               seed: int = 0) -> tuple[TrainState, dict[str, jax.Array]]:
     """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`).
     `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
 
@@ -191,7 +192,11 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     step computes anyway (their squared norms, summed in the scan), over micro-batches x devices.
 
     group_size=G > 1 computes each group's shared prompt once in the policy pass (see
-    `completion_logprobs`); every micro-batch (of every device) must then hold whole groups."""
+    `completion_logprobs`); every micro-batch (of every device) must then hold whole groups.
+
+    seed: with LoRA adapter dropout (`lora.dropout`), the masks of step s, micro-batch m (device d
+    under pmap) come from key(seed) folded with s, m and d: a resumed run draws what an
+    uninterrupted one would."""
     check_batch(batch, micro_batches=micro_batches)
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
     R = batch.completion_ids.shape[0]
@@ -211,10 +216,16 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     if ppo and ppo_config is None:
         raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
 
-    def micro_loss(trainable, mb):
+    step_key = jax.random.fold_in(jax.random.key(seed), state.step)
+    if axis_name is not None:
+        step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
+
+    def micro_loss(trainable, mb, key):
         params, critic = trainable if ppo else (trainable, None)
         model = merge_model(graphdef, params, frozen)
-        h = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size)
+        # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
+        h = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
+                              dropout_key=key)
         logp, entropy = chunked_logprobs(h, mb.completion_ids, model.logits, chunk=logprob_chunk,
                                          temperature=temperature)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
@@ -230,16 +241,17 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     trainable = (state.params, state.critic) if ppo else state.params
 
-    def accumulate(carry, mb):
+    def accumulate(carry, xs):
+        mb, m = xs
         loss, grads, sums, sq = carry
-        (piece_loss, s), g = grad_fn(trainable, mb)
+        (piece_loss, s), g = grad_fn(trainable, mb, jax.random.fold_in(step_key, m))
         # sq: the sum of squared norms of the micro-batch gradients, for the gradient noise scale.
         return (loss + piece_loss, jax.tree.map(jnp.add, grads, g), accumulate_sums(sums, s), sq + _sq_norm(g)), None
 
-    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro))
+    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro), step_key)
     zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
     init = (zeros(l_shape), zeros(g_shape), zeros(s_shape), jnp.zeros((), jnp.float32))
-    (loss, grads, sums, sq), _ = jax.lax.scan(accumulate, init, micro)
+    (loss, grads, sums, sq), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(micro_batches)))
     pieces = micro_batches
     if axis_name is not None:
         # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
@@ -318,7 +330,7 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
                     mesh=None, state_shardings=None, parallelism: str = "jit", devices=None, group_size: int = 1,
-                    ppo_config: PPOConfig | None = None):
+                    ppo_config: PPOConfig | None = None, seed: int = 0):
     """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
 
     With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
@@ -333,7 +345,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
     """
     step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
-                             group_size=group_size, ppo_config=ppo_config)
+                             group_size=group_size, ppo_config=ppo_config, seed=seed)
     if parallelism == "pmap":
         if mesh is not None:
             raise ValueError("parallelism='pmap' replicates the state over devices; it takes no mesh")

@@ -48,6 +48,19 @@ def test_fresh_adapters_give_exactly_the_base_logits(family):
     assert not any("lora" in str(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]), names
 
 
+def test_a_bf16_base_keeps_float32_adapters():
+    """model.param_dtype: bfloat16 stores the frozen base at half the memory; the adapters (and so
+    their optimizer state) stay float32, and fresh ones still give the base's logits exactly."""
+    model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    ids = _ids()
+    base = np.asarray(model(ids))
+    add_adapters(model, rank=4, alpha=8, key=jax.random.key(0))
+    _, adapters, frozen = split_adapters(model)
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(model(ids)), base)
+
+
 @pytest.mark.parametrize("targets", [TARGETS, ("o_proj", "down_proj")])
 def test_adapters_equal_their_merged_weights(targets):
     model = _adapted(targets=targets)
@@ -130,6 +143,68 @@ def test_reference_logprobs_with_adapters_off_equal_the_base_models():
                            logprob_chunk=5)
     assert np.abs(np.asarray(on) - np.asarray(want)).max() > 1e-3
     assert sum(x.size for x in jax.tree.leaves(frozen)) == sum(x.size for x in jax.tree.leaves(plain_params))
+
+
+def test_adapter_dropout_acts_in_the_training_pass_only():
+    """lora.dropout drops adapter inputs (PEFT's lora_dropout: kept entries scaled by 1 / keep) in a
+    pass given a dropout key (the train step's), and nowhere else: the plain forward (and so the
+    prefill, decode and reference passes, which take no key) computes what the same adapters
+    without dropout do."""
+    from grpo_jax.models.lora import dropped
+
+    model = _adapted(scale=0.3)
+    ids = _ids(5)
+    want = np.asarray(model(ids))
+    model.layers.lora_dropout = 0.5
+    np.testing.assert_array_equal(np.asarray(model(ids)), want)
+    one = np.asarray(model.hidden_states(ids, dropout_key=jax.random.key(7)))
+    again = np.asarray(model.hidden_states(ids, dropout_key=jax.random.key(7)))
+    other = np.asarray(model.hidden_states(ids, dropout_key=jax.random.key(8)))
+    np.testing.assert_array_equal(one, again)
+    assert np.abs(one - other).max() > 1e-3
+    plain = np.asarray(model.hidden_states(ids))
+    assert np.abs(one - plain).max() > 1e-3
+    # The mask: each entry kept with probability keep, and then scaled by exactly 1 / keep.
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(200, 100)), jnp.float32) + 3.0
+    key = jax.random.key_data(jax.random.key(3))
+    for keep in (0.9, 0.5):
+        y = np.asarray(dropped(x, key, jnp.float32(keep), "q_proj"))
+        kept = y != 0
+        assert abs(kept.mean() - keep) < 0.02, (keep, kept.mean())
+        np.testing.assert_allclose(y[kept], np.asarray(x)[kept] / keep, rtol=1e-6)
+    assert not np.array_equal(np.asarray(dropped(x, key, jnp.float32(0.5), "q_proj")),
+                              np.asarray(dropped(x, key, jnp.float32(0.5), "v_proj")))
+
+
+def test_a_train_step_with_adapter_dropout_draws_its_masks_from_the_seed_and_step():
+    import optax
+    from test_train_step import make_batch
+
+    from grpo_jax.config import GRPOConfig
+    from grpo_jax.train_step import init_state, make_train_step
+
+    batch = make_batch(rewards=[1, 0, 0, 1, 0, 1, 1, 0])
+
+    def steps(dropout, seed, times=1):
+        model = _adapted(scale=0.3)
+        model.layers.lora_dropout = dropout
+        opt = optax.sgd(1e-2)
+        graphdef, state = init_state(model, opt)
+        _, _, base = split_adapters(model)
+        step = make_train_step(graphdef, opt, GRPOConfig(), logprob_chunk=4, micro_batches=2, seed=seed)
+        out = []
+        for _ in range(times):
+            new, metrics = step(jax.tree.map(jnp.copy, state), batch, base)
+            out.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(new.params)]))
+        return out, metrics
+
+    (a, b), _ = steps(0.3, seed=0, times=2)
+    (c,), _ = steps(0.3, seed=1)
+    (none,), m0 = steps(0.0, seed=0)
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - c).max() > 0
+    assert np.abs(a - none).max() > 0
+    assert np.isfinite(float(m0["train/loss"]))
 
 
 @pytest.fixture(scope="module")

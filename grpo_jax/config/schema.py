@@ -163,7 +163,9 @@ class LoRAConfig:
     """Low-rank adapters on the policy (`rank` 0 = off: full fine-tuning). With adapters only they
     train (optimizer state for them alone) and the base weights stay frozen; the KL reference
     (grpo.beta > 0) is the same model with the adapters switched off, so no second copy of the
-    weights is held. The update is x W + (alpha / rank) (x A) B on each of `targets`."""
+    weights is held. The update is x W + (alpha / rank) (dropout(x) A) B on each of `targets`;
+    `dropout` (PEFT's lora_dropout) acts in the training pass only, never in sampling or in the
+    reference and old-policy passes."""
 
     rank: int = 0
     alpha: float = 16.0
@@ -178,8 +180,8 @@ class LoRAConfig:
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
         if unknown or not self.targets:
             raise ValueError(f"lora.targets {list(self.targets)}: choose from {list(LORA_TARGETS)}")
-        if self.dropout != 0.0:
-            raise ValueError(f"lora.dropout={self.dropout}: adapter dropout is not implemented yet; use 0.0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def enabled(self) -> bool:

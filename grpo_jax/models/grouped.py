@@ -24,16 +24,17 @@ import jax.numpy as jnp
 
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.transformer import (_NEG, _as_mask, _attention, _finish_layer, _positions, _qkv, _rms_norm,
-                                         _rope_tables, run_layers)
+                                         _rope_tables, compute_dtype, run_layers)
 
 
 def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None, completion_ids: jax.Array,
-                          ) -> tuple[jax.Array, jax.Array]:
+                          *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Final-normed hidden states of N prompts and their R = N x A completions, in `model`'s compute dtype.
 
     prompt_ids int [N, P] (left-padded, prompt_mask [N, P], 1 = real), completion_ids int [R, T]
     (row i*A + j continues prompt i) -> (h_prompt [N, P, E], h_completion [R, T, E]): what
     `model.hidden_states` gives on each row's [prompt, completion] (completion all real tokens).
+    `dropout_key`: as `model.hidden_states`'s.
     """
     cfg, dtype = model.config, model.dtype
     chex.assert_rank([prompt_ids, completion_ids], 2)
@@ -53,7 +54,7 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
     def body(x, xs):
         x_NPE, x_RTE = x
         p, kind = xs
-        p = {n: a.astype(dtype) for n, a in p.items()}
+        p = compute_dtype(p, dtype)
         qp, kp, vp = _qkv(x_NPE, p, cfg, cos_YNPD[kind], sin_YNPD[kind])  # [N, P, H, D], [N, P, K, D] x 2
         qc, kc, vc = _qkv(x_RTE, p, cfg, cos_YRTD[kind], sin_YRTD[kind])  # [R, T, H, D], [R, T, K, D] x 2
         kp, vp = kp.transpose(0, 2, 1, 3), vp.transpose(0, 2, 1, 3)  # [N, K, P, D]
@@ -62,7 +63,7 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
         return (_finish_layer(x_NPE, out_NPHD, p, cfg), _finish_layer(x_RTE, out_RTHD, p, cfg)), None
 
     x0 = (model._embed(prompt_ids), model._embed(completion_ids))
-    (x_NPE, x_RTE), _ = run_layers(model, body, x0)
+    (x_NPE, x_RTE), _ = run_layers(model, body, x0, dropout_key=dropout_key)
     return _rms_norm(x_NPE, model.final_norm[...], cfg), _rms_norm(x_RTE, model.final_norm[...], cfg)
 
 

@@ -41,8 +41,13 @@ class LoRAParam(nnx.Param):
     """An adapter matrix: trainable while the base's `nnx.Param`s stay frozen."""
 
 
-def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS, key: jax.Array) -> None:
-    """Give `model`'s targeted projections fresh adapters (in place; see the module docstring)."""
+def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = TARGETS, key: jax.Array,
+                 dropout: float = 0.0) -> None:
+    """Give `model`'s targeted projections fresh adapters (in place; see the module docstring).
+    `dropout`: the rate at which an adapter's inputs are dropped in a pass given a dropout key
+    (`Transformer.hidden_states(dropout_key=...)`: the training pass); other passes never drop."""
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
     if rank < 1:
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     unknown = [t for t in targets if t not in TARGETS]
@@ -59,11 +64,22 @@ def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = T
         in_shape, out_shape = shape[1:1 + n_in], shape[1 + n_in:]
         fan_in = math.prod(in_shape)
         a = jax.random.normal(jax.random.fold_in(key, i), (shape[0], *in_shape, rank), jnp.float32) / math.sqrt(fan_in)
-        setattr(layers, f"{name}_lora_a", LoRAParam(a.astype(w[...].dtype),
-                                                    logical_axes=(axes[0], *axes[1:1 + n_in], "lora_rank")))
-        setattr(layers, f"{name}_lora_b", LoRAParam(jnp.zeros((shape[0], rank, *out_shape), w[...].dtype),
+        # Adapters are float32 whatever the base's storage dtype (a bf16 base halves the frozen
+        # weights' memory; Adam's small steps on bf16 adapters would round away).
+        setattr(layers, f"{name}_lora_a", LoRAParam(a, logical_axes=(axes[0], *axes[1:1 + n_in], "lora_rank")))
+        setattr(layers, f"{name}_lora_b", LoRAParam(jnp.zeros((shape[0], rank, *out_shape), jnp.float32),
                                                     logical_axes=(axes[0], "lora_rank", *axes[1 + n_in:])))
     layers.lora_scale = float(alpha) / rank
+    layers.lora_dropout = float(dropout)
+
+
+def dropped(x_NI: jax.Array, key_data: jax.Array, keep: jax.Array, name: str) -> jax.Array:
+    """x with each entry kept with probability `keep` (and scaled by 1 / keep) or zeroed: PEFT's
+    lora_dropout on projection `name`'s adapter input. `key_data`: this layer's key (raw uint32
+    words, which survive the layer scan's slicing); each projection and input size draws its own mask."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), TARGETS.index(name))
+    key = jax.random.fold_in(key, x_NI.shape[0])  # the grouped pass's prompt and completion inputs differ
+    return jnp.where(jax.random.bernoulli(key, keep, x_NI.shape), x_NI / keep.astype(x_NI.dtype), 0).astype(x_NI.dtype)
 
 
 def has_adapters(model) -> bool:
@@ -112,6 +128,7 @@ def merge_adapters(model):
         delattr(layers, f"{name}_lora_a")
         delattr(layers, f"{name}_lora_b")
     layers.lora_scale = None
+    layers.lora_dropout = 0.0
     return model
 
 
@@ -124,6 +141,7 @@ def strip_adapters(model):
             if hasattr(layers, f"{name}_lora_{part}"):
                 delattr(layers, f"{name}_lora_{part}")
     layers.lora_scale = None
+    layers.lora_dropout = 0.0
     return model
 
 
@@ -154,7 +172,7 @@ def peft_state_dict(model) -> tuple[dict[str, np.ndarray], dict]:
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": layers.lora_scale * rank,
-              "lora_dropout": 0.0, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+              "lora_dropout": layers.lora_dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
     return tensors, config
 

@@ -116,16 +116,23 @@ class Layers(nnx.Module):
     LoRA adapters `<proj>_lora_a` / `<proj>_lora_b` when `models.lora.add_adapters` added them."""
 
     lora_scale: float | None = None  # alpha / rank, with adapters
+    lora_dropout: float = 0.0  # the adapters' input dropout rate in a pass given a dropout key
 
     def __init__(self, params: dict[str, nnx.Param]):
         for name, param in params.items():
             setattr(self, name, param)
 
-    def arrays(self) -> dict[str, jax.Array]:
-        """Every stacked parameter by name; adapters' B comes scaled by alpha / rank."""
+    def arrays(self, dropout_key: jax.Array | None = None) -> dict[str, jax.Array]:
+        """Every stacked parameter by name; adapters' B comes scaled by alpha / rank. With adapter
+        dropout and a `dropout_key`, also one key per layer (`lora_dropout_key`, raw uint32 words)
+        and the keep probability (`lora_keep`), which the layers' adapter paths read."""
         out = {name: v[...] for name, v in vars(self).items() if isinstance(v, nnx.Param)}
         if self.lora_scale is not None:
             out.update({k: v * self.lora_scale for k, v in out.items() if k.endswith("_lora_b")})
+            if dropout_key is not None and self.lora_dropout > 0:
+                L = next(iter(out.values())).shape[0]
+                out["lora_dropout_key"] = jax.random.key_data(jax.random.split(dropout_key, L))
+                out["lora_keep"] = jnp.full((L,), 1.0 - self.lora_dropout, jnp.float32)
         return out
 
 
@@ -162,15 +169,16 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden_states(input_ids, positions, attention_mask))
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                      attention_mask: jax.Array | None = None) -> jax.Array:
-        """Final-normed hidden states [B, T, E] in the compute dtype (feed to `logits`); arguments as `__call__`."""
+                      attention_mask: jax.Array | None = None, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, E] in the compute dtype (feed to `logits`); arguments as
+        `__call__`. `dropout_key`: apply the LoRA adapters' input dropout (the training pass)."""
         chex.assert_rank(input_ids, 2)
         B, T = input_ids.shape
         mask_BT = _as_mask(attention_mask, (B, T))
         if positions is None:
             positions = _positions(mask_BT)
         chex.assert_shape(positions, (B, T))
-        h_BTE, _ = self._run(input_ids, positions, mask_BT, collect_kv=False)
+        h_BTE, _ = self._run(input_ids, positions, mask_BT, collect_kv=False, dropout_key=dropout_key)
         return h_BTE
 
     def logits(self, h_BTE: jax.Array) -> jax.Array:
@@ -270,7 +278,7 @@ class Transformer(nnx.Module):
         return x_BTE
 
     # ------------------------------------------------------------------ internals
-    def _run(self, input_ids_BT, positions_BT, mask_BT, *, collect_kv: bool):
+    def _run(self, input_ids_BT, positions_BT, mask_BT, *, collect_kv: bool, dropout_key=None):
         """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None)."""
         cfg, dtype = self.config, self.dtype
         T = input_ids_BT.shape[1]
@@ -286,24 +294,30 @@ class Transformer(nnx.Module):
 
         def body(x, xs):
             p, kind = xs
-            p = {n: a.astype(dtype) for n, a in p.items()}
+            p = compute_dtype(p, dtype)
             q, k, v = _qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
             x = _finish_layer(x, _attention(q, k, v, mask_YBTT[kind], cfg), p, cfg)
             return x, ((k, v) if collect_kv else None)
 
-        x_BTE, kv = run_layers(self, body, self._embed(input_ids_BT))
+        x_BTE, kv = run_layers(self, body, self._embed(input_ids_BT), dropout_key=dropout_key)
         return _rms_norm(x_BTE, self.final_norm[...], cfg), kv
 
 
-def run_layers(model: Transformer, body, x0):
+def compute_dtype(p: dict[str, jax.Array], dtype) -> dict[str, jax.Array]:
+    """One layer's arrays with the floating ones cast to the compute dtype (dropout keys stay as they are)."""
+    return {n: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a for n, a in p.items()}
+
+
+def run_layers(model: Transformer, body, x0, *, dropout_key: jax.Array | None = None):
     """Run `body(x, (layer params, kind index)) -> (x, y)` over the model's layers -> (x, ys stacked
     on a leading layers axis, or None), rematerialised per layer when `model.remat`: one `lax.scan`
     when `model.scan_layers`, else unrolled over per-layer weights (split from the stacked arrays
-    with `jnp.split`, whose gradient is one concatenation rather than a padded sum per layer)."""
+    with `jnp.split`, whose gradient is one concatenation rather than a padded sum per layer).
+    `dropout_key`: see `Layers.arrays`."""
     if model.remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    cfg, arrays = model.config, model.layers.arrays()
+    cfg, arrays = model.config, model.layers.arrays(dropout_key)
     if model.scan_layers:
         return jax.lax.scan(body, x0, (arrays, _kind_index(cfg)))
     per_layer = {n: jnp.split(a, cfg.num_layers) for n, a in arrays.items()}
@@ -428,6 +442,8 @@ def _adapted(x_NI: jax.Array, p: dict[str, jax.Array], name: str, y: jax.Array) 
     if f"{name}_lora_a" not in p:
         return y
     a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
+    if "lora_dropout_key" in p:
+        x_NI = lora.dropped(x_NI, p["lora_dropout_key"], p["lora_keep"], name)
     delta = lora.low_rank(x_NI, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1))
     return y + delta.reshape(y.shape).astype(y.dtype)
 
