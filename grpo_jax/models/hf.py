@@ -177,6 +177,12 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     abstract = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat,
                             scan_layers=scan_layers))
+    return fill_params(abstract, values)
+
+
+def fill_params(abstract: nnx.Module, values: dict[tuple, np.ndarray]) -> nnx.Module:
+    """`abstract` (from nnx.eval_shape) with its parameters set from `values`, keyed by NNX state
+    path; the two must name the same parameters with the same shapes."""
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     if set(flat) != set(values):
@@ -188,12 +194,14 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _read_values(reader: _Reader, config: TransformerConfig, path: Path, np_dtype) -> dict:
-    """Every parameter as a NumPy array in our layout, keyed by NNX state path."""
+def _read_values(reader: _Reader, config: TransformerConfig, path: Path, np_dtype,
+                 consumed: set[str] = frozenset()) -> dict:
+    """Every parameter as a NumPy array in our layout, keyed by NNX state path. `consumed`: tensors
+    the caller has read itself (a reward model's score head), which are not unused."""
     prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in reader.location), None)
     if prefix is None:
         raise ValueError(f"checkpoint in {path} has no embed_tokens.weight (looked for 'model.embed_tokens.weight')")
-    used: set[str] = set()
+    used: set[str] = set(consumed)
     E, V = config.hidden_size, config.vocab_size
 
     def stacked(shape, suffix, n_in):
@@ -247,8 +255,19 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     saved beside the weights. A model with LoRA adapters is written merged (W + (alpha / r) A B).
     """
     path = Path(path)
+    write_tensors(path, hf_state_dict(lora.merge_adapters(model) if lora.has_adapters(model) else model),
+                  max_shard_bytes=max_shard_bytes)
+    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[model.param_dtype.name]
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype_name=dtype_name), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def write_tensors(path: Path, tensors: dict[str, np.ndarray], *, max_shard_bytes: int = 5 * 2**30) -> None:
+    """`tensors` as `model.safetensors`, or in shards of at most `max_shard_bytes` with a
+    `model.safetensors.index.json` as transformers writes them (stale weight files removed)."""
     path.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(lora.merge_adapters(model) if lora.has_adapters(model) else model)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -271,11 +290,6 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
         total = sum(t.nbytes for t in tensors.values())
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[model.param_dtype.name]
-    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, dtype_name=dtype_name), indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    return path
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tokenizer_config.json")
