@@ -31,7 +31,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -230,13 +230,17 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
 
 
 def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
-              reference=None, base: dict | None = None) -> None:
+              reference=None, base: dict | None = None, rewards: Sequence = ()) -> None:
     """Checkpoint `step` (collective: every process saves its shards): the state, the KL reference
     and every host's prompt-stream position (`stream.state_dict()`, gathered); a LoRA run's `base`
-    record (`grpo_jax.lora_base.record`) goes into the metadata."""
+    record (`grpo_jax.lora_base.record`) goes into the metadata, and so does the state of every
+    reward that keeps one (`fn.state()`: a reward model's running normalisation), per host."""
     streams = gather_json(stream.state_dict())  # each host's position in its share
     meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {}),
             **({"base": base} if base is not None else {})}
+    held = {spec.name: spec.fn.state() for spec in rewards if hasattr(spec.fn, "state")}
+    if held:
+        meta["rewards_by_process"] = gather_json(held)
     checkpointer.save(step, state, meta, reference=reference)
 
 
@@ -270,12 +274,17 @@ def _load_stream(meta: dict, step: int, stream) -> None:
         raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
 
 
-def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None):
+def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None,
+           rewards: Sequence = ()):
     """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
-    host's prompt stream moved to where it was. A checkpoint of another number of hosts, or a
-    stream with other settings, is a ConfigError."""
+    host's prompt stream moved to where it was and its rewards' states (`save_step`) restored. A
+    checkpoint of another number of hosts, or a stream with other settings, is a ConfigError."""
     restored, saved_reference, meta = checkpointer.restore(step, state, reference)
     _load_stream(meta, step, stream)
+    saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
+    for spec in rewards:
+        if hasattr(spec.fn, "load_state") and spec.name in saved:
+            spec.fn.load_state(saved[spec.name])
     return restored, (reference if saved_reference is None else saved_reference)
 
 

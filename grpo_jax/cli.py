@@ -1,4 +1,5 @@
-"""The `grpo-jax` command: `train` runs GRPO from a YAML config, `eval` scores a checkpoint on the
+"""The `grpo-jax` command: `train` runs GRPO from a YAML config, `train-rm` trains a reward model on
+preference pairs, `eval` scores a checkpoint on the
 held-out split, `export` writes a checkpoint as a Hugging Face model directory, `plot` draws a run's
 metrics, `report` writes its health report (HTML); `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model
 stack on a tiny random model; `bench` compares throughput with transformers."""
@@ -146,6 +147,18 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_rm(args: argparse.Namespace) -> int:
+    from grpo_jax.config import load_rm_config
+    from grpo_jax.reward_training import train_reward_model
+
+    config = load_rm_config(args.config, args.set or ())
+    out = Path(args.output or Path("runs") / Path(args.config).stem)
+    last = train_reward_model(config, out)
+    print(json.dumps({"output": str(out), "metrics": str(out / "metrics.jsonl"), "model": str(out / "hf"),
+                      "rm/pair_accuracy": last["rm/pair_accuracy"]}))
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     import jax
 
@@ -261,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
     train.add_argument("--output", default=None, help="run directory (default runs/<config name>)")
     train.set_defaults(func=_train)
+
+    rm = sub.add_parser("train-rm", help="train a reward model on preference pairs (Bradley-Terry); saves an HF "
+                                         "*ForSequenceClassification directory in OUTPUT/hf")
+    rm.add_argument("--config", required=True, help="YAML file, e.g. configs/rm_demo_cpu.yaml")
+    rm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
+    rm.add_argument("--output", default=None, help="output directory (default runs/<config name>)")
+    rm.set_defaults(func=_train_rm)
 
     ev = sub.add_parser("eval", help="accuracy and pass@k of a checkpoint on the config's held-out split")
     ev.add_argument("--config", required=True)

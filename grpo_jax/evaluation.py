@@ -35,7 +35,8 @@ def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
 
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
              rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None) -> dict[str, float]:
-    """`eval/accuracy`, `eval/pass@k` (with k = sampling.group_size) and bookkeeping over `examples`.
+    """`eval/accuracy` (the share of samples `reward` scores above 0.5), `eval/pass@k` (with k =
+    sampling.group_size), `eval/reward_mean` (its mean score) and bookkeeping over `examples`.
 
     verifier: a second judge of the same samples: `eval/verifier_accuracy`, and
     `health/verifier_disagreement`, the share of the samples both judged on which one says correct
@@ -66,7 +67,10 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
             prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)][own]
             fields = {key: values[own] for key, values in repeat_fields(part[:real], k).items()}
             for j, judge in enumerate(judges):
-                result = combine_rewards([dataclasses.replace(judge, weight=1.0)], prompts, texts, fields)
+                # A reward with state (a reward model's running normalisation) scores held-out
+                # samples without learning from them.
+                fn = judge.fn.frozen() if hasattr(judge.fn, "frozen") else judge.fn
+                result = combine_rewards([dataclasses.replace(judge, fn=fn, weight=1.0)], prompts, texts, fields)
                 scores[:n_own, j] = result.per_fn[judge.name]
         scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))
     scores_ = np.concatenate(scored)
@@ -79,6 +83,8 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         "eval/k": float(k),
         "eval/prompts": float(len(examples)),
         "eval/unjudged": float(judged_[..., 0].size - n_judged[0]),
+        # The judge's mean score: a reward model's held-out score, beside eval.verifier's accuracy.
+        "eval/reward_mean": float(np.nanmean(scores_[..., 0])) if n_judged[0] else float("nan"),
     }
     if verifier is not None:
         both = judged_[..., 0] & judged_[..., 1]

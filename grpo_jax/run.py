@@ -159,8 +159,28 @@ def _reward_spec(name: str, kwargs, weight: float, where: tuple[str, str]) -> Re
         fn = get_reward_fn(name)
     except ValueError as e:
         raise ConfigError(f"{where[0]}: {e}") from None
+    if isinstance(fn, type):
+        return RewardSpec(name=name, fn=_stateful_reward(fn, kwargs, where[1]), weight=weight)
     check_reward_kwargs(fn, kwargs, where[1])
     return RewardSpec(name=name, fn=functools.partial(fn, **kwargs) if kwargs else fn, weight=weight)
+
+
+def _stateful_reward(cls: type, kwargs: Mapping[str, Any], where: str):
+    """A reward that holds something (a reward model), built once from its kwargs: an unknown
+    option, a missing one or a bad path is a ConfigError before anything trains."""
+    params = inspect.signature(cls).parameters
+    named = [p.name for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in kwargs if k not in named]
+    if unknown:
+        raise ConfigError(f"{where}: {unknown[0]!r} is not an option of reward {cls.__name__}"
+                          f"{did_you_mean(unknown[0], named)}; its options: {', '.join(named)}")
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs]
+    if missing:
+        raise ConfigError(f"{where}: reward {cls.__name__} needs {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, OSError, TypeError) as e:
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}") from None
 
 
 def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:

@@ -113,6 +113,9 @@ class Trainer:
         # Every host built the same parameters; place them on the mesh by the rules (pmap mode: its
         # data-only mesh, so replicated) for the warm start and the sampler.
         place_model(self.model, self.mesh)
+        for spec in {id(s.fn): s for s in self._judges()}.values():
+            if hasattr(spec.fn, "place"):  # a reward model: on the run's mesh, by the policy's rules
+                spec.fn.place(self.mesh)
         resume_from = None
         if cfg.sft.steps and not candidates:  # a resumed run's params come from its checkpoint
             t0 = time.perf_counter()
@@ -265,6 +268,11 @@ class Trainer:
         finally:
             checkpointer.close()
 
+    def _judges(self) -> list:
+        """Every reward spec the run scores with: training, evaluation and the verifier."""
+        p = self.prepared
+        return [*p.rewards, p.eval_reward, *([p.eval_verifier] if p.eval_verifier is not None else [])]
+
     def _resumable(self, checkpointer: Checkpointer, steps: list[int]) -> list[int]:
         """The saved steps to resume from, newest first, starting at the newest whose metadata
         restores; every reason to refuse the restart (another model, data layout, seed, host count:
@@ -311,7 +319,7 @@ class Trainer:
         for step in candidates:
             try:
                 restored, reference = resume(checkpointer, step, state, stream=self.prepared.train_stream,
-                                             reference=self.ref_params)
+                                             reference=self.ref_params, rewards=self.prepared.rewards)
                 error = None
             except ConfigError:
                 raise
@@ -455,7 +463,8 @@ class Trainer:
 
     def _save(self, checkpointer: Checkpointer, step: int, state) -> None:
         save_step(checkpointer, step, self.par.unplace(state), stream=self.prepared.train_stream,
-                  seed=self.config.train.seed, reference=self.ref_params, base=self.base_record)
+                  seed=self.config.train.seed, reference=self.ref_params, base=self.base_record,
+                  rewards=self.prepared.rewards)
         if self.primary:
             self.storage.sync()
 

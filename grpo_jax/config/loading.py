@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
 from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig, MeshConfig,
                                     LoRAConfig, ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig,
                                     SFTConfig, TrainConfig)
@@ -142,29 +143,38 @@ def _build(cls: type, values: Any, where: str):
 
 def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
     """A RunConfig from nested plain data (a parsed YAML file)."""
+    return _from_dict(raw, RunConfig, _SECTIONS, _SCALARS, lists={"rewards": RewardConfig})
+
+
+def _from_dict(raw: Mapping[str, Any], cls: type, sections: Mapping[str, type], scalars: Sequence[str] = (),
+               lists: Mapping[str, type] | None = None):
+    """`cls` from nested plain data: each section built by its dataclass, `lists` as tuples of
+    their dataclass, `scalars` as they are; anything else is an unknown key."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    lists = lists or {}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key == "model" and value is None:
             continue
-        if key in _SECTIONS:
-            kwargs[key] = _build(_SECTIONS[key], value or {}, key)
-        elif key == "rewards":
+        if key in sections:
+            kwargs[key] = _build(sections[key], value or {}, key)
+        elif key in lists:
             if not isinstance(value, list):
-                raise ConfigError("rewards must be a list of {name, weight, kwargs} entries")
-            kwargs[key] = tuple(_build(RewardConfig, v, f"rewards[{i}]") for i, v in enumerate(value))
-        elif key in _SCALARS:
+                raise ConfigError(f"{key} must be a list of {{name, weight, kwargs}} entries")
+            kwargs[key] = tuple(_build(lists[key], v, f"{key}[{i}]") for i, v in enumerate(value))
+        elif key in scalars:
             kwargs[key] = value
         else:
-            raise unknown_key(str(key), "the config's top level", _TOP_LEVEL)
+            raise unknown_key(str(key), "the config's top level", [*sections, *lists, *scalars])
     try:
-        return RunConfig(**kwargs)
+        return cls(**kwargs)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, sections: Mapping[str, type] = _SECTIONS,
+                    top_level: Sequence[str] = _TOP_LEVEL) -> dict[str, Any]:
     """`section.key=value` overrides (values parsed as YAML) applied to a parsed config."""
     raw = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
     for item in overrides:
@@ -174,26 +184,25 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         value = yaml.safe_load(text) if text else None
         parts = key.strip().split(".")
         if len(parts) == 1:
-            if parts[0] not in _TOP_LEVEL:
-                raise unknown_key(parts[0], "the config's top level", _TOP_LEVEL)
+            if parts[0] not in top_level:
+                raise unknown_key(parts[0], "the config's top level", top_level)
             raw[parts[0]] = value
-        elif len(parts) == 2 and parts[0] in _SECTIONS:
+        elif len(parts) == 2 and parts[0] in sections:
             section, name = parts
-            valid = {f.name for f in dataclasses.fields(_SECTIONS[section]) if f.init}
+            valid = {f.name for f in dataclasses.fields(sections[section]) if f.init}
             if name not in valid:
                 raise unknown_key(name, section, valid)
             raw.setdefault(section, {})
             raw[section] = dict(raw[section] or {})
             raw[section][name] = value
         else:
-            if parts[0] not in _SECTIONS:
-                raise unknown_key(parts[0], "the config's top level", _TOP_LEVEL)
+            if parts[0] not in sections:
+                raise unknown_key(parts[0], "the config's top level", top_level)
             raise ConfigError(f"--set {key}: use section.key (one dot), e.g. train.steps=10")
     return raw
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a YAML config file, apply `--set` overrides, validate everything."""
+def _read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/demo_cpu.yaml")
@@ -203,7 +212,22 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...)")
-    return config_from_dict(apply_overrides(dict(raw), overrides))
+    return dict(raw)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML config file, apply `--set` overrides, validate everything."""
+    return config_from_dict(apply_overrides(_read_yaml(path), overrides))
+
+
+_RM_SECTIONS: dict[str, type] = {"model": ModelConfig, "data": PreferenceDataConfig, "train": RMTrainConfig,
+                                 "mesh": MeshConfig}
+
+
+def load_rm_config(path: str | Path, overrides: Sequence[str] = ()) -> RMRunConfig:
+    """A `grpo-jax train-rm` config file (sections model:, data:, train:, mesh:) with `--set` overrides."""
+    raw = apply_overrides(_read_yaml(path), overrides, sections=_RM_SECTIONS, top_level=tuple(_RM_SECTIONS))
+    return _from_dict(raw, RMRunConfig, _RM_SECTIONS)
 
 
 def config_to_dict(config: RunConfig) -> dict[str, Any]:

@@ -13,6 +13,7 @@ _SCALAR = (str, int, float)
 class Prompt(NamedTuple):
     text: str
     ids: list[int]
+    messages: list[dict[str, str]] | None = None  # the (system and) user messages, before any chat template
 
 
 class _Malformed(Exception):
@@ -92,9 +93,13 @@ class PromptFormatter:
     def encode(self, row: Mapping[str, Any]) -> Prompt | None:
         """(text, ids) of the row's prompt, or None (counted) when the row is skipped."""
         try:
-            text = self._render(row)
+            messages = self._messages(row)
         except _Malformed as e:
             return self._skip("skipped_malformed", str(e))
+        if self.use_chat:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n\n".join(m["content"] for m in messages)
         ids = list(self.tokenizer.encode(text, add_special_tokens=not self.use_chat))
         if len(ids) > self.max_prompt_tokens:
             if self.overlong == "skip":
@@ -103,10 +108,10 @@ class PromptFormatter:
             text = self.tokenizer.decode(tail)
             self.stats["truncated"] += 1
         self.stats["formatted"] += 1
-        return Prompt(text, ids)
+        return Prompt(text, ids, messages)
 
-    def _render(self, row: Mapping[str, Any]) -> str:
-        """The prompt text (chat template applied); raises _Malformed for a bad row."""
+    def _messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The prompt's messages (system prompt first, if any); raises _Malformed for a bad row."""
         if not isinstance(row, Mapping):
             raise _Malformed(f"row is a {type(row).__name__}, not a dict")
         if self.template is None:
@@ -131,9 +136,7 @@ class PromptFormatter:
             raise _Malformed("the prompt is empty")
         if self.system_prompt is not None:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        if self.use_chat:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n\n".join(m["content"] for m in messages)
+        return messages
 
     def _messages_from_prompt(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
         prompt = row.get("prompt")

@@ -21,6 +21,13 @@ class Example:
     index: int
 
 
+def example_fields(row: dict[str, Any], formatter: PromptFormatter, prompt) -> dict[str, Any]:
+    """What reward functions get beside (prompts, completions): the row's fields the prompt
+    template did not read, and `prompt_messages`, the prompt's messages before any chat template
+    (a reward model applies its own)."""
+    return {**{k: v for k, v in row.items() if k not in formatter.prompt_fields}, "prompt_messages": prompt.messages}
+
+
 def first_usable(source: Sequence[dict[str, Any]], formatter: PromptFormatter, n: int) -> tuple[list[Example], int]:
     """The first `n` rows of `source` the formatter accepts, in order, each at most once (fewer
     when the source has fewer usable rows), and how many rows were rejected on the way."""
@@ -33,8 +40,7 @@ def first_usable(source: Sequence[dict[str, Any]], formatter: PromptFormatter, n
         if prompt is None:
             rejected += 1
             continue
-        fields = {k: v for k, v in row.items() if k not in formatter.prompt_fields}
-        examples.append(Example(prompt.ids, prompt.text, fields, index))
+        examples.append(Example(prompt.ids, prompt.text, example_fields(row, formatter, prompt), index))
     return examples, rejected
 
 
@@ -69,8 +75,7 @@ class PromptStream:
                         self._raise_nothing_usable(row)
                     continue
                 self._consecutive_skips = 0
-                fields = {k: v for k, v in row.items() if k not in self.formatter.prompt_fields}
-                batch.append(Example(prompt.ids, prompt.text, fields, index))
+                batch.append(Example(prompt.ids, prompt.text, example_fields(row, self.formatter, prompt), index))
         return batch
 
     def _raise_nothing_usable(self, row: Any) -> None:

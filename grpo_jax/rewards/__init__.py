@@ -16,7 +16,9 @@ from grpo_jax.rewards.combine import RewardFn, RewardResult, RewardSpec, combine
 from grpo_jax.rewards.countdown import countdown_reward, evaluate_expression, extract_expression
 from grpo_jax.rewards.format import format_reward
 from grpo_jax.rewards.length import overlong_reward
+from grpo_jax.rewards.llm_judge import LLMJudgeReward, parse_score
 from grpo_jax.rewards.math import extract_answer, math_accuracy, parse_number, strip_echo
+from grpo_jax.rewards.reward_model import RewardModelReward
 from grpo_jax.sandbox import SandboxResult, run_sandboxed, sandbox_isolation
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
@@ -25,6 +27,9 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "code": code_reward,
     "overlong": overlong_reward,
+    # A class: built once from its kwargs when the config is read (it loads a model).
+    "reward_model": RewardModelReward,
+    "llm_judge": LLMJudgeReward,
 }
 
 
@@ -78,6 +83,6 @@ def _import_reward(name: str) -> RewardFn:
 __all__ = [
     "REWARD_FUNCTIONS", "RewardFn", "RewardResult", "RewardSpec", "SandboxResult", "code_reward", "combine_rewards",
     "countdown_reward", "evaluate_expression", "extract_answer", "extract_code", "extract_expression",
-    "format_reward", "get_reward_fn", "overlong_reward", "math_accuracy", "parse_number", "run_sandboxed", "sandbox_isolation",
+    "format_reward", "get_reward_fn", "LLMJudgeReward", "parse_score", "RewardModelReward", "overlong_reward", "math_accuracy", "parse_number", "run_sandboxed", "sandbox_isolation",
     "strip_echo",
 ]

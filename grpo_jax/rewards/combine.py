@@ -32,11 +32,13 @@ class RewardResult:
     messages: dict[str, str]  # first exception message per failing function
 
     def metrics(self) -> dict[str, float]:
-        """`reward/<fn>/mean` over the samples each function could judge."""
+        """`reward/<fn>/mean` over the samples each function could judge, and `reward/<fn>/unjudged`:
+        the samples it returned None for (not those lost to an exception, counted in `failures`)."""
         out = {}
         for name, values in self.per_fn.items():
             judged = values[~np.isnan(values)]
             out[f"reward/{name}/mean"] = float(judged.mean()) if judged.size else float("nan")
+            out[f"reward/{name}/unjudged"] = float(values.size - judged.size - self.failures.get(name, 0))
         return out
 
 

@@ -1,0 +1,129 @@
+"""`llm_judge`: a generative judge. Any causal model we load reads a prompt built from the question,
+the answer and a rubric, writes a verdict (greedy, through our sampler, `batch_size` prompts at a
+time), and the verdict's score is parsed from its text.
+
+    rewards:
+      - name: llm_judge
+        kwargs: {path: DIR_OR_GGUF, rubric: "correct and concise", max_score: 10}
+
+The score is the last match of `pattern` (default "Score: N") divided by `max_score`, so a judge's
+0-10 becomes 0-1. A verdict without a score, or with one outside [0, max_score], is None: the sample
+is dropped from the loss and counted (`reward/llm_judge/unjudged`), never guessed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+DEFAULT_TEMPLATE = ("You grade answers. Rubric: {rubric}\n\nQuestion: {question}\nAnswer: {answer}\n\n"
+                    "Give a score from 0 to {max_score} and reply exactly 'Score: N'.")
+DEFAULT_PATTERN = r"score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
+
+
+def parse_score(text: str, *, pattern: str = DEFAULT_PATTERN, max_score: float = 10.0) -> float | None:
+    """The last score `pattern` finds in `text` (case-insensitive; group 1 is the number) divided by
+    `max_score`, or None when there is none or it lies outside [0, max_score]."""
+    found = re.findall(pattern, text, flags=re.IGNORECASE)
+    if not found:
+        return None
+    last = found[-1][0] if isinstance(found[-1], tuple) else found[-1]
+    try:
+        value = float(last)
+    except ValueError:
+        return None
+    if not 0.0 <= value <= max_score:
+        return None
+    return value / max_score
+
+
+class LLMJudgeReward:
+    """The `llm_judge` reward (see the module docstring). path: the judge model (an HF directory or
+    a .gguf file, with its tokenizer unless `tokenizer` names another); template: str.format over
+    question, answer, rubric and max_score (the question is the prompt's user message)."""
+
+    def __init__(self, *, path: str, rubric: str = "The answer is correct and concise.",
+                 template: str = DEFAULT_TEMPLATE, pattern: str = DEFAULT_PATTERN, max_score: float = 10.0,
+                 max_new_tokens: int = 16, batch_size: int = 16, max_prompt_tokens: int = 512,
+                 chat_template: str = "auto", tokenizer: str | None = None):
+        from grpo_jax.models import from_pretrained
+        from grpo_jax.models.hf import load_tokenizer
+
+        try:
+            template.format(question="q", answer="a", rubric="r", max_score=1)
+            re.compile(pattern)
+        except (KeyError, IndexError, ValueError, re.error) as e:
+            raise ValueError(f"llm_judge: template must use only {{question}}, {{answer}}, {{rubric}}, "
+                             f"{{max_score}} and pattern must be a regex: {e!r}") from None
+        if max_score <= 0 or max_new_tokens < 1 or batch_size < 1:
+            raise ValueError("llm_judge: max_score, max_new_tokens and batch_size must be positive")
+        if chat_template not in ("auto", "never"):
+            raise ValueError(f"llm_judge: chat_template must be 'auto' or 'never', got {chat_template!r}")
+        self.model = from_pretrained(path)
+        self.tokenizer = load_tokenizer(tokenizer or path)
+        self.use_chat = chat_template == "auto" and bool(getattr(self.tokenizer, "chat_template", None))
+        self.rubric, self.template, self.pattern, self.max_score = rubric, template, pattern, float(max_score)
+        self.batch_size, self.max_prompt_tokens = int(batch_size), int(max_prompt_tokens)
+        self.max_new_tokens = int(max_new_tokens)
+        self.unparsed = 0  # verdicts without a usable score, over the run
+        self.last_verdicts: list[str] = []  # the last call's judge outputs (for inspection and tests)
+        self.mesh = None
+
+    def place(self, mesh) -> None:
+        """Shard the judge on `mesh` by the policy's rules (one host's devices with several processes)."""
+        from grpo_jax.config import MeshConfig
+        from grpo_jax.sharding import make_mesh, place_model
+
+        if jax.process_count() > 1:
+            mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), jax.local_devices())
+        place_model(self.model, mesh)
+        self.mesh = mesh
+
+    def judge_prompt(self, prompt: str, completion: str, messages=None) -> list[int]:
+        """The judge's prompt ids for one sample (the question: the prompt's last user message)."""
+        question = prompt
+        if messages:
+            question = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), prompt)
+        text = self.template.format(question=question, answer=completion, rubric=self.rubric,
+                                    max_score=f"{self.max_score:g}")
+        if self.use_chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=not self.use_chat))
+        return ids[-self.max_prompt_tokens:]
+
+    def verdicts(self, prompt_ids: Sequence[list[int]]) -> list[str]:
+        """The judge's greedy outputs for each prompt, `batch_size` prompts per sampler call."""
+        from grpo_jax.config import SamplingConfig
+        from grpo_jax.sampling import generate
+        from grpo_jax.sharding import rows_per_shard
+
+        tok = self.tokenizer
+        stops = tuple(self.model.config.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
+        longest = max(len(p) for p in prompt_ids)
+        bucket = 1 << max(4, (longest - 1).bit_length())  # one compile per power of two
+        sampling = SamplingConfig(group_size=1, max_new_tokens=self.max_new_tokens, temperature=0.0,
+                                  prompt_buckets=(bucket,), stop_token_ids=stops, pad_token_id=pad)
+        B = self.batch_size if self.mesh is None else -(-self.batch_size // rows_per_shard(self.mesh)) * rows_per_shard(self.mesh)
+        out: list[str] = []
+        for start in range(0, len(prompt_ids), B):
+            chunk = list(prompt_ids[start:start + B])
+            real = len(chunk)
+            chunk += [chunk[0]] * (B - real)  # a fixed batch: one compiled shape
+            rollout = generate(self.model, chunk, sampling, jax.random.key(0), mesh=self.mesh)
+            tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
+            out += [tok.decode(list(tokens[i, :lengths[i]]), skip_special_tokens=True) for i in range(real)]
+        return out
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], prompt_messages=None,
+                 **_fields: Any) -> list[float | None]:
+        messages = prompt_messages if prompt_messages is not None else [None] * len(prompts)
+        ids = [self.judge_prompt(p, c, m) for p, c, m in zip(prompts, completions, messages)]
+        self.last_verdicts = self.verdicts(ids)
+        scores = [parse_score(v, pattern=self.pattern, max_score=self.max_score) for v in self.last_verdicts]
+        self.unparsed += sum(s is None for s in scores)
+        return scores
