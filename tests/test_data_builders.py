@@ -27,7 +27,7 @@ def data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tfds")
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "arithmetic_preferences"])
 def test_synthetic_deterministic_per_seed_and_splits_disjoint(name, data_dir, tmp_path):
     train = rows(load_source(name, "train", data_dir=data_dir, seed=1, **SMALL))
     test = rows(load_source(name, "test", data_dir=data_dir, seed=1, **SMALL))
@@ -47,6 +47,22 @@ def test_synthetic_deterministic_per_seed_and_splits_disjoint(name, data_dir, tm
 
     assert len({problem(r) for r in train}) == 60  # distinct problems within a split...
     assert not {problem(r) for r in train} & {problem(r) for r in test}  # ...and across splits
+
+
+def test_preference_pairs_prefer_the_right_concise_answer(data_dir):
+    source = load_source("arithmetic_preferences", "train", data_dir=data_dir, num_train=300, num_test=10, max_offset=4)
+    kinds = set()
+    for row in rows(source):
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", row["question"]).groups())
+        assert row["chosen"] == row["answer"] == str(a + b)
+        kinds.add(row["kind"])
+        if row["kind"] == "wrong":
+            assert 1 <= abs(int(row["rejected"]) - (a + b)) <= 4
+        else:  # the right number, buried in filler
+            assert row["rejected"] != row["chosen"] and re.findall(r"\d+", row["rejected"]) == [row["chosen"]]
+    assert kinds == {"wrong", "verbose"}
+    with pytest.raises(ValueError, match="kinds must be a non-empty subset"):
+        load_source("arithmetic_preferences", "train", data_dir=data_dir, kinds=["rude"])
 
 
 def test_more_train_rows_leave_the_test_split_unchanged(data_dir):
@@ -183,7 +199,7 @@ def test_gsm8k_bad_line_names_file_and_line(tmp_path):
 
 
 def test_load_source_errors(data_dir, tmp_path):
-    valid = r"\['arithmetic', 'countdown', 'word_problems', 'gsm8k'\]"
+    valid = r"\['arithmetic', 'countdown', 'word_problems', 'arithmetic_preferences', 'gsm8k'\]"
     with pytest.raises(ValueError, match=rf"unknown dataset 'gsm8K'.*{valid}.*did you mean 'gsm8k'"):
         load_source("gsm8K", "train", data_dir=data_dir)
     with pytest.raises(ValueError, match=r"no split 'tset'.*\['test', 'train'\].*did you mean 'test'"):

@@ -136,7 +136,9 @@ def test_stream_skips_bad_rows_and_keeps_going(tok):
     for e in examples:
         row = source[e.index]
         assert e.prompt_text == row["question"] and e.prompt_ids == tok.encode(row["question"])
-        assert e.fields == {"answer": row["answer"], "id": row["id"]}  # prompt field left out
+        # The prompt's field is left out; its messages (before any chat template) are added for reward models.
+        assert e.fields == {"answer": row["answer"], "id": row["id"],
+                            "prompt_messages": [{"role": "user", "content": row["question"]}]}
     stats = stream.stats
     assert stats["formatted"] == 24 and stats["epoch"] >= 2
     assert stats["skipped_malformed"] >= 4 and stats["skipped_overlong"] >= 2
@@ -171,6 +173,6 @@ def test_stream_over_a_tfds_source(tmp_path, tok):
     batch = PromptStream(source, IndexSampler(len(source), seed=1), fmt).next_batch(5)
     assert len({e.index for e in batch}) == 5
     for e in batch:
-        assert set(e.fields) == {"answer", "numbers", "target", "id"}
+        assert set(e.fields) == {"answer", "numbers", "target", "id", "prompt_messages"}
         assert e.prompt_text == source[e.index]["question"]
         assert f"reach {e.fields['target']}" in e.prompt_text
