@@ -84,6 +84,8 @@ def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit:
         if limit and stats["pairs"] == limit:
             break
         try:
+            if not isinstance(row, dict) or "_error" in row:
+                raise ValueError(row.get("_error") if isinstance(row, dict) else f"a {type(row).__name__}, not an object")
             user = d.template.format(**row)
             answers = [row[d.chosen_field], row[d.rejected_field]]
             margin = float(row[d.margin_field]) if d.margin_field else 0.0
@@ -91,7 +93,8 @@ def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit:
                 raise ValueError("the answers are not text, or the margin is not a finite number")
         except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
             stats["skipped"] += 1
-            stats["first_skip"] = stats["first_skip"] or f"{type(e).__name__}: {e} (row keys {sorted(row)})"
+            keys = sorted(row) if isinstance(row, dict) else []
+            stats["first_skip"] = stats["first_skip"] or f"{type(e).__name__}: {e} (row keys {keys})"
             continue
         messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + [
             {"role": "user", "content": user}]

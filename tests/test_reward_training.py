@@ -162,3 +162,25 @@ def test_the_llm_judge_runs_through_the_sampler_and_counts_unparsable_verdicts(t
     assert np.isnan(result.per_fn["llm_judge"]).all()
     assert result.metrics()["reward/llm_judge/unjudged"] == 5 and judge.unparsed == 5
     assert not result.failures  # None is not a failure: the judge ran and said nothing usable
+
+
+def test_train_rm_reads_jsonl_pairs_and_skips_bad_rows_with_a_count(tmp_path, capsys):
+    good = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1), "m": 0.5}
+            for a in range(6) for b in range(5)]
+    lines = [json.dumps(r) for r in good[:24]] + ["{not json", json.dumps({"prompt": "1+1=", "chosen": "2"}),
+                                                   json.dumps({"prompt": "1+1=", "chosen": 2, "rejected": "3"})]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in good[24:]) + "\n")
+    config = rm_config(tmp_path, steps=3, eval_every=0)
+    config["data"] = {"name": None, "train_file": str(tmp_path / "train.jsonl"), "eval_file": str(tmp_path / "test.jsonl"),
+                      "template": "{prompt}", "margin_field": "m", "max_length": 16}
+    out = tmp_path / "rm"
+    assert cli.main(["train-rm", "--config", write_config(tmp_path, config), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "24 train pairs, 3 rows skipped" in printed and "not JSON" in printed
+    assert "6 held-out pairs, 0 rows skipped" in printed
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
+    assert (out / "hf" / "config.json").exists() and (out / "hf" / "tokenizer.json").exists()
+    config["data"]["eval_file"] = None
+    assert cli.main(["train-rm", "--config", write_config(tmp_path, config, "bad.yaml")]) == 2
+    assert "both data.train_file and data.eval_file" in capsys.readouterr().err
