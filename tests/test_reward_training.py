@@ -13,9 +13,11 @@ import yaml
 from test_trainer import CONFIG, write_config
 
 from grpo_jax import cli
-from grpo_jax.config import ConfigError, load_config
+from grpo_jax.config import ConfigError, load_config, load_rm_config
+from grpo_jax.data import char_tokenizer
 from grpo_jax.metrics import read_metrics
 from grpo_jax.rewards import LLMJudgeReward, parse_score
+from grpo_jax.reward_training import encode_pairs, read_rows
 from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
 
 TINY = {"family": "qwen3", "hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 4,
@@ -95,6 +97,27 @@ def test_a_grpo_run_on_the_trained_reward_model_raises_its_score(trained_rm):
     assert all("eval/verifier_accuracy" in r and "health/verifier_disagreement" in r for r in evals)
 
 
+def test_reward_model_scores_are_the_same_sharded_on_a_mesh_and_normalise_as_documented(trained_rm):
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.sharding import make_mesh
+
+    _, rm = trained_rm
+    prompts = [f"{a}+{b}=" for a in range(3, 9) for b in (1, 7)]
+    completions = [str(int(p[0]) + int(p[2])) if i % 3 else "maybe 7" for i, p in enumerate(prompts)]
+    plain = RewardModelReward(path=str(rm / "hf"), batch_size=8)
+    sharded = RewardModelReward(path=str(rm / "hf"), batch_size=8, normalize=True)
+    sharded.place(make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    assert len(sharded.model.score[...].sharding.device_set) == 8
+    raw = np.asarray(plain(prompts, completions))
+    np.testing.assert_allclose(sharded.raw_scores([p + c for p, c in zip(prompts, completions)]), raw, atol=1e-4)
+    # Normalised by the statistics of everything scored so far (this batch included) ...
+    np.testing.assert_allclose(sharded(prompts, completions), (raw - raw.mean()) / raw.std(), atol=1e-3)
+    # ... which held-out scoring (frozen) uses without adding to them.
+    frozen = sharded.frozen()(prompts[:3], completions[:3])
+    assert sharded.moments.count == len(prompts)
+    np.testing.assert_allclose(frozen, (raw[:3] - raw.mean()) / raw.std(), atol=1e-3)
+
+
 def test_running_normalisation_matches_numpy_and_survives_a_state_round_trip():
     rng = np.random.default_rng(0)
     parts = [rng.normal(3.0, 2.0, n) for n in (5, 1, 17, 8)]
@@ -164,23 +187,27 @@ def test_the_llm_judge_runs_through_the_sampler_and_counts_unparsable_verdicts(t
     assert not result.failures  # None is not a failure: the judge ran and said nothing usable
 
 
-def test_train_rm_reads_jsonl_pairs_and_skips_bad_rows_with_a_count(tmp_path, capsys):
+def test_jsonl_pairs_are_encoded_as_the_reward_scores_them_and_bad_rows_skipped_with_a_count(tmp_path, capsys):
     good = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1), "m": 0.5}
             for a in range(6) for b in range(5)]
     lines = [json.dumps(r) for r in good[:24]] + ["{not json", json.dumps({"prompt": "1+1=", "chosen": "2"}),
                                                    json.dumps({"prompt": "1+1=", "chosen": 2, "rejected": "3"})]
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in good[24:]) + "\n")
-    config = rm_config(tmp_path, steps=3, eval_every=0)
+    config = rm_config(tmp_path)
     config["data"] = {"name": None, "train_file": str(tmp_path / "train.jsonl"), "eval_file": str(tmp_path / "test.jsonl"),
-                      "template": "{prompt}", "margin_field": "m", "max_length": 16}
-    out = tmp_path / "rm"
-    assert cli.main(["train-rm", "--config", write_config(tmp_path, config), "--output", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "24 train pairs, 3 rows skipped" in printed and "not JSON" in printed
-    assert "6 held-out pairs, 0 rows skipped" in printed
-    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
-    assert (out / "hf" / "config.json").exists() and (out / "hf" / "tokenizer.json").exists()
+                      "template": "{prompt}", "margin_field": "m", "max_length": 8}
+    rm = load_rm_config(write_config(tmp_path, config), ["train.margin=0.25"])
+    tok = char_tokenizer(add_bos=True)
+    pairs, stats = encode_pairs(read_rows(rm, "train"), rm, tok)
+    assert (stats["pairs"], stats["skipped"]) == (24, 3) and "not JSON" in stats["first_skip"]
+    assert stats["truncated"] == 0 and pairs.ids.shape == (24, 2, 8)
+    np.testing.assert_allclose(pairs.margin, 0.75)  # the row's margin plus train.margin
+    # The chosen text is the prompt followed by the answer, right-padded, exactly as the reward scores it.
+    first = tok.decode([t for t in pairs.ids[0, 0] if t], skip_special_tokens=True)
+    assert first == "0+0=0" and pairs.mask[0, 0].sum() == len("0+0=0") + 1  # + <bos>
+    held, held_stats = encode_pairs(read_rows(rm, "eval"), rm, tok, limit=4)
+    assert held_stats["pairs"] == 4 and held.ids.shape[0] == 4
     config["data"]["eval_file"] = None
     assert cli.main(["train-rm", "--config", write_config(tmp_path, config, "bad.yaml")]) == 2
     assert "both data.train_file and data.eval_file" in capsys.readouterr().err
