@@ -1,5 +1,6 @@
-"""Checkpoints and resume without a run: a saved step restores the train state, the KL reference
-and the prompt stream's position; a checkpoint that does not fit this run is a ConfigError."""
+"""Checkpoints and resume without a run: a saved step restores the train state, the KL reference,
+the prompt stream's position and the state of rewards that keep one; a checkpoint that does not
+fit this run is a ConfigError."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from grpo_jax.config import ConfigError
 from grpo_jax.data import IndexSampler
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
+from grpo_jax.rewards import RewardSpec
+from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
 from grpo_jax.train_step import init_state, make_optimizer
+
+
+class Moments(RewardModelReward):
+    """The reward model's state handling without a model."""
+
+    def __init__(self):
+        self.moments = RunningMoments()
 
 
 def state_of(seed: int):
@@ -28,14 +38,20 @@ def test_a_saved_step_resumes_state_reference_and_stream(tmp_path):
     saved, reference = state_of(0), state_of(1).params
     stream = IndexSampler(50, seed=3)
     stream.next(17)
+    normaliser = Moments()  # a reward with state (a reward model's running normalisation)
+    normaliser.moments.update(np.array([1.0, 2.0, 4.0]))
     checkpointer = Checkpointer(tmp_path / "checkpoints")
-    save_step(checkpointer, 5, saved, stream=stream, seed=3, reference=reference)
+    save_step(checkpointer, 5, saved, stream=stream, seed=3, reference=reference,
+              rewards=[RewardSpec("rm", normaliser), RewardSpec("plain", lambda p, c, **_: [0.0] * len(c))])
     checkpointer.close()
 
     fresh = IndexSampler(50, seed=3)
+    restored_normaliser = Moments()
     checkpointer = Checkpointer(tmp_path / "checkpoints")
     assert checkpointer.all_steps()[0] == 5
-    state, ref = resume(checkpointer, 5, state_of(2), stream=fresh, reference=state_of(2).params)
+    state, ref = resume(checkpointer, 5, state_of(2), stream=fresh, reference=state_of(2).params,
+                        rewards=[RewardSpec("rm", restored_normaliser)])
+    assert restored_normaliser.state() == normaliser.state() and restored_normaliser.moments.count == 3
     for a, b in zip(leaves(saved), leaves(state)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(leaves(reference), leaves(ref)):

@@ -109,8 +109,10 @@ def test_registry_names_the_valid_names_and_the_nearest_one():
     assert get_reward_fn("format") is format_reward
     assert get_reward_fn("countdown") is countdown_reward
     assert get_reward_fn("code") is code_reward
-    assert set(REWARD_FUNCTIONS) == {"math_accuracy", "format", "countdown", "code", "overlong"}
-    with pytest.raises(ValueError, match=r"'math_acuracy' \(did you mean 'math_accuracy'\?\); valid names: code, countdown, format, math_accuracy, overlong"):
+    assert set(REWARD_FUNCTIONS) == {"math_accuracy", "format", "countdown", "code", "overlong", "reward_model",
+                                     "llm_judge"}
+    with pytest.raises(ValueError, match=r"'math_acuracy' \(did you mean 'math_accuracy'\?\); valid names: code, "
+                                         r"countdown, format, llm_judge, math_accuracy, overlong, reward_model"):
         get_reward_fn("math_acuracy")
     with pytest.raises(ValueError, match="unknown reward function 'zzz'"):
         get_reward_fn("zzz")
