@@ -169,7 +169,8 @@ def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_
         "rewards": [{"name": f"{tmp_path / 'spread.py'}:spread"}, {"name": "math_accuracy", "weight": 0.0}],
         "sampling": {"group_size": 2, "max_new_tokens": 8, "prompt_buckets": [64]},
         "train": {"steps": 1, "learning_rate": 1e-4, "progress": False, "samples_every": 0},
-        "eval": {"num_prompts": 2, "k": 1, "reward": "math_accuracy"}, "checkpoint": {"every": 0, "every_minutes": 0},
+        # k = group_size: the evaluations sample with the training sampler's shapes, one compile for all three.
+        "eval": {"num_prompts": 2, "k": 2, "reward": "math_accuracy"}, "checkpoint": {"every": 0, "every_minutes": 0},
         "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
     })
     trainer = Trainer(config, tmp_path / "run", log=lambda line: None)

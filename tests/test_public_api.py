@@ -134,3 +134,20 @@ def test_from_pretrained_and_save_pretrained_by_keyword(tmp_path):
     loaded = from_pretrained(path=tmp_path / "hf", dtype=jnp.float32, param_dtype=jnp.float32)
     ids = jnp.asarray([[1, 5, 9, 3]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(loaded(input_ids=ids)), np.asarray(model(input_ids=ids)))
+
+
+def test_reward_models_and_their_scorer_by_keyword(tmp_path):
+    from grpo_jax.data import char_tokenizer
+    from grpo_jax.models.presets import tiny
+    from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_reward_model
+    from grpo_jax.rewards import RewardModelReward, parse_score
+
+    model = RewardModel(tiny("qwen3"), pad_token_id=0, num_labels=1, rngs=nnx.Rngs(0))
+    save_reward_model(model=model, path=tmp_path / "rm", tokenizer=char_tokenizer(add_bos=True))
+    loaded = load_reward_model(path=tmp_path / "rm", dtype=jnp.float32, param_dtype=jnp.float32)
+    ids = jnp.asarray([[1, 5, 9, 3], [1, 7, 0, 0]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(loaded(input_ids=ids, attention_mask=ids != 0)),
+                                  np.asarray(model(input_ids=ids, attention_mask=ids != 0)))
+    scorer = RewardModelReward(path=str(tmp_path / "rm"), batch_size=2, normalize=False, max_length=16)
+    assert len(scorer(prompts=["1+1="], completions=["2"])) == 1
+    assert parse_score(text="Score: 5", pattern=r"score:\s*(\d+)", max_score=10.0) == 0.5
