@@ -37,7 +37,7 @@ from grpo_jax.models import from_pretrained
 from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_reward_model
 from grpo_jax.rewards.reward_model import rm_input
 from grpo_jax.run import JNP_DTYPES, architecture, build_tokenizer
-from grpo_jax.sharding import batch_sharding, make_mesh, mesh_devices, place_model, replicated, rows_per_shard
+from grpo_jax.sharding import batch_sharding, make_mesh, mesh_devices, place_model, rows_per_shard
 
 
 @dataclasses.dataclass
@@ -145,7 +145,9 @@ def _pair_scores(model: RewardModel, ids_B2T, mask_B2T):
 
 
 def make_steps(graphdef, optimizer, mesh):
-    """(train step, scoring step), jitted with the params' shardings and rows over data x fsdp."""
+    """(train step, scoring step), jitted. The params (and Adam's moments, made from them) keep the
+    shardings `place_model` gave them; the pairs' rows are split over data x fsdp (`rows`); the
+    params are donated."""
 
     def train_step(params, opt_state, ids, mask, margin):
         def loss_fn(p):
@@ -161,11 +163,18 @@ def make_steps(graphdef, optimizer, mesh):
     def score_step(params, ids, mask):
         return _pair_scores(nnx.merge(graphdef, params), ids, mask)
 
-    rows = batch_sharding(mesh, 3)
-    train = jax.jit(train_step, donate_argnums=(0, 1), out_shardings=(None, None, replicated(mesh)),
-                    in_shardings=(None, None, rows, rows, batch_sharding(mesh, 1)))
-    score = jax.jit(score_step, in_shardings=(None, rows, rows), out_shardings=replicated(mesh))
-    return train, score
+    pairs, margins = batch_sharding(mesh, 3), batch_sharding(mesh, 1)
+    train = jax.jit(train_step, donate_argnums=(0, 1))
+    score = jax.jit(score_step)
+
+    def train_placed(params, opt_state, ids, mask, margin):
+        ids, mask, margin = jax.device_put((ids, mask, margin), (pairs, pairs, margins))
+        return train(params, opt_state, ids, mask, margin)
+
+    def score_placed(params, ids, mask):
+        return score(params, *jax.device_put((ids, mask), (pairs, pairs)))
+
+    return train_placed, score_placed
 
 
 def evaluate_pairs(score, params, pairs: Pairs, batch: int) -> dict[str, float]:

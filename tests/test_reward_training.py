@@ -211,3 +211,18 @@ def test_jsonl_pairs_are_encoded_as_the_reward_scores_them_and_bad_rows_skipped_
     config["data"]["eval_file"] = None
     assert cli.main(["train-rm", "--config", write_config(tmp_path, config, "bad.yaml")]) == 2
     assert "both data.train_file and data.eval_file" in capsys.readouterr().err
+
+
+def test_train_rm_on_a_2x2x2_mesh_equals_one_device(tmp_path):
+    runs = {}
+    for name, mesh in (("one", {"data": 1, "fsdp": 1, "tensor": 1}), ("eight", {"data": 2, "fsdp": 2, "tensor": 2})):
+        config = {**rm_config(tmp_path, steps=3, eval_every=0, batch_size=8), "mesh": mesh}
+        config["data"]["builder_kwargs"] = {"num_train": 64, "num_test": 16}
+        out = tmp_path / name
+        assert cli.main(["train-rm", "--config", write_config(tmp_path, config, f"{name}.yaml"),
+                         "--output", str(out)]) == 0
+        runs[name] = read_metrics(out)
+    for a, b in zip(runs["one"], runs["eight"], strict=True):
+        for key in ("rm/loss", "rm/pair_accuracy", "rm/eval_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
