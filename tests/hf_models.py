@@ -41,7 +41,12 @@ def build_hf_model(case: str, seed: int = 0) -> transformers.PreTrainedModel:
     config = cls(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    gemma = config.model_type == "gemma3_text"
+    return randomize_(model)
+
+
+def randomize_(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """`model` with every weight redrawn far from its default init (norms around their identity)."""
+    gemma = model.config.model_type == "gemma3_text"
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hf_models import CASES, left_padded_batch
+from hf_models import CASES, left_padded_batch, randomize_
 
 from grpo_jax.models.reward_model import last_token_index, load_reward_model, save_reward_model
 
@@ -19,15 +19,7 @@ def build_hf_classifier(case: str, num_labels: int = 1, seed: int = 0):
     config = cls(**kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_labels=num_labels)
     torch.manual_seed(seed)
     model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="eager")
-    model = model.float().eval()
-    gemma = config.model_type == "gemma3_text"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.2 + (0.0 if gemma else 1.0))
-            else:
-                p.copy_(torch.randn_like(p) * 0.15)
-    return model
+    return randomize_(model.float().eval())
 
 
 def right_padded(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

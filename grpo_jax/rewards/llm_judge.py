@@ -73,14 +73,10 @@ class LLMJudgeReward:
         self.mesh = None
 
     def place(self, mesh) -> None:
-        """Shard the judge on `mesh` by the policy's rules (one host's devices with several processes)."""
-        from grpo_jax.config import MeshConfig
-        from grpo_jax.sharding import make_mesh, place_model
+        """Shard the judge on `mesh` by the policy's rules (`rewards.reward_model.place_on`)."""
+        from grpo_jax.rewards.reward_model import place_on
 
-        if jax.process_count() > 1:
-            mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), jax.local_devices())
-        place_model(self.model, mesh)
-        self.mesh = mesh
+        self.mesh = place_on(self.model, mesh)
 
     def judge_prompt(self, prompt: str, completion: str, messages=None) -> list[int]:
         """The judge's prompt ids for one sample (the question: the prompt's last user message)."""

@@ -45,6 +45,19 @@ def rm_input(tokenizer, prompt: str, completion: str, messages: Sequence[Mapping
     return text + completion
 
 
+def place_on(model, mesh):
+    """Place a scoring model (a reward model, a judge) on the run's `mesh` by the policy's sharding
+    rules, and return the mesh it is on. With several processes each host scores its own rows, so
+    the model goes on a mesh of this host's devices instead."""
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.sharding import make_mesh, place_model
+
+    if jax.process_count() > 1:
+        mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), jax.local_devices())
+    place_model(model, mesh)
+    return mesh
+
+
 class RunningMoments:
     """Mean and variance of every value seen so far (Chan et al.'s parallel update)."""
 
@@ -97,15 +110,8 @@ class RewardModelReward:
 
     # ------------------------------------------------------------------ placement
     def place(self, mesh) -> None:
-        """Shard the reward model on `mesh` by the policy's rules. With several processes, each
-        host scores its own rows, so the model goes on a mesh of this host's devices instead."""
-        from grpo_jax.config import MeshConfig
-        from grpo_jax.sharding import make_mesh, place_model
-
-        if jax.process_count() > 1:
-            mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), jax.local_devices())
-        place_model(self.model, mesh)
-        self.mesh, self._jitted = mesh, None
+        """Shard the reward model on `mesh` by the policy's rules (`place_on`)."""
+        self.mesh, self._jitted = place_on(self.model, mesh), None
 
     def _score_fn(self):
         if self._jitted is None:
