@@ -231,16 +231,17 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
     rng = np.random.default_rng(t.seed)
     order, cursor = rng.permutation(len(train.margin)), 0
     eval_steps = {0, t.steps} | ({*range(t.eval_every, t.steps, t.eval_every)} if t.eval_every else set())
-    last = {}
     with MetricsWriter(out) as writer, ProgressBar(t.steps, enabled=t.progress) as bar:
         last = evaluate_pairs(score, params, held, batch)
         writer.write(0, last)
         log(f"eval at step 0: pair accuracy {last['rm/pair_accuracy']:.3f}")
         for step in range(1, t.steps + 1):
-            if cursor + batch > len(order):
-                order, cursor = rng.permutation(len(train.margin)), 0
-            idx = order[cursor:cursor + batch]
+            # Every batch has `batch` pairs (one compiled shape), even from fewer pairs than that:
+            # an epoch's order wraps around, then a new order is drawn.
+            idx = np.take(order, np.arange(cursor, cursor + batch), mode="wrap")
             cursor += batch
+            if cursor >= len(order):
+                order, cursor = rng.permutation(len(train.margin)), 0
             t0 = time.perf_counter()
             params, opt_state, metrics = train_step(params, opt_state, train.ids[idx], train.mask[idx],
                                                     train.margin[idx])
