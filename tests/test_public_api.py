@@ -149,5 +149,6 @@ def test_reward_models_and_their_scorer_by_keyword(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(input_ids=ids, attention_mask=ids != 0)),
                                   np.asarray(model(input_ids=ids, attention_mask=ids != 0)))
     scorer = RewardModelReward(path=str(tmp_path / "rm"), batch_size=2, normalize=False, max_length=16)
-    assert len(scorer(prompts=["1+1="], completions=["2"])) == 1
+    assert len(scorer(prompts=["1+1=", "1+1="], completions=["2", "2 and some more than sixteen"])) == 2
+    assert scorer.truncated == 1  # cut to its last 16 tokens, and counted
     assert parse_score(text="Score: 5", pattern=r"score:\s*(\d+)", max_score=10.0) == 0.5

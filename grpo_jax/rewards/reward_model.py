@@ -105,6 +105,7 @@ class RewardModelReward:
         self.path, self.batch_size, self.max_length, self.label = str(path), int(batch_size), int(max_length), label
         self.normalize = bool(normalize)
         self.moments = RunningMoments()
+        self.truncated = 0  # inputs cut to their last max_length tokens, over the run
         self.mesh = None
         self._jitted = None
 
@@ -133,7 +134,9 @@ class RewardModelReward:
 
     # ------------------------------------------------------------------ scoring
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text; longer than max_length: its last tokens, counted in `truncated`."""
         ids = self.tokenizer(list(texts), add_special_tokens=not self.use_chat)["input_ids"]
+        self.truncated += sum(len(row) > self.max_length for row in ids)
         return [list(row[-self.max_length:]) for row in ids]
 
     def raw_scores(self, texts: Sequence[str]) -> np.ndarray:
