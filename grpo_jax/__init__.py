@@ -4,10 +4,10 @@ The main API, importable from here:
 
 - `from_pretrained(path, dtype=..., param_dtype=...)`, `save_pretrained(model, path)`: Hugging Face
   checkpoints to and from our Flax NNX decoder (grpo_jax.models);
-- `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.sampling);
-- `group_advantages(rewards, group_size, *, scale, estimator)` (grpo_jax.grpo);
+- `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.rollout.sampling);
+- `group_advantages(rewards, group_size, *, scale, estimator)` (grpo_jax.learner.grpo);
 - `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir)`
-  (grpo_jax.trainer).
+  (grpo_jax.trainer.loop).
 
 Names are loaded on first use, so `import grpo_jax.config` (a leaf) does not import JAX.
 """
@@ -19,12 +19,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "from_pretrained": "grpo_jax.models",
     "save_pretrained": "grpo_jax.models",
-    "generate": "grpo_jax.sampling",
+    "generate": "grpo_jax.rollout.sampling",
     "SamplingConfig": "grpo_jax.config",
-    "group_advantages": "grpo_jax.grpo",
+    "group_advantages": "grpo_jax.learner.grpo",
     "RunConfig": "grpo_jax.config",
     "load_config": "grpo_jax.config",
-    "train": "grpo_jax.trainer",
+    "train": "grpo_jax.trainer.loop",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -26,10 +26,10 @@ def _smoke(args: argparse.Namespace) -> int:
     import numpy as np
     from flax import nnx
 
-    from grpo_jax.logprobs import completion_logprobs
+    from grpo_jax.learner.logprobs import completion_logprobs
     from grpo_jax.models import Transformer, from_pretrained, save_pretrained
     from grpo_jax.models.presets import tiny
-    from grpo_jax.sampling import generate
+    from grpo_jax.rollout.sampling import generate
 
     t0 = time.perf_counter()
     config = tiny(args.family)
@@ -82,7 +82,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from grpo_jax import bench
+    from grpo_jax.tools import bench
 
     allowed = _BENCH_OPTIONS[args.which]
     wrong = ["--" + k.replace("_", "-") for k in dict.fromkeys(k for opts in _BENCH_OPTIONS.values() for k in opts)
@@ -130,8 +130,8 @@ def _load(args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace) -> int:
-    from grpo_jax.run import initialize_distributed
-    from grpo_jax.trainer import train
+    from grpo_jax.trainer.prepare import initialize_distributed
+    from grpo_jax.trainer.loop import train
 
     config = _load(args)
     initialize_distributed(config)
@@ -149,7 +149,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _train_rm(args: argparse.Namespace) -> int:
     from grpo_jax.config import load_rm_config
-    from grpo_jax.reward_training import train_reward_model
+    from grpo_jax.tools.reward_training import train_reward_model
 
     config = load_rm_config(args.config, args.set or ())
     out = Path(args.output or Path("runs") / Path(args.config).stem)
@@ -162,10 +162,10 @@ def _train_rm(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import jax
 
-    from grpo_jax.checkpoint import load_policy
-    from grpo_jax.evaluation import evaluate
-    from grpo_jax.run import JNP_DTYPES, prepare
-    from grpo_jax.sharding import place_model
+    from grpo_jax.trainer.checkpoint import load_policy
+    from grpo_jax.rollout.evaluation import evaluate
+    from grpo_jax.trainer.prepare import JNP_DTYPES, prepare
+    from grpo_jax.runtime.sharding import place_model
 
     config = _load(args)
     prepared = prepare(config)  # data and reward checks before the checkpoint is read
@@ -184,7 +184,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from grpo_jax.checkpoint import load_policy
+    from grpo_jax.trainer.checkpoint import load_policy
     from grpo_jax.models import save_pretrained
 
     model, tokenizer, files = load_policy(args.checkpoint)
@@ -214,7 +214,7 @@ def _peft_base(files) -> str | None:
     from the exported step's metadata (fingerprint checked), else None."""
     import orbax.checkpoint as ocp
 
-    from grpo_jax import lora_base
+    from grpo_jax.trainer import lora_base
 
     with ocp.CheckpointManager(files.checkpoints) as manager:
         saved = manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["base"]
@@ -243,14 +243,14 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from grpo_jax.metrics import plot_run
+    from grpo_jax.observe.metrics import plot_run
 
     print(plot_run(args.run_dir, args.out))
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
-    from grpo_jax.report import screenshot, write_report
+    from grpo_jax.observe.report import screenshot, write_report
 
     try:
         path, flags = write_report(args.run_dir, args.out)

@@ -1,5 +1,5 @@
 """One process of a training run in its own interpreter (its own device count, and with several
-processes a multi-host run), started by tests/test_trainer_parallel.py; not a test itself.
+processes a multi-host run), started by tests/trainer/test_multihost.py; not a test itself.
 
     python tests/multihost_worker.py OUT_DIR RUN_DIR NUM_DEVICES NUM_PROCESSES PROCESS_ID PORT [--set k=v ...]
 
@@ -29,9 +29,9 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 
-from grpo_jax import trainer as trainer_module  # noqa: E402
+from grpo_jax.trainer import loop as trainer_module  # noqa: E402
 from grpo_jax.config import load_config  # noqa: E402
-from grpo_jax.run import initialize_distributed  # noqa: E402
+from grpo_jax.trainer.prepare import initialize_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if int(num_processes) > 1:

@@ -12,7 +12,7 @@ from flax import nnx
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.sampling import Rollout, check_rollout, generate, pad_prompts
+from grpo_jax.rollout.sampling import Rollout, check_rollout, generate, pad_prompts
 
 # --- models and sampling
 
@@ -75,7 +75,10 @@ def test_the_package_exports_the_main_api_lazily():
     expected = {"from_pretrained", "save_pretrained", "generate", "SamplingConfig", "group_advantages", "RunConfig",
                 "load_config", "train"}
     assert set(grpo_jax.__all__) == expected and expected <= set(dir(grpo_jax))
-    from grpo_jax import config, grpo, models, sampling, trainer
+    from grpo_jax import config, models
+    from grpo_jax.learner import grpo
+    from grpo_jax.rollout import sampling
+    from grpo_jax.trainer import loop as trainer
 
     assert grpo_jax.from_pretrained is models.from_pretrained and grpo_jax.save_pretrained is models.save_pretrained
     assert grpo_jax.generate is sampling.generate and grpo_jax.group_advantages is grpo.group_advantages
@@ -89,7 +92,7 @@ def test_the_package_exports_the_main_api_lazily():
 
 
 def test_group_advantages_by_keyword():
-    from grpo_jax.grpo import group_advantages
+    from grpo_jax.learner.grpo import group_advantages
 
     rewards = jnp.asarray([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     out = group_advantages(rewards=rewards, group_size=4, scale="none", estimator="rloo")
@@ -99,7 +102,7 @@ def test_group_advantages_by_keyword():
 
 
 def test_gae_by_keyword():
-    from grpo_jax.ppo import gae
+    from grpo_jax.learner.ppo import gae
 
     # One row, reward 1 on its last real token, values 0.5: with gamma = lam = 1 the advantage of
     # every token is the return minus its value.
@@ -113,7 +116,7 @@ def test_load_config_and_train_by_keyword(tmp_path):
     import yaml
 
     from grpo_jax.config import ConfigError, RunConfig, load_config
-    from grpo_jax.trainer import train
+    from grpo_jax.trainer.loop import train
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "no_model")}, "rewards": [{"name": "format"}],

@@ -20,7 +20,7 @@ RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """How the sampler draws G completions per prompt (grpo_jax.sampling.generate)."""
+    """How the sampler draws G completions per prompt (grpo_jax.rollout.sampling.generate)."""
 
     group_size: int = 8
     max_new_tokens: int = 256
@@ -276,7 +276,7 @@ class TrainConfig:
     micro_batches: int = 1
     logprob_chunk: int = 128
     # The policy and reference passes run each group's prompt once and let its G completions attend
-    # to it (equal to every row carrying its own copy, tests/test_shared_prompt.py; 1.2-1.4x faster
+    # to it (equal to every row carrying its own copy, tests/learner/test_shared_prompt.py; 1.2-1.4x faster
     # updates on the peers' workload). Micro-batches must then hold whole groups.
     shared_prompt: bool = True
     # DAPO dynamic sampling: keep only groups whose rewards differ, resample up to this many extra
@@ -375,7 +375,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh sizes along `data`, `fsdp`, `tensor` (see grpo_jax.sharding); -1 = the rest.
+    """Device mesh sizes along `data`, `fsdp`, `tensor` (see grpo_jax.runtime.sharding); -1 = the rest.
     By default every device is used, fully sharded (`fsdp: -1`, as MaxText does); an unset `fsdp`
     is 1 when another axis takes the rest (`data: -1` alone is data parallelism)."""
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo_jax.storage import cache_dir
+from grpo_jax.runtime.storage import cache_dir
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _FORMAT = 1  # bump when the conversion changes: cached directories of older conversions are redone

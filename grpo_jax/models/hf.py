@@ -26,7 +26,7 @@ from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.gguf import SCHEME, hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer, layer_param_specs
-from grpo_jax.storage import is_remote, local_copy
+from grpo_jax.runtime.storage import is_remote, local_copy
 
 # Our per-layer parameter -> (HF name inside `layers.{i}.`, number of leading "input" axes of our
 # layout; None for vectors). Gemma's sandwich norms reuse HF names with other meanings, see below.

@@ -17,7 +17,7 @@ logits. The adapters carry the logical axes of the weight they adapt (and `lora_
 replicated), so the mesh shards them like that weight. `split_adapters` separates the trainable
 adapters from the frozen base (`nnx.split(model, LoRAParam, nnx.Param)`); `merge_adapters` folds
 them into a plain model (the HF export), `strip_adapters` drops them (the base), `save_peft` writes
-them in PEFT's format. Where a LoRA run's base lives and how checkpoints name it: grpo_jax.lora_base.
+them in PEFT's format. Where a LoRA run's base lives and how checkpoints name it: grpo_jax.trainer.lora_base.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ per-layer weights and cache buffers instead: on CPU the scan's per-layer dynamic
 before every matmul, which made a decode step 11-16% slower (benchmarks/RESULTS.md, "Decode over
 layers"); its compile time grows with depth. Inference is `prefill` + `decode_step` over the one
 cache type, `cache.KVCache`. Every parameter carries logical axis names in its `logical_axes`
-metadata; `grpo_jax.sharding` maps them to mesh axes.
+metadata; `grpo_jax.runtime.sharding` maps them to mesh axes.
 
 Shape suffixes used throughout the models package: B batch, T new tokens, S key slots (cache
 slots, or T in a plain pass), E embed, H query heads, K kv heads, G = H // K, D head_dim,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpo_jax.grpo import overlong_penalty
+from grpo_jax.learner.grpo import overlong_penalty
 
 
 def overlong_reward(prompts: Sequence[str], completions: Sequence[str], *, completion_tokens: Sequence[int],

@@ -94,8 +94,8 @@ class LLMJudgeReward:
     def verdicts(self, prompt_ids: Sequence[list[int]]) -> list[str]:
         """The judge's greedy outputs for each prompt, `batch_size` prompts per sampler call."""
         from grpo_jax.config import SamplingConfig
-        from grpo_jax.sampling import generate
-        from grpo_jax.sharding import rows_per_shard
+        from grpo_jax.rollout.sampling import generate
+        from grpo_jax.runtime.sharding import rows_per_shard
 
         tok = self.tokenizer
         stops = tuple(self.model.config.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())

@@ -50,7 +50,7 @@ def place_on(model, mesh):
     rules, and return the mesh it is on. With several processes each host scores its own rows, so
     the model goes on a mesh of this host's devices instead."""
     from grpo_jax.config import MeshConfig
-    from grpo_jax.sharding import make_mesh, place_model
+    from grpo_jax.runtime.sharding import make_mesh, place_model
 
     if jax.process_count() > 1:
         mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), jax.local_devices())
@@ -125,7 +125,7 @@ class RewardModelReward:
             if self.mesh is None:
                 self._jitted = (jax.jit(score), state, None)
             else:
-                from grpo_jax.sharding import batch_sharding, replicated, tree_shardings
+                from grpo_jax.runtime.sharding import batch_sharding, replicated, tree_shardings
 
                 fn = jax.jit(score, in_shardings=(tree_shardings(state), batch_sharding(self.mesh, 2),
                                                   batch_sharding(self.mesh, 2)), out_shardings=replicated(self.mesh))
@@ -141,7 +141,7 @@ class RewardModelReward:
 
     def raw_scores(self, texts: Sequence[str]) -> np.ndarray:
         """float32 [n]: the reward model's score of each text (no normalisation)."""
-        from grpo_jax.sharding import rows_per_shard
+        from grpo_jax.runtime.sharding import rows_per_shard
 
         fn, state, mesh = self._score_fn()
         rows = self.encode(texts)

@@ -1,0 +1,137 @@
+"""How a run spreads over its devices, chosen once from the config (`make_parallel`).
+
+- `parallelism: jit` (`MeshParallel`): one (data, fsdp, tensor) mesh for sampling and training;
+  the train state is placed by the logical-axis rules (grpo_jax.runtime.sharding) and the train step is
+  jitted with explicit in/out shardings.
+- `parallelism: pmap` (`PmapParallel`): pure data parallelism on one host; the train state is
+  replicated on every local device and the same `train_step` runs under `jax.pmap` with the batch's
+  rows split across devices. Sampling runs on a data-only mesh over the same devices.
+
+Either way a batch enters `step` as global arrays on `mesh` (rows split over data x fsdp), the
+steps that complete a batch (`advantages`, `ref_logprobs`) run jitted on that mesh, and the
+trainer never asks which mode it is in. `place` puts a train state where `step` wants it,
+`unplace` gives one copy back (for checkpoints), `sampler_params` the policy the sampler reads.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo_jax.config import RunConfig
+from grpo_jax.learner.grpo import GroupAdvantages
+from grpo_jax.runtime.sharding import place_train_state, replicate, replicated, split_rows, tree_shardings, unreplicate
+from grpo_jax.learner.train_step import Batch, TrainState, make_advantages_step, make_ref_logprobs_step, make_train_step
+
+
+class Parallel(abc.ABC):
+    """What both modes share: the mesh, the advantage and reference log-prob steps on it."""
+
+    def __init__(self, config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                 *, temperature: float, frozen: nnx.State | None = None, ref_graphdef: nnx.GraphDef | None = None):
+        self.mesh, self.graphdef, self.optimizer = mesh, graphdef, optimizer
+        t = config.train
+        group_size = config.sampling.group_size if t.shared_prompt else 1  # rows that share one prompt pass
+        self.step_kw = dict(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk, temperature=temperature,
+                            group_size=group_size, ppo_config=config.ppo if config.algorithm == "ppo" else None,
+                            seed=t.seed)
+        self.grpo = config.grpo
+        self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
+        self._ref = None
+        self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
+        # The parameters that do not train (a LoRA run's base, placed with the model), else None.
+        self.frozen = frozen
+        # The reference model's structure: the policy's, or a LoRA run's base without its adapters
+        # (its reference is the frozen base alone: no adapter matmuls, no copy of the weights).
+        self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
+
+    def advantages(self, rewards: jax.Array) -> GroupAdvantages:
+        """Group normalisation of the global rewards array [R], on the mesh."""
+        return self._advantages(rewards)
+
+    def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
+        """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
+        if self._ref is None:
+            self._ref = make_ref_logprobs_step(self.ref_graphdef, logprob_chunk=self.step_kw["logprob_chunk"],
+                                               temperature=self.step_kw["temperature"],
+                                               group_size=self.step_kw["group_size"], mesh=self.mesh,
+                                               params_shardings=tree_shardings(params))
+        return self._ref(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+
+    @abc.abstractmethod
+    def place(self, state: TrainState) -> TrainState:
+        """The state where `step` wants it (from a fresh, restored or unplaced state)."""
+
+    @abc.abstractmethod
+    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update on a global batch -> (state, metrics: scalars still on device, so that
+        `grpo.num_iterations` updates run without waiting for the host)."""
+
+    @abc.abstractmethod
+    def sampler_params(self, state: TrainState) -> nnx.State:
+        """The policy's parameters on the mesh, for the sampler."""
+
+    @abc.abstractmethod
+    def unplace(self, state: TrainState) -> TrainState:
+        """One copy of a placed state (what a checkpoint holds)."""
+
+
+class MeshParallel(Parallel):
+    """jit on the (data, fsdp, tensor) mesh; the state sharded by the logical-axis rules."""
+
+    _step = None
+
+    def place(self, state: TrainState) -> TrainState:
+        state, shardings, self.not_sharded = place_train_state(state, self.mesh)
+        if self._step is None:
+            self._step = make_train_step(self.graphdef, self.optimizer, self.grpo, mesh=self.mesh,
+                                         state_shardings=shardings, **self.step_kw)
+        return state
+
+    def step(self, state, batch):
+        return self._step(state, batch, self.frozen)
+
+    def sampler_params(self, state):
+        return state.params
+
+    def unplace(self, state):
+        return state
+
+
+class PmapParallel(Parallel):
+    """pmap over the local devices: the state replicated, the batch's rows split, gradients psum'd."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.devices = jax.local_devices()
+        self._step = make_train_step(self.graphdef, self.optimizer, self.grpo, parallelism="pmap",
+                                     devices=self.devices, **self.step_kw)
+
+    def place(self, state):
+        return replicate(state, self.devices)
+
+    def step(self, state, batch):
+        rows = split_rows(jax.tree.map(np.asarray, batch), len(self.devices))
+        state, out = self._step(state, rows)
+        return state, unreplicate(out)
+
+    def sampler_params(self, state):
+        return jax.device_put(unreplicate(state.params), replicated(self.mesh))
+
+    def unplace(self, state):
+        return unreplicate(state)
+
+
+def make_parallel(config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                  *, temperature: float, frozen: nnx.State | None = None,
+                  ref_graphdef: nnx.GraphDef | None = None) -> Parallel:
+    """The run's parallelism object (`config.parallelism`), over `mesh` (grpo_jax.trainer.prepare.run_mesh).
+    A LoRA run passes its frozen base (`frozen`) and the base's structure without adapters
+    (`ref_graphdef`, for the KL reference)."""
+    cls = {"jit": MeshParallel, "pmap": PmapParallel}[config.parallelism]
+    return cls(config, mesh, graphdef, optimizer, temperature=temperature, frozen=frozen, ref_graphdef=ref_graphdef)

@@ -1,0 +1,116 @@
+"""The critic baseline (`algorithm: ppo`): a value head, generalised advantage estimation and the
+clipped value loss, as pure jnp functions used inside the train step.
+
+`gae(rewards, values, mask, gamma, lam)` over completion tokens: rewards [B, T] (a sequence's
+verifiable reward sits on its last token: `terminal_rewards`), values [B, T] (the critic's
+estimate of the state before each token), mask [B, T] (1 on the completion's tokens,
+right-padded). A position after the last real token is terminal: its value is 0 and nothing
+flows back from it.
+
+The critic is a linear head on the policy's final hidden states (`init_critic`, `values`): one
+forward pass gives both the log-probs and the values, so PPO's update costs what GRPO's does.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.config import GRPOConfig, PPOConfig
+from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
+
+
+def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[jax.Array, jax.Array]:
+    """(advantages [B, T], returns [B, T]) float32, both 0 where `mask` is 0.
+
+    delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
+    A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}, returns_t = A_t + V_t (Schulman et al., 2016),
+    computed right to left by one `lax.scan` over T (jit-friendly, no Python loop).
+    """
+    chex.assert_rank(rewards, 2)
+    chex.assert_equal_shape([rewards, values, mask])
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gae needs gamma and lam in [0, 1], got gamma={gamma}, lam={lam}")
+    m = mask.astype(jnp.float32)
+    r = rewards.astype(jnp.float32) * m
+    v = values.astype(jnp.float32) * m
+    # Next-token values and masks (0 past the end): the bootstrap target of each position.
+    v_next = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
+    m_next = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
+    delta = r + gamma * v_next * m_next - v
+
+    def back(carry_B, xs):
+        delta_B, m_next_B, m_B = xs
+        adv_B = (delta_B + gamma * lam * m_next_B * carry_B) * m_B
+        return adv_B, adv_B
+
+    _, adv_TB = jax.lax.scan(back, jnp.zeros_like(r[:, 0]), (delta.T, m_next.T, m.T), reverse=True)
+    advantages = adv_TB.T
+    return advantages, (advantages + v) * m
+
+
+def init_critic(hidden_size: int) -> dict[str, jax.Array]:
+    """The value head's parameters, zero (V = 0 until it learns): w float32 [E], b float32 []."""
+    return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def values(critic: dict[str, jax.Array], h_RME: jax.Array) -> jax.Array:
+    """float32 [R, M]: the value of each state (hidden states [R, M, E], e.g. `completion_states`)."""
+    chex.assert_rank(h_RME, 3)
+    return jnp.einsum("rme,e->rm", h_RME.astype(jnp.float32), critic["w"]) + critic["b"]
+
+
+def terminal_rewards(rewards_R: jax.Array, mask_RM: jax.Array) -> jax.Array:
+    """float32 [R, M]: each row's reward (float [R]; NaN = dropped, taken as 0) on its last real token."""
+    chex.assert_shape(rewards_R, (mask_RM.shape[0],))
+    m = mask_RM.astype(jnp.int32)
+    last_R = jnp.maximum(m.sum(axis=1) - 1, 0)
+    at_last = jnp.arange(m.shape[1])[None, :] == last_R[:, None]
+    r_R = jnp.nan_to_num(rewards_R.astype(jnp.float32), nan=0.0)
+    return jnp.where(at_last & (m > 0), r_R[:, None], 0.0)
+
+
+def value_loss(values_RM: jax.Array, old_values_RM: jax.Array, returns_RM: jax.Array, clip: float) -> jax.Array:
+    """Per-token clipped value loss [R, M] (PPO2): 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)."""
+    chex.assert_equal_shape([values_RM, old_values_RM, returns_RM])
+    clipped = old_values_RM + jnp.clip(values_RM - old_values_RM, -clip, clip)
+    return 0.5 * jnp.maximum((values_RM - returns_RM) ** 2, (clipped - returns_RM) ** 2)
+
+
+def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens, from the sums `n`, `ret`,
+    `ret2`, `err`, `err2` (accumulated over micro-batches). NaN when the returns do not vary."""
+    n = jnp.maximum(sums["n"], 1.0)
+    var_ret = sums["ret2"] / n - (sums["ret"] / n) ** 2
+    var_err = sums["err2"] / n - (sums["err"] / n) ** 2
+    return jnp.where(var_ret > 1e-12, 1.0 - var_err / jnp.maximum(var_ret, 1e-12), jnp.nan)
+
+
+def ppo_loss(critic: dict[str, jax.Array], h_RME: jax.Array, logp_RM: jax.Array, old_RM: jax.Array,
+             entropy_RM: jax.Array, mb, config: GRPOConfig, ppo: PPOConfig,
+             normaliser: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The PPO objective of one micro-batch `mb` (a train_step.Batch slice) from the policy's hidden
+    states, log-probs (current and old) and entropies: GRPO's clipped surrogate on GAE's per-token
+    advantages (from the values of the rollout's policy: these, without gradient, at mu = 1), plus
+    `value_coef` x the clipped value loss, under the same token weights and normaliser. Returns
+    (loss, sums): `policy_loss`'s sums, `value/loss`, `value/mean` and the `value/_*` sums of
+    `explained_variance`."""
+    mask_RM = effective_mask(mb.completion_mask, config, valid_R=mb.valid, truncated_R=mb.truncated)
+    v_RM = values(critic, h_RME)
+    old_v = jax.lax.stop_gradient(v_RM)
+    rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
+    adv_RM, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam)
+    loss, sums = policy_loss(logp_RM, old_RM, adv_RM, mb.completion_mask, config, valid_R=mb.valid,
+                             truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy_RM,
+                             normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
+    weights, _ = loss_weights(mask_RM, config)
+    v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
+    loss = loss + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
+    err = jax.lax.stop_gradient(ret_RM - v_RM)
+    sums.update({"value/loss": jnp.sum(jax.lax.stop_gradient(v_loss_RM) * mask_RM),
+                 "value/mean": jnp.sum(old_v * mask_RM), "value/_n": mask_RM.sum(),
+                 "value/_ret": jnp.sum(ret_RM * mask_RM), "value/_ret2": jnp.sum(ret_RM**2 * mask_RM),
+                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM)})
+    return loss, sums

@@ -1,0 +1,427 @@
+"""The pure GRPO steps: `train_step(state, batch) -> (state, metrics)`, jitted once with donation,
+and beside it the two steps that complete a batch on device: `advantages_step` (group
+normalisation of the global rewards array) and `ref_logprobs_step` (the KL reference's
+log-probs).
+
+The model enters as an NNX graphdef (static) plus its parameter state (a pytree); `nnx.merge`
+happens inside the step only. Gradients are accumulated over micro-batches with `lax.scan`, with
+the loss normaliser of the whole batch, so any number of micro-batches gives the same update. A
+non-finite loss or gradient leaves params and optimizer state bit-identical and is counted; the
+host aborts after `max_consecutive_skips` in a row (`check_skips`).
+
+Shape suffixes: R rows (N prompts x G samples), P prompt bucket, M completion tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from grpo_jax.config import GRPOConfig, PPOConfig, RunConfig, check_micro_batches
+from grpo_jax.learner.grpo import (MAX_SUMS, GroupAdvantages, accumulate_sums, effective_mask, group_advantages, loss_metrics,
+                           loss_weights, policy_loss)
+from grpo_jax.learner.logprobs import chunked_logprobs, completion_logprobs, completion_states
+from grpo_jax.learner.ppo import explained_variance, ppo_loss
+from grpo_jax.models.lora import LoRAParam, has_adapters
+from grpo_jax.runtime.sharding import batch_sharding, replicated, tree_shardings
+
+
+@flax.struct.dataclass
+class Batch:
+    """One GRPO batch of R = N x G rows (row i*G + j is sample j of prompt i). Validated by
+    `check_batch` where the train step takes it."""
+
+    prompt_ids: jax.Array  # int32 [R, P], left-padded
+    prompt_mask: jax.Array  # int32 [R, P]
+    completion_ids: jax.Array  # int32 [R, M]
+    completion_mask: jax.Array  # int32 [R, M]
+    rewards: jax.Array  # float32 [R]; NaN = dropped
+    advantages: jax.Array  # float32 [R]
+    valid: jax.Array  # bool [R]
+    zero_std: jax.Array  # bool [N]
+    truncated: jax.Array  # bool [R]
+    old_logprobs: jax.Array  # float32 [R, M]: the sampler's (used when num_iterations > 1)
+    ref_logprobs: jax.Array | None = None  # float32 [R, M]: reference policy's (beta > 0 only)
+
+
+# field -> (dims as names of R, N, P, M, dtype kind): "i" integer, "f" float, "b" bool.
+_BATCH_FIELDS = {
+    "prompt_ids": (("R", "P"), "i"), "prompt_mask": (("R", "P"), "i"), "completion_ids": (("R", "M"), "i"),
+    "completion_mask": (("R", "M"), "i"), "rewards": (("R",), "f"), "advantages": (("R",), "f"),
+    "valid": (("R",), "b"), "zero_std": (("N",), "b"), "truncated": (("R",), "b"), "old_logprobs": (("R", "M"), "f"),
+    "ref_logprobs": (("R", "M"), "f"),
+}
+
+
+def check_batch(batch: Batch, *, micro_batches: int = 1) -> None:
+    """Shapes and dtypes of every field (static: free under jit), rows = N x G, and rows that split
+    into `micro_batches`; a ValueError names the field that is wrong."""
+    R, M = batch.completion_ids.shape
+    P = batch.prompt_ids.shape[1] if batch.prompt_ids.ndim == 2 else -1
+    N = batch.zero_std.shape[0] if batch.zero_std.ndim == 1 else -1
+    dims = {"R": R, "N": N, "P": P, "M": M}
+    for name, (shape, kind) in _BATCH_FIELDS.items():
+        x = getattr(batch, name)
+        if x is None and name == "ref_logprobs":
+            continue
+        try:
+            chex.assert_shape(x, tuple(dims[d] for d in shape))
+            chex.assert_type(x, {"i": int, "f": float, "b": bool}[kind])
+        except AssertionError as e:
+            raise ValueError(f"Batch.{name} should be {kind}{list(shape)} with R={R}, N={N}, P={P}, M={M}: "
+                             f"{e}") from None
+    if N < 1 or R % N or R // N < 2:
+        raise ValueError(f"Batch.zero_std has {N} groups for {R} rows: rows must be N x G with G >= 2")
+    check_micro_batches(R, micro_batches, "Batch")
+
+
+def check_group_rows(rows: int, micro_batches: int, group_size: int, groups: int | None = None) -> None:
+    """With a shared prompt pass (group_size > 1) the rows of each micro-batch must be whole groups
+    of the batch's layout (`groups` prompts of rows / groups samples each, when known)."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if group_size == 1:
+        return
+    if groups is not None and (rows // groups) % group_size:
+        raise ValueError(f"group_size={group_size} does not divide the batch's {rows // groups} samples per prompt "
+                         f"({rows} rows, {groups} prompts): pass sampling.group_size")
+    if (rows // micro_batches) % group_size:
+        raise ValueError(f"{rows} rows in train.micro_batches={micro_batches} give micro-batches of "
+                         f"{rows // micro_batches} rows, not whole groups of group_size={group_size} (the shared "
+                         "prompt pass needs whole groups): choose micro_batches (x devices) dividing the prompts")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32
+    params: nnx.State
+    opt_state: optax.OptState
+    skipped_total: jax.Array  # int32: updates skipped for non-finite gradients
+    skipped_streak: jax.Array  # int32: of which in a row, up to this step
+    critic: dict | None = None  # algorithm: ppo: the value head (grpo_jax.learner.ppo.init_critic), trained with params
+
+
+def make_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (fp32 master params: the state is kept in the params' dtype)."""
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def learning_rate(config: RunConfig):
+    """The policy's learning rate: constant, or with linear warm-up, or warm-up then cosine decay."""
+    t = config.train
+    if t.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
+    if t.warmup_steps:
+        return optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
+    return t.learning_rate
+
+
+def run_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    """The run's optimizer: `make_optimizer` with the train section's settings; for `algorithm:
+    ppo` paired with the value head's own (`ppo.critic_learning_rate`, default the policy's)."""
+    t = config.train
+    adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
+                eps=t.adam_eps)
+    optimizer = make_optimizer(learning_rate(config), **adam)
+    if config.algorithm != "ppo":
+        return optimizer
+    return pair_optimizer(optimizer, make_optimizer(config.ppo.critic_learning_rate or learning_rate(config), **adam))
+
+
+def pair_optimizer(policy: optax.GradientTransformation,
+                   critic: optax.GradientTransformation) -> optax.GradientTransformation:
+    """One optimizer over the pair (params, critic) of a PPO state: `policy` on the params, `critic`
+    on the value head (each with its own learning rate and gradient clipping)."""
+    def labels(pair):
+        params, head = pair
+        return (jax.tree.map(lambda _: "policy", params), jax.tree.map(lambda _: "critic", head))
+
+    return optax.multi_transform({"policy": policy, "critic": critic}, labels)
+
+
+def split_trainable(model) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None]:
+    """(graphdef, trainable params, frozen params or None): with LoRA adapters
+    (`models.lora.add_adapters`) only they train and the base is frozen; else every parameter
+    trains. `nnx.merge(graphdef, trainable, *([frozen] if frozen is not None else []))` rebuilds it."""
+    if has_adapters(model):
+        return nnx.split(model, LoRAParam, nnx.Param)
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params, None
+
+
+def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None):
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
+def init_state(model, optimizer: optax.GradientTransformation, *,
+               critic: dict | None = None) -> tuple[nnx.GraphDef, TrainState]:
+    """The model's graphdef and a fresh TrainState of its trainable params (`split_trainable`: the
+    adapters only, for a model with LoRA adapters); with `critic` (PPO's value head) the optimizer
+    holds the pair (params, critic)."""
+    graphdef, params, _ = split_trainable(model)
+    opt_state = optimizer.init(params if critic is None else (params, critic))
+    # Distinct buffers for each counter: the step donates the whole state.
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                                skipped_total=jnp.zeros((), jnp.int32), skipped_streak=jnp.zeros((), jnp.int32),
+                                critic=critic)
+
+
+def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None, *, graphdef,
+               optimizer: optax.GradientTransformation,
+               config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
+               temperature: float = 1.0, axis_name: str | None = None,
+               group_size: int = 1, ppo_config: PPOConfig | None = None,
+               seed: int = 0) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`).
+    `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
+
+    Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the rows: the loss
+    normaliser and the batch metrics come from all devices' rows (gathered, they are small),
+    gradients and loss sums are summed across devices, so every device applies the update the
+    whole batch gives, exactly as the jit path does.
+
+    The gradient noise scale (`health/grad_noise_scale`) comes from the micro-batch gradients the
+    step computes anyway (their squared norms, summed in the scan), over micro-batches x devices.
+
+    group_size=G > 1 computes each group's shared prompt once in the policy pass (see
+    `completion_logprobs`); every micro-batch (of every device) must then hold whole groups.
+
+    seed: with LoRA adapter dropout (`lora.dropout`), the masks of step s, micro-batch m (device d
+    under pmap) come from key(seed) folded with s, m and d: a resumed run draws what an
+    uninterrupted one would."""
+    check_batch(batch, micro_batches=micro_batches)
+    check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
+    R = batch.completion_ids.shape[0]
+    mask_RM = effective_mask(batch.completion_mask, config, valid_R=batch.valid, truncated_R=batch.truncated)
+    if axis_name is None:
+        everyone = batch
+        _, normaliser = loss_weights(mask_RM, config)
+    else:
+        def gather(x):
+            return jax.lax.all_gather(x, axis_name, tiled=True)
+
+        everyone = batch.replace(**{f: gather(getattr(batch, f)) for f in (
+            "advantages", "valid", "truncated", "completion_mask")})
+        _, normaliser = loss_weights(gather(mask_RM), config)
+
+    ppo = state.critic is not None
+    if ppo and ppo_config is None:
+        raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
+
+    step_key = jax.random.fold_in(jax.random.key(seed), state.step)
+    if axis_name is not None:
+        step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
+
+    def micro_loss(trainable, mb, key):
+        params, critic = trainable if ppo else (trainable, None)
+        model = merge_model(graphdef, params, frozen)
+        # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
+        h = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
+                              dropout_key=key)
+        logp, entropy = chunked_logprobs(h, mb.completion_ids, model.logits, chunk=logprob_chunk,
+                                         temperature=temperature)
+        # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
+        old = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp)
+        if ppo:
+            return ppo_loss(critic, h, logp, old, entropy, mb, config, ppo_config, normaliser)
+        return policy_loss(logp, old, mb.advantages, mb.completion_mask, config, valid_R=mb.valid,
+                           truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy,
+                           normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
+
+    per_row = batch.replace(zero_std=None)
+    micro = jax.tree.map(lambda x: x.reshape(micro_batches, R // micro_batches, *x.shape[1:]), per_row)
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    trainable = (state.params, state.critic) if ppo else state.params
+
+    def accumulate(carry, xs):
+        mb, m = xs
+        loss, grads, sums, sq = carry
+        (piece_loss, s), g = grad_fn(trainable, mb, jax.random.fold_in(step_key, m))
+        # sq: the sum of squared norms of the micro-batch gradients, for the gradient noise scale.
+        return (loss + piece_loss, jax.tree.map(jnp.add, grads, g), accumulate_sums(sums, s), sq + _sq_norm(g)), None
+
+    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro), step_key)
+    zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
+    init = (zeros(l_shape), zeros(g_shape), zeros(s_shape), jnp.zeros((), jnp.float32))
+    (loss, grads, sums, sq), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(micro_batches)))
+    pieces = micro_batches
+    if axis_name is not None:
+        # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
+        loss, grads, sq = jax.lax.psum((loss, grads, sq), axis_name)
+        sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
+                for k, v in sums.items()}
+        pieces = micro_batches * jax.lax.psum(1, axis_name)
+    rows = R if axis_name is None else R * jax.lax.psum(1, axis_name)
+    noise_scale = grad_noise_scale(sq, _sq_norm(grads), pieces=pieces, rows=rows)
+    if ppo:
+        ev = explained_variance({k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
+    else:
+        ev = None
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = optimizer.update(grads, state.opt_state, trainable)
+    new_trainable = keep_if(finite, optax.apply_updates(trainable, updates), trainable)
+    new_params, new_critic = new_trainable if ppo else (new_trainable, None)
+    state = TrainState(step=state.step + 1, params=new_params, opt_state=keep_if(finite, new_opt, state.opt_state),
+                       skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
+                       skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1), critic=new_critic)
+    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
+               "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
+               "health/grad_noise_scale": noise_scale, **_batch_metrics(everyone)}
+    if ev is not None:
+        metrics["value/explained_variance"] = ev
+    return state, metrics
+
+
+def keep_if(finite: jax.Array, new, old):
+    """`new` where the update is finite, else `old`, leaf by leaf (a skipped step is bit-identical)."""
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+
+def _sq_norm(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def grad_noise_scale(sum_sq_pieces: jax.Array, sq_total: jax.Array, *, pieces, rows) -> jax.Array:
+    """The simple gradient noise scale B = tr(Sigma) / |g|^2 (McCandlish et al., 2018), in rows.
+
+    The batch's gradient g = sum_k g_k is the sum of K = `pieces` micro-batch contributions (each
+    already divided by the whole batch's normaliser), so K g_k estimates g from b = rows / K rows.
+    tr(Sigma) per row = b * the unbiased variance of those K estimates around their mean g:
+    b / (K - 1) * sum_k |K g_k - g|^2 = b / (K - 1) * (K^2 sum_k |g_k|^2 - K |g|^2). |g|^2 is the
+    batch gradient's own squared norm (above the true one by tr(Sigma) / rows on average).
+    B at or above `rows` means the batch's gradient is mostly noise: larger batches would help.
+    `sum_sq_pieces` = sum_k |g_k|^2, `sq_total` = |g|^2. NaN with one piece (no spread to measure).
+    """
+    k = jnp.asarray(pieces, jnp.float32)
+    b = jnp.asarray(rows, jnp.float32) / k
+    trace = b / jnp.maximum(k - 1.0, 1.0) * (k * k * sum_sq_pieces - k * sq_total)
+    return jnp.where(k > 1, jnp.maximum(trace, 0.0) / jnp.maximum(sq_total, 1e-30), jnp.nan)
+
+
+
+
+def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
+    """Advantage and completion statistics of the batch the update saw. (Reward statistics describe
+    the policy's samples before dynamic sampling filters them: grpo_jax.rollout.collect.reward_metrics.)"""
+    valid = batch.valid
+    n = jnp.maximum(valid.sum(), 1)
+    adv = jnp.where(valid, batch.advantages, 0.0)
+    adv_mean = adv.sum() / n
+    lengths = batch.completion_mask.sum(axis=1)
+    return {
+        "advantage/mean": adv_mean,
+        "advantage/std": jnp.sqrt(jnp.sum(jnp.where(valid, (adv - adv_mean) ** 2, 0.0)) / n),
+        "advantage/abs_max": jnp.abs(adv).max(),
+        "completion/len_mean": lengths.mean(),
+        "completion/len_max": lengths.max(),
+        "completion/truncated_frac": batch.truncated.mean(),
+    }
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
+                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
+                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None, group_size: int = 1,
+                    ppo_config: PPOConfig | None = None, seed: int = 0):
+    """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
+
+    With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
+    (see `grpo_jax.runtime.sharding.place_train_state`), batch rows are split over (data, fsdp), metrics
+    come back replicated. Without one it runs on the default device.
+
+    parallelism="pmap": pure data parallelism over `devices` (default: all local devices) with the
+    same `train_step`: the state is replicated (`sharding.replicate`), the batch's rows split
+    across devices (`sharding.split_rows`), gradients summed with `lax.psum`.
+
+    group_size: see `train_step` (each device's rows must be whole groups too).
+    """
+    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
+                             micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
+                             group_size=group_size, ppo_config=ppo_config, seed=seed)
+    if parallelism == "pmap":
+        if mesh is not None:
+            raise ValueError("parallelism='pmap' replicates the state over devices; it takes no mesh")
+        return jax.pmap(functools.partial(step, axis_name="devices"), axis_name="devices", donate_argnums=(0,),
+                        devices=devices)
+    if parallelism != "jit":
+        raise ValueError(f"parallelism={parallelism!r} is not one of ['jit', 'pmap']")
+    if mesh is None:
+        return jax.jit(step, donate_argnames=("state",))
+    if state_shardings is None:
+        raise ValueError("make_train_step(mesh=...) needs state_shardings (from sharding.place_train_state)")
+    compiled = {}
+
+    def sharded_step(state, batch, frozen=None):
+        key = jax.tree.structure((batch, frozen))  # ref_logprobs may be None: one program per structure
+        if key not in compiled:
+            batch_shardings = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), batch)
+            frozen_shardings = None if frozen is None else tree_shardings(frozen)  # placed with the model
+            compiled[key] = jax.jit(step, in_shardings=(state_shardings, batch_shardings, frozen_shardings),
+                                    out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
+        return compiled[key](state, batch, frozen)
+
+    return sharded_step
+
+
+def advantages_step(rewards: jax.Array, *, group_size: int, config: GRPOConfig) -> GroupAdvantages:
+    """Group normalisation of the whole batch's rewards (float32 [R], NaN = dropped) as configured.
+    Run under jit on the global array (`make_advantages_step`), so every statistic, the batch std of
+    `advantage_scale: batch` included, is the whole batch's on every host."""
+    return group_advantages(rewards, group_size, scale=config.advantage_scale,
+                            estimator=config.advantage_estimator, eps=config.advantage_eps)
+
+
+def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh=None):
+    """`advantages_step` jitted once; with a mesh, rewards and every output split over (data, fsdp)
+    (N prompts must split over data x fsdp, which a run checks before compiling)."""
+    step = functools.partial(advantages_step, group_size=group_size, config=config)
+    if mesh is None:
+        return jax.jit(step)
+    rows = batch_sharding(mesh, 1)
+    return jax.jit(step, in_shardings=rows, out_shardings=GroupAdvantages(advantages=rows, valid=rows, zero_std=rows))
+
+
+def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
+                      *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0,
+                      group_size: int = 1) -> jax.Array:
+    """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
+    (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: a copy of the
+    policy's params, or a LoRA run's frozen base with `graphdef` the base's structure without
+    adapters), tempered as the sampler's. group_size=G > 1: each group's shared prompt runs once
+    (`completion_logprobs`)."""
+    check_group_rows(completion_ids.shape[0], 1, group_size)
+    logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
+                                     chunk=logprob_chunk, temperature=temperature, group_size=group_size)
+    return logp_RM
+
+
+def make_ref_logprobs_step(graphdef, *, logprob_chunk: int = 128, temperature: float = 1.0, mesh=None,
+                           params_shardings=None, group_size: int = 1):
+    """`ref_logprobs_step` jitted once; with a mesh, the reference params keep `params_shardings`
+    and the rows of every input and of the output are split over (data, fsdp)."""
+    step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
+                             temperature=temperature, group_size=group_size)
+    if mesh is None:
+        return jax.jit(step)
+    if params_shardings is None:
+        raise ValueError("make_ref_logprobs_step(mesh=...) needs params_shardings")
+    rows = batch_sharding(mesh, 2)
+    return jax.jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
+
+
+def check_skips(metrics: dict, max_consecutive: int) -> None:
+    """Host-side: abort the run after `max_consecutive` non-finite updates in a row."""
+    streak = int(metrics["train/skipped_streak"])
+    if streak >= max_consecutive:
+        raise FloatingPointError(
+            f"{streak} consecutive train steps had a non-finite loss or gradient (updates skipped); "
+            "lower the learning rate, check rewards and inputs for NaN, or enable bf16-safe settings"
+        )

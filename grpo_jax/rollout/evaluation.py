@@ -1,0 +1,94 @@
+"""Held-out evaluation: accuracy and pass@k of sampled completions, judged by one reward function.
+
+Each of the prompts gets k samples (one `generate` call per chunk of prompts, the last chunk padded
+with repeats so every chunk has the same shape and the sampler compiles once). A sample is correct
+when the reward function gives it more than 0.5; a sample it cannot judge (None) is left out of
+the accuracy and counted. pass@k is the share of prompts with at least one correct sample among
+their k (the unbiased estimator with n = k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share, whole
+from grpo_jax.rewards import RewardSpec, combine_rewards
+from grpo_jax.rollout.sampling import generate
+from grpo_jax.runtime.sharding import rows_per_shard
+
+
+def decode_completions(tokenizer, tokens_RM: np.ndarray, lengths_R: np.ndarray) -> list[str]:
+    return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens_RM, lengths_R)],
+                                  skip_special_tokens=True)
+
+
+def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
+    """Each example's fields repeated for its G samples (row i*G + j is sample j of prompt i)."""
+    keys = list(examples[0].fields) if examples else []
+    return {k: [ex.fields.get(k) for ex in examples for _ in range(group_size)] for k in keys}
+
+
+def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
+             rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None) -> dict[str, float]:
+    """`eval/accuracy` (the share of samples `reward` scores above 0.5), `eval/pass@k` (with k =
+    sampling.group_size), `eval/reward_mean` (its mean score) and bookkeeping over `examples`.
+
+    verifier: a second judge of the same samples: `eval/verifier_accuracy`, and
+    `health/verifier_disagreement`, the share of the samples both judged on which one says correct
+    and the other not (a training reward that can be satisfied without being right shows here)."""
+    judges = [reward] if verifier is None else [reward, verifier]  # each scored on its own
+    if not examples:
+        raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
+    k = sampling.group_size
+    chunk = min(chunk, len(examples))
+    if mesh is not None:  # prompts are split over data x fsdp: a chunk must divide evenly
+        n = rows_per_shard(mesh)
+        chunk = -(-chunk // n) * n
+    # Every host has every prompt; each scores only the rows its devices hold, and the scores are
+    # put together on every host.
+    share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)
+    scored = []  # [prompts, k, judges] per chunk; NaN = not judged
+    for start in range(0, len(examples), chunk):
+        part = list(examples[start:start + chunk])
+        real = len(part)
+        part += [part[0]] * (chunk - real)
+        rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start), mesh=mesh)
+        tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
+        own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
+        n_own = own.stop - own.start
+        scores = np.full((share.size, len(judges)), np.nan, np.float32)
+        if n_own:
+            texts = decode_completions(tokenizer, tokens[:n_own], lengths[:n_own])
+            prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)][own]
+            fields = {key: values[own] for key, values in repeat_fields(part[:real], k).items()}
+            for j, judge in enumerate(judges):
+                # A reward with state (a reward model's running normalisation) scores held-out
+                # samples without learning from them.
+                fn = judge.fn.frozen() if hasattr(judge.fn, "frozen") else judge.fn
+                result = combine_rewards([dataclasses.replace(judge, fn=fn, weight=1.0)], prompts, texts, fields)
+                scores[:n_own, j] = result.per_fn[judge.name]
+        scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))
+    scores_ = np.concatenate(scored)
+    judged_ = ~np.isnan(scores_)
+    correct_ = np.nan_to_num(scores_, nan=0.0) > 0.5
+    n_judged = judged_.sum(axis=(0, 1))
+    out = {
+        "eval/accuracy": float(correct_[..., 0].sum() / n_judged[0]) if n_judged[0] else float("nan"),
+        "eval/pass@k": float(correct_[..., 0].any(axis=1).mean()),
+        "eval/k": float(k),
+        "eval/prompts": float(len(examples)),
+        "eval/unjudged": float(judged_[..., 0].size - n_judged[0]),
+        # The judge's mean score: a reward model's held-out score, beside eval.verifier's accuracy.
+        "eval/reward_mean": float(np.nanmean(scores_[..., 0])) if n_judged[0] else float("nan"),
+    }
+    if verifier is not None:
+        both = judged_[..., 0] & judged_[..., 1]
+        out["eval/verifier_accuracy"] = float(correct_[..., 1].sum() / n_judged[1]) if n_judged[1] else float("nan")
+        out["health/verifier_disagreement"] = (float((correct_[..., 0] != correct_[..., 1])[both].mean())
+                                               if both.any() else float("nan"))
+    return out

@@ -1,0 +1,1 @@
+"""Where a run executes: the device mesh and sharding rules, hosts, storage, device checks."""

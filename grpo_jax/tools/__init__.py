@@ -1,0 +1,1 @@
+"""Tools around training: benchmarks, FLOP counts, reward-model training, the smoke check."""

@@ -1,0 +1,259 @@
+"""`grpo-jax train-rm`: a reward model trained on preference pairs with the Bradley-Terry loss.
+
+    loss = mean over pairs of -log sigmoid(r(prompt, chosen) - r(prompt, rejected) - margin)
+
+on the same mesh machinery as the policy (the model placed by the sharding rules, the step jitted
+with explicit shardings, rows split over data x fsdp). Pairs come from a TFDS builder of this
+project (`arithmetic_preferences`) or jsonl files; each answer is put after its prompt exactly as
+the `reward_model` reward will put a policy's completion (`rewards.reward_model.rm_input`), so the
+model is scored at training time on what it will see at GRPO time. Rows without the fields, or with
+answers that are not text, are skipped and counted; pairs longer than `data.max_length` keep their
+last tokens (counted). Held-out pair accuracy (`rm/pair_accuracy`) is measured before the first
+step, every `train.eval_every` steps and after the last; the model is saved as an HF
+`*ForSequenceClassification` directory in `OUTPUT/hf` (with its tokenizer), which transformers'
+AutoModelForSequenceClassification loads with equal scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+
+from grpo_jax.config import ConfigError, RMRunConfig
+from grpo_jax.config.loading import config_to_dict
+from grpo_jax.observe.metrics import MetricsWriter, ProgressBar
+from grpo_jax.models import from_pretrained
+from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_reward_model
+from grpo_jax.rewards.reward_model import rm_input
+from grpo_jax.trainer.prepare import JNP_DTYPES, architecture, build_tokenizer
+from grpo_jax.runtime.sharding import batch_sharding, make_mesh, mesh_devices, place_model, rows_per_shard
+
+
+@dataclasses.dataclass
+class Pairs:
+    """Encoded preference pairs: ids / mask int32 [N, 2, T] (0 = chosen, 1 = rejected, right-padded),
+    margin float32 [N], and the rows' `kind` (or None) for per-kind accuracy."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    margin: np.ndarray
+    kinds: list[str | None]
+
+
+def read_rows(config: RMRunConfig, split: str) -> Sequence[dict]:
+    d = config.data
+    if d.name is not None:
+        from grpo_jax.data import load_source
+
+        try:
+            return load_source(d.name, d.train_split if split == "train" else d.eval_split, data_dir=d.data_dir,
+                               builder_config=d.builder_config, **dict(d.builder_kwargs))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"data: {e}") from None
+    path = Path(d.train_file if split == "train" else d.eval_file)
+    if not path.is_file():
+        raise ConfigError(f"data.{split}_file: {str(path)!r} does not exist")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            rows.append({"_error": f"line {i + 1} is not JSON: {e}"})
+    return rows
+
+
+def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit: int = 0) -> tuple[Pairs, dict]:
+    """(the encodable pairs, counters {pairs, skipped, truncated, first_skip}) of `rows`."""
+    d = config.data
+    use_chat = d.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+    texts, margins, kinds, stats = [], [], [], {"pairs": 0, "skipped": 0, "truncated": 0, "first_skip": None}
+    for row in rows:
+        if limit and stats["pairs"] == limit:
+            break
+        try:
+            if not isinstance(row, dict) or "_error" in row:
+                raise ValueError(row.get("_error") if isinstance(row, dict) else f"a {type(row).__name__}, not an object")
+            user = d.template.format(**row)
+            answers = [row[d.chosen_field], row[d.rejected_field]]
+            margin = float(row[d.margin_field]) if d.margin_field else 0.0
+            if not all(isinstance(a, str) for a in answers) or not np.isfinite(margin):
+                raise ValueError("the answers are not text, or the margin is not a finite number")
+        except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+            stats["skipped"] += 1
+            keys = sorted(row) if isinstance(row, dict) else []
+            stats["first_skip"] = stats["first_skip"] or f"{type(e).__name__}: {e} (row keys {keys})"
+            continue
+        messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + [
+            {"role": "user", "content": user}]
+        texts += [rm_input(tokenizer, user, a, messages, use_chat=use_chat) for a in answers]
+        margins.append(margin + config.train.margin)
+        kinds.append(row.get("kind"))
+        stats["pairs"] += 1
+    ids = tokenizer(texts, add_special_tokens=not use_chat)["input_ids"] if texts else []
+    stats["truncated"] = sum(len(a) > d.max_length or len(b) > d.max_length for a, b in zip(ids[::2], ids[1::2]))
+    ids = [row[-d.max_length:] for row in ids]
+    T = min(d.max_length, 1 << max(3, (max((len(r) for r in ids), default=1) - 1).bit_length()))
+    out = np.full((len(ids), T), tokenizer.pad_token_id, np.int32)
+    mask = np.zeros((len(ids), T), np.int32)
+    for i, row in enumerate(ids):
+        out[i, :len(row)], mask[i, :len(row)] = row, 1
+    n = len(ids) // 2
+    return Pairs(out.reshape(n, 2, T), mask.reshape(n, 2, T), np.asarray(margins, np.float32), kinds), stats
+
+
+def build_reward_model(config: RMRunConfig, tokenizer) -> RewardModel:
+    """The model to train: an RM directory as it is, a causal LM's decoder with a fresh score head,
+    or a random architecture."""
+    m = config.model
+    dtypes = dict(dtype=JNP_DTYPES[m.dtype], param_dtype=JNP_DTYPES[m.param_dtype])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if m.path is None:
+        return RewardModel(architecture(m.architecture, tokenizer), pad_token_id=pad,
+                           rngs=nnx.Rngs(config.train.seed), **dtypes)
+    hf = json.loads((Path(m.path) / "config.json").read_text()) if (Path(m.path) / "config.json").exists() else {}
+    if any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
+        return load_reward_model(m.path, **dtypes)
+    causal = from_pretrained(m.path, **dtypes)
+    model = RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed), **dtypes)
+    state = {k: v for k, v in nnx.to_flat_state(nnx.state(causal, nnx.Param)) if k[0] != "lm_head"}
+    nnx.update(model.backbone, nnx.from_flat_state(state))
+    return model
+
+
+def bt_loss(r_chosen: jax.Array, r_rejected: jax.Array, margin: jax.Array) -> jax.Array:
+    """Bradley-Terry: mean of -log sigmoid(r_chosen - r_rejected - margin), float32 [B] each."""
+    return jnp.mean(jax.nn.softplus(-(r_chosen - r_rejected - margin)))
+
+
+def _pair_scores(model: RewardModel, ids_B2T, mask_B2T):
+    B, _, T = ids_B2T.shape
+    r = model(ids_B2T.reshape(2 * B, T), mask_B2T.reshape(2 * B, T))[:, 0].reshape(B, 2)
+    return r[:, 0], r[:, 1]
+
+
+def make_steps(graphdef, optimizer, mesh):
+    """(train step, scoring step), jitted. The params (and Adam's moments, made from them) keep the
+    shardings `place_model` gave them; the pairs' rows are split over data x fsdp (`rows`); the
+    params are donated."""
+
+    def train_step(params, opt_state, ids, mask, margin):
+        def loss_fn(p):
+            rc, rr = _pair_scores(nnx.merge(graphdef, p), ids, mask)
+            return bt_loss(rc, rr, margin), (rc, rr)
+
+        (loss, (rc, rr)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = {"rm/loss": loss, "rm/accuracy": jnp.mean(rc > rr), "rm/reward_margin": jnp.mean(rc - rr),
+                   "train/grad_norm": optax.tree.norm(grads)}
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    def score_step(params, ids, mask):
+        return _pair_scores(nnx.merge(graphdef, params), ids, mask)
+
+    pairs, margins = batch_sharding(mesh, 3), batch_sharding(mesh, 1)
+    train = jax.jit(train_step, donate_argnums=(0, 1))
+    score = jax.jit(score_step)
+
+    def train_placed(params, opt_state, ids, mask, margin):
+        ids, mask, margin = jax.device_put((ids, mask, margin), (pairs, pairs, margins))
+        return train(params, opt_state, ids, mask, margin)
+
+    def score_placed(params, ids, mask):
+        return score(params, *jax.device_put((ids, mask), (pairs, pairs)))
+
+    return train_placed, score_placed
+
+
+def evaluate_pairs(score, params, pairs: Pairs, batch: int) -> dict[str, float]:
+    """`rm/pair_accuracy` (chosen scored above rejected), `rm/eval_loss`, `rm/eval_margin`, and the
+    accuracy per pair kind when the rows have one."""
+    n = len(pairs.margin)
+    rc, rr = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for s in range(0, n, batch):
+        idx = np.arange(s, s + batch) % n  # the last batch wraps around: one shape compiles
+        c, r = score(params, pairs.ids[idx], pairs.mask[idx])
+        keep = slice(0, min(batch, n - s))
+        rc[s:s + batch], rr[s:s + batch] = np.asarray(c)[keep], np.asarray(r)[keep]
+    diff = rc - rr
+    out = {"rm/pair_accuracy": float(np.mean(diff > 0)), "rm/eval_margin": float(diff.mean()),
+           "rm/eval_loss": float(np.mean(np.logaddexp(0.0, -(diff - pairs.margin))))}
+    for kind in sorted({k for k in pairs.kinds if k is not None}):
+        sel = np.asarray([k == kind for k in pairs.kinds])
+        out[f"rm/pair_accuracy/{kind}"] = float(np.mean(diff[sel] > 0))
+    return out
+
+
+def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable[[str], None] = print) -> dict:
+    """Train (see the module docstring); returns the last evaluation's metrics."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    t = config.train
+    tokenizer = build_tokenizer(config.model)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ConfigError("the tokenizer has neither a pad nor an eos token: a reward model needs one to pad rows")
+    train, train_stats = encode_pairs(read_rows(config, "train"), config, tokenizer)
+    held, held_stats = encode_pairs(read_rows(config, "eval"), config, tokenizer, limit=config.data.eval_pairs)
+    for what, stats in (("train", train_stats), ("held-out", held_stats)):
+        log(f"train-rm: {stats['pairs']} {what} pairs, {stats['skipped']} rows skipped, {stats['truncated']} "
+            f"truncated to data.max_length={config.data.max_length}"
+            + (f" (first skip: {stats['first_skip']})" if stats["skipped"] else ""))
+    if not train_stats["pairs"] or not held_stats["pairs"]:
+        raise ConfigError("train-rm: no usable preference pairs in the train or held-out data (see the counts above)")
+    try:
+        mesh = make_mesh(config.mesh, mesh_devices(config.mesh))
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
+    batch = -(-t.batch_size // rows_per_shard(mesh)) * rows_per_shard(mesh)
+    if batch != t.batch_size:
+        log(f"train-rm: train.batch_size {t.batch_size} -> {batch} pairs, a multiple of the mesh's row shards")
+    model = build_reward_model(config, tokenizer)
+    place_model(model, mesh)
+    schedule = optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps) if t.warmup_steps else t.learning_rate
+    optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
+                            optax.adamw(schedule, weight_decay=t.weight_decay))
+    graphdef, params = nnx.split(model)
+    opt_state = optimizer.init(params)  # Adam's moments take the placed params' shardings
+    train_step, score = make_steps(graphdef, optimizer, mesh)
+    rng = np.random.default_rng(t.seed)
+    order, cursor = rng.permutation(len(train.margin)), 0
+    eval_steps = {0, t.steps} | ({*range(t.eval_every, t.steps, t.eval_every)} if t.eval_every else set())
+    with MetricsWriter(out) as writer, ProgressBar(t.steps, enabled=t.progress) as bar:
+        last = evaluate_pairs(score, params, held, batch)
+        writer.write(0, last)
+        log(f"eval at step 0: pair accuracy {last['rm/pair_accuracy']:.3f}")
+        for step in range(1, t.steps + 1):
+            # Every batch has `batch` pairs (one compiled shape), even from fewer pairs than that:
+            # an epoch's order wraps around, then a new order is drawn.
+            idx = np.take(order, np.arange(cursor, cursor + batch), mode="wrap")
+            cursor += batch
+            if cursor >= len(order):
+                order, cursor = rng.permutation(len(train.margin)), 0
+            t0 = time.perf_counter()
+            params, opt_state, metrics = train_step(params, opt_state, train.ids[idx], train.mask[idx],
+                                                    train.margin[idx])
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            metrics["perf/step_s"] = time.perf_counter() - t0
+            if step in eval_steps:
+                last = evaluate_pairs(score, params, held, batch)
+                metrics.update(last)
+                bar.write(f"eval at step {step}: pair accuracy {last['rm/pair_accuracy']:.3f}")
+            writer.write(step, metrics)
+            bar.update(step, {"reward/mean": metrics["rm/accuracy"], "eval/accuracy": last["rm/pair_accuracy"]})
+    nnx.update(model, params)
+    save_reward_model(model, out / "hf", tokenizer=tokenizer)
+    log(f"train-rm: held-out pair accuracy {last['rm/pair_accuracy']:.3f}; saved the reward model to {out / 'hf'}")
+    return last

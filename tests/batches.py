@@ -1,0 +1,34 @@
+"""A random GRPO batch and a fresh train state of the tiny qwen3 preset, shared by the learner's
+and the health tests."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.learner.grpo import group_advantages
+from grpo_jax.learner.train_step import Batch, init_state
+from grpo_jax.models import Transformer
+from grpo_jax.models.presets import tiny
+
+R, P, M, G = 8, 6, 5, 4
+
+
+def make_batch(seed=0, rewards=None):
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, 256, (R, P)).astype(np.int32)
+    pmask = np.ones_like(prompt)
+    pmask[::3, :2] = 0
+    comp = rng.integers(3, 256, (R, M)).astype(np.int32)
+    cmask = (np.arange(M)[None] < rng.integers(1, M + 1, R)[:, None]).astype(np.int32)
+    rewards = rng.integers(0, 2, R).astype(np.float32) if rewards is None else np.asarray(rewards, np.float32)
+    adv = group_advantages(jnp.asarray(rewards), G)
+    return Batch(prompt_ids=jnp.asarray(prompt), prompt_mask=jnp.asarray(pmask), completion_ids=jnp.asarray(comp),
+                 completion_mask=jnp.asarray(cmask), rewards=jnp.asarray(rewards), advantages=adv.advantages,
+                 valid=adv.valid, zero_std=adv.zero_std, truncated=jnp.asarray(cmask.sum(1) == M),
+                 old_logprobs=jnp.asarray(rng.normal(-3, 0.1, (R, M)), jnp.float32))
+
+
+def fresh(optimizer, seed=0):
+    return init_state(Transformer(tiny("qwen3"), rngs=nnx.Rngs(seed)), optimizer)

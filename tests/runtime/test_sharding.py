@@ -1,0 +1,128 @@
+"""Meshes: params are placed exactly as the rules say, and a full GRPO step (sampling, rewards,
+advantages, update) gives the same parameters on every mesh shape."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax.config import GRPOConfig, MeshConfig, SamplingConfig
+from grpo_jax.learner.grpo import group_advantages
+from grpo_jax.models import Transformer
+from grpo_jax.models.presets import tiny
+from grpo_jax.rollout.sampling import generate
+from grpo_jax.runtime.sharding import make_mesh, mesh_shape, param_shardings, place_train_state
+from grpo_jax.learner.train_step import Batch, init_state, make_train_step
+
+N, G = 8, 4
+SAMPLING = SamplingConfig(group_size=G, max_new_tokens=6, temperature=1.0, stop_token_ids=(2,), prompt_buckets=(8,),
+                          attend_phases=1)  # one attention program: fewer compiles on 4 meshes
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2)]
+
+
+def model():
+    # Every sharded dimension divides its mesh axis on all four meshes.
+    return Transformer(tiny("qwen3", hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2),
+                       rngs=nnx.Rngs(0))
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 256, n).tolist() for n in (3, 5, 8, 2, 7, 4, 6, 8)]
+
+
+def reward(tokens, lengths):
+    """A deterministic stand-in verifier: the share of even tokens in the completion."""
+    return np.array([np.mean(t[:n] % 2 == 0) if n else 0.0 for t, n in zip(tokens, lengths)], np.float32)
+
+
+def grpo_step(shape):
+    mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]), jax.devices()[:int(np.prod(shape))])
+    policy = model()
+    # SGD with momentum: Adam's first step, lr * g / (|g| + eps), would turn the rounding differences
+    # of near-zero gradients into lr-sized ones and hide what this test measures.
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
+    graphdef, state = init_state(policy, opt)
+    state, shardings, left_whole = place_train_state(state, mesh)
+    assert left_whole == []
+    nnx.update(policy, state.params)
+    rollout = generate(policy, prompts(), SAMPLING, jax.random.key(1), mesh=mesh)
+    tokens, lengths = np.asarray(rollout.tokens), np.asarray(rollout.lengths)
+    rewards = jnp.asarray(reward(tokens, lengths))
+    adv = group_advantages(rewards, G)
+    batch = Batch(prompt_ids=jnp.repeat(rollout.prompt_ids, G, axis=0),
+                  prompt_mask=jnp.repeat(rollout.prompt_mask, G, axis=0), completion_ids=rollout.tokens,
+                  completion_mask=rollout.mask, rewards=rewards, advantages=adv.advantages, valid=adv.valid,
+                  zero_std=adv.zero_std, truncated=rollout.truncated, old_logprobs=rollout.logprobs)
+    step = make_train_step(graphdef, opt, GRPOConfig(), micro_batches=2, mesh=mesh, state_shardings=shardings)
+    state, metrics = step(state, batch)
+    return mesh, state, tokens, float(metrics["train/loss"])
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {shape: grpo_step(shape) for shape in MESHES}
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_grpo_step_is_the_same_on_every_mesh(results, shape):
+    _, ref_state, ref_tokens, ref_loss = results[(1, 1, 1)]
+    _, state, tokens, loss = results[shape]
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    assert loss == pytest.approx(ref_loss, abs=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert any(float(jnp.abs(a - b).max()) > 1e-4 for a, b in
+               zip(jax.tree.leaves(state.params), jax.tree.leaves(nnx.split(model(), nnx.Param)[1]))), "no update"
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_params_are_placed_exactly_as_the_rules_say(results, shape):
+    mesh, state, _, _ = results[shape]
+    expected = {  # logical axes -> mesh axes: embed->fsdp, heads/kv_heads/mlp/vocab->tensor
+        ("embed",): P("tensor", "fsdp"),  # [vocab, embed]
+        ("lm_head",): P("fsdp", "tensor"),  # [embed, vocab]
+        ("final_norm",): P("fsdp"),
+        ("layers", "q_proj"): P(None, "fsdp", "tensor", None),
+        ("layers", "k_proj"): P(None, "fsdp", "tensor", None),
+        ("layers", "o_proj"): P(None, "tensor", None, "fsdp"),
+        ("layers", "gate_proj"): P(None, "fsdp", "tensor"),
+        ("layers", "down_proj"): P(None, "tensor", "fsdp"),
+        ("layers", "q_norm"): P(None, None),
+    }
+
+    def normalise(spec):  # size-1 mesh axes are not split: compare against what the mesh can do
+        return P(*[a if a is not None and mesh.shape[a] > 1 else None for a in spec])
+
+    flat = dict(nnx.to_flat_state(state.params))
+    for path, spec in expected.items():
+        actual = flat[path].get_value().sharding
+        assert actual.mesh.shape == mesh.shape
+        assert normalise(actual.spec + (None,) * (len(spec) - len(actual.spec))) == normalise(spec), path
+    # Optimizer state shaped like the params (here the momentum trace) is sharded like them.
+    moments = [x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+               if isinstance(x, nnx.State)]
+    assert moments
+    for (path, var), (_, m) in zip(nnx.to_flat_state(state.params), nnx.to_flat_state(moments[0])):
+        assert m.get_value().sharding.is_equivalent_to(var.get_value().sharding, var.get_value().ndim), path
+
+
+def test_a_dimension_the_mesh_cannot_split_is_reported():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=8))
+    _, params = nnx.split(model(), nnx.Param)
+    sharded = param_shardings(params, mesh)
+    # 2 kv heads over 8 tensor devices: replicated, and said so.
+    assert any("k_proj" in r and "kv_heads(2) over tensor(8)" in r for r in sharded.replicated)
+
+
+def test_mesh_shape_resolution_and_errors():
+    assert mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1)
+    with pytest.raises(ValueError, match="3 devices"):
+        mesh_shape(MeshConfig(data=3, fsdp=1, tensor=1), 8)
+    with pytest.raises(ValueError, match="not divisible"):
+        mesh_shape(MeshConfig(data=-1, fsdp=3, tensor=1), 8)

@@ -1,0 +1,170 @@
+"""Multi-host training: two processes with 4 CPU devices each (jax.distributed on localhost, gloo
+collectives) end exactly where one process with 8 devices ends, on a (2, 2, 2) mesh.
+
+Both runs are the demo config shortened to a 2-step warm start and 2 GRPO steps, each process in
+its own interpreter (tests/multihost_worker.py: its own device count), all started at once. On
+two hosts each process loads only its half of every batch, only process 0 writes the run
+directory's logs, and both write the checkpoint. (Sharded == one device is checked step by step
+in tests/runtime/test_sharding.py, pmap == jit in tests/learner/test_parallel.py: the same train_step.)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from runs import CONFIG
+
+from grpo_jax.trainer.checkpoint import load_policy
+from grpo_jax.config import ConfigError, apply_overrides, config_from_dict
+from grpo_jax.trainer.loop import train
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "multihost_worker.py"
+STEPS = 2
+PROMPTS = 32  # the demo's data.prompts_per_step
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+# name: (devices per process, processes, overrides)
+RUNS = {"mesh": (8, 1, MESH), "multi": (4, 2, MESH)}
+
+
+def overrides(tfds_dir: Path) -> list[str]:
+    """The demo config, shortened. The evaluation has the train sampler's shape (no extra compile).
+    From so short a warm start no answer is right yet, so DAPO's overlong penalty (which ranks
+    completions by length) is added: the groups' rewards differ and the GRPO steps have real
+    advantages. A large Adam epsilon (the warm start's AdamW uses it too): with 1e-8, Adam's first
+    steps, lr * g / (|g| + eps), turn float-rounding differences of near-zero gradients into
+    lr-sized ones and hide what is compared. Advantages are RLOO-centred and scaled by the whole
+    batch's std: computed per host, two hosts would each divide by their own half's std."""
+    return [f"data.data_dir={tfds_dir}", "sft.steps=2", f"train.steps={STEPS}", "train.warmup_steps=0",
+            "train.learning_rate=0.001", "train.adam_eps=0.001", "train.samples_every=1", "train.progress=false",
+            "rewards=[{name: math_accuracy}, {name: overlong, kwargs: {max_length: 4, cache_length: 3}}]",
+            "eval.num_prompts=32", "eval.k=8", "eval.every=0", "checkpoint.every=0",
+            "grpo.advantage_scale=batch", "grpo.advantage_estimator=rloo"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load(path: Path) -> dict:
+    with np.load(path) as f:
+        out = {k: f[k] for k in f.files}
+    out["metrics"] = json.loads(str(out["metrics"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parallel")
+    tfds_dir = tmp / "tfds"
+    demo = yaml.safe_load((ROOT / "configs" / "demo_cpu.yaml").read_text())["data"]
+    from grpo_jax.data import load_source
+
+    for split in ("train", "test"):  # built once here, not by every process at once
+        load_source(demo["name"], split, data_dir=str(tfds_dir), builder_config=demo["builder_config"],
+                    **demo["builder_kwargs"])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    procs = []
+    for name, (devices, nproc, extra) in RUNS.items():
+        port = free_port()
+        (tmp / f"out_{name}").mkdir()
+        for pid in range(nproc):
+            cmd = [sys.executable, str(WORKER), str(tmp / f"out_{name}"), str(tmp / name), str(devices), str(nproc),
+                   str(pid), str(port), *[a for o in overrides(tfds_dir) + extra for a in ("--set", o)]]
+            log = open(tmp / f"{name}{pid}.log", "w")
+            procs.append((name, pid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    failed = []
+    try:
+        for name, pid, proc, log in procs:
+            try:
+                code = proc.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            log.close()
+            if code != 0:
+                failed.append(f"{name} process {pid} exited {code}:\n" + (tmp / f"{name}{pid}.log").read_text()[-4000:])
+                break
+    finally:
+        for _, _, proc, _ in procs:
+            proc.kill()
+    if failed:
+        pytest.fail("\n\n".join(failed))
+    out = {name: load(tmp / f"out_{name}" / "process0.npz") for name in RUNS}
+    out["multi1"] = load(tmp / "out_multi" / "process1.npz")
+    out["dirs"] = {name: tmp / name for name in RUNS}
+    return out
+
+
+def params(run: dict, kind: str) -> list[np.ndarray]:
+    return [run[f"{kind}/{i}"] for i in range(sum(k.startswith(kind + "/") for k in run))]
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert len(a) == len(b) and [x.shape for x in a] == [y.shape for y in b]
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def assert_same_metrics(got: list[dict], ref: list[dict], what: str) -> None:
+    assert len(got) == len(ref) == STEPS
+    for m, r in zip(got, ref):
+        for key, value in r.items():
+            if key.startswith("perf/") or value is None or (isinstance(value, float) and np.isnan(value)):
+                continue
+            # The noise scale is a difference of nearly equal sums over a squared norm: its float
+            # rounding is relative to its size (~50 rows here), not absolute.
+            rel = 1e-5 if key == "health/grad_noise_scale" else None
+            assert m[key] == pytest.approx(value, abs=1e-5, rel=rel), (what, key)
+
+
+def test_two_processes_end_with_the_parameters_of_one_process_on_eight_devices(runs):
+    p0, p1 = params(runs["multi"], "final"), params(runs["multi1"], "final")
+    # Each process's copy comes from its own devices' shards: the data-parallel replicas agree.
+    assert max_diff(p0, p1) == 0.0
+    assert max_diff(p0, params(runs["mesh"], "final")) <= 1e-5
+    assert max_diff(params(runs["multi"], "warm"), params(runs["mesh"], "warm")) <= 1e-5
+    for name in ("multi", "multi1"):  # every process sees the metrics of the whole batch
+        assert_same_metrics(runs[name]["metrics"], runs["mesh"]["metrics"], name)
+    # The two GRPO steps did move the parameters, by far more than the tolerance, with real advantages.
+    ref = runs["mesh"]
+    assert max_diff(params(ref, "final"), params(ref, "warm")) > 1e-4
+    assert ref["metrics"][-1]["kl/k3"] > 0 and min(m["groups/frac_zero_std"] for m in ref["metrics"]) < 1
+
+
+def test_each_host_loads_only_its_half_of_the_prompts(runs):
+    assert int(runs["mesh"]["rows_read"]) == STEPS * PROMPTS
+    assert int(runs["multi"]["rows_read"]) == int(runs["multi1"]["rows_read"]) == STEPS * PROMPTS // 2
+
+
+def test_process_zero_alone_writes_logs_and_both_write_the_checkpoint(runs):
+    run_dir = runs["dirs"]["multi"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]  # one writer: no record twice
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in samples}) == [1, 2] and len(samples) == len({json.dumps(r) for r in samples})
+    assert (run_dir / "metrics.png").exists()
+    # Saved by two processes on a (2, 2, 2) mesh, restored here by one on its first device.
+    model, _, files = load_policy(run_dir)
+    assert files.step == STEPS
+    assert max_diff([np.asarray(x) for x in jax.tree.leaves(model)], params(runs["multi"], "final")) == 0.0
+
+
+def test_a_batch_that_does_not_split_over_the_devices_fails_before_compiling(tmp_path):
+    cfg = copy.deepcopy(CONFIG)
+    cfg["data"]["prompts_per_step"] = 6
+    with pytest.raises(ConfigError, match="multiple of the 8 ways"):
+        train(config_from_dict(apply_overrides(cfg, ["parallelism=pmap"])), tmp_path / "x")
+    with pytest.raises(ConfigError, match="not divisible by 3"):
+        train(config_from_dict(apply_overrides(cfg, ["mesh.data=3", "mesh.fsdp=-1"])), tmp_path / "y")
