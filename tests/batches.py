@@ -32,3 +32,34 @@ def make_batch(seed=0, rewards=None):
 
 def fresh(optimizer, seed=0):
     return init_state(Transformer(tiny("qwen3"), rngs=nnx.Rngs(seed)), optimizer)
+
+
+def one_device_mesh():
+    """The mesh of the first device: where the learner's steps run in tests of one device."""
+    import jax
+
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.runtime.sharding import make_mesh
+
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+
+
+def one_device_step(graphdef, optimizer, config, state, *, frozen=None, **kw):
+    """`make_train_step` on `one_device_mesh()` for `state` (and a LoRA run's `frozen` base)."""
+    from grpo_jax.learner.train_step import make_train_step
+    from grpo_jax.runtime.sharding import place_train_state, replicated
+
+    mesh = one_device_mesh()
+    _, shardings, _ = place_train_state(state, mesh)
+    frozen_shardings = None if frozen is None else replicated(mesh)  # one device: a prefix for the whole tree
+    return make_train_step(graphdef, optimizer, config, mesh=mesh, state_shardings=shardings,
+                           frozen_shardings=frozen_shardings, **kw)
+
+
+def one_device_ref_step(graphdef, params, **kw):
+    """`make_ref_logprobs_step` on `one_device_mesh()` for reference `params`."""
+    from grpo_jax.learner.train_step import make_ref_logprobs_step
+    from grpo_jax.runtime.sharding import replicated
+
+    mesh = one_device_mesh()
+    return make_ref_logprobs_step(graphdef, mesh=mesh, params_shardings=replicated(mesh), **kw)

@@ -1,11 +1,52 @@
-"""Test setup: 8 emulated CPU devices (set before JAX is imported) and float32 matmuls."""
+"""Test setup: 8 emulated CPU devices (set before JAX is imported), float32 matmuls, and every cache
+in one temporary directory of this test run.
 
+Caches: no test reads or writes the user's caches. GRPO_JAX_CACHE (gguf conversions, fetched models,
+remote model copies), GRPO_JAX_STAGING (remote runs' staging), and those of the libraries tests use:
+Hugging Face (HF_HOME; the variables that would override it are dropped), TFDS (TFDS_DATA_DIR),
+matplotlib (MPLCONFIGDIR), torch (TORCH_HOME), and XDG_CACHE_HOME for anything else that follows it
+(pip, ...). They are set here, before anything is imported, so subprocesses the tests start inherit
+them. pytest-xdist's workers of one run share the directory (keyed by the run's id); a run without
+xdist gets a fresh one, removed at exit. JAX keeps no persistent compilation cache unless asked
+(jax_compilation_cache_dir is None) unless asked: here it is asked for, inside the run's directory.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _test_cache_root() -> str:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each xdist worker, the same for one run
+    if run:
+        root = os.path.join(tempfile.gettempdir(), f"grpo_jax_tests_{run}")
+        os.makedirs(root, exist_ok=True)
+        return root
+    root = tempfile.mkdtemp(prefix="grpo_jax_tests_")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+_ROOT = _test_cache_root()
+for _var, _sub in {"GRPO_JAX_CACHE": "grpo_jax", "GRPO_JAX_STAGING": "grpo_jax_runs", "XDG_CACHE_HOME": "xdg",
+                   "HF_HOME": "huggingface", "TFDS_DATA_DIR": "tensorflow_datasets", "MPLCONFIGDIR": "matplotlib",
+                   "TORCH_HOME": "torch"}.items():
+    os.environ[_var] = os.path.join(_ROOT, _sub)
+# One persistent JAX compilation cache for the run: the two xdist workers and every subprocess a
+# test starts (the CLI, the multi-host workers) compile many of the same tiny programs; a program
+# compiled once is loaded by the others. Every program is kept (no minimum compile time or size).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_ROOT, "jax_compilation_cache")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+for _var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_ASSETS_CACHE", "HF_MODULES_CACHE",
+             "HF_DATASETS_CACHE", "HF_XET_CACHE"):  # each would win over HF_HOME
+    os.environ.pop(_var, None)
 
 import jax  # noqa: E402
 

@@ -30,8 +30,9 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 
 from grpo_jax.trainer import loop as trainer_module  # noqa: E402
+from grpo_jax.trainer import setup as setup_module  # noqa: E402
 from grpo_jax.config import load_config  # noqa: E402
-from grpo_jax.trainer.prepare import initialize_distributed  # noqa: E402
+from grpo_jax.runtime.devices import initialize_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if int(num_processes) > 1:
@@ -55,7 +56,7 @@ def own_copy(tree) -> list[np.ndarray]:
 
 
 warm = []
-original = trainer_module.warm_start
+original = setup_module.warm_start
 
 
 def warm_start(prepared, model, log):
@@ -66,7 +67,7 @@ def warm_start(prepared, model, log):
     return losses
 
 
-trainer_module.warm_start = warm_start
+setup_module.warm_start = warm_start
 seen: list[dict] = []
 trainer = trainer_module.Trainer(config, run_dir, hooks=[lambda step, m: seen.append(m)])
 trainer.run()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from grpo_jax.observe.metrics import read_metrics
+from grpo_jax.observe.writers import read_metrics
 
 # 1-digit addition, a tiny model, a short warm start: enough signal for a visible rise in ~1 minute.
 CONFIG = {

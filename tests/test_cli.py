@@ -1,8 +1,9 @@
-"""The console entry points: --version, --help and the smoke run of the model stack."""
+"""The console entry points: --version, --help, one-line user errors and the smoke run of the model stack."""
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import grpo_jax
 
@@ -45,3 +46,40 @@ def test_bench_sampler_writes_json(tmp_path):
     assert result["rows"] == 2 and result["new_tokens"] == 4
     for key in ("grpo_jax_tokens_per_s", "transformers_tokens_per_s", "prefill_s_G1", "prefill_s_G2_shared"):
         assert result[key] > 0, key
+
+
+def test_every_user_error_is_one_line_and_status_2(tmp_path, capsys, monkeypatch):
+    """argparse's refusals, a ConfigError, a missing path and a refused export all read
+    `grpo-jax <command>: error: <message>` on one line, with exit status 2."""
+    from flax import nnx
+
+    from grpo_jax import cli
+    from grpo_jax.models import Transformer
+    from grpo_jax.models.presets import tiny
+    from grpo_jax.trainer import checkpoint
+
+    def refused(argv, message):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"grpo-jax {argv[0]}: error: ") and message in err and err.count("\n") == 1, err
+
+    refused(["smoke", "--new-tokens", "1"], "argument --new-tokens: must be at least 2, got '1'")
+    refused(["train"], "the following arguments are required: --config")
+    refused(["train", "--config", str(tmp_path / "nope.yaml")], "does not exist")  # a ConfigError
+    refused(["plot", str(tmp_path / "nope")], "no metrics.jsonl")  # a FileNotFoundError
+    refused(["fetch-model"], "name a model: ")
+    refused(["plot", str(tmp_path), "--bogus"], "unrecognized arguments: --bogus")
+    model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
+    monkeypatch.setattr(checkpoint, "load_policy", lambda path: (model, None, SimpleNamespace(run_dir=tmp_path)))
+    refused(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x"), "--format", "peft"],
+            f"{tmp_path} is not a LoRA run (lora.rank: 0); --format peft exports adapters, use --format hf")
+    assert not (tmp_path / "x").exists()
+
+
+def test_smoke_is_a_function_the_cli_calls(tmp_path):
+    import pytest
+
+    from grpo_jax.tools.smoke import MIN_NEW_TOKENS, smoke
+
+    with pytest.raises(ValueError, match=f"at least {MIN_NEW_TOKENS}"):
+        smoke(output=tmp_path / "m", new_tokens=1)

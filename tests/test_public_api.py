@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.config import SamplingConfig
+
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.sampling import Rollout, check_rollout, generate, pad_prompts
+from grpo_jax.rollout.sampling import Rollout, check_rollout, pad_prompts
 
 # --- models and sampling
 
@@ -54,6 +54,8 @@ def test_prefill_and_decode_step_by_keyword(model):
 
 
 def test_generate_by_keyword(model):
+    from grpo_jax import SamplingConfig, generate
+
     config = SamplingConfig(group_size=3, max_new_tokens=5, prompt_buckets=(8,))
     rollout = generate(model=model, prompts=PROMPTS, config=config, rng=jax.random.key(0))
     assert isinstance(rollout, Rollout)
@@ -72,8 +74,8 @@ def test_the_package_exports_the_main_api_lazily():
 
     import grpo_jax
 
-    expected = {"from_pretrained", "save_pretrained", "generate", "SamplingConfig", "group_advantages", "RunConfig",
-                "load_config", "train"}
+    expected = {"from_pretrained", "save_pretrained", "generate", "SamplingConfig", "group_advantages", "gae",
+                "policy_loss", "get_reward_fn", "RunConfig", "load_config", "train"}
     assert set(grpo_jax.__all__) == expected and expected <= set(dir(grpo_jax))
     from grpo_jax import config, models
     from grpo_jax.learner import grpo
@@ -84,6 +86,11 @@ def test_the_package_exports_the_main_api_lazily():
     assert grpo_jax.generate is sampling.generate and grpo_jax.group_advantages is grpo.group_advantages
     assert grpo_jax.SamplingConfig is config.SamplingConfig and grpo_jax.RunConfig is config.RunConfig
     assert grpo_jax.load_config is config.load_config and grpo_jax.train is trainer.train
+    from grpo_jax import rewards
+    from grpo_jax.learner import ppo
+
+    assert grpo_jax.gae is ppo.gae and grpo_jax.policy_loss is grpo.policy_loss
+    assert grpo_jax.get_reward_fn is rewards.get_reward_fn
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         grpo_jax.nope  # noqa: B018
     code = "import sys, grpo_jax; grpo_jax.RunConfig; print('jax' in sys.modules)"
@@ -92,7 +99,7 @@ def test_the_package_exports_the_main_api_lazily():
 
 
 def test_group_advantages_by_keyword():
-    from grpo_jax.learner.grpo import group_advantages
+    from grpo_jax import group_advantages
 
     rewards = jnp.asarray([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     out = group_advantages(rewards=rewards, group_size=4, scale="none", estimator="rloo")
@@ -102,7 +109,7 @@ def test_group_advantages_by_keyword():
 
 
 def test_gae_by_keyword():
-    from grpo_jax.learner.ppo import gae
+    from grpo_jax import gae
 
     # One row, reward 1 on its last real token, values 0.5: with gamma = lam = 1 the advantage of
     # every token is the return minus its value.
@@ -115,8 +122,8 @@ def test_gae_by_keyword():
 def test_load_config_and_train_by_keyword(tmp_path):
     import yaml
 
-    from grpo_jax.config import ConfigError, RunConfig, load_config
-    from grpo_jax.trainer.loop import train
+    from grpo_jax import RunConfig, load_config, train
+    from grpo_jax.config import ConfigError
 
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": str(tmp_path / "no_model")}, "rewards": [{"name": "format"}],
@@ -129,7 +136,8 @@ def test_load_config_and_train_by_keyword(tmp_path):
 
 
 def test_from_pretrained_and_save_pretrained_by_keyword(tmp_path):
-    from grpo_jax.models import Transformer, from_pretrained, save_pretrained
+    from grpo_jax import from_pretrained, save_pretrained
+    from grpo_jax.models import Transformer
     from grpo_jax.models.presets import tiny
 
     model = Transformer(tiny("llama"), rngs=nnx.Rngs(0))
@@ -155,3 +163,29 @@ def test_reward_models_and_their_scorer_by_keyword(tmp_path):
     assert len(scorer(prompts=["1+1=", "1+1="], completions=["2", "2 and some more than sixteen"])) == 2
     assert scorer.truncated == 1  # cut to its last 16 tokens, and counted
     assert parse_score(text="Score: 5", pattern=r"score:\s*(\d+)", max_score=10.0) == 0.5
+
+
+def test_policy_loss_by_keyword():
+    from grpo_jax import policy_loss
+    from grpo_jax.config import GRPOConfig
+
+    # mu = 1 (old == current): ratio 1, so the loss is minus the mean advantage over the valid
+    # rows' tokens; the dropped row (valid False) and the KL term at ref == current add nothing.
+    logp = jnp.full((3, 2), -1.0)
+    loss, sums = policy_loss(logprobs=logp, old_logprobs=logp, advantages=jnp.asarray([1.0, -0.5, 7.0]),
+                             mask=jnp.ones((3, 2), jnp.int32), config=GRPOConfig(beta=0.1),
+                             valid=jnp.asarray([True, True, False]), truncated=jnp.zeros(3, bool),
+                             ref_logprobs=logp, entropy=jnp.zeros((3, 2)), normaliser=None, sampler_logprobs=logp)
+    np.testing.assert_allclose(float(loss), -(1.0 - 0.5) / 2, rtol=1e-6)
+    assert float(sums["tokens"]) == 4.0 and float(sums["kl/k3"]) == 0.0
+
+
+def test_get_reward_fn_by_keyword(tmp_path):
+    from grpo_jax import get_reward_fn
+
+    assert get_reward_fn(name="math_accuracy")(prompts=["1+1="], completions=["2"], answer=["2"]) == [1.0]
+    (tmp_path / "mine.py").write_text("def shout(prompts, completions, **fields):\n"
+                                      "    return [float(c.isupper()) for c in completions]\n")
+    assert get_reward_fn(name=f"{tmp_path / 'mine.py'}:shout")(prompts=["a", "b"], completions=["HI", "hi"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="did you mean 'math_accuracy'"):
+        get_reward_fn(name="math_acuracy")

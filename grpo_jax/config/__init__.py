@@ -1,19 +1,24 @@
 """The run configuration: a leaf of the package (standard library and PyYAML only; no JAX, Flax,
 optax, orbax, transformers or TFDS), so every other module imports it at module top.
 
-`schema` holds one frozen dataclass per concern (`SamplingConfig`, `GRPOConfig`, `MeshConfig`, ...,
-and `RunConfig` over them); `loading` turns YAML files and `--set` overrides into a validated
-`RunConfig` and back.
+`schema` holds `RunConfig` over one frozen dataclass per concern: `model` (`ModelConfig`,
+`LoRAConfig`), `rollout` (`DataConfig`, `RewardConfig`, `SamplingConfig`, `EvalConfig`), `algorithm`
+(`GRPOConfig`, `PPOConfig`), `training` (`TrainConfig`, `SFTConfig`, `CheckpointConfig`, `MeshConfig`,
+`DistributedConfig`), `reward_model` (the `train-rm` run); each choice is a `Literal` and its
+tuple of values (`typing.get_args`), checked by `checks`. `loading` turns YAML files and `--set`
+overrides into a validated `RunConfig` and back.
 """
 
+from grpo_jax.config.algorithm import (ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, RATIO_LEVELS, SCALES, Estimator,
+                                       GRPOConfig, LossAggregation, PPOConfig, Scale)
+from grpo_jax.config.checks import check_micro_batches
 from grpo_jax.config.loading import (ConfigError, apply_overrides, config_from_dict, config_to_dict, did_you_mean,
                                      load_config, load_rm_config, unknown_key)
+from grpo_jax.config.model import DTYPES, LORA_TARGETS, LoRAConfig, ModelConfig
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
-from grpo_jax.config.schema import (DTYPES, ESTIMATORS, KL_ESTIMATORS, LORA_TARGETS, LOSS_AGGREGATIONS, RATIO_LEVELS,
-                                    SCALES, CheckpointConfig, DataConfig, DistributedConfig, Estimator, EvalConfig,
-                                    GRPOConfig, LoRAConfig, LossAggregation, MeshConfig, ModelConfig, PPOConfig,
-                                    RewardConfig, RunConfig, SamplingConfig, Scale, SFTConfig, TrainConfig,
-                                    check_micro_batches)
+from grpo_jax.config.rollout import DataConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.schema import RunConfig
+from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
 __all__ = [
     "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "SCALES",

@@ -20,9 +20,11 @@ from typing import Any
 import yaml
 
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
-from grpo_jax.config.schema import (CheckpointConfig, DataConfig, DistributedConfig, EvalConfig, GRPOConfig, MeshConfig,
-                                    LoRAConfig, ModelConfig, PPOConfig, RewardConfig, RunConfig, SamplingConfig,
-                                    SFTConfig, TrainConfig)
+from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
+from grpo_jax.config.model import LoRAConfig, ModelConfig
+from grpo_jax.config.rollout import DataConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.schema import RunConfig
+from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from grpo_jax.config.schema import MeshConfig, ModelConfig, _choice_in, _positive
+from grpo_jax.config.checks import choice_in, positive
+from grpo_jax.config.model import ModelConfig
+from grpo_jax.config.training import MeshConfig
+
+PairChatTemplate = Literal["auto", "never"]
+PAIR_CHAT_TEMPLATES: tuple[str, ...] = get_args(PairChatTemplate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,7 +36,7 @@ class PreferenceDataConfig:
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     margin_field: str | None = None
-    chat_template: Literal["auto", "never"] = "auto"
+    chat_template: PairChatTemplate = "auto"
     max_length: int = 128  # tokens of prompt + answer; longer pairs keep their last tokens (counted)
     eval_pairs: int = 512  # held-out pairs scored at each evaluation (0 = all)
 
@@ -41,8 +46,8 @@ class PreferenceDataConfig:
                              "(jsonl pairs)")
         if (self.train_file is None) != (self.eval_file is None):
             raise ValueError("data: jsonl pairs need both data.train_file and data.eval_file (the held-out pairs)")
-        _choice_in("data", "chat_template", self.chat_template, ("auto", "never"))
-        _positive("data", "max_length", self.max_length)
+        choice_in("data", "chat_template", self.chat_template, PAIR_CHAT_TEMPLATES)
+        positive("data", "max_length", self.max_length)
         if self.eval_pairs < 0:
             raise ValueError(f"data.eval_pairs must be >= 0, got {self.eval_pairs}")
 
@@ -65,7 +70,7 @@ class RMTrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "learning_rate", "max_grad_norm"):
-            _positive("train", name, getattr(self, name))
+            positive("train", name, getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "margin", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")

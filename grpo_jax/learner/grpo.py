@@ -4,7 +4,7 @@ Rewards come laid out as the sampler returns rows: row i*G + j is sample j of pr
 reward means the reward function returned None for that sample: the sample is dropped (advantage 0,
 `valid` False) and the rest of its group is normalised without it.
 
-Shape suffixes: R = N*G rows, N groups (prompts), G group size, M completion tokens.
+Shape suffixes: see grpo_jax.shapes (R = N*G rows, N prompts, G group size, M completion tokens).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "gro
     return GroupAdvantages(advantages=adv_NG.reshape(R), valid=valid_NG.reshape(R), zero_std=zero_std_N)
 
 
-def overlong_penalty(lengths_R: jax.Array, max_length: int, cache_length: int) -> jax.Array:
+def overlong_penalty(lengths: jax.Array, max_length: int, cache_length: int) -> jax.Array:
     """DAPO's soft overlong punishment, in tokens, added to the reward.
 
     0 up to max_length - cache_length tokens, then falling linearly to -1 at max_length, and -1
@@ -89,11 +89,11 @@ def overlong_penalty(lengths_R: jax.Array, max_length: int, cache_length: int) -
     """
     if not 0 < cache_length <= max_length:
         raise ValueError(f"overlong penalty needs 0 < cache_length <= max_length, got {cache_length}, {max_length}")
-    over = lengths_R.astype(jnp.float32) - (max_length - cache_length)
-    return jnp.where(lengths_R > max_length, -1.0, -jnp.clip(over, 0.0, None) / cache_length)
+    over = lengths.astype(jnp.float32) - (max_length - cache_length)
+    return jnp.where(lengths > max_length, -1.0, -jnp.clip(over, 0.0, None) / cache_length)
 
 
-def kl_estimate(logp_RM: jax.Array, ref_logp_RM: jax.Array, estimator: str) -> jax.Array:
+def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str) -> jax.Array:
     """Per-token estimate of KL(policy || reference) from log-probs of tokens sampled from the policy.
 
     k1 = log p - log q (unbiased, can be negative); k2 = (log p - log q)^2 / 2 (biased, >= 0);
@@ -101,8 +101,8 @@ def kl_estimate(logp_RM: jax.Array, ref_logp_RM: jax.Array, estimator: str) -> j
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl estimator={estimator!r}; choose one of {list(KL_ESTIMATORS)}")
-    chex.assert_equal_shape([logp_RM, ref_logp_RM])
-    log_ratio = logp_RM - ref_logp_RM
+    chex.assert_equal_shape([logprobs, ref_logprobs])
+    log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -110,37 +110,37 @@ def kl_estimate(logp_RM: jax.Array, ref_logp_RM: jax.Array, estimator: str) -> j
     return jnp.expm1(-log_ratio) + log_ratio
 
 
-def _token_objective(ratio_RM, adv_R1, config):
+def _token_objective(ratio_RM, adv_RM, config):
     """Clipped surrogate (to maximise) per token; ratio may be a token or a broadcast sequence ratio."""
-    unclipped = ratio_RM * adv_R1
-    clipped = jnp.clip(ratio_RM, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * adv_R1
+    unclipped = ratio_RM * adv_RM
+    clipped = jnp.clip(ratio_RM, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high) * adv_RM
     objective = jnp.minimum(unclipped, clipped)
     if config.dual_clip is not None:
-        objective = jnp.where(adv_R1 < 0, jnp.maximum(objective, config.dual_clip * adv_R1), objective)
+        objective = jnp.where(adv_RM < 0, jnp.maximum(objective, config.dual_clip * adv_RM), objective)
     return objective
 
 
-def token_ratio(logp_RM, old_logp_RM, mask_RM):
+def token_ratio(logprobs, old_logprobs, mask):
     """GRPO/DAPO: one importance ratio per token."""
-    del mask_RM
-    return jnp.exp(logp_RM - old_logp_RM)
+    del mask
+    return jnp.exp(logprobs - old_logprobs)
 
 
-def sequence_ratio(logp_RM, old_logp_RM, mask_RM):
+def sequence_ratio(logprobs, old_logprobs, mask):
     """GSPO-token: every token carries its sequence's length-normalised ratio as its value, with the
     gradient of its own log-prob, so the aggregated gradient is GSPO's sequence-level gradient."""
-    length_R1 = jnp.maximum(mask_RM.sum(axis=1, keepdims=True), 1.0)
-    seq_log_ratio_R1 = jnp.sum((logp_RM - old_logp_RM) * mask_RM, axis=1, keepdims=True) / length_R1
-    return jnp.exp(jax.lax.stop_gradient(seq_log_ratio_R1) + logp_RM - jax.lax.stop_gradient(logp_RM))
+    length_R1 = jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    seq_log_ratio_R1 = jnp.sum((logprobs - old_logprobs) * mask, axis=1, keepdims=True) / length_R1
+    return jnp.exp(jax.lax.stop_gradient(seq_log_ratio_R1) + logprobs - jax.lax.stop_gradient(logprobs))
 
 
-def loss_weights(mask_RM: jax.Array, config) -> tuple[jax.Array, jax.Array]:
+def loss_weights(mask: jax.Array, config) -> tuple[jax.Array, jax.Array]:
     """(per-token weights [R, M], normaliser) such that loss = sum(weights * per_token) / normaliser.
 
     Splitting a batch into micro-batches and summing sum(w * l) / normaliser over them, with the
     normaliser of the *whole* batch, gives exactly the whole batch's loss.
     """
-    mask = mask_RM.astype(jnp.float32)
+    mask = mask.astype(jnp.float32)
     if config.loss_agg == "token_mean":
         return mask, jnp.maximum(mask.sum(), 1.0)
     rows_with_tokens = jnp.maximum(jnp.sum(mask.sum(axis=1) > 0), 1).astype(jnp.float32)
@@ -149,80 +149,93 @@ def loss_weights(mask_RM: jax.Array, config) -> tuple[jax.Array, jax.Array]:
     return mask, rows_with_tokens * config.max_completion_length
 
 
-def effective_mask(mask_RM, config, *, valid_R=None, truncated_R=None) -> jax.Array:
-    """Float mask of the tokens that enter the loss: completion tokens of valid (and, with
-    mask_truncated, non-truncated) rows."""
-    mask = mask_RM.astype(jnp.float32)
-    if valid_R is not None:
-        mask = mask * valid_R[:, None]
+def effective_mask(mask: jax.Array, config, *, valid: jax.Array | None = None,
+                   truncated: jax.Array | None = None) -> jax.Array:
+    """float32 [R, M]: the tokens that enter the loss: completion tokens (`mask` [R, M]) of valid
+    (`valid` [R]) and, with mask_truncated, non-truncated (`truncated` [R]) rows."""
+    out = mask.astype(jnp.float32)
+    if valid is not None:
+        out = out * valid[:, None]
     if config.mask_truncated:
-        if truncated_R is None:
+        if truncated is None:
             raise ValueError("grpo.mask_truncated needs the rollout's `truncated` flags")
-        mask = mask * (~truncated_R.astype(jnp.bool_))[:, None]
-    return mask
+        out = out * (~truncated.astype(jnp.bool_))[:, None]
+    return out
 
 
-def policy_loss(logp_RM: jax.Array, old_logp_RM: jax.Array, advantages_R: jax.Array, mask_RM: jax.Array,
-                config, *, valid_R: jax.Array | None = None, truncated_R: jax.Array | None = None,
-                ref_logp_RM: jax.Array | None = None, entropy_RM: jax.Array | None = None,
+def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
+                config, *, valid: jax.Array | None = None, truncated: jax.Array | None = None,
+                ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None,
                 normaliser: jax.Array | None = None,
-                sampler_logp_RM: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                sampler_logprobs: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The GRPO loss (to minimise) and token statistics as sums (see `loss_metrics`).
 
-    logp / old_logp / ref_logp: per-token log-probs of the sampled completion tokens under the
-    current, sampling-time and reference policies. advantages: one per row [R] (GRPO), or one per
-    token [R, M] (PPO's GAE). Rows with `valid` False (dropped rewards) and, with
-    `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs ref_logp;
-    `entropy_coef > 0` needs entropy. `normaliser` (from `loss_weights` of the whole batch) is
-    given when this is one micro-batch of a larger batch.
+    Shapes (grpo_jax.shapes): `logprobs`, `old_logprobs`, `ref_logprobs`, `sampler_logprobs`,
+    `entropy` and `mask` float/int [R, M]; `advantages` [R] (GRPO: one per row) or [R, M] (PPO's
+    GAE: one per token); `valid`, `truncated` bool [R].
 
-    sampler_logp: the sampler's own log-probs of the tokens. Their distance to `logp` is summed
-    (`health/sampler_train_logprob_diff`, and its max), and with `config.sampler_is_cap` each
-    token's surrogate is weighted by min(exp(logp - sampler_logp), cap) (truncated importance
-    sampling, without gradient through the weight).
+    logprobs / old_logprobs / ref_logprobs: per-token log-probs of the sampled completion tokens
+    under the current, sampling-time and reference policies. Rows with `valid` False (dropped
+    rewards) and, with `config.mask_truncated`, truncated rows contribute nothing. `beta > 0` needs
+    ref_logprobs; `entropy_coef > 0` needs entropy. `normaliser` (from `loss_weights` of the whole
+    batch) is given when this is one micro-batch of a larger batch.
+
+    sampler_logprobs: the sampler's own log-probs of the tokens. Their distance to `logprobs` is
+    summed (`health/sampler_train_logprob_diff`, and its max), and with `config.sampler_is_cap`
+    each token's surrogate is weighted by min(exp(logprobs - sampler_logprobs), cap) (truncated
+    importance sampling, without gradient through the weight).
     """
-    chex.assert_equal_shape([logp_RM, old_logp_RM, mask_RM])
-    if advantages_R.ndim == 2:
-        chex.assert_equal_shape([advantages_R, logp_RM])
+    chex.assert_equal_shape([logprobs, old_logprobs, mask])
+    if advantages.ndim == 2:
+        chex.assert_equal_shape([advantages, logprobs])
     else:
-        chex.assert_shape(advantages_R, (logp_RM.shape[0],))
-    mask = effective_mask(mask_RM, config, valid_R=valid_R, truncated_R=truncated_R)
+        chex.assert_shape(advantages, (logprobs.shape[0],))
+    mask_RM = effective_mask(mask, config, valid=valid, truncated=truncated)
     ratio_fn = sequence_ratio if config.ratio_level == "sequence" else token_ratio
-    ratio_RM = ratio_fn(logp_RM, old_logp_RM, mask)
-    if advantages_R.ndim == 2:
-        adv_R1 = jnp.where(mask > 0, advantages_R.astype(jnp.float32), 0.0)  # [R, M]
-    else:
-        adv_R1 = jnp.where(mask.sum(axis=1, keepdims=True) > 0, advantages_R.astype(jnp.float32)[:, None], 0.0)
-    per_token = -_token_objective(ratio_RM, adv_R1, config)
-    sums = {"tokens": mask.sum()}
-    if sampler_logp_RM is not None:
-        chex.assert_equal_shape([sampler_logp_RM, logp_RM])
-        log_w = jax.lax.stop_gradient(logp_RM) - sampler_logp_RM
-        sums["health/sampler_train_logprob_diff"] = jnp.sum(jnp.abs(log_w) * mask)
-        sums["health/sampler_train_logprob_diff_max"] = jnp.max(jnp.where(mask > 0, jnp.abs(log_w), 0.0))
+    ratio_RM = ratio_fn(logprobs, old_logprobs, mask_RM)
+    if advantages.ndim == 2:
+        adv_RM = jnp.where(mask_RM > 0, advantages.astype(jnp.float32), 0.0)
+    else:  # one per row, the same for each of its tokens
+        adv_R1 = jnp.where(mask_RM.sum(axis=1, keepdims=True) > 0, advantages.astype(jnp.float32)[:, None], 0.0)
+        adv_RM = jnp.broadcast_to(adv_R1, mask_RM.shape)
+    per_token_RM = -_token_objective(ratio_RM, adv_RM, config)
+    per_token_RM, sums = _regularised(per_token_RM, logprobs, mask_RM, config, ref_logprobs=ref_logprobs,
+                                      entropy=entropy, sampler_logprobs=sampler_logprobs)
+    weights, local_normaliser = loss_weights(mask_RM, config)
+    loss = jnp.sum(per_token_RM * weights) / (local_normaliser if normaliser is None else normaliser)
+    r = jax.lax.stop_gradient(ratio_RM)
+    sums["policy/clip_frac_low"] = jnp.sum(((r < 1 - config.epsilon_low) & (adv_RM < 0)) * mask_RM)
+    sums["policy/clip_frac_high"] = jnp.sum(((r > 1 + config.epsilon_high) & (adv_RM > 0)) * mask_RM)
+    sums["policy/ratio_max"] = jnp.max(jnp.where(mask_RM > 0, r, 0.0))
+    return loss, sums
+
+
+def _regularised(per_token_RM, logp_RM, mask_RM, config, *, ref_logprobs, entropy, sampler_logprobs):
+    """The surrogate with truncated importance sampling, the KL penalty and the entropy bonus
+    applied -> (per-token loss [R, M], the statistics' sums so far)."""
+    sums = {"tokens": mask_RM.sum()}
+    if sampler_logprobs is not None:
+        chex.assert_equal_shape([sampler_logprobs, logp_RM])
+        log_w = jax.lax.stop_gradient(logp_RM) - sampler_logprobs
+        sums["health/sampler_train_logprob_diff"] = jnp.sum(jnp.abs(log_w) * mask_RM)
+        sums["health/sampler_train_logprob_diff_max"] = jnp.max(jnp.where(mask_RM > 0, jnp.abs(log_w), 0.0))
         if config.sampler_is_cap is not None:
-            per_token = per_token * jnp.minimum(jnp.exp(log_w), config.sampler_is_cap)
+            per_token_RM = per_token_RM * jnp.minimum(jnp.exp(log_w), config.sampler_is_cap)
     elif config.sampler_is_cap is not None:
         raise ValueError("grpo.sampler_is_cap needs the sampler's log-probs")
     if config.beta > 0:
-        if ref_logp_RM is None:
+        if ref_logprobs is None:
             raise ValueError("grpo.beta > 0 needs reference log-probs")
-        per_token = per_token + config.beta * kl_estimate(logp_RM, ref_logp_RM, config.kl_estimator)
+        per_token_RM = per_token_RM + config.beta * kl_estimate(logp_RM, ref_logprobs, config.kl_estimator)
         for est in ("k1", "k3"):
-            sums[f"kl/{est}"] = jnp.sum(jax.lax.stop_gradient(kl_estimate(logp_RM, ref_logp_RM, est)) * mask)
+            sums[f"kl/{est}"] = jnp.sum(jax.lax.stop_gradient(kl_estimate(logp_RM, ref_logprobs, est)) * mask_RM)
     if config.entropy_coef > 0:
-        if entropy_RM is None:
+        if entropy is None:
             raise ValueError("grpo.entropy_coef > 0 needs per-token entropies")
-        per_token = per_token - config.entropy_coef * entropy_RM
-    if entropy_RM is not None:
-        sums["policy/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_RM) * mask)
-    weights, local_normaliser = loss_weights(mask, config)
-    loss = jnp.sum(per_token * weights) / (local_normaliser if normaliser is None else normaliser)
-    r = jax.lax.stop_gradient(ratio_RM)
-    sums["policy/clip_frac_low"] = jnp.sum(((r < 1 - config.epsilon_low) & (adv_R1 < 0)) * mask)
-    sums["policy/clip_frac_high"] = jnp.sum(((r > 1 + config.epsilon_high) & (adv_R1 > 0)) * mask)
-    sums["policy/ratio_max"] = jnp.max(jnp.where(mask > 0, r, 0.0))
-    return loss, sums
+        per_token_RM = per_token_RM - config.entropy_coef * entropy
+    if entropy is not None:
+        sums["policy/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask_RM)
+    return per_token_RM, sums
 
 
 MAX_SUMS = ("policy/ratio_max", "health/sampler_train_logprob_diff_max")  # maxima, not sums

@@ -18,26 +18,26 @@ import jax.numpy as jnp
 from grpo_jax.models.grouped import grouped_hidden_states
 
 
-def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
+def chunked_logprobs(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
                      chunk: int = 128, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """(log p(targets) [B, T], entropy [B, T]) under softmax(logits_fn(h) / temperature), float32.
 
     `logits_fn` maps hidden states [B, C, E] to logits [B, C, V] (e.g. `model.logits`). T is padded
     up to a multiple of `chunk` internally; pick chunk to divide T to avoid the padding.
     """
-    chex.assert_rank(h_BTE, 3)
-    B, T, E = h_BTE.shape
-    chex.assert_shape(targets_BT, (B, T))
+    chex.assert_rank(hidden, 3)
+    B, T, E = hidden.shape
+    chex.assert_shape(targets, (B, T))
     if temperature <= 0:
         raise ValueError(f"log-probs need a positive temperature, got {temperature}")
     C = min(chunk, T)
     pad = (-T) % C
     if pad:
-        h_BTE = jnp.pad(h_BTE, ((0, 0), (0, pad), (0, 0)))
-        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
     n = (T + pad) // C
-    h_nBCE = h_BTE.reshape(B, n, C, E).transpose(1, 0, 2, 3)
-    t_nBC = targets_BT.reshape(B, n, C).transpose(1, 0, 2)
+    h_nBCE = hidden.reshape(B, n, C, E).transpose(1, 0, 2, 3)
+    t_nBC = targets.reshape(B, n, C).transpose(1, 0, 2)
 
     @jax.checkpoint
     def one_chunk(h_BCE, t_BC):
@@ -53,7 +53,7 @@ def chunked_logprobs(h_BTE: jax.Array, targets_BT: jax.Array, logits_fn: Callabl
     return logp_BT, ent_BT
 
 
-def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *,
+def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,
                       group_size: int = 1, dropout_key: jax.Array | None = None) -> jax.Array:
     """The hidden states [R, M, E] that predict each completion token (int [R, M]) given its prompt
     (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it: state t is the one
@@ -65,6 +65,7 @@ def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *
 
     dropout_key: apply the LoRA adapters' input dropout (the training pass; `Layers.arrays`).
     """
+    prompt_ids_RP, prompt_mask_RP, completion_ids_RM = prompt_ids, prompt_mask, completion_ids
     chex.assert_rank([prompt_ids_RP, prompt_mask_RP, completion_ids_RM], 2)
     R, P = prompt_ids_RP.shape
     if group_size > 1:
@@ -83,9 +84,10 @@ def completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *
     return model.hidden_states(ids, attention_mask=mask, dropout_key=dropout_key)[:, P - 1:-1]
 
 
-def completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, *, chunk: int = 128,
+def completion_logprobs(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,
+                        chunk: int = 128,
                         temperature: float = 1.0, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies float32 [R, M] of each completion token (int [R, M]) given its prompt
     and the tokens before it; arguments as `completion_states`."""
-    h = completion_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, group_size=group_size)
-    return chunked_logprobs(h, completion_ids_RM, model.logits, chunk=chunk, temperature=temperature)
+    h_RME = completion_states(model, prompt_ids, prompt_mask, completion_ids, group_size=group_size)
+    return chunked_logprobs(h_RME, completion_ids, model.logits, chunk=chunk, temperature=temperature)

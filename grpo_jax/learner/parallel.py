@@ -1,16 +1,18 @@
-"""How a run spreads over its devices, chosen once from the config (`make_parallel`).
+"""How a run spreads over its devices, chosen once from the config (`make_parallel`), the only
+place that asks which mode a run is in.
 
 - `parallelism: jit` (`MeshParallel`): one (data, fsdp, tensor) mesh for sampling and training;
-  the train state is placed by the logical-axis rules (grpo_jax.runtime.sharding) and the train step is
-  jitted with explicit in/out shardings.
+  the train state is placed by the logical-axis rules (grpo_jax.runtime.sharding) and the train
+  step is jitted with explicit in/out shardings.
 - `parallelism: pmap` (`PmapParallel`): pure data parallelism on one host; the train state is
   replicated on every local device and the same `train_step` runs under `jax.pmap` with the batch's
   rows split across devices. Sampling runs on a data-only mesh over the same devices.
 
 Either way a batch enters `step` as global arrays on `mesh` (rows split over data x fsdp), the
-steps that complete a batch (`advantages`, `ref_logprobs`) run jitted on that mesh, and the
-trainer never asks which mode it is in. `place` puts a train state where `step` wants it,
-`unplace` gives one copy back (for checkpoints), `sampler_params` the policy the sampler reads.
+steps that complete a batch (`advantages`, `ref_logprobs`) run jitted on that mesh, and every step
+and sharding is built when the object is (from the run's initial state), none on first use.
+`place` puts a train state where `step` wants it, `unplace` gives one copy back (for
+checkpoints), `sampler_params` the policy the sampler reads.
 """
 
 from __future__ import annotations
@@ -25,30 +27,38 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import RunConfig
 from grpo_jax.learner.grpo import GroupAdvantages
-from grpo_jax.runtime.sharding import place_train_state, replicate, replicated, split_rows, tree_shardings, unreplicate
-from grpo_jax.learner.train_step import Batch, TrainState, make_advantages_step, make_ref_logprobs_step, make_train_step
+from grpo_jax.learner.train_step import (Batch, TrainState, bind_train_step, make_advantages_step,
+                                         make_ref_logprobs_step, make_train_step)
+from grpo_jax.runtime.sharding import (param_shardings, place_train_state, replicate, replicated, split_rows,
+                                       tree_shardings, unreplicate)
 
 
 class Parallel(abc.ABC):
     """What both modes share: the mesh, the advantage and reference log-prob steps on it."""
 
     def __init__(self, config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                 *, temperature: float, frozen: nnx.State | None = None, ref_graphdef: nnx.GraphDef | None = None):
-        self.mesh, self.graphdef, self.optimizer = mesh, graphdef, optimizer
+                 state: TrainState, *, temperature: float, frozen: nnx.State | None = None,
+                 ref_graphdef: nnx.GraphDef | None = None):
+        """`state`: the run's initial train state (its structure and the params' logical axes fix
+        every sharding); `frozen`: the parameters that do not train (a LoRA run's base, placed
+        with the model), else None; `ref_graphdef`: the KL reference's structure (a LoRA run's base
+        without its adapters: no adapter matmuls, no copy of the weights), else the policy's."""
+        self.mesh, self.frozen = mesh, frozen
         t = config.train
-        group_size = config.sampling.group_size if t.shared_prompt else 1  # rows that share one prompt pass
         self.step_kw = dict(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk, temperature=temperature,
-                            group_size=group_size, ppo_config=config.ppo if config.algorithm == "ppo" else None,
-                            seed=t.seed)
-        self.grpo = config.grpo
+                            # rows that share one prompt pass
+                            group_size=config.sampling.group_size if t.shared_prompt else 1,
+                            ppo_config=config.ppo if config.algorithm == "ppo" else None, seed=t.seed)
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None
+        if config.grpo.beta > 0:
+            reference = frozen if frozen is not None else state.params  # the reference is shaped like these
+            self._ref = make_ref_logprobs_step(
+                graphdef if ref_graphdef is None else ref_graphdef, mesh=mesh,
+                params_shardings=tree_shardings(frozen) if frozen is not None
+                else param_shardings(reference, mesh).shardings,
+                logprob_chunk=t.logprob_chunk, temperature=temperature, group_size=self.step_kw["group_size"])
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
-        # The parameters that do not train (a LoRA run's base, placed with the model), else None.
-        self.frozen = frozen
-        # The reference model's structure: the policy's, or a LoRA run's base without its adapters
-        # (its reference is the frozen base alone: no adapter matmuls, no copy of the weights).
-        self.ref_graphdef = graphdef if ref_graphdef is None else ref_graphdef
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
         """Group normalisation of the global rewards array [R], on the mesh."""
@@ -57,10 +67,7 @@ class Parallel(abc.ABC):
     def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
         """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
         if self._ref is None:
-            self._ref = make_ref_logprobs_step(self.ref_graphdef, logprob_chunk=self.step_kw["logprob_chunk"],
-                                               temperature=self.step_kw["temperature"],
-                                               group_size=self.step_kw["group_size"], mesh=self.mesh,
-                                               params_shardings=tree_shardings(params))
+            raise ValueError("reference log-probs are computed only with grpo.beta > 0")
         return self._ref(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
 
     @abc.abstractmethod
@@ -84,14 +91,16 @@ class Parallel(abc.ABC):
 class MeshParallel(Parallel):
     """jit on the (data, fsdp, tensor) mesh; the state sharded by the logical-axis rules."""
 
-    _step = None
+    def __init__(self, config, mesh, graphdef, optimizer, state, **kwargs):
+        super().__init__(config, mesh, graphdef, optimizer, state, **kwargs)
+        _, self.shardings, self.not_sharded = place_train_state(state, mesh)
+        frozen = self.frozen
+        self._step = make_train_step(graphdef, optimizer, config.grpo, mesh=mesh, state_shardings=self.shardings,
+                                     frozen_shardings=None if frozen is None else tree_shardings(frozen),
+                                     **self.step_kw)
 
-    def place(self, state: TrainState) -> TrainState:
-        state, shardings, self.not_sharded = place_train_state(state, self.mesh)
-        if self._step is None:
-            self._step = make_train_step(self.graphdef, self.optimizer, self.grpo, mesh=self.mesh,
-                                         state_shardings=shardings, **self.step_kw)
-        return state
+    def place(self, state):
+        return jax.device_put(state, self.shardings)
 
     def step(self, state, batch):
         return self._step(state, batch, self.frozen)
@@ -106,11 +115,11 @@ class MeshParallel(Parallel):
 class PmapParallel(Parallel):
     """pmap over the local devices: the state replicated, the batch's rows split, gradients psum'd."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, mesh, graphdef, optimizer, state, **kwargs):
+        super().__init__(config, mesh, graphdef, optimizer, state, **kwargs)
         self.devices = jax.local_devices()
-        self._step = make_train_step(self.graphdef, self.optimizer, self.grpo, parallelism="pmap",
-                                     devices=self.devices, **self.step_kw)
+        step = bind_train_step(graphdef, optimizer, config.grpo, axis_name="devices", **self.step_kw)
+        self._step = jax.pmap(step, axis_name="devices", donate_argnums=(0,), devices=self.devices)
 
     def place(self, state):
         return replicate(state, self.devices)
@@ -128,10 +137,10 @@ class PmapParallel(Parallel):
 
 
 def make_parallel(config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                  *, temperature: float, frozen: nnx.State | None = None,
+                  state: TrainState, *, temperature: float, frozen: nnx.State | None = None,
                   ref_graphdef: nnx.GraphDef | None = None) -> Parallel:
-    """The run's parallelism object (`config.parallelism`), over `mesh` (grpo_jax.trainer.prepare.run_mesh).
-    A LoRA run passes its frozen base (`frozen`) and the base's structure without adapters
-    (`ref_graphdef`, for the KL reference)."""
+    """The run's parallelism object (`config.parallelism`), over `mesh`
+    (grpo_jax.runtime.devices.run_mesh), for the initial train state `state`."""
     cls = {"jit": MeshParallel, "pmap": PmapParallel}[config.parallelism]
-    return cls(config, mesh, graphdef, optimizer, temperature=temperature, frozen=frozen, ref_graphdef=ref_graphdef)
+    return cls(config, mesh, graphdef, optimizer, state, temperature=temperature, frozen=frozen,
+               ref_graphdef=ref_graphdef)

@@ -56,27 +56,27 @@ def init_critic(hidden_size: int) -> dict[str, jax.Array]:
     return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
 
 
-def values(critic: dict[str, jax.Array], h_RME: jax.Array) -> jax.Array:
+def values(critic: dict[str, jax.Array], hidden: jax.Array) -> jax.Array:
     """float32 [R, M]: the value of each state (hidden states [R, M, E], e.g. `completion_states`)."""
-    chex.assert_rank(h_RME, 3)
-    return jnp.einsum("rme,e->rm", h_RME.astype(jnp.float32), critic["w"]) + critic["b"]
+    chex.assert_rank(hidden, 3)
+    return jnp.einsum("rme,e->rm", hidden.astype(jnp.float32), critic["w"]) + critic["b"]
 
 
-def terminal_rewards(rewards_R: jax.Array, mask_RM: jax.Array) -> jax.Array:
+def terminal_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
     """float32 [R, M]: each row's reward (float [R]; NaN = dropped, taken as 0) on its last real token."""
-    chex.assert_shape(rewards_R, (mask_RM.shape[0],))
-    m = mask_RM.astype(jnp.int32)
+    chex.assert_shape(rewards, (mask.shape[0],))
+    m = mask.astype(jnp.int32)
     last_R = jnp.maximum(m.sum(axis=1) - 1, 0)
     at_last = jnp.arange(m.shape[1])[None, :] == last_R[:, None]
-    r_R = jnp.nan_to_num(rewards_R.astype(jnp.float32), nan=0.0)
+    r_R = jnp.nan_to_num(rewards.astype(jnp.float32), nan=0.0)
     return jnp.where(at_last & (m > 0), r_R[:, None], 0.0)
 
 
-def value_loss(values_RM: jax.Array, old_values_RM: jax.Array, returns_RM: jax.Array, clip: float) -> jax.Array:
+def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, clip: float) -> jax.Array:
     """Per-token clipped value loss [R, M] (PPO2): 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2)."""
-    chex.assert_equal_shape([values_RM, old_values_RM, returns_RM])
-    clipped = old_values_RM + jnp.clip(values_RM - old_values_RM, -clip, clip)
-    return 0.5 * jnp.maximum((values_RM - returns_RM) ** 2, (clipped - returns_RM) ** 2)
+    chex.assert_equal_shape([values, old_values, returns])
+    clipped = old_values + jnp.clip(values - old_values, -clip, clip)
+    return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
 def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
@@ -88,8 +88,8 @@ def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
     return jnp.where(var_ret > 1e-12, 1.0 - var_err / jnp.maximum(var_ret, 1e-12), jnp.nan)
 
 
-def ppo_loss(critic: dict[str, jax.Array], h_RME: jax.Array, logp_RM: jax.Array, old_RM: jax.Array,
-             entropy_RM: jax.Array, mb, config: GRPOConfig, ppo: PPOConfig,
+def ppo_loss(critic: dict[str, jax.Array], hidden: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array,
+             entropy: jax.Array, mb, config: GRPOConfig, ppo: PPOConfig,
              normaliser: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The PPO objective of one micro-batch `mb` (a train_step.Batch slice) from the policy's hidden
     states, log-probs (current and old) and entropies: GRPO's clipped surrogate on GAE's per-token
@@ -97,14 +97,14 @@ def ppo_loss(critic: dict[str, jax.Array], h_RME: jax.Array, logp_RM: jax.Array,
     `value_coef` x the clipped value loss, under the same token weights and normaliser. Returns
     (loss, sums): `policy_loss`'s sums, `value/loss`, `value/mean` and the `value/_*` sums of
     `explained_variance`."""
-    mask_RM = effective_mask(mb.completion_mask, config, valid_R=mb.valid, truncated_R=mb.truncated)
-    v_RM = values(critic, h_RME)
+    mask_RM = effective_mask(mb.completion_mask, config, valid=mb.valid, truncated=mb.truncated)
+    v_RM = values(critic, hidden)
     old_v = jax.lax.stop_gradient(v_RM)
     rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
     adv_RM, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam)
-    loss, sums = policy_loss(logp_RM, old_RM, adv_RM, mb.completion_mask, config, valid_R=mb.valid,
-                             truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy_RM,
-                             normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
+    loss, sums = policy_loss(logprobs, old_logprobs, adv_RM, mb.completion_mask, config, valid=mb.valid,
+                             truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+                             normaliser=normaliser, sampler_logprobs=mb.old_logprobs)
     weights, _ = loss_weights(mask_RM, config)
     v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
     loss = loss + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser

@@ -4,7 +4,7 @@ A policy that never produces a correct answer gets zero-variance groups and no G
 supervised phase on the dataset's own answers gives it a non-zero pass rate to sharpen. The
 completion is `answer_template` filled with the row's fields, followed by the end-of-sequence token.
 
-Shape suffixes: R rows, P prompt bucket, M completion length (the sampler's max_new_tokens).
+Shape suffixes: grpo_jax.shapes (R rows, P prompt bucket, M the sampler's max_new_tokens).
 """
 
 from __future__ import annotations
@@ -20,24 +20,33 @@ from flax import nnx
 
 from grpo_jax.runtime.hosts import common_bucket, row_share, to_global
 from grpo_jax.learner.logprobs import completion_logprobs
+from grpo_jax.learner.optimizer import warm_start_optimizer
 from grpo_jax.trainer.prepare import Prepared
 from grpo_jax.rollout.sampling import pad_prompts
-from grpo_jax.runtime.sharding import replicated
+from grpo_jax.runtime.sharding import batch_sharding, on_mesh, replicated, sharded_jit, tree_shardings
 
 
-def sft_loss(params, graphdef, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, completion_mask_RM, chunk: int):
-    """Mean negative log-likelihood per completion token."""
+def sft_loss(params, graphdef, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk: int):
+    """Mean negative log-likelihood per completion token (ids and masks as `completion_batch`'s)."""
     model = nnx.merge(graphdef, params)
-    logp_RM, _ = completion_logprobs(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, chunk=chunk)
-    mask = completion_mask_RM.astype(jnp.float32)
-    return -(logp_RM * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    logp_RM, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, chunk=chunk)
+    mask_RM = completion_mask.astype(jnp.float32)
+    return -(logp_RM * mask_RM).sum() / jnp.maximum(mask_RM.sum(), 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "optimizer", "chunk"), donate_argnames=("params", "opt_state"))
 def sft_step(params, opt_state, batch, *, graphdef, optimizer: optax.GradientTransformation, chunk: int):
     loss, grads = jax.value_and_grad(sft_loss)(params, graphdef, *batch, chunk)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+def make_sft_step(graphdef, optimizer: optax.GradientTransformation, *, mesh, params, opt_state, chunk: int):
+    """`sft_step` jitted once on `mesh`: params and optimizer state keep their shardings (placed
+    by the rules; the rest replicated, `on_mesh`) and are donated, the batch's rows split."""
+    shardings = (tree_shardings(params), tree_shardings(opt_state))
+    step = functools.partial(sft_step, graphdef=graphdef, optimizer=optimizer, chunk=chunk)
+    return sharded_jit(step, in_shardings=(*shardings, batch_sharding(mesh, 1)),
+                       out_shardings=(*shardings, replicated(mesh)), donate=("params", "opt_state"))
 
 
 def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
@@ -63,12 +72,11 @@ def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[fl
     eos = sampling.stop_token_ids[0]
     share = row_share(mesh, cfg.batch_size)
     t = prepared.config.train
-    optimizer = optax.adamw(cfg.learning_rate, b1=t.adam_b1, b2=t.adam_b2, eps=t.adam_eps)
+    optimizer = warm_start_optimizer(prepared.config)
     graphdef, params = nnx.split(model, nnx.Param)
-    # Moments follow their params; the step count goes on the mesh too, replicated, so the step's
-    # inputs keep one sharding from call to call (else the second call compiles again).
-    opt_state = jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
-                             else jax.device_put(x, replicated(mesh)), optimizer.init(params))
+    # Moments follow their params; the step count goes on the mesh too, replicated.
+    opt_state = on_mesh(optimizer.init(params), mesh)
+    step = make_sft_step(graphdef, optimizer, mesh=mesh, params=params, opt_state=opt_state, chunk=t.logprob_chunk)
     losses = []
     for i in range(cfg.steps):
         examples = prepared.sft_stream.next_batch(share.size)
@@ -77,8 +85,7 @@ def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[fl
         prompts = [ex.prompt_ids for ex in examples]
         batch = completion_batch(prompts, answers, prompt_buckets=common_bucket(prompts, sampling.prompt_buckets),
                                  max_new_tokens=sampling.max_new_tokens, pad_id=sampling.pad_id)
-        params, opt_state, loss = sft_step(params, opt_state, to_global(batch, mesh, share),
-                                           graphdef=graphdef, optimizer=optimizer, chunk=t.logprob_chunk)
+        params, opt_state, loss = step(params, opt_state, to_global(batch, mesh, share))
         losses.append(float(loss))
         if (i + 1) % max(1, cfg.steps // 5) == 0 or i + 1 == cfg.steps:
             log(f"sft step {i + 1}/{cfg.steps}: loss {np.mean(losses[-10:]):.4f}")

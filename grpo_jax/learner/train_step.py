@@ -9,7 +9,7 @@ the loss normaliser of the whole batch, so any number of micro-batches gives the
 non-finite loss or gradient leaves params and optimizer state bit-identical and is counted; the
 host aborts after `max_consecutive_skips` in a row (`check_skips`).
 
-Shape suffixes: R rows (N prompts x G samples), P prompt bucket, M completion tokens.
+Shape suffixes: grpo_jax.shapes (R rows = N prompts x G samples, P prompt bucket, M completion tokens).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
-from grpo_jax.config import GRPOConfig, PPOConfig, RunConfig, check_micro_batches
+from grpo_jax.config import GRPOConfig, PPOConfig, check_micro_batches
 from grpo_jax.learner.grpo import (MAX_SUMS, GroupAdvantages, accumulate_sums, effective_mask, group_advantages, loss_metrics,
                            loss_weights, policy_loss)
 from grpo_jax.learner.logprobs import chunked_logprobs, completion_logprobs, completion_states
 from grpo_jax.learner.ppo import explained_variance, ppo_loss
 from grpo_jax.models.lora import LoRAParam, has_adapters
-from grpo_jax.runtime.sharding import batch_sharding, replicated, tree_shardings
+from grpo_jax.runtime.sharding import batch_sharding, replicated, sharded_jit
 
 
 @flax.struct.dataclass
@@ -107,46 +108,6 @@ class TrainState:
     critic: dict | None = None  # algorithm: ppo: the value head (grpo_jax.learner.ppo.init_critic), trained with params
 
 
-def make_optimizer(learning_rate: float, *, max_grad_norm: float = 1.0, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW (fp32 master params: the state is kept in the params' dtype)."""
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-
-
-def learning_rate(config: RunConfig):
-    """The policy's learning rate: constant, or with linear warm-up, or warm-up then cosine decay."""
-    t = config.train
-    if t.lr_schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
-    if t.warmup_steps:
-        return optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps)
-    return t.learning_rate
-
-
-def run_optimizer(config: RunConfig) -> optax.GradientTransformation:
-    """The run's optimizer: `make_optimizer` with the train section's settings; for `algorithm:
-    ppo` paired with the value head's own (`ppo.critic_learning_rate`, default the policy's)."""
-    t = config.train
-    adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
-                eps=t.adam_eps)
-    optimizer = make_optimizer(learning_rate(config), **adam)
-    if config.algorithm != "ppo":
-        return optimizer
-    return pair_optimizer(optimizer, make_optimizer(config.ppo.critic_learning_rate or learning_rate(config), **adam))
-
-
-def pair_optimizer(policy: optax.GradientTransformation,
-                   critic: optax.GradientTransformation) -> optax.GradientTransformation:
-    """One optimizer over the pair (params, critic) of a PPO state: `policy` on the params, `critic`
-    on the value head (each with its own learning rate and gradient clipping)."""
-    def labels(pair):
-        params, head = pair
-        return (jax.tree.map(lambda _: "policy", params), jax.tree.map(lambda _: "critic", head))
-
-    return optax.multi_transform({"policy": policy, "critic": critic}, labels)
-
-
 def split_trainable(model) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None]:
     """(graphdef, trainable params, frozen params or None): with LoRA adapters
     (`models.lora.add_adapters`) only they train and the base is frozen; else every parameter
@@ -199,47 +160,82 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     uninterrupted one would."""
     check_batch(batch, micro_batches=micro_batches)
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
-    R = batch.completion_ids.shape[0]
-    mask_RM = effective_mask(batch.completion_mask, config, valid_R=batch.valid, truncated_R=batch.truncated)
-    if axis_name is None:
-        everyone = batch
-        _, normaliser = loss_weights(mask_RM, config)
-    else:
-        def gather(x):
-            return jax.lax.all_gather(x, axis_name, tiled=True)
-
-        everyone = batch.replace(**{f: gather(getattr(batch, f)) for f in (
-            "advantages", "valid", "truncated", "completion_mask")})
-        _, normaliser = loss_weights(gather(mask_RM), config)
-
     ppo = state.critic is not None
     if ppo and ppo_config is None:
         raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
-
+    everyone, normaliser = _whole_batch(batch, config, axis_name)
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:
         step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
+    micro_loss = _micro_loss(graphdef, frozen, config, ppo_config if ppo else None, normaliser,
+                             group_size=group_size, logprob_chunk=logprob_chunk, temperature=temperature)
+    trainable = (state.params, state.critic) if ppo else state.params
+    loss, grads, sums, sq = _accumulate(micro_loss, trainable, batch, step_key, micro_batches)
+    pieces, rows = micro_batches, batch.completion_ids.shape[0]
+    if axis_name is not None:
+        # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
+        loss, grads, sq = jax.lax.psum((loss, grads, sq), axis_name)
+        sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
+                for k, v in sums.items()}
+        pieces, rows = pieces * jax.lax.psum(1, axis_name), rows * jax.lax.psum(1, axis_name)
+    noise_scale = grad_noise_scale(sq, _sq_norm(grads), pieces=pieces, rows=rows)
+    ev = None
+    if ppo:
+        ev = explained_variance({k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
+    state, grad_norm = _apply(state, trainable, grads, loss, optimizer, ppo)
+    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
+               "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
+               "health/grad_noise_scale": noise_scale, **_batch_metrics(everyone)}
+    if ev is not None:
+        metrics["value/explained_variance"] = ev
+    return state, metrics
 
+
+def _micro_loss(graphdef, frozen, config: GRPOConfig, ppo_config: PPOConfig | None, normaliser, *, group_size: int,
+                logprob_chunk: int, temperature: float):
+    """`loss(trainable, micro_batch, dropout_key) -> (loss, sums)`: GRPO's objective, or PPO's when
+    `ppo_config` is given (then `trainable` is the pair (params, critic))."""
     def micro_loss(trainable, mb, key):
-        params, critic = trainable if ppo else (trainable, None)
+        params, critic = trainable if ppo_config is not None else (trainable, None)
         model = merge_model(graphdef, params, frozen)
         # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
-        h = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
-                              dropout_key=key)
-        logp, entropy = chunked_logprobs(h, mb.completion_ids, model.logits, chunk=logprob_chunk,
-                                         temperature=temperature)
+        h_RME = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
+                                  dropout_key=key)
+        logp_RM, entropy_RM = chunked_logprobs(h_RME, mb.completion_ids, model.logits, chunk=logprob_chunk,
+                                               temperature=temperature)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
-        old = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp)
-        if ppo:
-            return ppo_loss(critic, h, logp, old, entropy, mb, config, ppo_config, normaliser)
-        return policy_loss(logp, old, mb.advantages, mb.completion_mask, config, valid_R=mb.valid,
-                           truncated_R=mb.truncated, ref_logp_RM=mb.ref_logprobs, entropy_RM=entropy,
-                           normaliser=normaliser, sampler_logp_RM=mb.old_logprobs)
+        old_RM = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp_RM)
+        if ppo_config is not None:
+            return ppo_loss(critic, h_RME, logp_RM, old_RM, entropy_RM, mb, config, ppo_config, normaliser)
+        return policy_loss(logp_RM, old_RM, mb.advantages, mb.completion_mask, config, valid=mb.valid,
+                           truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy_RM,
+                           normaliser=normaliser, sampler_logprobs=mb.old_logprobs)
 
+    return micro_loss
+
+
+def _whole_batch(batch: Batch, config: GRPOConfig, axis_name: str | None) -> tuple[Batch, jax.Array]:
+    """(the whole batch's per-row fields, for its metrics; the loss normaliser of the whole batch):
+    under pmap gathered from every device's rows."""
+    mask_RM = effective_mask(batch.completion_mask, config, valid=batch.valid, truncated=batch.truncated)
+    if axis_name is None:
+        return batch, loss_weights(mask_RM, config)[1]
+
+    def gather(x):
+        return jax.lax.all_gather(x, axis_name, tiled=True)
+
+    everyone = batch.replace(**{f: gather(getattr(batch, f)) for f in (
+        "advantages", "valid", "truncated", "completion_mask")})
+    return everyone, loss_weights(gather(mask_RM), config)[1]
+
+
+def _accumulate(micro_loss, trainable, batch: Batch, step_key: jax.Array, micro_batches: int):
+    """Gradients of `micro_loss` summed over `micro_batches` slices of the batch's rows in a scan
+    -> (loss, grads, the loss's sums, the sum of the micro-batch gradients' squared norms)."""
+    R = batch.completion_ids.shape[0]
     per_row = batch.replace(zero_std=None)
     micro = jax.tree.map(lambda x: x.reshape(micro_batches, R // micro_batches, *x.shape[1:]), per_row)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    trainable = (state.params, state.critic) if ppo else state.params
 
     def accumulate(carry, xs):
         mb, m = xs
@@ -251,34 +247,20 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro), step_key)
     zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
     init = (zeros(l_shape), zeros(g_shape), zeros(s_shape), jnp.zeros((), jnp.float32))
-    (loss, grads, sums, sq), _ = jax.lax.scan(accumulate, init, (micro, jnp.arange(micro_batches)))
-    pieces = micro_batches
-    if axis_name is not None:
-        # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
-        loss, grads, sq = jax.lax.psum((loss, grads, sq), axis_name)
-        sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
-                for k, v in sums.items()}
-        pieces = micro_batches * jax.lax.psum(1, axis_name)
-    rows = R if axis_name is None else R * jax.lax.psum(1, axis_name)
-    noise_scale = grad_noise_scale(sq, _sq_norm(grads), pieces=pieces, rows=rows)
-    if ppo:
-        ev = explained_variance({k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
-    else:
-        ev = None
+    return jax.lax.scan(accumulate, init, (micro, jnp.arange(micro_batches)))[0]
+
+
+def _apply(state: TrainState, trainable, grads, loss, optimizer, ppo: bool) -> tuple[TrainState, jax.Array]:
+    """The optimizer's update where loss and gradients are finite; else the state bit-identical
+    with the skip counted -> (state, the gradient's norm)."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = optimizer.update(grads, state.opt_state, trainable)
     new_trainable = keep_if(finite, optax.apply_updates(trainable, updates), trainable)
     new_params, new_critic = new_trainable if ppo else (new_trainable, None)
-    state = TrainState(step=state.step + 1, params=new_params, opt_state=keep_if(finite, new_opt, state.opt_state),
-                       skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
-                       skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1), critic=new_critic)
-    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
-               "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
-               "health/grad_noise_scale": noise_scale, **_batch_metrics(everyone)}
-    if ev is not None:
-        metrics["value/explained_variance"] = ev
-    return state, metrics
+    return TrainState(step=state.step + 1, params=new_params, opt_state=keep_if(finite, new_opt, state.opt_state),
+                      skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
+                      skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1), critic=new_critic), grad_norm
 
 
 def keep_if(finite: jax.Array, new, old):
@@ -327,46 +309,30 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
     }
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
-                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0,
-                    mesh=None, state_shardings=None, parallelism: str = "jit", devices=None, group_size: int = 1,
-                    ppo_config: PPOConfig | None = None, seed: int = 0):
-    """`train_step` with its static parts bound, jitted once; the state's buffers are donated.
-
-    With a mesh, the step is jitted with explicit shardings: the state keeps `state_shardings`
-    (see `grpo_jax.runtime.sharding.place_train_state`), batch rows are split over (data, fsdp), metrics
-    come back replicated. Without one it runs on the default device.
-
-    parallelism="pmap": pure data parallelism over `devices` (default: all local devices) with the
-    same `train_step`: the state is replicated (`sharding.replicate`), the batch's rows split
-    across devices (`sharding.split_rows`), gradients summed with `lax.psum`.
-
-    group_size: see `train_step` (each device's rows must be whole groups too).
-    """
-    step = functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
+def bind_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
+                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
+                    ppo_config: PPOConfig | None = None, seed: int = 0, axis_name: str | None = None):
+    """`train_step` with its static parts bound: what `make_train_step` jits and the pmap mode
+    (grpo_jax.learner.parallel) pmaps. See `train_step` for the arguments."""
+    return functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
-                             group_size=group_size, ppo_config=ppo_config, seed=seed)
-    if parallelism == "pmap":
-        if mesh is not None:
-            raise ValueError("parallelism='pmap' replicates the state over devices; it takes no mesh")
-        return jax.pmap(functools.partial(step, axis_name="devices"), axis_name="devices", donate_argnums=(0,),
-                        devices=devices)
-    if parallelism != "jit":
-        raise ValueError(f"parallelism={parallelism!r} is not one of ['jit', 'pmap']")
-    if mesh is None:
-        return jax.jit(step, donate_argnames=("state",))
-    if state_shardings is None:
-        raise ValueError("make_train_step(mesh=...) needs state_shardings (from sharding.place_train_state)")
-    compiled = {}
+                             group_size=group_size, ppo_config=ppo_config, seed=seed, axis_name=axis_name)
 
-    def sharded_step(state, batch, frozen=None):
-        key = jax.tree.structure((batch, frozen))  # ref_logprobs may be None: one program per structure
-        if key not in compiled:
-            batch_shardings = jax.tree.map(lambda x: batch_sharding(mesh, x.ndim), batch)
-            frozen_shardings = None if frozen is None else tree_shardings(frozen)  # placed with the model
-            compiled[key] = jax.jit(step, in_shardings=(state_shardings, batch_shardings, frozen_shardings),
-                                    out_shardings=(state_shardings, replicated(mesh)), donate_argnames=("state",))
-        return compiled[key](state, batch, frozen)
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *, mesh: Mesh,
+                    state_shardings, frozen_shardings=None, **step_kw):
+    """`train_step` jitted once on `mesh` with explicit shardings: the state keeps `state_shardings`
+    (see `grpo_jax.runtime.sharding.place_train_state`) and its buffers are donated, the batch's rows
+    are split over (data, fsdp), the frozen parameters (a LoRA base) keep `frozen_shardings`, the
+    metrics come back replicated. `step_kw`: `bind_train_step`'s."""
+    step = bind_train_step(graphdef, optimizer, config, **step_kw)
+    # One sharding for every field of the batch (a prefix: rows split, other dimensions whole), so
+    # a batch with or without reference log-probs runs the same jitted function.
+    jitted = sharded_jit(step, in_shardings=(state_shardings, batch_sharding(mesh, 1), frozen_shardings),
+                         out_shardings=(state_shardings, replicated(mesh)), donate=("state",))
+
+    def sharded_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None):
+        return jitted(state, batch, frozen)
 
     return sharded_step
 
@@ -379,14 +345,12 @@ def advantages_step(rewards: jax.Array, *, group_size: int, config: GRPOConfig) 
                             estimator=config.advantage_estimator, eps=config.advantage_eps)
 
 
-def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh=None):
-    """`advantages_step` jitted once; with a mesh, rewards and every output split over (data, fsdp)
+def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh: Mesh):
+    """`advantages_step` jitted once on `mesh`, rewards and every output split over (data, fsdp)
     (N prompts must split over data x fsdp, which a run checks before compiling)."""
     step = functools.partial(advantages_step, group_size=group_size, config=config)
-    if mesh is None:
-        return jax.jit(step)
     rows = batch_sharding(mesh, 1)
-    return jax.jit(step, in_shardings=rows, out_shardings=GroupAdvantages(advantages=rows, valid=rows, zero_std=rows))
+    return sharded_jit(step, in_shardings=rows, out_shardings=GroupAdvantages(advantages=rows, valid=rows, zero_std=rows))
 
 
 def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
@@ -403,18 +367,14 @@ def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax
     return logp_RM
 
 
-def make_ref_logprobs_step(graphdef, *, logprob_chunk: int = 128, temperature: float = 1.0, mesh=None,
-                           params_shardings=None, group_size: int = 1):
-    """`ref_logprobs_step` jitted once; with a mesh, the reference params keep `params_shardings`
-    and the rows of every input and of the output are split over (data, fsdp)."""
+def make_ref_logprobs_step(graphdef, *, mesh: Mesh, params_shardings, logprob_chunk: int = 128,
+                           temperature: float = 1.0, group_size: int = 1):
+    """`ref_logprobs_step` jitted once on `mesh`: the reference params keep `params_shardings` and
+    the rows of every input and of the output are split over (data, fsdp)."""
     step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
                              temperature=temperature, group_size=group_size)
-    if mesh is None:
-        return jax.jit(step)
-    if params_shardings is None:
-        raise ValueError("make_ref_logprobs_step(mesh=...) needs params_shardings")
     rows = batch_sharding(mesh, 2)
-    return jax.jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
+    return sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
 
 
 def check_skips(metrics: dict, max_consecutive: int) -> None:

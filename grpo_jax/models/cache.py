@@ -13,8 +13,8 @@ reads it, and such copies were most of an older decode loop's time. The blocks:
   P + t overall, slot t - c*C of chunk c = t // C. A step in chunk c attends the prompt block and
   chunks 0..c only, so early steps do not pay for the whole capacity.
 
-Shapes (L layers, N prompt-block rows, R rows, K kv heads, D head_dim, P prompt slots, C chunk
-slots, S = P + num_chunks * C): keys are stored [rows, K, D, slots] (slots minor, so one query's
+Shape letters: grpo_jax.shapes (here N is the prompt block's rows, one per prompt, and
+S = P + num_chunks * C). Keys are stored [rows, K, D, slots] (slots minor, so one query's
 scores are a batched matmul with no transpose), values [rows, K, slots, D]. Per row and slot,
 `mask` says the slot holds a real token and `pos` is its rotary position (for sliding windows);
 `next_pos` is the rotary position of the row's next token, so left padding never shifts positions.

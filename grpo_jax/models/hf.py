@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from grpo_jax.models import lora
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.gguf import SCHEME, hf_dir, is_gguf
+from grpo_jax.models.gguf import hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer, layer_param_specs
 from grpo_jax.runtime.storage import is_remote, local_copy
@@ -85,8 +85,10 @@ def _layer_table(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], 
     return {name: (shape, *names[name]) for name, (shape, _) in layer_param_specs(config).items()}
 
 
-class _Reader:
-    """The tensors of a checkpoint directory: one file, or shards listed by an index."""
+class TensorReader:
+    """The tensors of a checkpoint directory (one `*.safetensors` file, or the shards that
+    `model.safetensors.index.json` lists), read one at a time from memory maps. `location`: tensor
+    name -> its file. Close it when done (`close`) to release the maps."""
 
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
@@ -110,12 +112,15 @@ class _Reader:
         self._handles: dict[str, object] = {}
 
     def names(self) -> set[str]:
+        """Every tensor name in the checkpoint."""
         return set(self.location)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor `name`'s shape, without reading it."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
+        """Tensor `name` as a NumPy array (its stored dtype and HF layout)."""
         return self._handle(name).get_tensor(name)
 
     def _handle(self, name: str):
@@ -129,7 +134,9 @@ class _Reader:
         self._handles.clear()
 
 
-def _load(reader: _Reader, name: str, hf_shape: tuple[int, ...], used: set[str]) -> np.ndarray:
+def read_tensor(reader: TensorReader, name: str, hf_shape: tuple[int, ...], used: set[str]) -> np.ndarray:
+    """Tensor `name` of `reader`, which must exist with shape `hf_shape` (its HF layout; else a
+    ValueError naming it), recorded in `used` (for the caller's check that every tensor was used)."""
     if name not in reader.location:
         raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {hf_shape})")
     found = reader.shape(name)
@@ -139,10 +146,11 @@ def _load(reader: _Reader, name: str, hf_shape: tuple[int, ...], used: set[str])
     return reader.get(name)
 
 
-def _model_dir(path: str | os.PathLike) -> Path:
-    """A model directory, or a `.gguf` file's cached HF conversion (`models.gguf.hf_dir`); a remote
-    one (`gs://...`) is downloaded into the local cache first (`storage.local_copy`)."""
-    if is_remote(path) and not str(path).startswith(SCHEME):
+def model_dir(path: str | os.PathLike) -> Path:
+    """The local HF directory of a model path: a model directory as it is, or a `.gguf` file's cached
+    HF conversion (`models.gguf.hf_dir`); a remote one (`gs://...`) is downloaded into the local
+    cache first (`storage.local_copy`)."""
+    if is_remote(path):
         path = local_copy(str(path))
     if is_gguf(path):
         return hf_dir(path)
@@ -150,7 +158,8 @@ def _model_dir(path: str | os.PathLike) -> Path:
 
 
 def load_config(path: str | os.PathLike) -> TransformerConfig:
-    path = _model_dir(path)
+    """The TransformerConfig of a model path's config.json (any path `model_dir` takes)."""
+    path = model_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(
             f"model path {str(path)!r} is not a directory; pass a Hugging Face model directory "
@@ -167,11 +176,11 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     """Load an HF-format directory (config.json + one or sharded safetensors), or a `.gguf` file
     (dequantised once into a cached HF directory, `models.gguf`), into a Transformer (`remat`,
     `scan_layers`: see `Transformer`)."""
-    path = _model_dir(path)
+    path = model_dir(path)
     config = load_config(path)
-    reader = _Reader(path)
+    reader = TensorReader(path)
     try:
-        values = _read_values(reader, config, path, jnp.dtype(param_dtype))
+        values = read_values(reader, config, path, jnp.dtype(param_dtype))
     finally:
         reader.close()
     abstract = nnx.eval_shape(
@@ -194,10 +203,13 @@ def fill_params(abstract: nnx.Module, values: dict[tuple, np.ndarray]) -> nnx.Mo
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _read_values(reader: _Reader, config: TransformerConfig, path: Path, np_dtype,
-                 consumed: set[str] = frozenset()) -> dict:
-    """Every parameter as a NumPy array in our layout, keyed by NNX state path. `consumed`: tensors
-    the caller has read itself (a reward model's score head), which are not unused."""
+def read_values(reader: TensorReader, config: TransformerConfig, path: Path, np_dtype,
+                consumed: set[str] = frozenset()) -> dict[tuple[str, ...], np.ndarray]:
+    """Every parameter of a `Transformer` with `config`, read from `reader` (the checkpoint in
+    `path`, named in messages), as a NumPy array of dtype `np_dtype` in our layout (stacked over
+    layers), keyed by NNX state path. Strict: a missing, mis-shaped or unused tensor is a
+    ValueError that names it. `consumed`: tensors the caller has read itself (a reward model's
+    score head), which are not unused."""
     prefix = next((p for p in _PREFIXES if f"{p}embed_tokens.weight" in reader.location), None)
     if prefix is None:
         raise ValueError(f"checkpoint in {path} has no embed_tokens.weight (looked for 'model.embed_tokens.weight')")
@@ -207,21 +219,21 @@ def _read_values(reader: _Reader, config: TransformerConfig, path: Path, np_dtyp
     def stacked(shape, suffix, n_in):
         hf = _hf_shape(shape, n_in)
         return np.stack([
-            _to_ours(_load(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in).astype(np_dtype)
+            _to_ours(read_tensor(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in).astype(np_dtype)
             for i in range(config.num_layers)
         ])
 
     values = {("layers", name): stacked(*spec) for name, spec in _layer_table(config).items()}
-    embed = _load(reader, f"{prefix}embed_tokens.weight", (V, E), used)
+    embed = read_tensor(reader, f"{prefix}embed_tokens.weight", (V, E), used)
     values[("embed",)] = embed.astype(np_dtype)
-    values[("final_norm",)] = _load(reader, f"{prefix}norm.weight", (E,), used).astype(np_dtype)
+    values[("final_norm",)] = read_tensor(reader, f"{prefix}norm.weight", (E,), used).astype(np_dtype)
     if config.tie_word_embeddings:
         if "lm_head.weight" in reader.location:
-            head = _load(reader, "lm_head.weight", (V, E), used)
+            head = read_tensor(reader, "lm_head.weight", (V, E), used)
             if not np.array_equal(head, embed):
                 raise ValueError("config.json ties word embeddings but lm_head.weight differs from embed_tokens.weight")
     else:
-        values[("lm_head",)] = _load(reader, "lm_head.weight", (V, E), used).T.astype(np_dtype)
+        values[("lm_head",)] = read_tensor(reader, "lm_head.weight", (V, E), used).T.astype(np_dtype)
 
     unused = sorted(n for n in reader.names() - used if not n.endswith(_IGNORED_SUFFIXES))
     if unused:
@@ -303,7 +315,7 @@ def load_tokenizer(path: str | os.PathLike):
     """
     from transformers import AutoTokenizer
 
-    path = _model_dir(path)
+    path = model_dir(path)
     if not any((path / f).exists() for f in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no usable tokenizer in {path}: none of {list(_TOKENIZER_FILES)} exists; "

@@ -104,6 +104,15 @@ def _gemma3_config(d: dict, common: dict, max_pos: int) -> TransformerConfig:
 
 def config_from_hf(d: dict) -> TransformerConfig:
     """TransformerConfig from a parsed config.json (either transformers layout)."""
+    family = _check_supported(d)
+    common, max_pos = _common_fields(d, family)
+    if family == "gemma3_text":
+        return _gemma3_config(d, common, max_pos)
+    return _llama_qwen_config(d, common, max_pos)
+
+
+def _check_supported(d: dict) -> str:
+    """config.json's model_type, once it is a supported family that sets no refused key."""
     family = d.get("model_type")
     if family not in SUPPORTED_FAMILIES:
         hint = " (for Gemma 3, use the text-only Gemma3ForCausalLM checkpoint)" if family == "gemma3" else ""
@@ -113,13 +122,18 @@ def config_from_hf(d: dict) -> TransformerConfig:
     for key, allowed in _REFUSED.items():
         if d.get(key) not in allowed:
             raise UnsupportedModelError(f"config.json sets {key}={d[key]!r}, which grpo_jax does not implement")
+    return family
+
+
+def _common_fields(d: dict, family: str) -> tuple[dict, int]:
+    """(the TransformerConfig fields every family reads the same way, max_position_embeddings),
+    with each family's transformers defaults for absent keys."""
     E = int(_required(d, "hidden_size"))
     H = int(_required(d, "num_attention_heads"))
     L = int(_required(d, "num_hidden_layers"))
     default_head_dim = {"qwen3": 128, "gemma3_text": 256}.get(family, E // H)
     head_dim = int(d.get("head_dim") or default_head_dim)
     max_pos = int(d.get("max_position_embeddings") or {"llama": 2048, "gemma3_text": 131_072}.get(family, 32_768))
-    gemma = family == "gemma3_text"
     common = dict(
         family=family,
         vocab_size=int(_required(d, "vocab_size")),
@@ -130,17 +144,19 @@ def config_from_hf(d: dict) -> TransformerConfig:
         num_kv_heads=int(d.get("num_key_value_heads") or H),
         head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3_text")),
         max_position_embeddings=max_pos,
         initializer_range=float(d.get("initializer_range", 0.02)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
         pad_token_id=d.get("pad_token_id"),
     )
-    if gemma:
-        return _gemma3_config(d, common, max_pos)
+    return common, max_pos
 
-    # Llama and Qwen: one rope for every layer; Qwen may use sliding windows on its upper layers.
+
+def _llama_qwen_config(d: dict, common: dict, max_pos: int) -> TransformerConfig:
+    """Llama and Qwen: one rope for every layer; Qwen may use sliding windows on its upper layers."""
+    family, L = common["family"], common["num_layers"]
     window = None
     layer_types = ["full_attention"] * L
     if family in ("qwen2", "qwen3") and d.get("use_sliding_window"):

@@ -1,7 +1,7 @@
 """LoRA adapters on the decoder's projections: adding, splitting, merging and PEFT export.
 
 `add_adapters(model, rank=..., alpha=..., targets=..., key=...)` gives each targeted projection W
-(q, k, v, o, gate, up, down; stacked over layers like W) a pair A [in, r], B [r, out] stored as
+(q, k, v, o, gate, up, down; stacked over layers like W) a pair A [I, A], B [A, O] stored as
 `LoRAParam`s in the model's `Layers` (`q_proj_lora_a`, `q_proj_lora_b`, ...). The layer then
 computes x W + (alpha / r) (x A) B:
 
@@ -18,6 +18,8 @@ replicated), so the mesh shards them like that weight. `split_adapters` separate
 adapters from the frozen base (`nnx.split(model, LoRAParam, nnx.Param)`); `merge_adapters` folds
 them into a plain model (the HF export), `strip_adapters` drops them (the base), `save_peft` writes
 them in PEFT's format. Where a LoRA run's base lives and how checkpoints name it: grpo_jax.trainer.lora_base.
+
+Shape letters: grpo_jax.shapes (A, the rank, is PEFT's `r`).
 """
 
 from __future__ import annotations
@@ -73,13 +75,13 @@ def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = T
     layers.lora_dropout = float(dropout)
 
 
-def dropped(x_NI: jax.Array, key_data: jax.Array, keep: jax.Array, name: str) -> jax.Array:
+def dropped(x_XI: jax.Array, key_data: jax.Array, keep: jax.Array, name: str) -> jax.Array:
     """x with each entry kept with probability `keep` (and scaled by 1 / keep) or zeroed: PEFT's
     lora_dropout on projection `name`'s adapter input. `key_data`: this layer's key (raw uint32
     words, which survive the layer scan's slicing); each projection and input size draws its own mask."""
     key = jax.random.fold_in(jax.random.wrap_key_data(key_data), TARGETS.index(name))
-    key = jax.random.fold_in(key, x_NI.shape[0])  # the grouped pass's prompt and completion inputs differ
-    return jnp.where(jax.random.bernoulli(key, keep, x_NI.shape), x_NI / keep.astype(x_NI.dtype), 0).astype(x_NI.dtype)
+    key = jax.random.fold_in(key, x_XI.shape[0])  # the grouped pass's prompt and completion inputs differ
+    return jnp.where(jax.random.bernoulli(key, keep, x_XI.shape), x_XI / keep.astype(x_XI.dtype), 0).astype(x_XI.dtype)
 
 
 def has_adapters(model) -> bool:
@@ -91,9 +93,9 @@ def split_adapters(model):
     return nnx.split(model, LoRAParam, nnx.Param)
 
 
-def low_rank(x_NI: jax.Array, a_IR: jax.Array, b_RO: jax.Array) -> jax.Array:
-    """(x A) B for x [N, in] and the (scaled) adapter pair flattened to [in, r], [r, out]."""
-    return (x_NI @ a_IR.astype(x_NI.dtype)) @ b_RO.astype(x_NI.dtype)
+def low_rank(x_XI: jax.Array, a_IA: jax.Array, b_AO: jax.Array) -> jax.Array:
+    """(x A) B [X, O] for x [X, I] and the (scaled) adapter pair flattened to [I, A], [A, O]."""
+    return (x_XI @ a_IA.astype(x_XI.dtype)) @ b_AO.astype(x_XI.dtype)
 
 
 def merged(p: dict[str, jax.Array]) -> dict[str, jax.Array]:

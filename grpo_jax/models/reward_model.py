@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.hf import _load, _model_dir, _read_values, _Reader, fill_params, hf_state_dict, write_tensors
+from grpo_jax.models.hf import (TensorReader, fill_params, hf_state_dict, model_dir, read_tensor, read_values,
+                                write_tensors)
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer
 
@@ -60,7 +61,7 @@ class RewardModel(nnx.Module):
             attention_mask = input_ids != self.pad_token_id
         h_BTE = self.backbone.hidden_states(input_ids, attention_mask=attention_mask)
         h_BE = h_BTE[jnp.arange(input_ids.shape[0]), last_token_index(input_ids, self.pad_token_id)]
-        return jnp.einsum("be,el->bl", h_BE, self.score[...].astype(h_BE.dtype),
+        return jnp.einsum("be,eo->bo", h_BE, self.score[...].astype(h_BE.dtype),
                           preferred_element_type=jnp.float32)
 
 
@@ -82,7 +83,7 @@ def _hf_config(path: Path) -> dict:
 def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
                       scan_layers: bool = True) -> RewardModel:
     """A `*ForSequenceClassification` directory (config.json + safetensors) as a RewardModel."""
-    path = _model_dir(path)
+    path = model_dir(path)
     hf = _hf_config(path)
     archs = hf.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in archs):
@@ -93,12 +94,12 @@ def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jn
                          "row's last token by it; set it to the tokenizer's pad token id")
     config = config_from_hf(hf)
     num_labels = len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
-    reader = _Reader(path)
+    reader = TensorReader(path)
     try:
         used: set[str] = set()
-        score = _load(reader, "score.weight", (num_labels, config.hidden_size), used)
+        score = read_tensor(reader, "score.weight", (num_labels, config.hidden_size), used)
         backbone_cfg = dataclasses.replace(config, tie_word_embeddings=True)
-        values = _read_values(reader, backbone_cfg, path, jnp.dtype(param_dtype), consumed=used)
+        values = read_values(reader, backbone_cfg, path, jnp.dtype(param_dtype), consumed=used)
     finally:
         reader.close()
     values = {("backbone", *k): v for k, v in values.items()}

@@ -2,6 +2,8 @@
 
 Frequencies are computed in float32 NumPy, step for step as transformers computes them, so that
 cos/sin tables agree with the PyTorch reference to the last bit that matters.
+
+Shape letters: grpo_jax.shapes, plus J = D // 2, the rotary frequencies (one per pair of head dims).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from grpo_jax.models.config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """float32 [head_dim // 2] inverse frequencies for one layer type."""
+    """float32 [J] inverse frequencies for one layer type (J = head_dim // 2)."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     # theta ** exponent correctly rounded to float32 (computed in float64), then a float32 division:
     # this is what PyTorch's float32 pow gives (all but ~1 of 128 entries bit for bit), while NumPy's
@@ -44,18 +46,19 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def cos_sin(
-    inv_freq_F: jax.Array, positions_BT: jax.Array, dtype
+    inv_freq_J: jax.Array, positions_BT: jax.Array, dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables of width D = 2F (the halves repeated, as in rotate_half RoPE)."""
-    freqs_BTF = positions_BT[..., None].astype(jnp.float32) * inv_freq_F.astype(jnp.float32)
-    emb_BTD = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
+    """cos, sin [B, T, D] of positions [B, T]: D = 2J, the halves repeated, as in rotate_half RoPE."""
+    freqs_BTJ = positions_BT[..., None].astype(jnp.float32) * inv_freq_J.astype(jnp.float32)
+    emb_BTD = jnp.concatenate([freqs_BTJ, freqs_BTJ], axis=-1)
     return jnp.cos(emb_BTD).astype(dtype), jnp.sin(emb_BTD).astype(dtype)
 
 
 def apply(
     x_BTHD: jax.Array, cos_BTD: jax.Array, sin_BTD: jax.Array
 ) -> jax.Array:
-    """Rotate q or k (rotate_half convention: the two halves of head_dim form the pairs)."""
+    """Rotate q or k [B, T, H, D] (or [B, T, K, D]) by tables [B, T, D] (rotate_half convention: the two
+    halves of head_dim form the pairs)."""
     half = x_BTHD.shape[-1] // 2
     rotated = jnp.concatenate([-x_BTHD[..., half:], x_BTHD[..., :half]], axis=-1)
     return x_BTHD * cos_BTD[:, :, None, :] + rotated * sin_BTD[:, :, None, :]

@@ -12,11 +12,7 @@ layers"); its compile time grows with depth. Inference is `prefill` + `decode_st
 cache type, `cache.KVCache`. Every parameter carries logical axis names in its `logical_axes`
 metadata; `grpo_jax.runtime.sharding` maps them to mesh axes.
 
-Shape suffixes used throughout the models package: B batch, T new tokens, S key slots (cache
-slots, or T in a plain pass), E embed, H query heads, K kv heads, G = H // K, D head_dim,
-F mlp, V vocab, L layers, Y layer kinds (full / sliding attention), N rows and positions folded
-into one axis (B*T) for the projections, M = G*T query rows per kv head in attention; when
-decoding, R rows (a prompt's G samples are consecutive rows), P prompt slots, C chunk slots.
+The layers' math is `layers`. Shape letters: grpo_jax.shapes.
 """
 
 from __future__ import annotations
@@ -27,14 +23,16 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from grpo_jax.models import lora, rope
+from grpo_jax.models import lora
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.layers import (as_mask, attention, decode_attention, default_positions, finish_layer, qkv,
+                                    rms_norm, rope_tables, softcap)
 
-_NEG = float(np.finfo(np.float32).min)
+# The names of model.dtype / model.param_dtype (and reward models' dtype) as JAX dtypes.
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -174,29 +172,26 @@ class Transformer(nnx.Module):
         `__call__`. `dropout_key`: apply the LoRA adapters' input dropout (the training pass)."""
         chex.assert_rank(input_ids, 2)
         B, T = input_ids.shape
-        mask_BT = _as_mask(attention_mask, (B, T))
+        mask_BT = as_mask(attention_mask, (B, T))
         if positions is None:
-            positions = _positions(mask_BT)
+            positions = default_positions(mask_BT)
         chex.assert_shape(positions, (B, T))
         h_BTE, _ = self._run(input_ids, positions, mask_BT, collect_kv=False, dropout_key=dropout_key)
         return h_BTE
 
-    def logits(self, h_BTE: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [B, T, V] of hidden states [B, T, E]."""
         cfg = self.config
-        B, T, E = h_BTE.shape
+        B, T, E = hidden.shape
         # Rows and positions are folded into one axis: XLA:CPU lowers a singleton T (decoding) to slow dots.
-        h_NE = h_BTE.reshape(B * T, E)
+        h_XE = hidden.reshape(B * T, E)
         if cfg.tie_word_embeddings:
-            logits_NV = jnp.einsum("ne,ve->nv", h_NE, self.embed[...].astype(self.dtype),
+            logits_XV = jnp.einsum("xe,ve->xv", h_XE, self.embed[...].astype(self.dtype),
                                    preferred_element_type=jnp.float32)
         else:
-            logits_NV = jnp.einsum("ne,ev->nv", h_NE, self.lm_head[...].astype(self.dtype),
+            logits_XV = jnp.einsum("xe,ev->xv", h_XE, self.lm_head[...].astype(self.dtype),
                                    preferred_element_type=jnp.float32)
-        if cfg.final_logit_softcap is not None:
-            cap = cfg.final_logit_softcap
-            logits_NV = jnp.tanh(logits_NV / cap) * cap
-        return logits_NV.reshape(B, T, -1)
+        return softcap(logits_XV, cfg.final_logit_softcap).reshape(B, T, -1)
 
     def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, decode_steps: int,
                 group_size: int = 1, chunks: int = 1, last_only: bool = False) -> tuple[jax.Array, KVCache]:
@@ -207,8 +202,8 @@ class Transformer(nnx.Module):
         i*G + j decodes from prompt i) and room for `decode_steps` decode steps in `chunks` chunks.
         """
         chex.assert_rank(input_ids, 2)
-        mask_BT = _as_mask(attention_mask, input_ids.shape)
-        positions_BT = _positions(mask_BT)
+        mask_BT = as_mask(attention_mask, input_ids.shape)
+        positions_BT = default_positions(mask_BT)
         h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT, collect_kv=True)
         if last_only:
             h_BTE = h_BTE[:, -1:]
@@ -238,7 +233,7 @@ class Transformer(nnx.Module):
         cache = cache.open_slot()
         R, K, D = cache.rows, cfg.num_kv_heads, cfg.head_dim
         pos_R1 = cache.next_pos[:, None]
-        cos_YR1D, sin_YR1D = _rope_tables(cfg, pos_R1, dtype)
+        cos_YR1D, sin_YR1D = rope_tables(cfg, pos_R1, dtype)
         n = cache.prompt_len + (chunk + 1) * cache.chunk_size  # slots attended
         masks = {}
         for kind in cfg.kinds:
@@ -246,20 +241,20 @@ class Transformer(nnx.Module):
             in_window = True if window is None else pos_R1 - cache.pos[:, :n] < window
             masks[kind] = cache.mask[:, :n] & in_window
         at = cache.slot_in_chunk(chunk)
-        x_R1E = self._embed(input_ids[:, None])
+        x_R1E = self.embed_tokens(input_ids[:, None])
         keys, values = [], []
         for l, kind in enumerate(cfg.layer_types):
             y = cfg.kinds.index(kind)
-            q, k, v = _qkv(x_R1E, weights[l], cfg, cos_YR1D[y], sin_YR1D[y])  # [R, 1, H, D], [R, 1, K, D]
+            q, k, v = qkv(x_R1E, weights[l], cfg, cos_YR1D[y], sin_YR1D[y])  # [R, 1, H, D], [R, 1, K, D]
             k_RKDC, v_RKCD = write_slot(cache.keys[chunk][l], cache.values[chunk][l], at, k[:, 0], v[:, 0])
             keys.append(k_RKDC)
             values.append(v_RKCD)
             earlier = range(chunk)
-            o_RKGD = _decode_attention(
+            o_RKQD = decode_attention(
                 q.reshape(R, K, -1, D), [cache.prompt_keys[l], *(cache.keys[c][l] for c in earlier), k_RKDC],
                 [cache.prompt_values[l], *(cache.values[c][l] for c in earlier), v_RKCD], masks[kind], cfg, dtype)
-            x_R1E = _finish_layer(x_R1E, o_RKGD.reshape(R, 1, -1, D), weights[l], cfg)
-        logits_RV = self.logits(_rms_norm(x_R1E, self.final_norm[...], cfg))[:, 0]
+            x_R1E = finish_layer(x_R1E, o_RKQD.reshape(R, 1, -1, D), weights[l], cfg)
+        logits_RV = self.logits(rms_norm(x_R1E, self.final_norm[...], cfg))[:, 0]
         return logits_RV, cache.close_slot(chunk, tuple(keys), tuple(values))
 
     def layer_weights(self) -> list[dict[str, jax.Array]]:
@@ -269,9 +264,11 @@ class Transformer(nnx.Module):
         return [{n: a.astype(self.dtype) for n, a in lora.merged({n: a[l] for n, a in arrays.items()}).items()}
                 for l in range(self.config.num_layers)]
 
-    def _embed(self, input_ids_BT):
+    def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+        """Input embeddings [B, T, E] of input_ids int [B, T], in the compute dtype (scaled by sqrt(E)
+        where the family does; the embedding table itself is the parameter `embed`)."""
         cfg, dtype = self.config, self.dtype
-        x_BTE = self.embed[...].astype(dtype)[input_ids_BT]
+        x_BTE = self.embed[...].astype(dtype)[input_ids]
         if cfg.scale_embeddings:
             # HF rounds sqrt(E) to the parameter dtype before the multiply.
             x_BTE = x_BTE * jnp.asarray(math.sqrt(cfg.hidden_size), self.param_dtype).astype(dtype)
@@ -282,7 +279,7 @@ class Transformer(nnx.Module):
         """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None)."""
         cfg, dtype = self.config, self.dtype
         T = input_ids_BT.shape[1]
-        cos_YBTD, sin_YBTD = _rope_tables(cfg, positions_BT, dtype)
+        cos_YBTD, sin_YBTD = rope_tables(cfg, positions_BT, dtype)
         # One causal mask per layer kind; the scan picks by the layer's kind index.
         causal_BTT = jnp.tril(jnp.ones((T, T), jnp.bool_))[None] & mask_BT[:, None, :]
         masks = []
@@ -295,13 +292,13 @@ class Transformer(nnx.Module):
         def body(x, xs):
             p, kind = xs
             p = compute_dtype(p, dtype)
-            q, k, v = _qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])
+            q, k, v = qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-            x = _finish_layer(x, _attention(q, k, v, mask_YBTT[kind], cfg), p, cfg)
+            x = finish_layer(x, attention(q, k, v, mask_YBTT[kind], cfg), p, cfg)
             return x, ((k, v) if collect_kv else None)
 
-        x_BTE, kv = run_layers(self, body, self._embed(input_ids_BT), dropout_key=dropout_key)
-        return _rms_norm(x_BTE, self.final_norm[...], cfg), kv
+        x_BTE, kv = run_layers(self, body, self.embed_tokens(input_ids_BT), dropout_key=dropout_key)
+        return rms_norm(x_BTE, self.final_norm[...], cfg), kv
 
 
 def compute_dtype(p: dict[str, jax.Array], dtype) -> dict[str, jax.Array]:
@@ -331,143 +328,3 @@ def run_layers(model: Transformer, body, x0, *, dropout_key: jax.Array | None = 
 def _kind_index(cfg: TransformerConfig) -> jax.Array:
     """int32 [L]: each layer's index into `cfg.kinds` (its attention kind: full / sliding)."""
     return jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
-
-
-def _rope_tables(cfg: TransformerConfig, positions_BT: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [Y, B, T, D]: one rope table per layer kind (their bases may differ)."""
-    tables = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)), positions_BT, dtype)
-              for k in cfg.kinds]
-    return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
-
-
-def _as_mask(attention_mask_BT, shape) -> jax.Array:
-    if attention_mask_BT is None:
-        return jnp.ones(shape, jnp.bool_)
-    chex.assert_shape(attention_mask_BT, shape)
-    return attention_mask_BT.astype(jnp.bool_)
-
-
-def _positions(mask_BT: jax.Array) -> jax.Array:
-    """Rotary positions: real tokens count up from 0; padding takes its neighbour's (it is masked anyway)."""
-    return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
-
-
-def _rms_norm(x: jax.Array, w: jax.Array, cfg: TransformerConfig) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    if cfg.norm_plus_one:
-        return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-    return w.astype(x.dtype) * y.astype(x.dtype)
-
-
-def _activation(x: jax.Array, name: str) -> jax.Array:
-    if name == "silu":
-        return jax.nn.silu(x)
-    if name == "gelu_pytorch_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.gelu(x, approximate=False)
-
-
-def _qkv(x_BTE, p, cfg: TransformerConfig, cos_BTD, sin_BTD):
-    B, T, E = x_BTE.shape
-    h_NE = _rms_norm(x_BTE, p["attn_norm"], cfg).reshape(B * T, E)
-    q = _adapted(h_NE, p, "q_proj", jnp.einsum("ne,ehd->nhd", h_NE, p["q_proj"]))
-    k = _adapted(h_NE, p, "k_proj", jnp.einsum("ne,ekd->nkd", h_NE, p["k_proj"]))
-    v = _adapted(h_NE, p, "v_proj", jnp.einsum("ne,ekd->nkd", h_NE, p["v_proj"]))
-    if cfg.qkv_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    if cfg.qk_norm:
-        q, k = _rms_norm(q, p["q_norm"], cfg), _rms_norm(k, p["k_norm"], cfg)
-    q, k, v = (a.reshape(B, T, *a.shape[1:]) for a in (q, k, v))
-    return rope.apply(q, cos_BTD, sin_BTD), rope.apply(k, cos_BTD, sin_BTD), v
-
-
-def _attention(q_BTHD, k_BKTD, v_BKTD, mask_BTT, cfg: TransformerConfig) -> jax.Array:
-    """Masked softmax attention of T queries over T keys -> [B, T, H, D].
-
-    The G query heads of a kv head and the T positions are folded into one axis M, so every
-    contraction is a plain batched matmul over (row, kv head).
-    """
-    B, T, H, D = q_BTHD.shape
-    K = k_BKTD.shape[1]
-    G = H // K
-    q_BKMD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, D)
-    s_BKMS = jnp.einsum("bkmd,bksd->bkms", q_BKMD, k_BKTD, preferred_element_type=jnp.float32) * cfg.query_scale
-    if cfg.attn_logit_softcap is not None:
-        s_BKMS = jnp.tanh(s_BKMS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
-    s_BKGTS = jnp.where(mask_BTT[:, None, None], s_BKMS.reshape(B, K, G, T, T), _NEG)
-    p_BKMS = jax.nn.softmax(s_BKGTS, axis=-1).reshape(B, K, G * T, T).astype(v_BKTD.dtype)
-    out_BKMD = jnp.einsum("bkms,bksd->bkmd", p_BKMS, v_BKTD)
-    return out_BKMD.reshape(B, K, G, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
-
-
-def _decode_attention(q_BKGD, k_chunks, v_chunks, mask_BS, cfg: TransformerConfig, dtype) -> jax.Array:
-    """One query per row over a chunked cache (keys [B', K, D, S_c], values [B', K, S_c, D]) -> [B, K, G, D].
-
-    A chunk may hold B' = B / r rows: the prompt chunk of a group sampler, shared by the r = G
-    consecutive rows of each group. Its keys and values are then read once per group instead of
-    being copied to every row (the prefill writes N rows whatever G is).
-    """
-    B = q_BKGD.shape[0]
-
-    def scores(k):
-        r = B // k.shape[0]
-        if r == 1:
-            return jnp.einsum("bkgd,bkds->bkgs", q_BKGD, k.astype(dtype), preferred_element_type=jnp.float32)
-        q = q_BKGD.reshape(k.shape[0], r, *q_BKGD.shape[1:])
-        s = jnp.einsum("nrkgd,nkds->nrkgs", q, k.astype(dtype), preferred_element_type=jnp.float32)
-        return s.reshape(B, *s.shape[2:])
-
-    def weighted(p_BKGS, v):
-        r = B // v.shape[0]
-        if r == 1:
-            return jnp.einsum("bkgs,bksd->bkgd", p_BKGS, v.astype(dtype))
-        p = p_BKGS.reshape(v.shape[0], r, *p_BKGS.shape[1:])
-        return jnp.einsum("nrkgs,nksd->nrkgd", p, v.astype(dtype)).reshape(B, *p_BKGS.shape[1:3], v.shape[-1])
-
-    s_BKGS = jnp.concatenate([scores(k) for k in k_chunks], axis=-1) * cfg.query_scale
-    if cfg.attn_logit_softcap is not None:
-        s_BKGS = jnp.tanh(s_BKGS / cfg.attn_logit_softcap) * cfg.attn_logit_softcap
-    p_BKGS = jax.nn.softmax(jnp.where(mask_BS[:, None, None, :], s_BKGS, _NEG), axis=-1)
-    out, start = 0, 0
-    for v in v_chunks:
-        S = v.shape[2]
-        out = out + weighted(p_BKGS[..., start:start + S].astype(dtype), v)
-        start += S
-    return out
-
-
-def _adapted(x_NI: jax.Array, p: dict[str, jax.Array], name: str, y: jax.Array) -> jax.Array:
-    """`y` = x W of projection `name`, plus its LoRA path (x A) B when the layer has an adapter."""
-    if f"{name}_lora_a" not in p:
-        return y
-    a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
-    if "lora_dropout_key" in p:
-        x_NI = lora.dropped(x_NI, p["lora_dropout_key"], p["lora_keep"], name)
-    delta = lora.low_rank(x_NI, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1))
-    return y + delta.reshape(y.shape).astype(y.dtype)
-
-
-def _finish_layer(x_BTE, attn_BTHD, p, cfg: TransformerConfig):
-    B, T, E = x_BTE.shape
-    # One plain matmul over (heads x head_dim): contracting two axes, XLA:CPU chose to transpose the
-    # o_proj weight into (head_dim, heads) order, a copy of it per layer and decode step inside a scan.
-    attn_NF = attn_BTHD.reshape(B * T, -1)
-    a = _adapted(attn_NF, p, "o_proj", jnp.einsum("nf,fe->ne", attn_NF, p["o_proj"].reshape(attn_NF.shape[1], E)))
-    if cfg.o_bias:
-        a = a + p["o_bias"]
-    if cfg.post_norms:
-        a = _rms_norm(a, p["attn_post_norm"], cfg)
-    x_NE = x_BTE.reshape(B * T, E) + a
-    h = _rms_norm(x_NE, p["mlp_norm"], cfg)
-    gate = _adapted(h, p, "gate_proj", jnp.einsum("ne,ef->nf", h, p["gate_proj"]))
-    up = _adapted(h, p, "up_proj", jnp.einsum("ne,ef->nf", h, p["up_proj"]))
-    if cfg.mlp_bias:
-        gate, up = gate + p["gate_bias"], up + p["up_bias"]
-    act = _activation(gate, cfg.activation) * up
-    m = _adapted(act, p, "down_proj", jnp.einsum("nf,fe->ne", act, p["down_proj"]))
-    if cfg.mlp_bias:
-        m = m + p["down_bias"]
-    if cfg.post_norms:
-        m = _rms_norm(m, p["mlp_post_norm"], cfg)
-    return (x_NE + m).reshape(B, T, E)

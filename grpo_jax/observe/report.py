@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from grpo_jax.observe.metrics import read_metrics
+from grpo_jax.config import ConfigError, load_config
+from grpo_jax.observe.writers import read_metrics, series
 
 REPORT_FILE = "report.html"
 MIN_STEPS = 8  # fewer logged train steps than this: too short to judge trends (said on the page)
@@ -54,15 +54,6 @@ class Flag:
     knobs: tuple[tuple[str, str], ...]  # (config key or setting, how it helps) for what addresses it
 
 
-def _values(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    pts = [(r["step"], float(r[key])) for r in records
-           if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
-    if not pts:
-        return np.zeros(0), np.zeros(0)
-    steps, vals = zip(*pts)
-    return np.asarray(steps, float), np.asarray(vals, float)
-
-
 def _windows(values: np.ndarray) -> tuple[float, float] | None:
     """(mean of the first quarter, mean of the last quarter), each at least 3 values; None if too few."""
     if values.size < 2 * 3:
@@ -76,11 +67,11 @@ def _train_records(records):
 
 
 def _entropy_collapse(train) -> Flag | None:
-    _, ent = _values(train, "policy/entropy")
+    _, ent = series(train, "policy/entropy")
     w = _windows(ent)
     if w is None or w[0] <= 0 or w[1] >= ENTROPY_DROP * w[0]:
         return None
-    _, distinct = _values(train, "health/distinct_answers")
+    _, distinct = series(train, "health/distinct_answers")
     d = _windows(distinct)
     extra = f"; distinct answers per group {d[0]:.2f} -> {d[1]:.2f}" if d else ""
     return Flag("entropy_collapse", "Entropy collapse",
@@ -93,16 +84,16 @@ def _entropy_collapse(train) -> Flag | None:
 
 
 def _dead_groups(train) -> Flag | None:
-    _, observed = _values(train, "groups/frac_zero_std")
-    _, expected = _values(train, "health/frac_zero_std_expected")
+    _, observed = series(train, "groups/frac_zero_std")
+    _, expected = series(train, "health/frac_zero_std_expected")
     if observed.size < 3 or expected.size != observed.size:
         return None
     half = slice(observed.size // 2, None)
     obs, exp = float(observed[half].mean()), float(expected[half].mean())
     if obs < DEAD_MIN or obs - exp < DEAD_EXCESS:
         return None
-    _, right = _values(train, "groups/frac_all_correct")
-    _, wrong = _values(train, "groups/frac_all_wrong")
+    _, right = series(train, "groups/frac_all_correct")
+    _, wrong = series(train, "groups/frac_all_wrong")
     split = (f" ({right[half].mean():.0%} of groups all correct, {wrong[half].mean():.0%} all wrong)"
              if right.size == observed.size and wrong.size == observed.size else "")
     return Flag("dead_groups", "Dead groups above what the pass rate predicts",
@@ -122,9 +113,9 @@ def _best_checkpoint(step: int) -> tuple[str, str]:
 
 
 def _reward_vs_heldout(train, records) -> Flag | None:
-    _, reward = _values(train, "reward/mean")
+    _, reward = series(train, "reward/mean")
     w = _windows(reward)
-    steps, acc = _values(records, "eval/accuracy")
+    steps, acc = series(records, "eval/accuracy")
     if w is None or acc.size < 3:
         return None
     best = int(np.argmax(acc))
@@ -144,9 +135,9 @@ def _reward_vs_heldout(train, records) -> Flag | None:
 def _heldout_regression(train, records) -> Flag | None:
     """Held-out accuracy well below its best without the training reward rising (that case is
     `_reward_vs_heldout`): the update is hurting the policy, whatever the reward says."""
-    _, reward = _values(train, "reward/mean")
+    _, reward = series(train, "reward/mean")
     w = _windows(reward)
-    steps, acc = _values(records, "eval/accuracy")
+    steps, acc = series(records, "eval/accuracy")
     if acc.size < 2 or (w is not None and w[1] - w[0] >= REWARD_RISE):
         return None
     best = int(np.argmax(acc))
@@ -164,7 +155,7 @@ def _heldout_regression(train, records) -> Flag | None:
 
 
 def _verifier(records) -> Flag | None:
-    _, dis = _values(records, "health/verifier_disagreement")
+    _, dis = series(records, "health/verifier_disagreement")
     if not dis.size or dis[-1] < VERIFIER_DISAGREEMENT:
         return None
     return Flag("verifier_disagreement", "The two verifiers disagree",
@@ -176,8 +167,8 @@ def _verifier(records) -> Flag | None:
 
 
 def _length_blowup(train) -> Flag | None:
-    _, length = _values(train, "completion/len_mean")
-    _, trunc = _values(train, "completion/truncated_frac")
+    _, length = series(train, "completion/len_mean")
+    _, trunc = series(train, "completion/truncated_frac")
     w, t = _windows(length), _windows(trunc)
     grew = w is not None and w[0] > 0 and w[1] > LENGTH_GROWTH * w[0]
     cut = t is not None and t[1] > TRUNCATED_MAX
@@ -188,8 +179,8 @@ def _length_blowup(train) -> Flag | None:
         parts.append(f"completion/len_mean {w[0]:.1f} -> {w[1]:.1f} tokens")
     if t is not None:
         parts.append(f"completion/truncated_frac {t[0]:.2f} -> {t[1]:.2f}")
-    _, lc = _values(train, "completion/len_correct")
-    _, li = _values(train, "completion/len_incorrect")
+    _, lc = series(train, "completion/len_correct")
+    _, li = series(train, "completion/len_incorrect")
     if lc.size and li.size:
         parts.append(f"late correct / incorrect lengths {lc[-max(3, lc.size // 4):].mean():.1f} / "
                      f"{li[-max(3, li.size // 4):].mean():.1f}")
@@ -201,7 +192,7 @@ def _length_blowup(train) -> Flag | None:
 
 
 def _kl_drift(train) -> Flag | None:
-    _, kl = _values(train, "kl/k3")
+    _, kl = series(train, "kl/k3")
     w = _windows(kl)
     if w is None or w[1] < KL_MAX:
         return None
@@ -213,8 +204,8 @@ def _kl_drift(train) -> Flag | None:
 
 
 def _sampler_drift(train) -> Flag | None:
-    _, mean = _values(train, "health/sampler_train_logprob_diff")
-    _, peak = _values(train, "health/sampler_train_logprob_diff_max")
+    _, mean = series(train, "health/sampler_train_logprob_diff")
+    _, peak = series(train, "health/sampler_train_logprob_diff_max")
     if not mean.size:
         return None
     m, p = float(mean.mean()), float(peak.max()) if peak.size else 0.0
@@ -229,7 +220,7 @@ def _sampler_drift(train) -> Flag | None:
 
 
 def _skipped(records) -> Flag | None:
-    _, skipped = _values(records, "train/skipped_steps")
+    _, skipped = series(records, "train/skipped_steps")
     if not skipped.size or skipped.max() <= 0:
         return None
     return Flag("skipped_steps", "Skipped updates",
@@ -270,11 +261,11 @@ _PLOTS = (
 )
 
 
-def _plot_png(records, title: str, series) -> str | None:
+def _plot_png(records, title: str, panel) -> str | None:
     """One plot as a base64 PNG, or None when none of its metrics were logged."""
     from matplotlib.figure import Figure
 
-    drawn = [(label, *_values(records, key)) for key, label in series]
+    drawn = [(label, *series(records, key)) for key, label in panel]
     drawn = [d for d in drawn if d[1].size]
     if not drawn:
         return None
@@ -295,14 +286,17 @@ def _config_summary(run_dir: Path) -> str:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return "no config.yaml in the run directory"
-    cfg = yaml.safe_load(path.read_text()) or {}
-    g, t = cfg.get("grpo", {}) or {}, cfg.get("train", {}) or {}
-    parts = [f"algorithm {cfg.get('algorithm', 'grpo')}", f"reward_control {cfg.get('reward_control', 'none')}",
-             f"model {(cfg.get('model') or {}).get('path') or 'random init'}",
-             f"G {(cfg.get('sampling') or {}).get('group_size')}",
-             f"lr {t.get('learning_rate')}", f"beta {g.get('beta')}",
-             f"epsilon {g.get('epsilon_low')}/{g.get('epsilon_high')}", f"loss_agg {g.get('loss_agg')}",
-             f"advantages {g.get('advantage_estimator')}/{g.get('advantage_scale')}"]
+    try:
+        config = load_config(path)
+    except ConfigError as e:  # a hand-edited or older file: the report still shows the metrics
+        return f"config.yaml does not load ({e})"
+    g, t = config.grpo, config.train
+    parts = [f"algorithm {config.algorithm}", f"reward_control {config.reward_control}",
+             f"model {(config.model.path if config.model else None) or 'random init'}",
+             f"G {config.sampling.group_size}",
+             f"lr {t.learning_rate}", f"beta {g.beta}",
+             f"epsilon {g.epsilon_low}/{g.epsilon_high}", f"loss_agg {g.loss_agg}",
+             f"advantages {g.advantage_estimator}/{g.advantage_scale}"]
     return ", ".join(parts)
 
 
@@ -344,8 +338,8 @@ def render(run_dir: Path, records: Sequence[Mapping[str, Any]], flags: Sequence[
             parts.append(f"<tr><td>{r['step']}</td>" + "".join(f"<td>{v:.3f}</td>" for v in cells) + "</tr>")
         parts.append("</table>")
     parts.append("<h2>Plots</h2><div class='plots'>")
-    for title, series in _PLOTS:
-        png = _plot_png(records, title, series)
+    for title, panel in _PLOTS:
+        png = _plot_png(records, title, panel)
         if png is not None:
             parts.append(f"<img alt='{e(title)}' src='data:image/png;base64,{png}'>")
     parts.append("</div></body></html>")

@@ -27,7 +27,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from grpo_jax.rewards.math import _boxed_contents
+from grpo_jax.rewards.math import boxed_contents
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _ALLOWED_CHARS = re.compile(r"[\d\s+\-*/()]+")  # checked before parsing: no names, dots or underscores
@@ -39,7 +39,7 @@ def extract_expression(completion: str) -> str | None:
     """The expression the completion commits to (see the module docstring), or None."""
     tagged = [t.strip() for t in _ANSWER_TAG.findall(completion)]
     if not tagged:
-        tagged = [b.strip() for b in _boxed_contents(completion)]
+        tagged = [b.strip() for b in boxed_contents(completion)]
     if tagged:
         return tagged[-1] if len(set(tagged)) == 1 else None
     lines = [line.strip() for line in completion.strip().splitlines() if line.strip()]

@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
-from grpo_jax.rewards.math import _boxed_contents, strip_echo
+from grpo_jax.rewards.math import boxed_contents, strip_echo
 
 AnswerStyle = Literal["boxed", "gsm8k", "tag"]
 ANSWER_STYLES: tuple[str, ...] = ("boxed", "gsm8k", "tag")
@@ -32,7 +32,7 @@ def _answer_spans(text: str, style: str, tag: str) -> list[tuple[int, int, str]]
     """(start, end, content) of every answer marker of `style` in `text`; None if a marker is left
     open (the completion tried to commit and failed, e.g. it was truncated)."""
     if style == "boxed":
-        contents = _boxed_contents(text)
+        contents = boxed_contents(text)
         starts = [m.start() for m in re.finditer(re.escape("\\boxed{"), text)]
         if len(contents) != len(starts):
             return None

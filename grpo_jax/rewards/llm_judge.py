@@ -78,6 +78,17 @@ class LLMJudgeReward:
 
         self.mesh = place_on(self.model, mesh)
 
+    def state(self) -> dict:
+        """Nothing to keep across a resume: the judge's weights come from its path."""
+        return {}
+
+    def load_state(self, state) -> None:
+        pass
+
+    def without_updates(self):
+        """The judge updates nothing while it scores: itself."""
+        return self
+
     def judge_prompt(self, prompt: str, completion: str, messages=None) -> list[int]:
         """The judge's prompt ids for one sample (the question: the prompt's last user message)."""
         question = prompt
@@ -95,16 +106,16 @@ class LLMJudgeReward:
         """The judge's greedy outputs for each prompt, `batch_size` prompts per sampler call."""
         from grpo_jax.config import SamplingConfig
         from grpo_jax.rollout.sampling import generate
-        from grpo_jax.runtime.sharding import rows_per_shard
+        from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
 
         tok = self.tokenizer
         stops = tuple(self.model.config.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
         longest = max(len(p) for p in prompt_ids)
-        bucket = 1 << max(4, (longest - 1).bit_length())  # one compile per power of two
+        bucket = pow2_bucket(longest, 16)  # one compile per power of two
         sampling = SamplingConfig(group_size=1, max_new_tokens=self.max_new_tokens, temperature=0.0,
                                   prompt_buckets=(bucket,), stop_token_ids=stops, pad_token_id=pad)
-        B = self.batch_size if self.mesh is None else -(-self.batch_size // rows_per_shard(self.mesh)) * rows_per_shard(self.mesh)
+        B = round_to_row_shards(self.batch_size, self.mesh)
         out: list[str] = []
         for start in range(0, len(prompt_ids), B):
             chunk = list(prompt_ids[start:start + B])

@@ -18,7 +18,7 @@ _WORD = re.compile(r"\S+")
 _EDGE_PUNCT = ".,;:!?\"'()[]"
 
 
-def _boxed_contents(text: str) -> list[str]:
+def boxed_contents(text: str) -> list[str]:
     """Contents of every \\boxed{...} (nested braces allowed), in order."""
     out, start = [], 0
     while (i := text.find("\\boxed{", start)) != -1:
@@ -67,9 +67,9 @@ def extract_answer(completion: str) -> str | None:
     Identical repeats are fine. Only when nothing is committed does the last number in the text
     count. An unclosed `\\boxed{` is no answer.
     """
-    if "\\boxed{" in completion and not _boxed_contents(completion):
+    if "\\boxed{" in completion and not boxed_contents(completion):
         return None  # an unclosed box: the completion tried to commit and failed
-    committed = [b.strip() for b in _boxed_contents(completion)] + [m.strip() for m in _GSM8K.findall(completion)]
+    committed = [b.strip() for b in boxed_contents(completion)] + [m.strip() for m in _GSM8K.findall(completion)]
     if committed:
         values = {parse_number(c) if parse_number(c) is not None else c for c in committed}
         return committed[-1] if len(values) == 1 else None
@@ -127,7 +127,7 @@ def _gold_text(gold_field: str) -> str:
     m = _GSM8K.search(gold_field or "")
     if m:
         return m.group(1).strip()
-    boxed = _boxed_contents(gold_field or "")
+    boxed = boxed_contents(gold_field or "")
     return (boxed[-1] if boxed else (gold_field or "")).strip()
 
 

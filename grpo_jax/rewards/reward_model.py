@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
+
 CHAT_TEMPLATE_CHOICES = ("auto", "never")
 
 
@@ -141,17 +143,15 @@ class RewardModelReward:
 
     def raw_scores(self, texts: Sequence[str]) -> np.ndarray:
         """float32 [n]: the reward model's score of each text (no normalisation)."""
-        from grpo_jax.runtime.sharding import rows_per_shard
-
         fn, state, mesh = self._score_fn()
         rows = self.encode(texts)
         pad = self.model.pad_token_id
-        B = self.batch_size if mesh is None else -(-self.batch_size // rows_per_shard(mesh)) * rows_per_shard(mesh)
+        B = round_to_row_shards(self.batch_size, mesh)
         out = np.zeros(len(rows), np.float32)
         for start in range(0, len(rows), B):
             chunk = rows[start:start + B]
             # Right-padded to a power-of-two length: few distinct shapes compile.
-            T = min(self.max_length, 1 << max(3, (max(len(r) for r in chunk) - 1).bit_length()))
+            T = min(self.max_length, pow2_bucket(max(len(r) for r in chunk), 8))
             ids = np.full((B, T), pad, np.int32)
             mask = np.zeros((B, T), np.int32)
             for i, r in enumerate(chunk):
@@ -163,7 +163,7 @@ class RewardModelReward:
                  **_fields: Any) -> list[float]:
         return self._score(prompts, completions, prompt_messages, update=True)
 
-    def frozen(self):
+    def without_updates(self):
         """This reward without learning its normalisation from what it scores (evaluation)."""
         return lambda prompts, completions, prompt_messages=None, **_: self._score(
             prompts, completions, prompt_messages, update=False)

@@ -17,13 +17,13 @@ import numpy as np
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share, whole
-from grpo_jax.rewards import RewardSpec, combine_rewards
+from grpo_jax.rewards import RewardSpec, StatefulReward, combine_rewards
 from grpo_jax.rollout.sampling import generate
-from grpo_jax.runtime.sharding import rows_per_shard
+from grpo_jax.runtime.sharding import round_to_row_shards
 
 
-def decode_completions(tokenizer, tokens_RM: np.ndarray, lengths_R: np.ndarray) -> list[str]:
-    return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens_RM, lengths_R)],
+def decode_completions(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+    return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(tokens, lengths)],
                                   skip_special_tokens=True)
 
 
@@ -46,9 +46,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
     k = sampling.group_size
     chunk = min(chunk, len(examples))
-    if mesh is not None:  # prompts are split over data x fsdp: a chunk must divide evenly
-        n = rows_per_shard(mesh)
-        chunk = -(-chunk // n) * n
+    chunk = round_to_row_shards(chunk, mesh)  # prompts are split over data x fsdp: a chunk must divide evenly
     # Every host has every prompt; each scores only the rows its devices hold, and the scores are
     # put together on every host.
     share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)
@@ -69,7 +67,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
             for j, judge in enumerate(judges):
                 # A reward with state (a reward model's running normalisation) scores held-out
                 # samples without learning from them.
-                fn = judge.fn.frozen() if hasattr(judge.fn, "frozen") else judge.fn
+                fn = judge.fn.without_updates() if isinstance(judge.fn, StatefulReward) else judge.fn
                 result = combine_rewards([dataclasses.replace(judge, fn=fn, weight=1.0)], prompts, texts, fields)
                 scores[:n_own, j] = result.per_fn[judge.name]
         scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))

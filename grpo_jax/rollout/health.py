@@ -58,10 +58,10 @@ def distinct_answers(texts: Sequence[str], group_size: int) -> np.ndarray:
                        for i in range(0, len(texts), group_size)], np.float32)
 
 
-def rollout_health(rewards: RewardResult, distinct_N: np.ndarray, lengths: np.ndarray, *, group_size: int,
+def rollout_health(rewards: RewardResult, distinct: np.ndarray, lengths: np.ndarray, *, group_size: int,
                    correct_by: str, specs: Sequence[RewardSpec]) -> tuple[dict[str, float], np.ndarray]:
     """(health metrics of one round of samples, the per-group pass rates [N] for the histogram).
-    `distinct_N` from `distinct_answers`; `lengths` [N*G] in tokens.
+    `distinct` from `distinct_answers`; `lengths` [N*G] in tokens.
 
     `correct_by` names the reward whose score > 0.5 means correct; samples it could not judge
     (None) count in neither pass rate nor length split. The expected dead-group fraction uses the
@@ -85,7 +85,7 @@ def rollout_health(rewards: RewardResult, distinct_N: np.ndarray, lengths: np.nd
         "health/frac_zero_std_expected": expected_zero_std_fraction([p], G) if judged.any() else float("nan"),
         "groups/frac_all_correct": float(np.mean(rates == 1.0)) if rates.size else float("nan"),
         "groups/frac_all_wrong": float(np.mean(rates == 0.0)) if rates.size else float("nan"),
-        "health/distinct_answers": float(np.mean(distinct_N)),
+        "health/distinct_answers": float(np.mean(distinct)),
         "completion/len_correct": float(lengths[correct].mean()) if correct.any() else float("nan"),
         "completion/len_incorrect": (float(lengths[judged & ~correct].mean()) if (judged & ~correct).any()
                                      else float("nan")),

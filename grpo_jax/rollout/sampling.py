@@ -83,27 +83,27 @@ def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id
     return ids, mask
 
 
-def sample_tokens(logits_BV: jax.Array, key: jax.Array, *, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0, banned_V: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0, banned: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row -> (tokens [B] int32, log-probs [B] under softmax(logits / T)).
 
-    `banned_V` (bool [V]) removes tokens from the draw only, like top-k / top-p: the reported
+    `banned` (bool [V]) removes tokens from the draw only, like top-k / top-p: the reported
     log-prob stays that of the untruncated distribution, which the trainer recomputes."""
-    chex.assert_rank(logits_BV, 2)
-    logits_BV = logits_BV.astype(jnp.float32)
-    allowed_BV = logits_BV if banned_V is None else jnp.where(banned_V[None], -jnp.inf, logits_BV)
+    chex.assert_rank(logits, 2)
+    logits = logits.astype(jnp.float32)
+    allowed_BV = logits if banned is None else jnp.where(banned[None], -jnp.inf, logits)
     if temperature == 0:
         tokens_B = jnp.argmax(allowed_BV, axis=-1).astype(jnp.int32)
-        logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+        logp_BV = jax.nn.log_softmax(logits, axis=-1)
     else:
-        scaled_BV = logits_BV / temperature
+        scaled_BV = logits / temperature
         logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
         # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
         # (jax.random.categorical), 4x cheaper per decode step on CPU and exact in distribution.
         probs_BV = jax.nn.softmax(_truncate(allowed_BV / temperature, top_k, top_p), axis=-1)
         cdf_BV = _cumsum(probs_BV)
-        u_B1 = jax.random.uniform(key, (logits_BV.shape[0], 1)) * cdf_BV[:, -1:]
-        tokens_B = jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits_BV.shape[-1] - 1).astype(jnp.int32)
+        u_B1 = jax.random.uniform(key, (logits.shape[0], 1)) * cdf_BV[:, -1:]
+        tokens_B = jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits.shape[-1] - 1).astype(jnp.int32)
     return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
 
 
@@ -224,9 +224,8 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
     return _generate_impl(graphdef, state, ids_NP, mask_NP, rng, config=config, share_prefill=share_prefill)
 
 
-def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
-                   mesh=None) -> Rollout:
-    model = nnx.merge(graphdef, state)
+def _prefill(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh):
+    """The prompts' pass -> (the logits [R, V] that draw token 0, the cache sized for the decode)."""
     G, M = config.group_size, config.max_new_tokens
     # Token t (t < M - 1) is fed back as decode step t; the last sampled token never is.
     spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True)
@@ -241,7 +240,14 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
         # Keep the cache's rows where their prompts' rows are, for the whole loop.
         cache = _constrain_rows(cache, mesh, BATCH)
         last_RV = _constrain_rows(last_RV, mesh, BATCH)
+    return last_RV, cache
 
+
+def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
+                   mesh=None) -> Rollout:
+    model = nnx.merge(graphdef, state)
+    M = config.max_new_tokens
+    last_RV, cache = _prefill(model, ids_NP, mask_NP, config, share_prefill, mesh)
     stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
     sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
                                top_p=config.top_p)
@@ -250,7 +256,7 @@ def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingCon
         # Before min_new_tokens, stop tokens cannot be drawn (a benchmark's fixed-length completions).
         banned_V = (jnp.isin(jnp.arange(last_RV.shape[-1]), stop_ids) & (t < config.min_new_tokens)
                     if config.min_new_tokens else None)
-        tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t), banned_V=banned_V)
+        tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t), banned=banned_V)
         tok_R = jnp.where(done_R, config.pad_id, tok_R)
         logp_R = jnp.where(done_R, 0.0, logp_R)
         tokens_RM = tokens_RM.at[:, t].set(tok_R)

@@ -149,6 +149,19 @@ def rows_per_shard(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def round_to_row_shards(rows: int, mesh: Mesh | None) -> int:
+    """`rows` rounded up to a multiple of the mesh's row shards (data x fsdp), so a batch splits
+    evenly; without a mesh, `rows` itself."""
+    n = 1 if mesh is None else rows_per_shard(mesh)
+    return -(-rows // n) * n
+
+
+def pow2_bucket(length: int, minimum: int = 1) -> int:
+    """The power of two at or above `length` (at least `minimum`): padding lengths to these buckets
+    bounds the number of compiled shapes."""
+    return max(minimum, 1 << max(0, (max(length, 1) - 1).bit_length()))
+
+
 def shard_rows(tree, mesh: Mesh):
     """Place host arrays (leading axis = rows) on the mesh, rows split over (data, fsdp)."""
     n = rows_per_shard(mesh)
@@ -161,6 +174,21 @@ def shard_rows(tree, mesh: Mesh):
         return jax.device_put(x, batch_sharding(mesh, x.ndim))
 
     return jax.tree.map(put, tree)
+
+
+def sharded_jit(fn, *, in_shardings, out_shardings, donate: tuple[str, ...] = (), static: tuple[str, ...] = ()):
+    """The one way a step is jitted: explicit input and output shardings (a pytree prefix of the
+    arguments / results), the named arguments in `donate` donated, `static` ones static."""
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnames=donate,
+                   static_argnames=static)
+
+
+def on_mesh(tree, mesh: Mesh):
+    """`tree` with every array not yet placed on a mesh (an optimizer's step count, a fresh scalar)
+    put on `mesh` replicated, so a step's inputs all share one device assignment and keep one
+    sharding from call to call; arrays placed by the rules keep theirs."""
+    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else jax.device_put(x, replicated(mesh)), tree)
 
 
 def tree_shardings(tree):

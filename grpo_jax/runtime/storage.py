@@ -20,8 +20,14 @@ from pathlib import Path
 from grpo_jax.config import ConfigError
 
 
+# URL schemes that name a model rather than a place on storage (grpo_jax.models.gguf: gguf://NAME).
+MODEL_SCHEMES = ("gguf://",)
+
+
 def is_remote(path: str | os.PathLike) -> bool:
-    return "://" in str(path)
+    """A URL on remote storage (gs://bucket/run, ...); a model name such as gguf://NAME is not."""
+    text = str(path)
+    return "://" in text and not text.startswith(MODEL_SCHEMES)
 
 
 def cache_dir(kind: str) -> Path:

@@ -38,10 +38,13 @@ never have a name another sample could open. A program that kills the harness is
 ("killed"), not an infrastructure error. The process limits are the security boundary; see
 `grpo_jax.rewards.code` for what the grading does and does not trust.
 
-Modules: `launcher` (probing, starting, supervising, classifying a run) and `harness` (the code
-that runs inside the sandbox; standard library only).
+Modules: `launcher` (probing how a sandbox starts on this machine), `runner` (starting and
+supervising a run), `result` (classifying what it came to) and `harness` (the code that runs
+inside the sandbox; standard library only).
 """
 
-from grpo_jax.sandbox.launcher import SandboxResult, SandboxStatus, run_sandboxed, sandbox_isolation
+from grpo_jax.sandbox.launcher import sandbox_isolation
+from grpo_jax.sandbox.result import SandboxResult, SandboxStatus
+from grpo_jax.sandbox.runner import run_sandboxed
 
 __all__ = ["SandboxResult", "SandboxStatus", "run_sandboxed", "sandbox_isolation"]

@@ -1,8 +1,8 @@
 """The trusted harness that runs inside the sandbox: limits, then the candidate in a forked child.
 
 Run as `python -I harness.py CONFIG_FD STATUS_FD CONTROL_FD` with the sandbox's temporary directory as
-cwd (`launcher.run_sandboxed` copies this file there, so the sandbox user can read it wherever the
-checkout lives; see `launcher._HARNESS_NAME`). The harness process (PID 1 of the sandbox's PID
+cwd (`runner.run_sandboxed` copies this file there, so the sandbox user can read it wherever the
+checkout lives; see `runner._HARNESS_NAME`). The harness process (PID 1 of the sandbox's PID
 namespace, where there is one) reads CONFIG_FD (an unlinked file), deletes the files the config names
 (that copy), mounts its private /tmp, /dev/shm and /var/tmp and drops every capability (with a
 mount namespace), sets the limits, then
@@ -191,7 +191,7 @@ _SEQUENCES = {list: "l", tuple: "t", set: "s", frozenset: "fs"}
 
 def encode_value(value, depth: int = 0):
     """A returned value as nested tuples of builtin scalars, whose `repr` the trusted side reads
-    back with `ast.literal_eval` (`launcher.decode_value`). Only exact plain types pass (bool, int,
+    back with `ast.literal_eval` (`result.decode_value`). Only exact plain types pass (bool, int,
     float, str, bytes, None, and list, tuple, set, frozenset, dict of them): an object that
     pretends to be one (an always-equal `__eq__`, an int subclass) is refused with a TypeError."""
     t = _type(value)
@@ -313,7 +313,7 @@ def main() -> None:
     sys.path[:] = clean_sys_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
     config_fd, status_fd, control_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     config = read_config(config_fd)
-    # The launcher's copy of this file: gone before the candidate runs, so the cwd it sees is empty.
+    # The runner's copy of this file: gone before the candidate runs, so the cwd it sees is empty.
     for path in config["unlink"]:
         os.unlink(path)
     _set_up(config)

@@ -21,7 +21,6 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +31,15 @@ from flax import nnx
 
 from grpo_jax.config import ConfigError, RMRunConfig
 from grpo_jax.config.loading import config_to_dict
-from grpo_jax.observe.metrics import MetricsWriter, ProgressBar
+from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.models import from_pretrained
 from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_reward_model
 from grpo_jax.rewards.reward_model import rm_input
-from grpo_jax.trainer.prepare import JNP_DTYPES, architecture, build_tokenizer
-from grpo_jax.runtime.sharding import batch_sharding, make_mesh, mesh_devices, place_model, rows_per_shard
+from grpo_jax.learner.optimizer import make_optimizer, schedule
+from grpo_jax.models import JNP_DTYPES
+from grpo_jax.trainer.prepare import architecture, build_tokenizer
+from grpo_jax.runtime.sharding import (batch_sharding, make_mesh, mesh_devices, on_mesh, place_model, pow2_bucket,
+                                       replicated, round_to_row_shards, sharded_jit, tree_shardings)
 
 
 @dataclasses.dataclass
@@ -105,7 +107,7 @@ def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit:
     ids = tokenizer(texts, add_special_tokens=not use_chat)["input_ids"] if texts else []
     stats["truncated"] = sum(len(a) > d.max_length or len(b) > d.max_length for a, b in zip(ids[::2], ids[1::2]))
     ids = [row[-d.max_length:] for row in ids]
-    T = min(d.max_length, 1 << max(3, (max((len(r) for r in ids), default=1) - 1).bit_length()))
+    T = min(d.max_length, pow2_bucket(max((len(r) for r in ids), default=1), 8))
     out = np.full((len(ids), T), tokenizer.pad_token_id, np.int32)
     mask = np.zeros((len(ids), T), np.int32)
     for i, row in enumerate(ids):
@@ -144,10 +146,10 @@ def _pair_scores(model: RewardModel, ids_B2T, mask_B2T):
     return r[:, 0], r[:, 1]
 
 
-def make_steps(graphdef, optimizer, mesh):
-    """(train step, scoring step), jitted. The params (and Adam's moments, made from them) keep the
-    shardings `place_model` gave them; the pairs' rows are split over data x fsdp (`rows`); the
-    params are donated."""
+def make_steps(graphdef, optimizer, mesh, params, opt_state):
+    """(train step, scoring step), jitted once (`sharded_jit`). The params (and Adam's moments, made
+    from them) keep the shardings `place_model` gave them (`params`, `opt_state` as placed); the
+    pairs' rows are split over data x fsdp; params and optimizer state are donated."""
 
     def train_step(params, opt_state, ids, mask, margin):
         def loss_fn(p):
@@ -163,18 +165,12 @@ def make_steps(graphdef, optimizer, mesh):
     def score_step(params, ids, mask):
         return _pair_scores(nnx.merge(graphdef, params), ids, mask)
 
-    pairs, margins = batch_sharding(mesh, 3), batch_sharding(mesh, 1)
-    train = jax.jit(train_step, donate_argnums=(0, 1))
-    score = jax.jit(score_step)
-
-    def train_placed(params, opt_state, ids, mask, margin):
-        ids, mask, margin = jax.device_put((ids, mask, margin), (pairs, pairs, margins))
-        return train(params, opt_state, ids, mask, margin)
-
-    def score_placed(params, ids, mask):
-        return score(params, *jax.device_put((ids, mask), (pairs, pairs)))
-
-    return train_placed, score_placed
+    shardings = (tree_shardings(params), tree_shardings(opt_state))
+    rows = batch_sharding(mesh, 1)  # a prefix: the pairs' rows split, the rest whole
+    train = sharded_jit(train_step, in_shardings=(*shardings, rows, rows, rows),
+                        out_shardings=(*shardings, replicated(mesh)), donate=("params", "opt_state"))
+    score = sharded_jit(score_step, in_shardings=(shardings[0], rows, rows), out_shardings=replicated(mesh))
+    return train, score
 
 
 def evaluate_pairs(score, params, pairs: Pairs, batch: int) -> dict[str, float]:
@@ -217,17 +213,16 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
         mesh = make_mesh(config.mesh, mesh_devices(config.mesh))
     except ValueError as e:
         raise ConfigError(f"mesh: {e}") from None
-    batch = -(-t.batch_size // rows_per_shard(mesh)) * rows_per_shard(mesh)
+    batch = round_to_row_shards(t.batch_size, mesh)
     if batch != t.batch_size:
         log(f"train-rm: train.batch_size {t.batch_size} -> {batch} pairs, a multiple of the mesh's row shards")
     model = build_reward_model(config, tokenizer)
     place_model(model, mesh)
-    schedule = optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps) if t.warmup_steps else t.learning_rate
-    optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=t.weight_decay))
+    optimizer = make_optimizer(schedule(t.learning_rate, warmup_steps=t.warmup_steps), max_grad_norm=t.max_grad_norm,
+                               weight_decay=t.weight_decay)
     graphdef, params = nnx.split(model)
-    opt_state = optimizer.init(params)  # Adam's moments take the placed params' shardings
-    train_step, score = make_steps(graphdef, optimizer, mesh)
+    opt_state = on_mesh(optimizer.init(params), mesh)  # Adam's moments take the placed params' shardings
+    train_step, score = make_steps(graphdef, optimizer, mesh, params, opt_state)
     rng = np.random.default_rng(t.seed)
     order, cursor = rng.permutation(len(train.margin)), 0
     eval_steps = {0, t.steps} | ({*range(t.eval_every, t.steps, t.eval_every)} if t.eval_every else set())

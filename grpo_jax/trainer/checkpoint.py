@@ -13,43 +13,37 @@ A run resumes (`resume`) from its newest checkpoint: the train state, the KL ref
 host's position in its prompt stream, as `save_step` wrote them; `check_resumable` refuses a
 restart that could not resume before it writes anything.
 
-Preemption (`StopSignals`): a preemption notice (SIGTERM) or Ctrl-C (SIGINT) ends the current
-step, saves a checkpoint at it and lets the run return normally; a second signal aborts at once.
-
-On one host the trainer's own signal handlers set the flag. On several hosts (jax.distributed)
-JAX's preemption service already owns SIGTERM: it agrees on a step every host reaches
-(`multihost_utils.reached_preemption_sync_point`), so every host saves the same step; SIGINT is
-still ours, and a flag set on any host stops every host at the same step (one small collective
-per step, shared with the wall-clock checkpoint decision).
+Every reader of checkpoints (train, eval, export, the PEFT base) picks its step by
+`first_restorable`: the saved steps newest first, each damaged one warned about, the first that
+restores. Preemption is grpo_jax.trainer.preemption.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-import yaml
 from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from grpo_jax.config import ConfigError
-from grpo_jax.runtime.hosts import any_hosts, gather_json, multi_process
+from grpo_jax.runtime.hosts import gather_json, multi_process
 from grpo_jax.trainer import lora_base
 from grpo_jax.models import Transformer, from_pretrained, load_config, load_tokenizer
 from grpo_jax.models.lora import LoRAParam, add_adapters
+from grpo_jax.rewards import StatefulReward
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.learner.train_step import TrainState
+
+T = TypeVar("T")
 
 
 def _abstract(tree):
@@ -174,16 +168,63 @@ def restore_params(files: RunFiles, abstract_params):
     return restored.params
 
 
+def read_meta(files: RunFiles) -> dict:
+    """The `meta` item of the step `files` names (no arrays read)."""
+    with ocp.CheckpointManager(files.checkpoints) as manager:
+        return dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
+
+def local_base(files: RunFiles) -> str | None:
+    """A LoRA run's base as a local HF directory (RUN_DIR/base, or `model.path` when it is one),
+    from the step's metadata (its fingerprint checked), else None (a .gguf file, a remote copy)."""
+    saved = read_meta(files)["base"]
+    directory = lora_base.locate(saved, files.run_dir)
+    if saved["path"] == lora_base.BASE_DIR or Path(saved["path"]).resolve() == Path(directory).resolve():
+        return str(Path(directory).resolve())
+    return None
+
+
 def _lora_policy(files: RunFiles, lora: dict, *, dtype, param_dtype):
     """A LoRA run's policy at one saved step: its base (from where the step's metadata says, its
     fingerprint checked: `grpo_jax.trainer.lora_base`) with the step's adapters."""
-    with ocp.CheckpointManager(files.checkpoints) as manager:
-        meta = dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-    model = from_pretrained(lora_base.locate(meta["base"], files.run_dir), dtype=dtype, param_dtype=param_dtype)
+    model = from_pretrained(lora_base.locate(read_meta(files)["base"], files.run_dir), dtype=dtype,
+                            param_dtype=param_dtype)
     add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
                  dropout=lora.get("dropout", 0.0), key=jax.random.key(0))
     graphdef, adapters, base = nnx.split(model, LoRAParam, nnx.Param)
     return nnx.merge(graphdef, restore_params(files, adapters), base)
+
+
+class NothingRestores(FileNotFoundError):
+    """No saved step restores; the message lists each one's error."""
+
+
+def first_restorable(steps: Sequence[int], attempt: Callable[[int], T], *, where: str,
+                     warn: Callable[[str], None], agree: Callable[[bool], bool] = bool,
+                     label: Callable[[int], str] | None = None) -> tuple[int, T, list[int]]:
+    """(the step, what `attempt(step)` returned, the newer steps that failed) for the newest of
+    `steps` (newest first) whose `attempt` returns. A ConfigError from `attempt` is the user's
+    input, not damage: it propagates. `agree(failed)` is True when this step failed on any host.
+    Raises NothingRestores naming every step's error. `label(step)` names a step in warnings
+    (default: "of step N in WHERE")."""
+    label = label or (lambda step: f"of step {step} in {where}")
+    errors, failed = [], []
+    for step in steps:
+        try:
+            result, error = attempt(step), None
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - anything unreadable: a damaged or partial checkpoint
+            result, error = None, e
+        if not agree(error is not None):
+            return step, result, failed
+        why = short_error(error) if error is not None else "damaged on another host"
+        errors.append(f"step {step}: {why}")
+        failed.append(step)
+        warn(f"warning: checkpoint {label(step)} is damaged or incomplete ({why}); "
+                 "trying the previous one")
+    raise NothingRestores(f"{where} holds checkpoints {sorted(steps)} but none of them restores ("
+                          + "; ".join(errors) + "); move checkpoints/ away to start afresh")
 
 
 def short_error(e: BaseException) -> str:
@@ -203,30 +244,26 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
     computing in `dtype` and stored in `param_dtype` (a run's `model.dtype` / `model.param_dtype`).
     Without a named step, a damaged or incomplete newest checkpoint is skipped with a warning
     (`warn`) and the newest one that restores is used (RunFiles.step says which)."""
+    from grpo_jax.config import load_config as load_run_config
+
     files = find_run(checkpoint)
     config = load_config(files.run_dir / "model")
-    lora = (yaml.safe_load((files.run_dir / "config.yaml").read_text()) or {}).get("lora") or {}
-    errors = []
-    for step in (files.step, *files.older):  # a named step only; else the newest that restores
+    lora = load_run_config(files.run_dir / "config.yaml").lora
+
+    def attempt(step: int):
         here = dataclasses.replace(files, step=step, older=())
-        try:
-            if lora.get("rank"):
-                model = _lora_policy(here, lora, dtype=dtype, param_dtype=param_dtype)
-            else:
-                abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype,
-                                                              param_dtype=param_dtype))
-                graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
-                model = nnx.merge(graphdef, restore_params(here, abstract_params), rest)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure to read it means the checkpoint is damaged
-            errors.append(f"step {step}: {short_error(e)}")
-            if files.older:
-                warn(f"warning: checkpoint {files.checkpoints / str(step)} is damaged or incomplete "
-                     f"({short_error(e)}); trying the previous one")
-            continue
-        return model, load_tokenizer(files.run_dir / "model"), here
-    raise FileNotFoundError(f"no restorable checkpoint in {files.checkpoints}: " + "; ".join(errors))
+        if lora.enabled:
+            return _lora_policy(here, dataclasses.asdict(lora), dtype=dtype, param_dtype=param_dtype), here
+        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+        graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
+        return nnx.merge(graphdef, restore_params(here, abstract_params), rest), here
+
+    try:
+        _, (model, here), _ = first_restorable((files.step, *files.older), attempt, where=str(files.checkpoints),
+                                               warn=warn, label=lambda step: str(files.checkpoints / str(step)))
+    except NothingRestores as e:
+        raise FileNotFoundError(f"no restorable checkpoint in {files.checkpoints}: {e}") from None
+    return model, load_tokenizer(files.run_dir / "model"), here
 
 
 def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
@@ -238,7 +275,7 @@ def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, strea
     streams = gather_json(stream.state_dict())  # each host's position in its share
     meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {}),
             **({"base": base} if base is not None else {})}
-    held = {spec.name: spec.fn.state() for spec in rewards if hasattr(spec.fn, "state")}
+    held = {spec.name: spec.fn.state() for spec in rewards if isinstance(spec.fn, StatefulReward)}
     if held:
         meta["rewards_by_process"] = gather_json(held)
     checkpointer.save(step, state, meta, reference=reference)
@@ -283,65 +320,6 @@ def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, 
     _load_stream(meta, step, stream)
     saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
     for spec in rewards:
-        if hasattr(spec.fn, "load_state") and spec.name in saved:
+        if isinstance(spec.fn, StatefulReward) and spec.name in saved:
             spec.fn.load_state(saved[spec.name])
     return restored, (reference if saved_reference is None else saved_reference)
-
-
-def _jax_preemption_service() -> bool:
-    """True when jax.distributed runs its preemption service (it then handles SIGTERM itself)."""
-    try:
-        from jax._src import distributed
-    except ImportError:  # pragma: no cover - a JAX without the module: no service to defer to
-        return False
-    return distributed.global_state.preemption_sync_manager is not None
-
-
-class StopSignals:
-    """Context manager installing the handlers (main thread only; restored on exit), and the
-    per-step decision `check(step)` -> (stop, checkpoint due by the clock), the same on every host."""
-
-    def __init__(self, log: Callable[[str], None], *, every_minutes: float = 0.0):
-        self.log = log
-        self.every_s = every_minutes * 60.0
-        self.received: str | None = None  # the signal's name, once one arrived (on this host)
-        self.last_save = time.monotonic()
-        self._previous: dict[int, object] = {}
-        self._jax_service = multi_process() and _jax_preemption_service()
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            signals = [signal.SIGINT] + ([] if self._jax_service else [signal.SIGTERM])
-            for sig in signals:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if self.received is not None:  # the second signal: stop now, without saving
-            signal.signal(signum, signal.SIG_DFL)
-            self.log(f"received {name} again: aborting now, without a checkpoint")
-            os.kill(os.getpid(), signum)
-            return
-        self.received = name
-        self.log(f"received {name}: finishing this step, then saving a checkpoint and stopping "
-                 f"(send {name} again to abort at once)")
-
-    def saved(self) -> None:
-        """A checkpoint was just written: the clock starts again."""
-        self.last_save = time.monotonic()
-
-    def check(self, step: int) -> tuple[bool, bool]:
-        """(stop after this step, a checkpoint is due by `every_minutes`): decided together by all
-        hosts, so each saves and stops at the same step."""
-        due = bool(self.every_s) and time.monotonic() - self.last_save >= self.every_s
-        stop, due = any_hosts(self.received is not None, due)
-        if self._jax_service and multihost_utils.reached_preemption_sync_point(step):
-            stop = True
-            self.received = self.received or "a preemption notice (JAX preemption service)"
-        return stop, due

@@ -12,11 +12,20 @@ model, or a file changed since), naming both.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
+import jax
+from flax import nnx
+from jax.experimental import multihost_utils
+
 from grpo_jax.config import ConfigError, RunConfig
+from grpo_jax.models import save_pretrained
+from grpo_jax.runtime.sharding import place_model
+from grpo_jax.trainer.prepare import build_model
 from grpo_jax.models.gguf import fingerprint as file_sha256
+from grpo_jax.models.hf import model_dir
 
 BASE_DIR = "base"  # inside the run directory, for a base the run made
 
@@ -45,9 +54,7 @@ def record(config: RunConfig, run_dir: Path) -> dict:
     base is on disk (written to RUN_DIR/base by the caller when `base_is_written`)."""
     if base_is_written(config):
         return {"path": BASE_DIR, "fingerprint": hf_fingerprint(Path(run_dir) / BASE_DIR)}
-    from grpo_jax.models.hf import _model_dir
-
-    directory = _model_dir(config.model.path)  # a .gguf file's converted directory, a remote copy
+    directory = model_dir(config.model.path)  # a .gguf file's converted directory, a remote copy
     return {"path": str(config.model.path), "fingerprint": hf_fingerprint(directory)}
 
 
@@ -60,12 +67,29 @@ def locate(saved: dict, run_dir: Path) -> Path:
             raise ConfigError(f"the LoRA checkpoints in {run_dir} adapt the base in {directory}, which is missing; "
                               "restore that directory or start a new run")
     else:
-        from grpo_jax.models.hf import _model_dir
-
-        directory = _model_dir(saved["path"])
+        directory = model_dir(saved["path"])
     got = hf_fingerprint(directory)
     if got != saved["fingerprint"]:
         raise ConfigError(f"the LoRA checkpoints in {run_dir} adapt a base with fingerprint "
                           f"{saved['fingerprint'][:16]}..., but {saved['path']} now has {got[:16]}...: the base "
                           "model changed since; use the base they were trained on")
     return directory
+
+
+def settle(config: RunConfig, model, *, mesh, run_dir: Path, saved: dict | None) -> dict:
+    """A LoRA run's base, before its adapters are added -> the `base` record each checkpoint's
+    metadata carries. A resumed run (`saved`: the checkpoint's record, its fingerprint already
+    checked) loads a base that exists only in the run from RUN_DIR/base into `model`; a fresh run
+    writes such a base (random init, warm start) there once (process 0; every host waits)."""
+    if saved is not None:
+        if saved["path"] == BASE_DIR:
+            base = build_model(dataclasses.replace(config.model, path=str(Path(run_dir) / BASE_DIR), architecture=None),
+                               None, config.train.seed)
+            nnx.update(model, nnx.state(base, nnx.Param))
+            place_model(model, mesh)
+    elif base_is_written(config):
+        if jax.process_index() == 0:
+            save_pretrained(model, Path(run_dir) / BASE_DIR)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("grpo_jax_lora_base_written")
+    return record(config, run_dir)

@@ -102,7 +102,7 @@ def test_distributed_section(tmp_path):
 
 
 def test_without_a_mesh_section_a_run_uses_every_device(tmp_path):
-    from grpo_jax.trainer.prepare import run_mesh
+    from grpo_jax.runtime.devices import run_mesh
 
     config = load_config(write(tmp_path, {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}}))
     mesh = run_mesh(config)
@@ -117,13 +117,13 @@ def test_without_a_mesh_section_a_run_uses_every_device(tmp_path):
 
 
 def test_pmap_takes_the_default_mesh_and_refuses_a_chosen_one(tmp_path):
-    from grpo_jax.trainer.prepare import _check_devices
+    from grpo_jax.runtime.devices import check_devices
 
     base = {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}, "parallelism": "pmap"}
-    _check_devices(load_config(write(tmp_path, base)))
-    _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))
+    check_devices(load_config(write(tmp_path, base)))
+    check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))
     with pytest.raises(ConfigError, match="leave the mesh section out"):
-        _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=2"]))
+        check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=2"]))
 
 
 def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
@@ -157,15 +157,15 @@ def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
 
 
 def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
-    from grpo_jax.trainer.prepare import _check_devices
+    from grpo_jax.runtime.devices import check_devices
 
     base = {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}, "train": {**BASE["train"],
                                                                                   "micro_batches": 2}}
     # 8 devices: one prompt (4 rows) per shard, which 2 micro-batches would split mid-group.
     with pytest.raises(ConfigError, match="train.shared_prompt runs each group's prompt once"):
-        _check_devices(load_config(write(tmp_path, base)))
-    _check_devices(load_config(write(tmp_path, base), ["train.shared_prompt=false"]))
-    _check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))  # 8 prompts on one device
+        check_devices(load_config(write(tmp_path, base)))
+    check_devices(load_config(write(tmp_path, base), ["train.shared_prompt=false"]))
+    check_devices(load_config(write(tmp_path, base), ["mesh.fsdp=1"]))  # 8 prompts on one device
 
 
 @pytest.mark.parametrize("override,message", [

@@ -61,7 +61,7 @@ CONFIGS = [
 def test_loss_matches_numpy_reference(cfg):
     logp, old, ref, mask, adv = batch()
     loss, sums = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg,
-                             ref_logp_RM=jnp.asarray(ref))
+                             ref_logprobs=jnp.asarray(ref))
     metrics = loss_metrics(sums)
     np.testing.assert_allclose(float(loss), reference_loss(logp, old, ref, mask, adv, cfg), rtol=2e-5, atol=1e-6)
     ratio = np.exp(logp - old)
@@ -108,7 +108,7 @@ def test_equal_rewards_with_beta_zero_give_exactly_zero_gradient():
     adv = group_advantages(jnp.full((4,), 0.1), 4)
     for cfg in CONFIGS[:3]:
         grad = jax.grad(lambda lp: policy_loss(lp, jnp.asarray(old), adv.advantages, jnp.asarray(mask), cfg,
-                                               valid_R=adv.valid)[0])(jnp.asarray(logp))
+                                               valid=adv.valid)[0])(jnp.asarray(logp))
         assert (np.asarray(grad) == 0).all()
 
 
@@ -118,7 +118,7 @@ def test_dropped_and_truncated_rows_do_not_contribute():
     valid = jnp.array([True, False, True, True])
     truncated = jnp.array([False, False, True, False])
     grad = np.asarray(jax.grad(lambda lp: policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg,
-                                                      valid_R=valid, truncated_R=truncated)[0])(jnp.asarray(logp)))
+                                                      valid=valid, truncated=truncated)[0])(jnp.asarray(logp)))
     assert (grad[1] == 0).all() and (grad[2] == 0).all() and (grad[3] != 0).any()
     with pytest.raises(ValueError, match="truncated"):
         policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg)
@@ -150,7 +150,7 @@ def test_entropy_bonus_subtracts_the_aggregated_entropy():
     entropy = np.random.default_rng(5).uniform(0, 3, logp.shape).astype(np.float32)
     args = (jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask))
     base, _ = policy_loss(*args, GRPOConfig())
-    with_bonus, _ = policy_loss(*args, GRPOConfig(entropy_coef=0.01), entropy_RM=jnp.asarray(entropy))
+    with_bonus, _ = policy_loss(*args, GRPOConfig(entropy_coef=0.01), entropy=jnp.asarray(entropy))
     expected = float(base) - 0.01 * (entropy * mask).sum() / mask.sum()
     np.testing.assert_allclose(float(with_bonus), expected, rtol=1e-5)
     with pytest.raises(ValueError, match="entropies"):

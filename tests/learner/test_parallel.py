@@ -15,7 +15,8 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.rollout.sampling import generate
 from grpo_jax.runtime.sharding import replicate, split_rows, unreplicate
-from grpo_jax.learner.train_step import Batch, init_state, make_train_step
+from grpo_jax.learner.train_step import Batch, bind_train_step, init_state
+from batches import one_device_step
 
 N, G = 8, 4
 
@@ -45,12 +46,14 @@ def test_pmap_mode_gives_the_jit_modes_update(loss_agg):
     batch = rollout_batch(policy)
 
     graphdef, state = init_state(policy, opt)
-    jit_state, jit_metrics = make_train_step(graphdef, opt, config, micro_batches=2)(state, jax.tree.map(np.asarray, batch))
+    jit_state, jit_metrics = one_device_step(graphdef, opt, config, state, micro_batches=2)(
+        state, jax.tree.map(np.asarray, batch))
 
     devices = jax.local_devices()[:8]
     assert len(devices) == 8
     graphdef, state = init_state(Transformer(tiny("qwen3"), rngs=nnx.Rngs(0)), opt)
-    step = make_train_step(graphdef, opt, config, micro_batches=2, parallelism="pmap", devices=devices)
+    step = jax.pmap(bind_train_step(graphdef, opt, config, micro_batches=2, axis_name="devices"),
+                    axis_name="devices", donate_argnums=(0,), devices=devices)  # as PmapParallel builds it
     pm_state, pm_metrics = step(replicate(state, devices), split_rows(batch, len(devices)))
 
     for a, b in zip(jax.tree.leaves(jit_state.params), jax.tree.leaves(unreplicate(pm_state).params)):
@@ -65,12 +68,11 @@ def test_pmap_mode_gives_the_jit_modes_update(loss_agg):
     assert float(jit_metrics["train/grad_norm"]) > 0
 
 
-def test_pmap_mode_rejects_a_mesh_and_unknown_modes():
-    opt = optax.sgd(0.1)
-    graphdef, _ = init_state(Transformer(tiny("qwen3"), rngs=nnx.Rngs(0)), opt)
-    with pytest.raises(ValueError, match="takes no mesh"):
-        make_train_step(graphdef, opt, GRPOConfig(), parallelism="pmap", mesh=object())
-    with pytest.raises(ValueError, match="not one of"):
-        make_train_step(graphdef, opt, GRPOConfig(), parallelism="pjit")
+def test_unknown_modes_are_refused_and_rows_must_split_over_devices():
+    from grpo_jax.config import ConfigError, config_from_dict
+
+    # The mode is chosen once, from the config (learner.parallel.make_parallel): another is refused there.
+    with pytest.raises((ConfigError, ValueError), match="pjit"):
+        config_from_dict({"parallelism": "pjit"})
     with pytest.raises(ValueError, match="do not split over 3 devices"):
         split_rows(np.zeros((8, 2)), 3)

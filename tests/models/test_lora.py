@@ -82,16 +82,18 @@ def test_the_rollout_uses_the_adapters():
     out = {name: generate(m, prompts, cfg, jax.random.key(0)) for name, m in
            (("lora", model), ("merged", merged), ("base", base))}
     np.testing.assert_array_equal(np.asarray(out["lora"].tokens), np.asarray(out["merged"].tokens))
-    np.testing.assert_allclose(np.asarray(out["lora"].logprobs), np.asarray(out["merged"].logprobs), atol=1e-5)
+    # fp32 in another summation order: the error grows with the value (1e-5 relative seen on one CPU)
+    np.testing.assert_allclose(np.asarray(out["lora"].logprobs), np.asarray(out["merged"].logprobs), rtol=5e-5,
+                               atol=1e-5)
     assert not np.array_equal(np.asarray(out["lora"].tokens), np.asarray(out["base"].tokens))
 
 
 def test_one_step_changes_only_the_adapters_and_keeps_their_optimizer_state_alone():
     import optax
-    from batches import make_batch
+    from batches import make_batch, one_device_step
 
     from grpo_jax.config import GRPOConfig
-    from grpo_jax.learner.train_step import init_state, make_train_step, merge_model, split_trainable
+    from grpo_jax.learner.train_step import init_state, merge_model, split_trainable
 
     model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
     add_adapters(model, rank=4, alpha=8, key=jax.random.key(1))
@@ -104,7 +106,7 @@ def test_one_step_changes_only_the_adapters_and_keeps_their_optimizer_state_alon
     # Adam's moments exist for the adapters only.
     n_adapter = sum(x.size for x in jax.tree.leaves(adapters))
     assert sum(x.size for x in jax.tree.leaves(state.opt_state)) == 2 * n_adapter + 1
-    step = make_train_step(graphdef, opt, GRPOConfig(), logprob_chunk=2)
+    step = one_device_step(graphdef, opt, GRPOConfig(), state, frozen=base, logprob_chunk=2)
     before = {jax.tree_util.keystr(k): np.asarray(x).copy() for k, x in jax.tree_util.tree_flatten_with_path(
         state.params)[0]}
     state, _ = step(state, make_batch(rewards=[1, 0, 0, 1, 0, 1, 1, 0]), base)
@@ -178,10 +180,10 @@ def test_adapter_dropout_acts_in_the_training_pass_only():
 
 def test_a_train_step_with_adapter_dropout_draws_its_masks_from_the_seed_and_step():
     import optax
-    from batches import make_batch
+    from batches import make_batch, one_device_step
 
     from grpo_jax.config import GRPOConfig
-    from grpo_jax.learner.train_step import init_state, make_train_step
+    from grpo_jax.learner.train_step import init_state
 
     batch = make_batch(rewards=[1, 0, 0, 1, 0, 1, 1, 0])
 
@@ -191,7 +193,8 @@ def test_a_train_step_with_adapter_dropout_draws_its_masks_from_the_seed_and_ste
         opt = optax.sgd(1e-2)
         graphdef, state = init_state(model, opt)
         _, _, base = split_adapters(model)
-        step = make_train_step(graphdef, opt, GRPOConfig(), logprob_chunk=4, micro_batches=2, seed=seed)
+        step = one_device_step(graphdef, opt, GRPOConfig(), state, frozen=base, logprob_chunk=4, micro_batches=2,
+                               seed=seed)
         out = []
         for _ in range(times):
             new, metrics = step(jax.tree.map(jnp.copy, state), batch, base)
@@ -223,7 +226,7 @@ def lora_run(tmp_path_factory):
 
 
 def test_a_lora_run_of_the_demo_task_improves_reward(lora_run):
-    from grpo_jax.observe.metrics import read_metrics
+    from grpo_jax.observe.writers import read_metrics
 
     records = read_metrics(lora_run[1])
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
@@ -256,7 +259,9 @@ def test_a_lora_checkpoint_holds_adapters_and_exports_merged(lora_run, tmp_path)
     assert cli.main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "hf")]) == 0
     exported = from_pretrained(tmp_path / "hf")
     ids = jnp.asarray(np.random.default_rng(5).integers(3, model.config.vocab_size, (2, 6)), jnp.int32)
-    np.testing.assert_allclose(np.asarray(exported(ids)), np.asarray(model(ids)), atol=1e-5)
+    # Merged W + BA against x W + (x A) B in fp32: errors of ~2e-6 of the largest logit (6.6), up to
+    # 1.5e-5 (measured at a logit of 1.4); the adapters themselves move logits by far more.
+    np.testing.assert_allclose(np.asarray(exported(ids)), np.asarray(model(ids)), rtol=5e-5, atol=3e-5)
 
 
 def test_adapters_are_sharded_like_the_weights_they_adapt():
@@ -277,7 +282,8 @@ def test_adapters_are_sharded_like_the_weights_they_adapt():
         assert tuple(b) == (tuple(w)[0], None, *tuple(w)[1 + n_in:]), (name, w, b)
     assert any(s is not None for s in getattr(layers, "q_proj_lora_a")[...].sharding.spec)
     ids = _ids(6)
-    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(merge_adapters(model)(ids)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(merge_adapters(model)(ids)), rtol=5e-5,
+                               atol=1e-5)  # merged against unmerged and sharded: as in the export test
 
 
 def test_peft_export_loaded_by_peft_on_transformers_matches_our_logits(lora_run, tmp_path):

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from grpo_jax.observe.metrics import MetricsWriter, ProgressBar, plot_run, read_metrics
+from grpo_jax.observe.plots import plot_run
+from grpo_jax.observe.progress import ProgressBar
+from grpo_jax.observe.writers import MetricsWriter, read_metrics
 
 
 def _tensorboard(run_dir):

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from grpo_jax.observe.metrics import MetricsWriter
+from grpo_jax.observe.writers import MetricsWriter
 from grpo_jax.observe.report import diagnose, screenshot, write_report
 
 

@@ -11,14 +11,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from batches import M, R, fresh, make_batch
+from batches import M, R, fresh, make_batch, one_device_step
 
 from grpo_jax.config import GRPOConfig
 from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
 from grpo_jax.rollout.health import distinct_answers, expected_zero_std_fraction, random_control, rollout_health
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.rewards import RewardResult, RewardSpec, format_reward
-from grpo_jax.learner.train_step import grad_noise_scale, make_train_step
+from grpo_jax.learner.train_step import grad_noise_scale
 
 
 def _flat(tree) -> np.ndarray:
@@ -37,8 +37,8 @@ def test_grad_noise_scale_of_the_step_equals_numpy_on_micro_batch_gradients():
     # At mu = 1 the loss uses the trainer's own log-probs: the sampler's only enter the drift.
     batch = batch.replace(old_logprobs=logp + 0.25 * batch.completion_mask)
     # Each micro-batch's gradient on its own: its rows' loss under the whole batch's normaliser.
-    _, normaliser = loss_weights(effective_mask(batch.completion_mask, cfg, valid_R=batch.valid,
-                                                truncated_R=batch.truncated), cfg)
+    _, normaliser = loss_weights(effective_mask(batch.completion_mask, cfg, valid=batch.valid,
+                                                truncated=batch.truncated), cfg)
     b = R // k
 
     def piece_loss(params, rows):  # rows: int [b], the micro-batch's row indices
@@ -46,7 +46,7 @@ def test_grad_noise_scale_of_the_step_equals_numpy_on_micro_batch_gradients():
         logp, _ = completion_logprobs(nnx.merge(graphdef, params), mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
                                       chunk=2)
         return policy_loss(logp, jax.lax.stop_gradient(logp), mb.advantages, mb.completion_mask, cfg,
-                           valid_R=mb.valid, truncated_R=mb.truncated, normaliser=normaliser)[0]
+                           valid=mb.valid, truncated=mb.truncated, normaliser=normaliser)[0]
 
     piece_grad = jax.jit(jax.grad(piece_loss))  # one compile for the k pieces
     pieces = [_flat(piece_grad(state.params, jnp.arange(i * b, (i + 1) * b))) for i in range(k)]
@@ -55,7 +55,7 @@ def test_grad_noise_scale_of_the_step_equals_numpy_on_micro_batch_gradients():
     trace = b * sum(np.sum((e - g) ** 2) for e in estimates) / (k - 1)
     expected = trace / np.sum(g**2)
 
-    step = make_train_step(graphdef, opt, cfg, micro_batches=k, logprob_chunk=2)
+    step = one_device_step(graphdef, opt, cfg, state, micro_batches=k, logprob_chunk=2)
     _, metrics = step(state, batch)
     assert expected > 0.1
     np.testing.assert_allclose(float(metrics["health/grad_noise_scale"]), expected, rtol=2e-4)
@@ -101,7 +101,7 @@ def test_sampler_drift_sums_and_truncated_importance_weights():
     for cap in (None, 1.5):
         cfg = GRPOConfig(sampler_is_cap=cap)
         loss, sums = policy_loss(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), cfg,
-                                 sampler_logp_RM=jnp.asarray(sampler))
+                                 sampler_logprobs=jnp.asarray(sampler))
         diff = np.abs(logp - sampler)
         np.testing.assert_allclose(float(sums["health/sampler_train_logprob_diff"]), (diff * mask).sum(), rtol=1e-5)
         np.testing.assert_allclose(float(sums["health/sampler_train_logprob_diff_max"]), diff[mask > 0].max(),

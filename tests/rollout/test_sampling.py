@@ -73,7 +73,8 @@ def test_shared_prefill_equals_repeated_prompts(models):
     repeated = generate(ours, PROMPTS, cfg, jax.random.key(2), share_prefill=False)
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(repeated.tokens))
     np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(repeated.mask))
-    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(repeated.logprobs), atol=1e-5)
+    # fp32 in another summation order: the error grows with the value (1e-5 relative seen on one CPU)
+    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(repeated.logprobs), rtol=5e-5, atol=1e-5)
     # Samples of one group differ (it is sampling, not G copies of one draw).
     tokens = np.asarray(shared.tokens).reshape(len(PROMPTS), 4, -1)
     assert any(len({tuple(r) for r in group}) > 1 for group in tokens)

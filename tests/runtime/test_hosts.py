@@ -113,3 +113,11 @@ def test_a_local_run_directory_is_the_path_itself(tmp_path):
 def test_an_unknown_storage_scheme_is_a_config_error():
     with pytest.raises(ConfigError, match="run directory 'nosuch://x'"):
         RunDirectory("nosuch://x")
+
+
+def test_a_model_name_url_is_not_remote_storage():
+    from grpo_jax.runtime.storage import is_remote
+
+    assert is_remote("gs://bucket/run") and is_remote("s3://b/x")
+    # gguf://NAME names a model (grpo_jax.models.gguf), resolved to a local file: not a place to sync.
+    assert not is_remote("gguf://smollm2-135m-instruct") and not is_remote("/tmp/run") and not is_remote("model.gguf")

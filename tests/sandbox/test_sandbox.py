@@ -21,7 +21,7 @@ import time
 import pytest
 
 from grpo_jax.rewards.code import code_reward
-from grpo_jax.sandbox import harness, launcher, run_sandboxed, sandbox_isolation
+from grpo_jax.sandbox import harness, launcher, run_sandboxed, runner, sandbox_isolation
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 0) == 10"
 CORRECT_ADD = "def add(a, b):\n    return a + b"
@@ -227,7 +227,7 @@ def test_a_spawn_failure_is_an_infrastructure_error(monkeypatch):
     def broken_popen(*args, **kwargs):
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", broken_popen)
+    monkeypatch.setattr(runner.subprocess, "Popen", broken_popen)
     r = run_sandboxed("print(1)", timeout_s=5)
     assert r.status == "infra_error" and "Too many open files" in r.detail
     assert code_reward(["q"], [fenced("def add(a, b):\n    return a + b")], tests=["assert add(1, 2) == 3"]) == [None]
@@ -237,7 +237,7 @@ def test_a_temp_dir_failure_is_an_infrastructure_error(monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(launcher.tempfile, "mkdtemp", no_space)
+    monkeypatch.setattr(runner.tempfile, "mkdtemp", no_space)
     assert run_sandboxed("print(1)", timeout_s=5).status == "infra_error"
     assert code_reward(["q"], [fenced("print(1)")], tests=[[{"input": "", "output": "1"}]]) == [None]
 

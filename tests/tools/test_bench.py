@@ -60,12 +60,14 @@ def test_grpo_step_benchmark_writes_its_json_with_a_hand_counted_flops(tmp_path)
 def test_grpo_step_refuses_options_it_would_ignore(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(CONFIG))
+    # Each benchmark's own parser refuses the options of the others, in one line.
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--preset", "small"]) == 2
-    assert "bench grpo-step does not take --preset" in capsys.readouterr().err
+    assert capsys.readouterr().err == "grpo-jax bench grpo-step: error: unrecognized arguments: --preset small\n"
     assert cli.main(["bench", "sampler", "--steps", "3"]) == 2
-    assert "bench sampler does not take --steps" in capsys.readouterr().err
+    assert capsys.readouterr().err == "grpo-jax bench sampler: error: unrecognized arguments: --steps 3\n"
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--steps", "0"]) == 2
-    assert "--steps >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-jax bench grpo-step: error: ") and "--steps >= 1" in err and err.count("\n") == 1
 
 
 def test_scaling_writes_its_curves_as_json_and_png(tmp_path):
@@ -104,8 +106,46 @@ def test_bench_refuses_sweeps_for_other_benchmarks(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(CONFIG))
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--group-sizes", "2,4"]) == 2
-    assert "bench grpo-step does not take --group-sizes" in capsys.readouterr().err
+    assert capsys.readouterr().err == "grpo-jax bench grpo-step: error: unrecognized arguments: --group-sizes 2,4\n"
     assert cli.main(["bench", "grpo-step", "--config", str(path), "--prompts", "3"]) == 2
-    assert "bench grpo-step does not take --prompts" in capsys.readouterr().err
+    assert capsys.readouterr().err == "grpo-jax bench grpo-step: error: unrecognized arguments: --prompts 3\n"
     assert cli.main(["bench", "scaling"]) == 2
-    assert "bench scaling needs --config" in capsys.readouterr().err
+    assert capsys.readouterr().err == "grpo-jax bench scaling: error: the following arguments are required: --config\n"
+    assert cli.main(["bench", "scaling", "--config", str(path), "--group-sizes", "2,0"]) == 2
+    assert "grpo-jax bench scaling: error: argument --group-sizes: must be at least 1, got '2,0'" \
+        in capsys.readouterr().err
+
+
+def test_each_benchmark_takes_its_defaults_from_its_function():
+    """The CLI restates no default: each benchmark's parser has its function's keyword defaults."""
+    import inspect
+
+    from grpo_jax.tools import bench
+
+    parser = cli.build_parser()
+    for argv, fn in ((["bench", "sampler"], bench.sampler), (["bench", "forward"], bench.forward),
+                     (["bench", "grpo-step", "--config", "c.yaml"], bench.grpo_step),
+                     (["bench", "scaling", "--config", "c.yaml"], bench.scaling)):
+        args = vars(parser.parse_args(argv))
+        for name, p in inspect.signature(fn).parameters.items():
+            if name in args and p.default is not p.empty:
+                assert args[name] == (list(p.default) if name == "overrides" else p.default), (argv, name)
+    assert vars(parser.parse_args(["bench", "sampler"]))["preset"] == "small"
+    assert vars(parser.parse_args(["bench", "forward"]))["preset"] == "tiny"
+    args = parser.parse_args(["bench", "scaling", "--config", "c.yaml", "--group-sizes", "2,4", "--set", "a=1"])
+    assert (args.group_size, args.completion_len, args.prompts_per_step, args.overrides) == ([2, 4], None, None, ["a=1"])
+
+
+def test_presets_extend_the_model_presets():
+    """bench's model shapes are `grpo_jax.models.presets.tiny` of a family, reshaped; the reference
+    model transformers builds from them has the same shape."""
+    from grpo_jax.models.presets import tiny
+    from grpo_jax.tools.bench.parity import PRESETS, preset_config
+
+    small = preset_config("small")
+    assert small == tiny("qwen3", **PRESETS["small"][1])
+    assert (small.hidden_size, small.num_layers, small.vocab_size) == (512, 8, 8192)
+    llama = preset_config("llama3.2-1b")
+    assert llama.family == "llama" and llama.rope_of("full_attention").factor == 32.0
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        preset_config("huge")

@@ -14,7 +14,7 @@ from runs import CONFIG, write_config
 from grpo_jax import cli
 from grpo_jax.config import ConfigError, load_config, load_rm_config
 from grpo_jax.data import char_tokenizer
-from grpo_jax.observe.metrics import read_metrics
+from grpo_jax.observe.writers import read_metrics
 from grpo_jax.rewards import LLMJudgeReward, parse_score
 from grpo_jax.tools.reward_training import encode_pairs, read_rows
 from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
@@ -112,7 +112,7 @@ def test_reward_model_scores_are_the_same_sharded_on_a_mesh_and_normalise_as_doc
     # Normalised by the statistics of everything scored so far (this batch included) ...
     np.testing.assert_allclose(sharded(prompts, completions), (raw - raw.mean()) / raw.std(), atol=1e-3)
     # ... which held-out scoring (frozen) uses without adding to them.
-    frozen = sharded.frozen()(prompts[:3], completions[:3])
+    frozen = sharded.without_updates()(prompts[:3], completions[:3])
     assert sharded.moments.count == len(prompts)
     np.testing.assert_allclose(frozen, (raw[:3] - raw.mean()) / raw.std(), atol=1e-3)
 
@@ -137,7 +137,7 @@ def test_running_normalisation_matches_numpy_and_survives_a_state_round_trip():
 def test_reward_model_config_errors_name_the_problem(tmp_path, trained_rm):
     def load(kwargs):
         config = {**CONFIG, "rewards": [{"name": "reward_model", "kwargs": kwargs}]}
-        from grpo_jax.trainer.prepare import build_rewards
+        from grpo_jax.rewards import build_rewards
 
         return build_rewards(load_config(write_config(tmp_path, config)))
 

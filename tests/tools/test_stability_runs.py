@@ -10,7 +10,7 @@ import pytest
 from runs import CONFIG, write_config
 
 from grpo_jax import cli
-from grpo_jax.observe.metrics import read_metrics
+from grpo_jax.observe.writers import read_metrics
 
 STEPS = 40
 

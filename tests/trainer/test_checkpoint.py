@@ -16,7 +16,8 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.rewards import RewardSpec
 from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
-from grpo_jax.learner.train_step import init_state, make_optimizer
+from grpo_jax.learner.optimizer import make_optimizer
+from grpo_jax.learner.train_step import init_state
 
 
 class Moments(RewardModelReward):

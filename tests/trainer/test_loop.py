@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from grpo_jax import cli
-from grpo_jax.observe.metrics import read_metrics
+from grpo_jax.observe.writers import read_metrics
 from runs import CONFIG, assert_same_run, snapshot, stopped_copy, write_config
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 from runs import CONFIG, assert_same_run, write_config
 
 from grpo_jax import cli
-from grpo_jax.observe.metrics import read_metrics
+from grpo_jax.observe.writers import read_metrics
 
 STEPS = 30
 
@@ -57,7 +57,7 @@ def test_sigterm_saves_the_step_exits_0_and_the_rerun_matches_an_uninterrupted_r
 def test_a_second_signal_aborts_at_once():
     script = textwrap.dedent("""
         import os, signal, sys, time
-        from grpo_jax.trainer.checkpoint import StopSignals
+        from grpo_jax.trainer.preemption import StopSignals
         with StopSignals(lambda line: print(line, flush=True)) as signals:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)
@@ -76,14 +76,14 @@ def test_a_second_signal_aborts_at_once():
 
 
 def test_the_clock_makes_a_checkpoint_due(monkeypatch):
-    from grpo_jax.trainer import checkpoint
+    from grpo_jax.trainer import preemption
 
     now = [1000.0]
-    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: now[0])
-    signals = checkpoint.StopSignals(lambda line: None, every_minutes=30)
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: now[0])
+    signals = preemption.StopSignals(lambda line: None, every_minutes=30)
     assert signals.check(1) == (False, False)
     now[0] += 30 * 60
     assert signals.check(2) == (False, True)
     signals.saved()
     assert signals.check(3) == (False, False)
-    assert checkpoint.StopSignals(lambda line: None, every_minutes=0).check(1) == (False, False)
+    assert preemption.StopSignals(lambda line: None, every_minutes=0).check(1) == (False, False)

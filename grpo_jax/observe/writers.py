@@ -1,4 +1,4 @@
-"""Run outputs on the host: metrics.jsonl, samples.jsonl, TensorBoard events, a progress bar, plots.
+"""Run outputs on the host: metrics.jsonl, samples.jsonl and TensorBoard events, written and read back.
 
 A run directory holds
 
@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -278,7 +277,7 @@ def _sample_markdown(record: Mapping[str, Any]) -> str:
             block = "\n".join("    " + line for line in value.splitlines() or [""])
             parts.append(f"**{key}**:\n\n{block}\n")
         else:
-            shown = _fmt(value) if isinstance(value, (int, float)) or value is None else json.dumps(value)
+            shown = format_value(value) if isinstance(value, (int, float)) or value is None else json.dumps(value)
             parts.append(f"**{key}**: {shown}\n")
     return "\n".join(parts)
 
@@ -295,9 +294,20 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return [{k: math.nan if v is None else v for k, v in r.items()} for r in _parse_lines(path)]
 
 
+def series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of metric `key` over `records` (metrics.jsonl rows), as float arrays of the
+    records where it is a finite number (empty arrays when it never is)."""
+    pts = [(r["step"], float(r[key])) for r in records
+           if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+    steps, values = zip(*pts) if pts else ((), ())
+    return np.asarray(steps, float), np.asarray(values, float)
+
+
 # --------------------------------------------------------------------------- one-line summaries
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
+    """A metric value in a few characters (ints whole, large numbers as k/M, None as nan): the one
+    format of TensorBoard's sample cells and the progress bar."""
     if v is None:
         return "nan"
     if isinstance(v, int) and not isinstance(v, bool):
@@ -311,142 +321,3 @@ def _fmt(v: Any) -> str:
     if abs(f) >= 1e4:
         return f"{f / 1e3:.1f}k" if abs(f) < 1e6 else f"{f / 1e6:.2f}M"
     return f"{f:.3g}" if abs(f) < 1e-3 and f != 0 else f"{f:.4g}"
-
-
-def _first(metrics: Mapping[str, Any], keys: Sequence[str]) -> Any:
-    for k in keys:
-        if k in metrics:
-            return metrics[k]
-    return None
-
-
-# --------------------------------------------------------------------------- progress bar
-
-class ProgressBar:
-    """A terminal progress bar (tqdm): step/total, reward, last eval accuracy, KL, tokens/s, ETA.
-
-    It shows only when `enabled` and the stream (`file`, default stderr) is a terminal, unless
-    `tty_only=False`; otherwise every method does nothing. `update` never raises on missing or NaN
-    metrics: they are shown as `-` and `nan`.
-    """
-
-    def __init__(self, total_steps: int, *, enabled: bool = True, initial: int = 0,
-                 file: TextIO | None = None, tty_only: bool = True):
-        if total_steps < 0 or not 0 <= initial <= total_steps:
-            raise ValueError(f"need 0 <= initial ({initial}) <= total_steps ({total_steps})")
-        file = sys.stderr if file is None else file
-        try:
-            is_tty = file.isatty()
-        except (AttributeError, ValueError):  # a closed or file-like stream without isatty
-            is_tty = False
-        self.enabled = bool(enabled) and (is_tty or not tty_only)
-        self._accuracy: Any = None
-        self._bar = None
-        if self.enabled:
-            from tqdm import tqdm
-
-            # mininterval=0: steps take seconds, so redrawing on every update costs nothing.
-            self._bar = tqdm(total=total_steps, initial=initial, file=file, unit="step",
-                             dynamic_ncols=True, mininterval=0, leave=True)
-
-    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
-        """Move the bar to `step` (steps completed so far) and show the headline metrics."""
-        if self._bar is None:
-            return
-        metrics = metrics or {}
-        if "eval/accuracy" in metrics:
-            self._accuracy = metrics["eval/accuracy"]
-        fields = [("reward", _first(metrics, ("reward/mean",))), ("acc", self._accuracy),
-                  ("kl", _first(metrics, ("kl/k3", "kl/k1"))),
-                  ("tok/s", _first(metrics, ("perf/sample_tokens_per_s", "perf/train_tokens_per_s")))]
-        self._bar.set_postfix_str(" | ".join(f"{k} {'-' if v is None else _fmt(v)}" for k, v in fields),
-                                  refresh=False)
-        delta = int(step) - self._bar.n
-        if delta > 0:
-            self._bar.update(delta)
-        else:
-            self._bar.n = int(step)
-            self._bar.refresh()
-
-    def write(self, message: str) -> None:
-        """Print a line above the bar (or plainly to stderr when the bar is off)."""
-        if self._bar is None:
-            print(message, file=sys.stderr)
-        else:
-            self._bar.write(message)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-# --------------------------------------------------------------------------- plots
-
-# (title, [(metric, label)]): each panel plots whichever of its series have finite values.
-_PANELS = (
-    ("reward", [("reward/mean", "reward/mean")]),
-    ("eval accuracy", [("eval/accuracy", "accuracy"), ("eval/pass@k", "pass@k")]),
-    ("KL to reference", [("kl/k3", "k3"), ("kl/k1", "k1")]),
-    ("policy entropy", [("policy/entropy", "entropy")]),
-    ("completion length (tokens)", [("completion/len_mean", "mean"), ("completion/len_max", "max")]),
-    ("throughput (tokens/s)", [("perf/sample_tokens_per_s", "sampling"), ("perf/train_tokens_per_s", "training")]),
-)
-_FIGSIZE_IN, _DPI = (15, 8), 100  # a 1500 x 800 pixel PNG
-
-
-def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    pts = [(r["step"], float(r[key])) for r in records
-           if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
-    steps, values = zip(*pts) if pts else ((), ())
-    return np.asarray(steps, float), np.asarray(values, float)
-
-
-def plot_run(run_dir: str | os.PathLike, out_path: str | os.PathLike | None = None) -> Path:
-    """Plot reward, eval accuracy (and pass@k), KL, entropy, completion length and throughput
-    against step into a 1500x800 PNG (default `run_dir/metrics.png`); returns its path. Panels
-    whose metrics were never logged say "no data"."""
-    records = read_metrics(run_dir)
-    if not records:
-        raise ValueError(f"{Path(run_dir) / METRICS_FILE} has no records yet: nothing to plot")
-    out = Path(run_dir) / "metrics.png" if out_path is None else Path(out_path)
-    # The object API with no pyplot: no global backend or figure state, Agg renders the PNG.
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=_FIGSIZE_IN, dpi=_DPI, layout="constrained")
-    axes = fig.subplots(2, 3).ravel()
-    for ax, (title, series) in zip(axes, _PANELS):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        drawn = 0
-        for key, label in series:
-            steps, values = _series(records, key)
-            if not len(steps):
-                continue
-            ax.plot(steps, values, label=label, marker="o" if len(steps) <= 30 else None, markersize=3)
-            if key == "reward/mean":
-                std_by_step = dict(zip(*_series(records, "reward/std")))
-                std = np.asarray([std_by_step.get(s, np.nan) for s in steps])
-                if np.isfinite(std).any():
-                    ax.fill_between(steps, values - std, values + std, alpha=0.2, label="± std")
-            drawn += 1
-        if drawn:
-            ax.legend(loc="best", fontsize="small")
-        else:
-            ax.set(xticks=[], yticks=[])
-            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
-    fig.suptitle(Path(run_dir).resolve().name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, out)  # a viewer polling the file never reads half a PNG
-    return out

@@ -1,0 +1,109 @@
+"""The objective's sections: `grpo:` (advantages, clipping, aggregation, KL and entropy terms) and
+`ppo:` (the critic baseline), with the choices each variant may take."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Literal, get_args
+
+from grpo_jax.config.checks import choice_in, positive
+
+Scale = Literal["group", "batch", "none"]
+Estimator = Literal["grpo", "rloo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+RatioLevel = Literal["token", "sequence"]
+SCALES: tuple[str, ...] = get_args(Scale)
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
+RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """The GRPO objective: advantages, clipping, aggregation, KL and entropy terms.
+
+    ratio_level "token" is GRPO/DAPO's per-token importance ratio; "sequence" is GSPO's
+    length-normalised sequence ratio (its clip range is ~1e-3, not ~0.2). loss_agg:
+    "token_mean" (DAPO), "seq_mean_token_mean" (original GRPO), "seq_mean_token_sum_norm"
+    (Dr. GRPO: token sum divided by the constant max_completion_length).
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
+    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at c * |A|
+    ratio_level: RatioLevel = "token"
+    loss_agg: LossAggregation = "token_mean"
+    max_completion_length: int | None = None  # required by seq_mean_token_sum_norm
+    beta: float = 0.0  # KL coefficient; 0 = no reference model is held or run
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
+    advantage_scale: Scale = "group"
+    advantage_estimator: Estimator = "grpo"
+    advantage_eps: float = 1e-6
+    num_iterations: int = 1  # mu: policy updates per rollout
+    # Truncated importance sampling for a sampler whose log-probs differ from the trainer's (bf16
+    # sampling, another engine): each token's loss is weighted by min(pi_train / pi_sampler, cap),
+    # the trainer's and sampler's probabilities of the sampled token. None = off. The difference is
+    # measured on every run either way (health/sampler_train_logprob_diff).
+    sampler_is_cap: float | None = None
+
+    def __post_init__(self):
+        choice_in("grpo", "ratio_level", self.ratio_level, RATIO_LEVELS)
+        choice_in("grpo", "loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
+        choice_in("grpo", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        choice_in("grpo", "advantage_scale", self.advantage_scale, SCALES)
+        choice_in("grpo", "advantage_estimator", self.advantage_estimator, ESTIMATORS)
+        if not 0 < self.epsilon_low < 1:
+            raise ValueError(f"grpo.epsilon_low must be in (0, 1), got {self.epsilon_low}")
+        if self.epsilon_high < self.epsilon_low:
+            raise ValueError(
+                f"grpo.epsilon_high={self.epsilon_high} < epsilon_low={self.epsilon_low}: clip-higher needs "
+                "epsilon_high >= epsilon_low"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"grpo.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.loss_agg == "seq_mean_token_sum_norm" and not (self.max_completion_length or 0) > 0:
+            raise ValueError("grpo.loss_agg=seq_mean_token_sum_norm needs a positive grpo.max_completion_length")
+        for name in ("beta", "entropy_coef", "advantage_eps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"grpo.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_iterations < 1:
+            raise ValueError(f"grpo.num_iterations must be >= 1, got {self.num_iterations}")
+        if self.sampler_is_cap is not None and self.sampler_is_cap < 1:
+            raise ValueError(f"grpo.sampler_is_cap must be >= 1 (or null = off), got {self.sampler_is_cap}")
+        if self.ratio_level == "sequence" and max(self.epsilon_low, self.epsilon_high) >= 0.01:
+            warnings.warn(
+                f"GSPO (ratio_level=sequence) with epsilon {self.epsilon_low}/{self.epsilon_high}: sequence "
+                "ratios are length-normalised and need clip ranges near 3e-4/4e-4; token-level epsilons "
+                "almost never clip",
+                stacklevel=2,
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """The critic baseline (`algorithm: ppo`): a linear value head on the policy's final hidden
+    states (a shared trunk), trained with the policy by a clipped value loss weighted by
+    `value_coef`; per-token advantages by GAE(gamma, lam) with the sequence's reward on its last
+    token. The policy loss is GRPO's clipped surrogate with the `grpo` section's clip range,
+    aggregation and KL term, so the two algorithms differ only in where advantages come from."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_coef: float = 0.5
+    value_clip: float = 0.2  # |V - V_old| beyond this is clipped in the value loss (PPO2)
+    # The value head's own AdamW learning rate (constant); None = train.learning_rate and its
+    # schedule. Critics usually learn faster than policies (a freshly zeroed head must catch up).
+    critic_learning_rate: float | None = None
+
+    def __post_init__(self):
+        if self.critic_learning_rate is not None:
+            positive("ppo", "critic_learning_rate", self.critic_learning_rate)
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"ppo.{name} must be in [0, 1], got {getattr(self, name)}")
+        positive("ppo", "value_coef", self.value_coef)
+        positive("ppo", "value_clip", self.value_clip)

@@ -1,0 +1,130 @@
+"""The rollout's sections: `data:` (prompts), `rewards:` (the functions that score completions),
+`sampling:` (how completions are drawn) and `eval:` (held-out evaluation), with their choices."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+from grpo_jax.config.checks import choice_in, positive
+
+ChatTemplate = Literal["auto", "always", "never"]
+Overlong = Literal["skip", "truncate"]
+CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
+OVERLONG: tuple[str, ...] = get_args(Overlong)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How the sampler draws G completions per prompt (grpo_jax.rollout.sampling.generate)."""
+
+    group_size: int = 8
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0  # stop tokens cannot be drawn before this many (0 = off)
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
+    # The id written after a completion's stop token and left of a padded prompt. A run sets it from
+    # the tokenizer (its pad token, else the first stop token) unless the config gives one.
+    pad_token_id: int | None = None
+    # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
+    # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
+    attend_phases: int = 4
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_buckets", tuple(sorted(int(b) for b in self.prompt_buckets)))
+        if self.group_size < 1:
+            raise ValueError(f"sampling.group_size must be >= 1, got {self.group_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"sampling.min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.attend_phases < 1:
+            raise ValueError(f"sampling.attend_phases must be >= 1, got {self.attend_phases}")
+        if not self.prompt_buckets or self.prompt_buckets[0] < 1:
+            raise ValueError(f"sampling.prompt_buckets must be positive lengths, got {self.prompt_buckets}")
+        if self.pad_token_id is not None and self.pad_token_id < 0:
+            raise ValueError(f"sampling.pad_token_id must be >= 0, got {self.pad_token_id}")
+
+    @property
+    def pad_id(self) -> int:
+        """The pad id to write (0 when none was set or resolved from a tokenizer)."""
+        return 0 if self.pad_token_id is None else self.pad_token_id
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompts: a TFDS dataset (project builders `arithmetic`, `countdown`, `word_problems`, or `gsm8k`) and how rows
+    become prompt tokens (the tokenizer's chat template when it has one, else `template`)."""
+
+    name: str = "arithmetic"
+    builder_config: str | None = None  # TFDS builder config name
+    # Synthetic builders: overrides of the config's fields (num_train, seed, digits, ops, formats, ...);
+    # each distinct set is built into its own directory.
+    builder_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    data_dir: str = "data/tfds"
+    manual_dir: str | None = None  # gsm8k offline: the directory holding its jsonl files
+    train_split: str = "train"
+    eval_split: str = "test"
+    template: str = "{question}"
+    system_prompt: str | None = None
+    chat_template: ChatTemplate = "auto"
+    max_prompt_tokens: int = 256
+    overlong: Overlong = "skip"
+    prompts_per_step: int = 8
+
+    def __post_init__(self):
+        choice_in("data", "chat_template", self.chat_template, CHAT_TEMPLATES)
+        choice_in("data", "overlong", self.overlong, OVERLONG)
+        positive("data", "max_prompt_tokens", self.max_prompt_tokens)
+        positive("data", "prompts_per_step", self.prompts_per_step)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """One reward function by its registered name (`grpo_jax.rewards.REWARD_FUNCTIONS`), its weight,
+    and keyword arguments bound to it."""
+
+    name: str
+    weight: float = 1.0
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Held-out evaluation every `every` steps (0 = only before the first and after the last step):
+    `k` samples for each of `num_prompts` prompts; accuracy = mean correctness of all samples,
+    pass@k = share of prompts with at least one correct sample. Correct = `reward` function > 0.5
+    (default: the first configured reward)."""
+
+    every: int = 0
+    num_prompts: int = 64
+    k: int = 4
+    temperature: float | None = None  # None = sampling.temperature
+    reward: str | None = None
+    # A second, independent judge of the same held-out samples (a registered reward name or
+    # module:function, with `verifier_kwargs`), e.g. math_accuracy with {verifier: math_verify}
+    # beside a regex-checked training reward: eval/verifier_accuracy and
+    # health/verifier_disagreement (the share of judged samples the two judges disagree on).
+    verifier: str | None = None
+    verifier_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.verifier_kwargs and self.verifier is None:
+            raise ValueError("eval.verifier_kwargs is set but eval.verifier is not")
+        if self.every < 0:
+            raise ValueError(f"eval.every must be >= 0, got {self.every}")
+        positive("eval", "num_prompts", self.num_prompts)
+        positive("eval", "k", self.k)
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")

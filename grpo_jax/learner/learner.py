@@ -1,0 +1,88 @@
+"""The learner: one object the loop updates, whatever the parallelism.
+
+`Learner.update(state, trajectories)` completes a rollout source's finished groups on device (group
+advantages of the whole batch, the KL reference's log-probs) and applies `grpo.num_iterations`
+updates; `place` puts a fresh, restored or unplaced train state where the update wants it,
+`params` gives the policy's parameters for the sampler, `unplace` one copy for a checkpoint. The
+KL reference (`reference`) is a copy of the starting parameters, or a LoRA run's frozen base; it
+is saved with each checkpoint and restored with it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+from flax import nnx
+
+from grpo_jax.learner.parallel import Parallel
+from grpo_jax.learner.train_step import Batch, TrainState, check_skips
+
+
+class Learner:
+    def __init__(self, parallel: Parallel, *, num_iterations: int, beta: float, max_consecutive_skips: int,
+                 reference: nnx.State | None = None):
+        """`reference`: the KL reference's parameters when `beta` > 0 and the policy has no frozen
+        base (a copy of the policy's own); a LoRA run's reference is its frozen base."""
+        self.parallel = parallel
+        self.num_iterations, self.beta, self.max_consecutive_skips = num_iterations, beta, max_consecutive_skips
+        self.reference = reference  # saved in checkpoints; None for LoRA (the base is on disk) or beta 0
+
+    @property
+    def frozen(self) -> nnx.State | None:
+        """The parameters that do not train (a LoRA run's base, on the mesh), else None."""
+        return self.parallel.frozen
+
+    @property
+    def not_sharded(self) -> list[str]:
+        return self.parallel.not_sharded
+
+    def place(self, state: TrainState) -> TrainState:
+        return self.parallel.place(state)
+
+    def unplace(self, state: TrainState) -> TrainState:
+        return self.parallel.unplace(state)
+
+    def params(self, state: TrainState) -> nnx.State:
+        """The policy's parameters on the mesh, for the sampler."""
+        return self.parallel.sampler_params(state)
+
+    def footprint(self, state: TrainState) -> dict[str, int]:
+        """Bytes the learner holds between steps, by part."""
+        def nbytes(tree) -> int:
+            return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+        return {"trainable_params_bytes": nbytes(state.params), "optimizer_state_bytes": nbytes(state.opt_state),
+                "frozen_params_bytes": nbytes(self.frozen), "reference_params_bytes": nbytes(self.reference)}
+
+    def complete(self, trajectories) -> tuple[Batch, float]:
+        """The train step's batch from a source's `Trajectories`: advantages of the whole batch and
+        (beta > 0) the reference's log-probs -> (batch, seconds the reference pass took)."""
+        t = trajectories
+        adv = self.parallel.advantages(t.rewards)
+        batch = Batch(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
+                      completion_mask=t.completion_mask, rewards=t.rewards, truncated=t.truncated,
+                      old_logprobs=t.old_logprobs, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
+        if self.beta <= 0:
+            return batch, 0.0
+        t0 = time.perf_counter()
+        reference = self.reference if self.frozen is None else self.frozen
+        # Waiting for it costs nothing (the update needs it next) and times it on its own.
+        ref = jax.block_until_ready(self.parallel.ref_logprobs(reference, batch))
+        return batch.replace(ref_logprobs=ref), time.perf_counter() - t0
+
+    def update(self, state: TrainState, trajectories) -> tuple[TrainState, dict[str, float]]:
+        """`grpo.num_iterations` updates on one step's trajectories -> (state, the update's metrics)."""
+        batch, ref_s = self.complete(trajectories)
+        t0 = time.perf_counter()
+        for i in range(self.num_iterations):
+            state, out = self.parallel.step(state, batch)
+            if i == 0:  # sampler vs trainer: only the first update sees the sampler's policy
+                drift = {k: v for k, v in out.items() if k.startswith("health/sampler_train")}
+        metrics = {k: float(v) for k, v in {**out, **drift}.items()}  # waits for the last update
+        train_s = time.perf_counter() - t0
+        check_skips(metrics, self.max_consecutive_skips)
+        metrics.update({"perf/train_tokens_per_s": trajectories.tokens * self.num_iterations / max(train_s, 1e-9),
+                        "perf/ref_s": ref_s, "perf/train_s": train_s,
+                        "perf/prompt_len": float(batch.prompt_ids.shape[1])})
+        return state, metrics

@@ -1,0 +1,183 @@
+"""The decoder's building blocks, shared by `transformer` (the plain pass, prefill and decode),
+`grouped` (the shared-prompt training forward) and the reward model's backbone.
+
+Each function is one step of a decoder layer over plain arrays: `p` is one layer's parameters by
+the names of `transformer.layer_param_specs` (plus LoRA adapters as `Layers.arrays()` hands them
+over), already in the compute dtype; `cfg` is the `TransformerConfig` whose switches pick the
+family's variant (biases, q/k norms, sandwich norms, soft caps, activation).
+
+Shape letters: grpo_jax.shapes.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax.models import lora, rope
+from grpo_jax.models.config import TransformerConfig
+
+NEG = float(np.finfo(np.float32).min)
+"""The score of a masked key: the float32 minimum, so a softmax gives it exactly 0 weight."""
+
+
+def as_mask(attention_mask_BT: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+    """bool [B, T] of attention_mask [B, T] (1 = real token), checked against `shape`; None: all real."""
+    if attention_mask_BT is None:
+        return jnp.ones(shape, jnp.bool_)
+    chex.assert_shape(attention_mask_BT, shape)
+    return attention_mask_BT.astype(jnp.bool_)
+
+
+def default_positions(mask_BT: jax.Array) -> jax.Array:
+    """int32 [B, T] rotary positions of mask [B, T]: real tokens count up from 0; padding takes its
+    neighbour's (it is masked anyway), so a left-padded row has its unpadded row's positions."""
+    return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def rope_tables(cfg: TransformerConfig, positions_BT: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [Y, B, T, D] of positions int [B, T]: one rope table per layer kind (their bases may differ)."""
+    tables = [rope.cos_sin(jnp.asarray(rope.inv_frequencies(cfg.rope_of(k), cfg.head_dim)), positions_BT, dtype)
+              for k in cfg.kinds]
+    return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
+
+
+def rms_norm(x: jax.Array, w: jax.Array, cfg: TransformerConfig) -> jax.Array:
+    """RMSNorm of x over its last axis ([..., E], or [..., D] for the q/k norms) with weight w of
+    that width, in x's dtype; Gemma's weights store (scale - 1) (`cfg.norm_plus_one`)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    if cfg.norm_plus_one:
+        return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap), Gemma's soft cap of attention scores and final logits; x itself when cap is None."""
+    if cap is None:
+        return x
+    return jnp.tanh(x / cap) * cap
+
+
+def qkv(x_BTE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, cos_BTD: jax.Array,
+        sin_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A layer's attention inputs of x [B, T, E]: the pre-attention norm, the q/k/v projections (with
+    their biases, LoRA paths and q/k norms) and rope on q and k (tables [B, T, D] of this layer's
+    kind) -> q [B, T, H, D], k [B, T, K, D], v [B, T, K, D]."""
+    B, T, E = x_BTE.shape
+    h_XE = rms_norm(x_BTE, p["attn_norm"], cfg).reshape(B * T, E)
+    q = _adapted(h_XE, p, "q_proj", jnp.einsum("xe,ehd->xhd", h_XE, p["q_proj"]))
+    k = _adapted(h_XE, p, "k_proj", jnp.einsum("xe,ekd->xkd", h_XE, p["k_proj"]))
+    v = _adapted(h_XE, p, "v_proj", jnp.einsum("xe,ekd->xkd", h_XE, p["v_proj"]))
+    if cfg.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], cfg), rms_norm(k, p["k_norm"], cfg)
+    q, k, v = (a.reshape(B, T, *a.shape[1:]) for a in (q, k, v))
+    return rope.apply(q, cos_BTD, sin_BTD), rope.apply(k, cos_BTD, sin_BTD), v
+
+
+def attention(q_BTHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, mask_BTT: jax.Array,
+              cfg: TransformerConfig) -> jax.Array:
+    """Masked softmax attention of T queries [B, T, H, D] over T keys and values [B, K, T, D]
+    (mask bool [B, T, T]: query t may attend key s) -> [B, T, H, D].
+
+    The Q query heads of a kv head and the T positions are folded into one axis W, so every
+    contraction is a plain batched matmul over (row, kv head).
+    """
+    B, T, H, D = q_BTHD.shape
+    K = k_BKTD.shape[1]
+    Q = H // K
+    q_BKWD = q_BTHD.reshape(B, T, K, Q, D).transpose(0, 2, 3, 1, 4).reshape(B, K, Q * T, D)
+    s_BKWS = jnp.einsum("bkwd,bksd->bkws", q_BKWD, k_BKTD, preferred_element_type=jnp.float32) * cfg.query_scale
+    s_BKWS = softcap(s_BKWS, cfg.attn_logit_softcap)
+    s_BKQTS = jnp.where(mask_BTT[:, None, None], s_BKWS.reshape(B, K, Q, T, T), NEG)
+    p_BKWS = jax.nn.softmax(s_BKQTS, axis=-1).reshape(B, K, Q * T, T).astype(v_BKTD.dtype)
+    out_BKWD = jnp.einsum("bkws,bksd->bkwd", p_BKWS, v_BKTD)
+    return out_BKWD.reshape(B, K, Q, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def decode_attention(q_BKQD: jax.Array, k_chunks: list[jax.Array], v_chunks: list[jax.Array], mask_BS: jax.Array,
+                     cfg: TransformerConfig, dtype) -> jax.Array:
+    """One query per row, q [B, K, Q, D], over a chunked cache -> [B, K, Q, D]: per chunk, keys
+    [B', K, D, C] and values [B', K, C, D] (C: that chunk's slots, P for the prompt block); mask
+    bool [B, S] over all the chunks' slots in order.
+
+    A chunk may hold B' = B / G rows: the prompt chunk of a group sampler, shared by the G
+    consecutive rows of each group. Its keys and values are then read once per group instead of
+    being copied to every row (the prefill writes N rows whatever G is).
+    """
+    B = q_BKQD.shape[0]
+
+    def scores(k):
+        r = B // k.shape[0]
+        if r == 1:
+            return jnp.einsum("bkqd,bkds->bkqs", q_BKQD, k.astype(dtype), preferred_element_type=jnp.float32)
+        q = q_BKQD.reshape(k.shape[0], r, *q_BKQD.shape[1:])
+        s = jnp.einsum("nrkqd,nkds->nrkqs", q, k.astype(dtype), preferred_element_type=jnp.float32)
+        return s.reshape(B, *s.shape[2:])
+
+    def weighted(p_BKQS, v):
+        r = B // v.shape[0]
+        if r == 1:
+            return jnp.einsum("bkqs,bksd->bkqd", p_BKQS, v.astype(dtype))
+        p = p_BKQS.reshape(v.shape[0], r, *p_BKQS.shape[1:])
+        return jnp.einsum("nrkqs,nksd->nrkqd", p, v.astype(dtype)).reshape(B, *p_BKQS.shape[1:3], v.shape[-1])
+
+    s_BKQS = jnp.concatenate([scores(k) for k in k_chunks], axis=-1) * cfg.query_scale
+    s_BKQS = softcap(s_BKQS, cfg.attn_logit_softcap)
+    p_BKQS = jax.nn.softmax(jnp.where(mask_BS[:, None, None, :], s_BKQS, NEG), axis=-1)
+    out, start = 0, 0
+    for v in v_chunks:
+        S = v.shape[2]
+        out = out + weighted(p_BKQS[..., start:start + S].astype(dtype), v)
+        start += S
+    return out
+
+
+def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig) -> jax.Array:
+    """The rest of a layer after attention: the output projection of attn [B, T, H, D] added to the
+    residual x [B, T, E], then the MLP block -> the layer's output [B, T, E]."""
+    B, T, E = x_BTE.shape
+    # One plain matmul over (heads x head_dim): contracting two axes, XLA:CPU chose to transpose the
+    # o_proj weight into (head_dim, heads) order, a copy of it per layer and decode step inside a scan.
+    attn_XI = attn_BTHD.reshape(B * T, -1)
+    a = _adapted(attn_XI, p, "o_proj", jnp.einsum("xi,ie->xe", attn_XI, p["o_proj"].reshape(attn_XI.shape[1], E)))
+    if cfg.o_bias:
+        a = a + p["o_bias"]
+    if cfg.post_norms:
+        a = rms_norm(a, p["attn_post_norm"], cfg)
+    x_XE = x_BTE.reshape(B * T, E) + a
+    h = rms_norm(x_XE, p["mlp_norm"], cfg)
+    gate = _adapted(h, p, "gate_proj", jnp.einsum("xe,ef->xf", h, p["gate_proj"]))
+    up = _adapted(h, p, "up_proj", jnp.einsum("xe,ef->xf", h, p["up_proj"]))
+    if cfg.mlp_bias:
+        gate, up = gate + p["gate_bias"], up + p["up_bias"]
+    act = _activation(gate, cfg.activation) * up
+    m = _adapted(act, p, "down_proj", jnp.einsum("xf,fe->xe", act, p["down_proj"]))
+    if cfg.mlp_bias:
+        m = m + p["down_bias"]
+    if cfg.post_norms:
+        m = rms_norm(m, p["mlp_post_norm"], cfg)
+    return (x_XE + m).reshape(B, T, E)
+
+
+def _activation(x: jax.Array, name: str) -> jax.Array:
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "gelu_pytorch_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.gelu(x, approximate=False)
+
+
+def _adapted(x_XI: jax.Array, p: dict[str, jax.Array], name: str, y: jax.Array) -> jax.Array:
+    """`y` = x W of projection `name`, plus its LoRA path (x A) B when the layer has an adapter."""
+    if f"{name}_lora_a" not in p:
+        return y
+    a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]
+    if "lora_dropout_key" in p:
+        x_XI = lora.dropped(x_XI, p["lora_dropout_key"], p["lora_keep"], name)
+    delta = lora.low_rank(x_XI, a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1))
+    return y + delta.reshape(y.shape).astype(y.dtype)

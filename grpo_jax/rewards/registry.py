@@ -1,0 +1,164 @@
+"""Building rewards from a config: the registry of built-in names, user code named
+`module:function` or `path/to/file.py:function`, and the one check of a reward's configured
+options (`check_options`), for functions and for classes built once (`StatefulReward`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from grpo_jax.config import ConfigError, RunConfig, did_you_mean
+from grpo_jax.rewards.code import check_isolation, code_reward
+from grpo_jax.rewards.combine import RewardFn, RewardSpec
+from grpo_jax.rewards.countdown import countdown_reward
+from grpo_jax.rewards.format import format_reward
+from grpo_jax.rewards.length import overlong_reward
+from grpo_jax.rewards.llm_judge import LLMJudgeReward
+from grpo_jax.rewards.math import math_accuracy
+from grpo_jax.rewards.reward_model import RewardModelReward
+from grpo_jax.rewards.stateful import StatefulReward
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "math_accuracy": math_accuracy,
+    "format": format_reward,
+    "countdown": countdown_reward,
+    "code": code_reward,
+    "overlong": overlong_reward,
+    # A class: built once from its kwargs when the config is read (it loads a model).
+    "reward_model": RewardModelReward,
+    "llm_judge": LLMJudgeReward,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function registered as `name`, or user code: `package.module:function` (imported
+    from sys.path, the working directory first) or `path/to/file.py:function` (relative to the
+    working directory). A ValueError says what is wrong (an unknown name with the valid ones and
+    the closest, a module that does not import with its error, a missing or non-callable
+    attribute), so a config fails before any training starts."""
+    if isinstance(name, str) and ":" in name:
+        return _import_reward(name)
+    try:
+        return REWARD_FUNCTIONS[name]
+    except (KeyError, TypeError):
+        pass
+    valid = sorted(REWARD_FUNCTIONS)
+    raise ValueError(f"unknown reward function {name!r}{did_you_mean(name, valid)}; valid names: {', '.join(valid)}, "
+                     "or your own as module:function or path/to/file.py:function")
+
+
+def _import_reward(name: str) -> RewardFn:
+    where, _, attr = name.rpartition(":")
+    if not where or not attr.isidentifier():
+        raise ValueError(f"reward {name!r}: write user rewards as module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise ValueError(f"reward {name!r}: no file {str(path.resolve())!r}")
+            spec = importlib.util.spec_from_file_location(f"grpo_jax_user_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))  # as `python -m` would: the working directory's modules
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any import error is the user's code; say which and why
+        raise ValueError(f"reward {name!r}: importing {where!r} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ValueError(f"reward {name!r}: {where!r} has no {attr!r}{did_you_mean(attr, public)}; "
+                         f"its functions: {', '.join(public) or 'none'}")
+    if not callable(fn):
+        raise ValueError(f"reward {name!r}: {attr!r} in {where!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def unwrapped(fn) -> tuple[Any, dict]:
+    """(the function, its bound keywords) of a reward that may be a functools.partial."""
+    if isinstance(fn, functools.partial):
+        return fn.func, dict(fn.keywords)
+    return fn, {}
+
+
+def check_options(fn, kwargs: Mapping[str, Any], where: str, *, required: bool = False) -> None:
+    """Every configured keyword is a named parameter of `fn` after (prompts, completions) (a
+    class's constructor: all of them), since a function's **kwargs takes the dataset's example
+    fields and a misspelled option would vanish into it; `required`: every parameter without a
+    default is configured. A ConfigError names the option and lists the valid ones."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return  # a builtin or C function without a signature: nothing to check against
+    if not isinstance(fn, type):
+        params = params[2:]
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    label = getattr(fn, "__name__", repr(fn))
+    unknown = [k for k in kwargs if k not in named]
+    if unknown:
+        raise ConfigError(f"{where}: {unknown[0]!r} is not an option of reward {label}"
+                          f"{did_you_mean(unknown[0], named)}; its options: {', '.join(named) or 'none'}")
+    missing = [p.name for p in params if required and p.default is p.empty and p.name in named and p.name not in kwargs]
+    if missing:
+        raise ConfigError(f"{where}: reward {label} needs {', '.join(missing)}")
+
+
+def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple[str, str]) -> RewardSpec:
+    """One configured reward; `where`: the config paths of its name and of its kwargs."""
+    try:
+        fn = get_reward_fn(name)
+    except ValueError as e:
+        raise ConfigError(f"{where[0]}: {e}") from None
+    if not isinstance(fn, type):
+        check_options(fn, kwargs, where[1])
+        return RewardSpec(name=name, fn=functools.partial(fn, **kwargs) if kwargs else fn, weight=weight)
+    # A reward that holds something (a reward model), built once: an unknown option, a missing one
+    # or a bad path is a ConfigError before anything trains.
+    check_options(fn, kwargs, where[1], required=True)
+    try:
+        built = fn(**kwargs)
+    except (ValueError, OSError, TypeError) as e:
+        raise ConfigError(f"{where[1]}: {type(e).__name__}: {e}") from None
+    if not isinstance(built, StatefulReward):
+        raise ConfigError(f"{where[0]}: {fn.__name__} is a class but not a StatefulReward (place, state, "
+                          "load_state, without_updates); register a function or implement those")
+    return RewardSpec(name=name, fn=built, weight=weight)
+
+
+def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:
+    """(the training rewards, the one evaluation judges correctness by, eval.verifier's or None)."""
+    if not config.rewards:
+        raise ConfigError("rewards: configure at least one reward function, e.g. rewards: [{name: math_accuracy}]")
+    specs = [build_spec(r.name, r.kwargs, r.weight, (f"rewards[{i}].name", f"rewards[{i}].kwargs"))
+             for i, r in enumerate(config.rewards)]
+    name = config.eval.reward or specs[0].name
+    e = config.eval
+    verifier = None if e.verifier is None else build_spec(e.verifier, e.verifier_kwargs, 1.0,
+                                                          ("eval.verifier", "eval.verifier_kwargs"))
+    return specs, next(s for s in specs if s.name == name), verifier
+
+
+def sandbox_notes(specs: list[RewardSpec]) -> list[str]:
+    """The code reward's sandbox isolation as lines to log, checked before the run starts: without
+    user, mount and PID namespaces it is refused unless its kwargs say allow_weak_isolation."""
+    notes = []
+    for index, spec in enumerate(specs):
+        fn, kwargs = unwrapped(spec.fn)
+        if fn is not code_reward:
+            continue
+        try:
+            notes.append(check_isolation(allow_weak_isolation=kwargs.get("allow_weak_isolation", False),
+                                         python=kwargs.get("python")))
+        except ValueError as e:
+            raise ConfigError(f"rewards[{index}] ({spec.name}): {e}") from None
+    return notes

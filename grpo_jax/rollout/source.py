@@ -1,0 +1,155 @@
+"""The seam between the actor side and the learner: a rollout source hands the loop one step's
+finished groups (`Trajectories`) on demand, and takes the learner's new parameters after each
+update (`sync`).
+
+`RolloutSource` is the interface; `SyncSampler` is today's source: it samples this host's block of
+prompts with the learner's current parameters on the learner's own mesh, scores them on the host,
+runs dynamic sampling (`collect`), and puts the chosen groups on the mesh as global arrays with the
+rollout's metrics gathered over every host. A continuous-batching engine, multi-turn environments
+and rollouts on their own devices are other sources behind the same two methods.
+
+Shapes (the glossary: grpo_jax.shapes): R rows = N prompts x G samples, P prompt bucket, M
+completion tokens. Row i*G + j is sample j of prompt i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Protocol, runtime_checkable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from grpo_jax.rewards import RewardResult, combine_rewards
+from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, sample_records, step_key
+from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
+from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
+from grpo_jax.rollout.sampling import generate, pad_prompts
+from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
+                                    to_global)
+
+ROLLOUT_FIELDS = ("tokens", "logprobs", "mask", "truncated", "lengths")
+
+
+@dataclasses.dataclass
+class Trajectories:
+    """One step's finished groups: global arrays on the mesh (rows split over data x fsdp) and
+    what the actor side measured of them, the same on every host."""
+
+    prompt_ids: jax.Array  # int32 [R, P], left-padded
+    prompt_mask: jax.Array  # int32 [R, P]
+    completion_ids: jax.Array  # int32 [R, M]
+    completion_mask: jax.Array  # int32 [R, M]: the loss mask
+    rewards: jax.Array  # float32 [R]; NaN = dropped (a failed reward, a filler group)
+    truncated: jax.Array  # bool [R]
+    old_logprobs: jax.Array  # float32 [R, M]: the behaviour policy's (the sampler's)
+    group_size: int  # G
+    tokens: int  # tokens an update reads (each prompt once per group when its pass is shared), all hosts
+    metrics: dict[str, float]  # reward/*, groups/*, health/*, dynamic/*, data/*, perf/sample_*, perf/reward_s
+    first: Round  # this host's first sampling round: logged samples and reward failure messages
+    pass_rates: np.ndarray  # float [N]: the first round's per-group pass rates (a histogram)
+
+    def samples(self, count: int) -> list[dict]:
+        """The first sample of each of this host's first `count` prompts, with its rewards."""
+        return sample_records(self.first, self.group_size, count)
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """Where the loop's trajectories come from."""
+
+    def next(self, step: int) -> Trajectories:
+        """The finished groups the update of `step` learns from."""
+
+    def sync(self, params: nnx.State) -> None:
+        """The learner's parameters after an update: what the next rollouts sample with."""
+
+
+class SyncSampler:
+    """Samples with the learner's current parameters on the learner's mesh (a synchronous run).
+
+    `prepared` is the run's grpo_jax.trainer.prepare.Prepared (stream, rewards, tokenizer,
+    sampling, mesh and host share); `model` is the policy the sampler reads, updated by `sync`."""
+
+    def __init__(self, prepared, model: nnx.Module, *, seed: int, shared_prompt: bool, dynamic_sampling: bool,
+                 max_resample_rounds: int, reward_control: str = "none"):
+        self.prepared, self.model = prepared, model
+        self.sampling, self.mesh, self.share = prepared.sampling, prepared.mesh, prepared.share
+        self.rows = self.share.scaled(self.sampling.group_size)  # this host's rows of the rollout and batch
+        self.seed, self.rng = seed, jax.random.key(seed)
+        self.shared_prompt, self.reward_control = shared_prompt, reward_control
+        self.dynamic_sampling, self.max_resample_rounds = dynamic_sampling, max_resample_rounds
+
+    def sync(self, params: nnx.State) -> None:
+        nnx.update(self.model, params)
+
+    def next(self, step: int) -> Trajectories:
+        G = self.sampling.group_size
+        c = collect(functools.partial(self._round, step), num_groups=self.share.size, group_size=G,
+                    dynamic_sampling=self.dynamic_sampling, max_resample_rounds=self.max_resample_rounds,
+                    any_short=any_host)
+        prompts = [ex.prompt_ids for ex in c.examples]
+        prompt_ids, prompt_mask = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets),
+                                              self.sampling.pad_id)
+        rows = dict(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
+                    completion_ids=c.rows["tokens"], completion_mask=c.rows["mask"], rewards=c.rewards,
+                    truncated=c.rows["truncated"], old_logprobs=c.rows["logprobs"])
+        prompt_tokens = prompt_mask.sum() * (1 if self.shared_prompt else G)
+        tokens = sum_over_shares({"t": prompt_tokens + rows["completion_mask"].sum()}, self.share)["t"]
+        metrics, pass_rates = self._metrics(c)
+        return Trajectories(**to_global(rows, self.mesh, self.rows), group_size=G, tokens=int(tokens),
+                            metrics=metrics, first=c.first, pass_rates=pass_rates)
+
+    def _round(self, step: int, round_index: int) -> Round:
+        """One sampling round of this host's block of prompts: sampled on the mesh, scored here."""
+        p, G = self.prepared, self.sampling.group_size
+        examples = p.train_stream.next_batch(self.share.size)
+        prompts = [ex.prompt_ids for ex in examples]
+        ids = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets), self.sampling.pad_id)
+        t0 = time.perf_counter()
+        rollout = generate(self.model, to_global(ids, self.mesh, self.share), self.sampling,
+                           step_key(self.rng, step, round_index), mesh=self.mesh)
+        rows = dict(zip(ROLLOUT_FIELDS, local_rows(tuple(getattr(rollout, k) for k in ROLLOUT_FIELDS), self.rows)))
+        sample_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        texts = decode_completions(p.tokenizer, rows["tokens"], rows["lengths"])
+        fields = {**repeat_fields(examples, G), "completion_tokens": rows["lengths"].tolist()}
+        result = combine_rewards(p.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts, fields)
+        scores = None
+        if self.reward_control == "random":
+            everyone = gather_rows(result.total, self.rows)
+            judged = everyone[~np.isnan(everyone)]
+            mean = float(judged.mean()) if judged.size else float("nan")  # the whole batch's mean reward
+            rng = np.random.default_rng([self.seed, step, round_index, self.rows.start])
+            scores = random_control(result.total, mean, rng)
+        return Round(examples=examples, rows=rows, texts=texts, rewards=result, sample_s=sample_s,
+                     reward_s=time.perf_counter() - t1, scores=scores)
+
+    def _metrics(self, c: Collected) -> tuple[dict[str, float], np.ndarray]:
+        """Reward statistics and health of the first round, dynamic sampling and data counters, put
+        together over all hosts -> (metrics, the per-group pass rates)."""
+        first = c.first.rewards
+        everyone = RewardResult(
+            total=gather_rows(first.total, self.rows),
+            per_fn={k: gather_rows(v, self.rows) for k, v in first.per_fn.items()},
+            failures={k: int(v) for k, v in sum_over_shares(first.failures, self.share).items()},
+            messages=first.messages)
+        stats = dict(self.prepared.train_stream.stats)
+        epoch = max_over_hosts(stats.pop("epoch"))
+        local = ("dynamic/rounds", "sample_s", "reward_s")  # the same on every host, or its own time
+        counts = sum_over_shares({**{k: v for k, v in c.stats.items() if k not in local},
+                                  **{f"data/{k}": v for k, v in stats.items()}}, self.share)
+        sample_tokens = counts.pop("sample_tokens")
+        G = self.sampling.group_size
+        health, pass_rates = rollout_health(
+            everyone, gather_rows(distinct_answers(c.first.texts, G), self.share),
+            gather_rows(c.first.rows["lengths"], self.rows), group_size=G,
+            correct_by=self.prepared.eval_reward.name, specs=self.prepared.rewards)
+        metrics = {**reward_metrics(everyone, G), **health, **counts, "data/epoch": float(epoch),
+                   "dynamic/rounds": c.stats["dynamic/rounds"], "perf/sample_s": c.stats["sample_s"],
+                   "perf/reward_s": c.stats["reward_s"], "perf/sample_tokens": sample_tokens,
+                   "perf/sample_tokens_per_s": sample_tokens / max(c.stats["sample_s"], 1e-9)}
+        return metrics, pass_rates

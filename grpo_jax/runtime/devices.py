@@ -1,0 +1,74 @@
+"""Where a run executes: the devices a config asks for, checked before anything compiles
+(`check_devices`), the run's mesh (`run_mesh`) and the multi-host start (`initialize_distributed`)."""
+
+from __future__ import annotations
+
+import jax
+
+from grpo_jax.config import ConfigError, MeshConfig, RunConfig, check_micro_batches
+from grpo_jax.runtime.sharding import make_mesh, mesh_devices, mesh_shape
+
+
+def initialize_distributed(config: RunConfig) -> None:
+    """`jax.distributed.initialize` when the config asks for it; must run before JAX touches a device."""
+    d = config.distributed
+    if not d.enabled:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", d.cpu_collectives)
+    kwargs = {k: v for k, v in (("coordinator_address", d.coordinator_address), ("num_processes", d.num_processes),
+                                ("process_id", d.process_id)) if v is not None}
+    jax.distributed.initialize(**kwargs)
+
+
+def check_devices(config: RunConfig) -> None:
+    """The mesh fits the devices and the batch splits over it (before anything compiles)."""
+    if jax.process_count() > 1:
+        if config.parallelism == "pmap":
+            raise ConfigError(f"parallelism: pmap runs on one host; this run has {jax.process_count()} processes. "
+                              "Use parallelism: jit with mesh.data: -1 for data parallelism across hosts")
+        try:
+            used = len(mesh_devices(config.mesh))
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        if used != jax.device_count():
+            raise ConfigError(f"mesh: a multi-host mesh must use all {jax.device_count()} devices of the "
+                              f"{jax.process_count()} processes, this one uses {used}; use -1 for one axis")
+    if config.parallelism == "pmap":
+        if config.mesh not in (MeshConfig(), MeshConfig(data=1, fsdp=1, tensor=1)):
+            raise ConfigError("parallelism: pmap replicates the model on every local device; it takes no mesh.* "
+                              "settings (leave the mesh section out) -- use parallelism: jit for fsdp/tensor "
+                              "sharding")
+        ways = jax.local_device_count()
+    else:
+        try:
+            data, fsdp, _ = mesh_shape(config.mesh, len(mesh_devices(config.mesh)))
+        except ValueError as e:
+            raise ConfigError(f"mesh: {e}") from None
+        ways = data * fsdp
+    if config.data.prompts_per_step % ways:
+        raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} must be a multiple of the "
+                          f"{ways} ways the batch is split ({config.parallelism}: "
+                          + ("local devices)" if config.parallelism == "pmap" else "mesh.data x mesh.fsdp)"))
+    rows = config.data.prompts_per_step * config.sampling.group_size // ways
+    try:
+        check_micro_batches(rows, config.train.micro_batches, f"each of the {ways} batch shards")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    prompts = config.data.prompts_per_step // ways
+    if config.train.shared_prompt and prompts % config.train.micro_batches:
+        raise ConfigError(f"train.shared_prompt runs each group's prompt once, so a micro-batch holds whole groups: "
+                          f"each of the {ways} batch shards has {prompts} prompts, which train.micro_batches="
+                          f"{config.train.micro_batches} does not divide; change micro_batches or set "
+                          "train.shared_prompt: false")
+    if config.sft.steps and config.sft.batch_size % ways:
+        raise ConfigError(f"sft.batch_size={config.sft.batch_size} must be a multiple of the {ways} ways the "
+                          "batch is split")
+
+
+def run_mesh(config: RunConfig):
+    """The mesh a run samples and trains on: jit mode's (data, fsdp, tensor) mesh, or for pmap a
+    data-only mesh over the local devices (the sampler's; the update itself is pmapped)."""
+    if config.parallelism == "pmap":
+        devices = jax.local_devices()
+        return make_mesh(MeshConfig(data=len(devices)), devices)
+    return make_mesh(config.mesh, mesh_devices(config.mesh))

@@ -1,0 +1,21 @@
+"""The shape glossary: one meaning per letter, for every shape suffix (`logits_BTV`) and every
+shape in a docstring or annotation in the package. Modules refer here instead of restating it.
+
+Model calls (grpo_jax.models):
+- B  rows of one model call (a batch)
+- T  tokens of a sequence (in decoding: the new tokens of a step)
+- S  key slots (the cache's, or T in a plain pass)
+- C  chunk slots (a chunk of the decode cache, or of the log-prob computation)
+- X  rows and positions folded into one axis (B*T), for the projections
+- E  embedding width; F MLP width; V vocabulary; L layers; Y layer kinds (full / sliding attention)
+- H  query heads; K key/value heads; Q = H // K query heads per key/value head; D head width
+- W  = Q*T query rows per key/value head in attention
+- A  a LoRA adapter's rank; I and O a projection's input and output widths
+
+GRPO batches (grpo_jax.rollout, grpo_jax.learner):
+- N  prompts (groups) of a step
+- G  the group size: samples per prompt
+- R  = N*G rows; row i*G + j is sample j of prompt i
+- P  prompt slots (the prompt bucket, left-padded)
+- M  completion tokens (the sampler's max_new_tokens)
+"""

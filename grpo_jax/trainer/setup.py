@@ -1,0 +1,87 @@
+"""A run's pieces, built in order from its prepared inputs (`build`): the policy (loaded or
+initialised, placed on the mesh, warm-started), a LoRA run's base and adapters, the train state,
+the parallelism and the learner around it, and the rollout source that samples with the policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.learner.learner import Learner
+from grpo_jax.learner.optimizer import run_optimizer
+from grpo_jax.learner.parallel import make_parallel
+from grpo_jax.learner.ppo import init_critic
+from grpo_jax.learner.sft import warm_start
+from grpo_jax.learner.train_step import TrainState, init_state, split_trainable
+from grpo_jax.models.lora import strip_adapters
+from grpo_jax.rewards import StatefulReward
+from grpo_jax.rollout.source import SyncSampler
+from grpo_jax.runtime.sharding import place_model
+from grpo_jax.trainer import lora_base
+from grpo_jax.trainer.prepare import Prepared, add_run_adapters, build_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    model: nnx.Module  # the policy the sampler reads (its parameters follow the learner's)
+    learner: Learner
+    state: TrainState  # placed where the learner's update wants it, fresh (a resumed run restores into it)
+    source: SyncSampler
+    base: dict | None  # a LoRA run's base record (grpo_jax.trainer.lora_base), in checkpoint metadata
+
+
+def stateful_rewards(prepared: Prepared) -> list[StatefulReward]:
+    """Every reward the run scores with that holds something (a reward model), once each."""
+    specs = [*prepared.rewards, prepared.eval_reward, *([prepared.eval_verifier] if prepared.eval_verifier else [])]
+    return list({id(s.fn): s.fn for s in specs if isinstance(s.fn, StatefulReward)}.values())
+
+
+def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resuming: bool,
+          log: Callable[[str], None]) -> Built:
+    """The run's pieces. `resuming`: the params will come from a checkpoint (no warm start);
+    `saved_base`: that checkpoint's LoRA base record."""
+    cfg, mesh = prepared.config, prepared.mesh
+    model = build_model(cfg.model, prepared.model_config, cfg.train.seed)
+    # Every host built the same parameters; place them on the mesh by the rules (pmap mode: its
+    # data-only mesh, so replicated) for the warm start and the sampler.
+    place_model(model, mesh)
+    for reward in stateful_rewards(prepared):  # a reward model: on the run's mesh, by the policy's rules
+        reward.place(mesh)
+    if cfg.sft.steps and not resuming:
+        t0 = time.perf_counter()
+        losses = warm_start(prepared, model, log)
+        log(f"warm start: {cfg.sft.steps} steps in {time.perf_counter() - t0:.1f} s, "
+            f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")
+    base = lora_base.settle(cfg, model, mesh=mesh, run_dir=run_dir, saved=saved_base) if cfg.lora.enabled else None
+    add_run_adapters(model, cfg)  # after the warm start: a LoRA run adapts the warm-started base
+    place_model(model, mesh)  # the adapters too
+    optimizer = run_optimizer(cfg)
+    critic = init_critic(prepared.model_config.hidden_size) if cfg.algorithm == "ppo" else None
+    graphdef, state = init_state(model, optimizer, critic=critic)
+    frozen = split_trainable(model)[2]
+    # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
+    # is its frozen base in the structure without adapters (no copy; the base is on disk, lora_base).
+    ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
+    parallel = make_parallel(cfg, mesh, graphdef, optimizer, state, temperature=prepared.sampling.temperature,
+                             frozen=frozen, ref_graphdef=ref_graphdef)
+    state = parallel.place(state)
+    for line in parallel.not_sharded:
+        log(f"not sharded (its mesh axis does not divide it): {line}")
+    reference = None
+    if cfg.grpo.beta > 0 and frozen is None:
+        reference = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    learner = Learner(parallel, num_iterations=cfg.grpo.num_iterations, beta=cfg.grpo.beta,
+                      max_consecutive_skips=cfg.train.max_consecutive_skips, reference=reference)
+    t = cfg.train
+    source = SyncSampler(prepared, model, seed=t.seed, shared_prompt=t.shared_prompt,
+                         dynamic_sampling=t.dynamic_sampling, max_resample_rounds=t.max_resample_rounds,
+                         reward_control=cfg.reward_control)
+    return Built(model=model, learner=learner, state=state, source=source, base=base)
