@@ -6,9 +6,9 @@ remote model copies), GRPO_JAX_STAGING (remote runs' staging), and those of the 
 Hugging Face (HF_HOME; the variables that would override it are dropped), TFDS (TFDS_DATA_DIR),
 matplotlib (MPLCONFIGDIR), torch (TORCH_HOME), and XDG_CACHE_HOME for anything else that follows it
 (pip, ...). They are set here, before anything is imported, so subprocesses the tests start inherit
-them. pytest-xdist's workers of one run share the directory (keyed by the run's id); a run without
-xdist gets a fresh one, removed at exit. JAX keeps no persistent compilation cache unless asked
-(jax_compilation_cache_dir is None) unless asked: here it is asked for, inside the run's directory.
+them. pytest-xdist's workers of one run share the directory, made by the controller and removed
+when it exits. JAX keeps no persistent compilation cache unless asked: here it is asked for, inside
+the run's directory.
 """
 
 import atexit
@@ -23,12 +23,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _test_cache_root() -> str:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each xdist worker, the same for one run
-    if run:
-        root = os.path.join(tempfile.gettempdir(), f"grpo_jax_tests_{run}")
-        os.makedirs(root, exist_ok=True)
+    """The run's directory: made by the process pytest starts (xdist's controller, or the only one)
+    and removed when it exits; xdist's workers inherit it through GRPO_JAX_TEST_ROOT."""
+    root = os.environ.get("GRPO_JAX_TEST_ROOT")
+    if root and os.environ.get("PYTEST_XDIST_WORKER"):
         return root
     root = tempfile.mkdtemp(prefix="grpo_jax_tests_")
+    os.environ["GRPO_JAX_TEST_ROOT"] = root
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
 
@@ -55,8 +56,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The slowest files first: CI runs the suite on 2 xdist workers by file (`--dist loadfile`), which
 # hands out files in collection order, so starting the long ones early keeps both workers busy to the
 # end instead of leaving one of them alone with a long file at the tail.
-SLOW_FIRST = ("test_trainer_parallel.py", "test_sharding.py", "test_trainer.py", "test_train_step.py",
-              "test_sampling.py", "test_cli.py")
+SLOW_FIRST = ("test_gguf.py", "test_gguf_gemma3.py", "test_multihost.py", "test_loop.py", "test_reward_training.py",
+              "test_lora.py", "test_shared_prompt.py", "test_sharding.py", "test_bench.py", "test_cli.py",
+              "test_sampling.py", "test_stability_runs.py", "test_preemption.py", "test_train_step.py")
 
 
 def pytest_collection_modifyitems(config, items):

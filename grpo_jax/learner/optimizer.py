@@ -2,7 +2,7 @@
 run's learning-rate schedule; PPO pairs the policy's optimizer with its value head's.
 
 Every trainer builds its optimizer here: the GRPO/PPO update (`run_optimizer`), the supervised warm
-start (grpo_jax.learner.sft) and reward-model training (grpo_jax.tools.reward_training).
+start (grpo_jax.trainer.warm_start) and reward-model training (grpo_jax.tools.reward_training).
 """
 
 from __future__ import annotations

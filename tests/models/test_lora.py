@@ -1,5 +1,5 @@
 """LoRA adapters (issue 16): fresh adapters are exactly the base model, the unmerged path (training,
-prefill) equals the merged weights (the sampler's decode, the export) to 1e-5 in fp32, the
+prefill) equals the merged weights (the sampler's decode, the export) to fp32 rounding (5e-5 relative), the
 sampler's rollout uses the adapters, one step moves only adapters, the reference with adapters off
 is the base, adapters shard like their weights; a LoRA run of the demo task improves reward, and its
 checkpoint exports merged (HF) and as PEFT adapters that peft loads on the transformers model."""
