@@ -52,12 +52,12 @@ class Parallel(abc.ABC):
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None
         if config.grpo.beta > 0:
-            reference = frozen if frozen is not None else state.params  # the reference is shaped like these
-            self._ref = make_ref_logprobs_step(
-                graphdef if ref_graphdef is None else ref_graphdef, mesh=mesh,
-                params_shardings=tree_shardings(frozen) if frozen is not None
-                else param_shardings(reference, mesh).shardings,
-                logprob_chunk=t.logprob_chunk, temperature=temperature, group_size=self.step_kw["group_size"])
+            # The reference is a LoRA run's frozen base (placed with the model) or a copy of the
+            # policy's params (placed by the rules, like the state's).
+            shardings = tree_shardings(frozen) if frozen is not None else param_shardings(state.params, mesh).shardings
+            self._ref = make_ref_logprobs_step(graphdef if ref_graphdef is None else ref_graphdef, mesh=mesh,
+                                               params_shardings=shardings, logprob_chunk=t.logprob_chunk,
+                                               temperature=temperature, group_size=self.step_kw["group_size"])
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
