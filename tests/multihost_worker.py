@@ -21,7 +21,8 @@ from pathlib import Path
 out_dir, run_dir, num_devices, num_processes, process_id, port = sys.argv[1:7]
 overrides = [a for a in sys.argv[7:] if a != "--set"]
 # One compute thread per process: the test runs several of these on two cores at once.
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices} --xla_cpu_multi_thread_eigen=false"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_devices}"
+                           " --xla_cpu_multi_thread_eigen=false").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

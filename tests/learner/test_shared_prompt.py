@@ -50,7 +50,6 @@ def grouped_batch(N: int, G: int, seed: int = 0, vocab: int = 256) -> Batch:
                  ref_logprobs=jnp.asarray(rng.normal(-5.5, 0.1, (R, M)), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "group_size"))
 @functools.partial(jax.jit, static_argnames=("graphdef", "group_size"))  # one compile beats op-by-op dispatch
 def logprobs_loss_grads(params, batch, *, graphdef, group_size):
     def loss(params):

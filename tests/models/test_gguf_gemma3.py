@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf_files import one_parse_per_file
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import from_pretrained, load_tokenizer
@@ -22,11 +23,11 @@ def gemma(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gemma_package.assemble(tmp_path_factory.mktemp("gemma") / "gemma3-270m.gguf")
-    with pytest.MonkeyPatch.context() as mp:
+    with one_parse_per_file(), pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRPO_JAX_CACHE", str(tmp_path_factory.mktemp("gguf_cache")))
         ours, tokenizer = from_pretrained(path), load_tokenizer(path)
-    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    reference_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        reference_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return ours, tokenizer, reference, reference_tokenizer
 
 
@@ -62,8 +63,11 @@ def test_gemma3_greedy_generation_matches_transformers(gemma):
 
     ours, tokenizer, reference, _ = gemma
     ids = tokenizer(few_shot(3))["input_ids"]
+    # Two attention phases (the default is four): more than one, on a real model, at half the
+    # compile (the decode loop unrolls the 18 layers once per phase).
     config = SamplingConfig(group_size=1, max_new_tokens=16, min_new_tokens=16, temperature=0.0,
-                            prompt_buckets=(64,), stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
+                            prompt_buckets=(64,), stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=0,
+                            attend_phases=2)
     got = np.asarray(generate(ours, [ids], config, jax.random.key(0)).tokens)[0].tolist()
     with torch.no_grad():
         out = reference.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -75,7 +76,8 @@ def runs(tmp_path_factory):
     for split in ("train", "test"):  # built once here, not by every process at once
         load_source(demo["name"], split, data_dir=str(tfds_dir), builder_config=demo["builder_config"],
                     **demo["builder_kwargs"])
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # conftest's compile flags, less its device count (each worker sets its own)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     procs = []
     for name, (devices, nproc, extra) in RUNS.items():
