@@ -1,9 +1,13 @@
 """Several reward functions combined with weights, each scored and logged on its own.
 
-A function that raises is not allowed to stop the run or to score anything: its samples become
-None (dropped from the loss), the failure is counted and its first message kept for the log. A
-function that returns the wrong number of values, or a value that is neither a finite number nor
-None, is a bug and raises at once, naming the function.
+A function that raises is not allowed to stop the run, nor to cost the samples it did not fail on:
+when its call on the whole batch raises, it is called again on each sample alone (that sample's
+prompt, completion and example fields), and only the samples that raise on their own become None
+(dropped from the loss); they are counted and the first one's message is kept for the log. So one
+odd completion (a 400-digit number, a megabyte of tags) costs that sample only, and a function that
+raises on every sample costs one more call per sample. A function that returns the wrong number of
+values, or a value that is neither a finite number nor None, is a bug and raises at once, naming
+the function.
 """
 
 from __future__ import annotations
@@ -59,24 +63,66 @@ def combine_rewards(specs: Sequence[RewardSpec], prompts: Sequence[str], complet
     total = np.zeros(n, np.float64)
     per_fn, failures, messages = {}, {}, {}
     for spec in specs:
-        try:
-            values = list(spec.fn(prompts, completions, **fields))
-        except Exception as e:  # noqa: BLE001 - a failing reward drops its samples, it does not stop the run
-            values = [None] * n
-            failures[spec.name] = n
-            messages[spec.name] = f"{type(e).__name__}: {e}"
-        if len(values) != n:
-            raise ValueError(f"reward function {spec.name!r} returned {len(values)} values for {n} completions")
-        column = np.empty(n, np.float64)
-        for i, v in enumerate(values):
-            if v is None:
-                column[i] = np.nan
-            elif isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) and math.isfinite(v):
-                column[i] = float(v)
-            else:
-                raise ValueError(
-                    f"reward function {spec.name!r} returned {v!r} for sample {i}; return a finite number, "
-                    "or None when the sample cannot be judged")
+        values, lost, message = _scores(spec, prompts, completions, fields)
+        if lost:
+            failures[spec.name], messages[spec.name] = lost, message
+        column = _column(spec, values)
         per_fn[spec.name] = column.astype(np.float32)
         total += spec.weight * column  # NaN (None) propagates: the sample is dropped
     return RewardResult(total=total.astype(np.float32), per_fn=per_fn, failures=failures, messages=messages)
+
+
+def _scores(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
+            fields: Mapping[str, Sequence]) -> tuple[list, int, str]:
+    """(one value per completion, the samples lost to exceptions, the first exception's message).
+
+    The batch is scored in one call; when that raises, each sample is scored alone and only the
+    samples that raise alone are None. A wrong number of values is a bug, never retried."""
+    n = len(completions)
+    try:
+        values = list(spec.fn(prompts, completions, **fields))
+    except Exception as e:  # noqa: BLE001 - a failing reward drops its samples, it does not stop the run
+        if n == 1:
+            return [None], 1, f"{type(e).__name__}: {e}"
+        values = None
+    if values is not None:
+        return _counted(spec, values, n), 0, ""
+    values, lost, message, first = [], 0, "", None
+    for i in range(n):
+        one = {key: column[i:i + 1] for key, column in fields.items()}
+        try:
+            value = list(spec.fn(prompts[i:i + 1], completions[i:i + 1], **one))
+        except Exception as e:  # noqa: BLE001 - this sample only
+            values.append(None)
+            lost += 1
+            message = message or f"{type(e).__name__}: {e}"
+            first = first if first is not None else i
+            continue
+        values += _counted(spec, value, 1)
+    if lost < n:  # some samples scored: say where the first failure was
+        message = f"{message} (sample {first})"
+    return values, lost, message
+
+
+def _column(spec: RewardSpec, values: list) -> np.ndarray:
+    """float64 values, NaN for None; anything but a finite number or None is a bug, named."""
+    column = np.empty(len(values), np.float64)
+    for i, v in enumerate(values):
+        if v is None:
+            column[i] = np.nan
+            continue
+        number = isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)
+        try:
+            column[i] = float(v) if number else np.nan
+        except OverflowError:  # an int beyond float range
+            column[i] = np.nan
+        if not math.isfinite(column[i]):
+            raise ValueError(f"reward function {spec.name!r} returned {v!r} for sample {i}; return a finite number, "
+                             "or None when the sample cannot be judged")
+    return column
+
+
+def _counted(spec: RewardSpec, values: list, n: int) -> list:
+    if len(values) != n:
+        raise ValueError(f"reward function {spec.name!r} returned {len(values)} values for {n} completions")
+    return values

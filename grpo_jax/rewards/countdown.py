@@ -10,10 +10,14 @@ Where the expression is read from, in order:
   2. else the last `\\boxed{...}`,
   3. else the last non-empty line.
 All `<answer>` blocks (or all boxes) must agree, like `extract_answer` for math: several different
-final answers are no answer. The expression may be written as an equation, `(3 + 5) * 2 = 16`:
-every right-hand side must then evaluate to the target.
+final answers are no answer, and so are `<answer>` tags that do not pair up (one left open, a
+closing without an opening, a block inside a block). Tags are paired in one pass (`tag_blocks`):
+a megabyte of unclosed tags costs milliseconds. The expression may be written as an equation,
+`(3 + 5) * 2 = 16`: every right-hand side must then evaluate to the target.
 
-Unary minus is not an operator of the game and is rejected, as are decimals, names and `**`.
+Unary minus is not an operator of the game and is rejected, as are decimals, names, `**` and
+digits other than ASCII 0-9. Malformed example fields (`numbers`, `target`) make that sample None;
+no completion text makes this raise.
 """
 
 from __future__ import annotations
@@ -27,17 +31,21 @@ from fractions import Fraction
 
 import numpy as np
 
+from grpo_jax.rewards.format import tag_blocks
 from grpo_jax.rewards.math import boxed_contents
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
-_ALLOWED_CHARS = re.compile(r"[\d\s+\-*/()]+")  # checked before parsing: no names, dots or underscores
+# Checked before parsing: ASCII digits, spaces, + - * / and parentheses; no names, dots, underscores.
+_ALLOWED_CHARS = re.compile(r"[0-9 \t\r\n+\-*/()]+")
 _MAX_EXPRESSION_CHARS = 200  # a real solution is a few dozen characters; bounds parser work and nesting
 _OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
 
 
 def extract_expression(completion: str) -> str | None:
     """The expression the completion commits to (see the module docstring), or None."""
-    tagged = [t.strip() for t in _ANSWER_TAG.findall(completion)]
+    blocks = tag_blocks(completion, "answer")
+    if blocks is None:
+        return None  # <answer> tags that do not pair up: the completion tried to commit and failed
+    tagged = [content.strip() for _, _, content in blocks]
     if not tagged:
         tagged = [b.strip() for b in boxed_contents(completion)]
     if tagged:
@@ -95,16 +103,22 @@ def countdown_reward(prompts: Sequence[str], completions: Sequence[str], *, numb
                          f"{len(numbers)} numbers, {len(target)} targets")
     out: list[float | None] = []
     for completion, given, goal in zip(completions, numbers, target):
-        if not isinstance(given, (list, tuple, np.ndarray)) or len(given) == 0:
-            out.append(None)
-            continue
-        given_ints = [_as_int(v) for v in given]
-        goal_int = _as_int(goal)
-        if goal_int is None or any(v is None for v in given_ints):
+        given_ints, goal_int = _given_ints(given), _as_int(goal)
+        if given_ints is None or goal_int is None:
             out.append(None)
             continue
         out.append(1.0 if _solves(completion, Counter(given_ints), goal_int, use_all_numbers) else 0.0)
     return out
+
+
+def _given_ints(given: object) -> list[int] | None:
+    """The given numbers as ints: a non-empty list, tuple or 1-D array of int-like values, else None."""
+    if isinstance(given, np.ndarray) and given.ndim != 1:
+        return None
+    if not isinstance(given, (list, tuple, np.ndarray)) or len(given) == 0:
+        return None
+    ints = [_as_int(v) for v in given]
+    return None if any(v is None for v in ints) else ints
 
 
 def _solves(completion: str, given: Counter, goal: int, use_all_numbers: bool) -> bool:

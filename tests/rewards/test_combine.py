@@ -53,3 +53,70 @@ def test_bad_inputs():
         combine_rewards([RewardSpec("a", length_bonus), RewardSpec("a", length_bonus)], ["a"], ["x"])
     with pytest.raises(ValueError, match="field 'answer' has 1 values for 2"):
         combine_rewards([RewardSpec("a", length_bonus)], ["a", "b"], ["x", "y"], {"answer": ["1"]})
+
+
+# --- issue 25: one sample's failure costs that sample only ------------------------------------
+
+def poisoned(prompts, completions, **_):
+    """Raises on the whole call when any completion is neither 'ok' nor 'no', as a verifier with a bug would."""
+    return [{"ok": 1.0, "no": 0.0}[c] for c in completions]
+
+
+def test_a_sample_that_raises_costs_that_sample_only():
+    specs = [RewardSpec("poisoned", poisoned), RewardSpec("length", length_bonus, 0.5)]
+    result = combine_rewards(specs, ["q"] * 4, ["ok", "no", "poison", "ok"])
+    np.testing.assert_array_equal(result.per_fn["poisoned"], [1.0, 0.0, np.nan, 1.0])
+    np.testing.assert_allclose(result.per_fn["length"], [0.2, 0.2, 0.6, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(result.total, [1.1, 0.1, np.nan, 1.1], rtol=1e-6)
+    assert result.failures == {"poisoned": 1}
+    assert result.messages["poisoned"] == "KeyError: 'poison' (sample 2)"
+    assert result.metrics()["reward/poisoned/unjudged"] == 0.0  # lost to an exception, counted as a failure
+
+
+def test_the_issue_example_a_309_digit_number_among_good_answers():
+    completions = ["\\boxed{5}", "\\boxed{6}", "\\boxed{1" + "0" * 309 + "}"]  # was [nan, nan, nan]
+    result = combine_rewards([RewardSpec("accuracy", math_accuracy)], ["q"] * 3, completions, {"answer": ["5"] * 3})
+    np.testing.assert_array_equal(result.total, [1.0, 0.0, 0.0])
+    assert result.failures == {}
+
+
+def test_each_sample_is_retried_with_its_own_fields():
+    calls = []
+
+    def batch_only_bug(prompts, completions, *, answer, **_):
+        calls.append(len(completions))
+        if len(completions) > 1:
+            raise MemoryError("batch too large")
+        return [1.0 if completions[0] == answer[0] else 0.0]
+
+    result = combine_rewards([RewardSpec("b", batch_only_bug)], ["p", "q", "r"], ["1", "2", "3"],
+                             {"answer": ["1", "5", "3"]})
+    np.testing.assert_array_equal(result.total, [1.0, 0.0, 1.0])
+    assert calls == [3, 1, 1, 1] and result.failures == {}
+
+
+def test_a_bug_found_on_the_retry_still_fails_loudly():
+    def wrong_length_alone(prompts, completions, **_):
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        return [1.0, 1.0]
+
+    with pytest.raises(ValueError, match="'buggy' returned 2 values for 1"):
+        combine_rewards([RewardSpec("buggy", wrong_length_alone)], ["a", "b"], ["x", "y"])
+    with pytest.raises(ValueError, match="returned 10000"):
+        combine_rewards([RewardSpec("huge", lambda p, c, **_: [1.0, 10 ** 400])], ["a", "b"], ["x", "y"])
+
+
+@pytest.mark.parametrize("name,fields,good,bad", [
+    ("math_accuracy", {"answer": "5"}, "\\boxed{5}", "\\boxed{6}"),
+    ("format", {}, "Half of 48 is 24, and 48 + 24 = 72 in all. \\boxed{72}", "\\boxed{72}"),
+    ("countdown", {"numbers": [3, 5, 7, 2], "target": 16}, "<answer>(3 + 5) * 2</answer>", "<answer>3 + 5</answer>"),
+])
+def test_every_built_in_keeps_its_good_samples_beside_a_poisoned_one(name, fields, good, bad):
+    from grpo_jax.rewards import get_reward_fn
+
+    completions = [good, None, bad, good]  # None is no text: every built-in raises on it
+    result = combine_rewards([RewardSpec(name, get_reward_fn(name))], ["q"] * 4, completions,
+                             {k: [v] * 4 for k, v in fields.items()})
+    np.testing.assert_array_equal(result.per_fn[name], [1.0, np.nan, 0.0, 1.0])
+    assert result.failures == {name: 1} and "(sample 1)" in result.messages[name]

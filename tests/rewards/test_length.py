@@ -39,3 +39,14 @@ def test_mismatched_or_bad_arguments_are_errors():
         fn(["p"], ["c", "d"], completion_tokens=[1], max_length=4, cache_length=2)
     with pytest.raises(ValueError, match="cache_length"):
         fn(["p"], ["c"], completion_tokens=[1], max_length=4, cache_length=0)
+
+
+def test_an_odd_token_count_costs_its_own_sample_only():
+    fn = get_reward_fn("overlong")
+    counts = [5, None, "7", True, -1, 10 ** 30, 12.0, np.int64(16), 20]
+    got = fn(["p"] * 9, ["c"] * 9, completion_tokens=counts, max_length=20, cache_length=8)
+    assert got == [0.0, None, None, None, None, -1.0, None, reference(16, 20, 8), -1.0]
+    specs = [RewardSpec("overlong", lambda p, c, **f: fn(p, c, max_length=20, cache_length=8, **f))]
+    result = combine_rewards(specs, ["p"] * 3, ["a", "b", "c"], {"completion_tokens": [5, None, 16]})
+    np.testing.assert_allclose(result.per_fn["overlong"], [0.0, np.nan, reference(16, 20, 8)])
+    assert result.failures == {}  # not an exception: a count that cannot be judged

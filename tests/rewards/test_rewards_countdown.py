@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
+from grpo_jax.rewards.combine import RewardSpec, combine_rewards
 from grpo_jax.rewards.countdown import countdown_reward, evaluate_expression, extract_expression
 
 
@@ -39,7 +41,7 @@ def test_correct_expressions_score_one(completion):
     ("<answer>5 / (3 - 3)</answer>", "division by zero is wrong, not a crash"),
     ("<answer>(3 + 5) * 2 = 17</answer>", "a right-hand side that is not the target"),
     ("<answer>(3 + 5) * 2</answer> <answer>7 + 5 + 3 + 2</answer>", "several different answers"),
-    ("<answer>(3 + 5) * 2", "an unclosed tag falls back to the last line, which has a tag in it"),
+    ("<answer>(3 + 5) * 2", "an unclosed tag is no answer"),
     ("", "nothing"),
     ("<answer>" + "(" * 150 + "3" + ")" * 150 + "</answer>", "absurd nesting"),
 ])
@@ -77,3 +79,50 @@ def test_extract_expression():
 def test_lengths_must_agree():
     with pytest.raises(ValueError, match="lengths differ"):
         countdown_reward(["q"], ["a", "b"], numbers=[[1], [1]], target=[1, 1])
+
+
+# --- issue 25: linear tag pairing, odd samples -----------------------------------------------
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("flood", [
+    "<answer>" * (MB // 8),                                  # ~9 s for 128 KB before (the lazy regex rescanned)
+    "</answer>" * (MB // 18) + "<answer>" * (MB // 16),
+    "<answer>(3 + 5) * 2" * (MB // 20),
+])
+def test_a_megabyte_of_unclosed_tags_scores_zero_within_a_second(flood):
+    start = time.perf_counter()
+    assert score(flood) == 0.0
+    seconds = time.perf_counter() - start
+    assert seconds < 2.0, seconds  # milliseconds; 2 s is a generous bound on a busy machine
+    assert score("<answer>(3 + 5) * 2</answer>") == 1.0
+
+
+@pytest.mark.parametrize("unpaired", [
+    "</answer> <answer>(3 + 5) * 2</answer>",               # a closing without an opening
+    "<answer><answer>(3 + 5) * 2</answer></answer>",         # a block inside a block
+    "<answer>(3 + 5) * 2</answer> <answer>",                 # one left open after the answer
+])
+def test_answer_tags_that_do_not_pair_up_are_no_answer(unpaired):
+    assert extract_expression(unpaired) is None
+    assert score(unpaired) == 0.0
+
+
+def test_only_ascii_digits_are_numbers():
+    assert score("<answer>(\u0663 + \u0665) * \u0662</answer>") == 0.0  # Arabic-Indic 3, 5, 2
+    assert score("<answer>(3\u00a0+ 5) * 2</answer>") == 0.0            # a no-break space
+    assert score("<answer>(3 + 5) * 2</answer>") == 1.0
+
+
+def test_a_poisoned_sample_among_good_ones():
+    good, wrong = "<answer>(3 + 5) * 2</answer>", "<answer>7 + 5 + 3 + 2</answer>"
+    completions = [good, "<answer>" * 10_000, "\ud800\x00", good, wrong, good]
+    numbers = [[3, 5, 7, 2], [3, 5, 7, 2], [3, 5, 7, 2], np.array(3), [3, 5, 7, 2], np.array([[3, 5], [7, 2]])]
+    assert countdown_reward(["q"] * 6, completions, numbers=numbers, target=[16] * 6) == [1.0, 0.0, 0.0, None, 0.0,
+                                                                                           None]
+    specs = [RewardSpec("countdown", countdown_reward)]
+    result = combine_rewards(specs, ["q"] * 4, [good, None, wrong, good],  # None raises in tag_blocks
+                             {"numbers": [[3, 5, 7, 2]] * 4, "target": [16] * 4})
+    np.testing.assert_array_equal(result.per_fn["countdown"], [1.0, np.nan, 0.0, 1.0])
+    assert result.failures == {"countdown": 1}
