@@ -24,6 +24,7 @@ from grpo_jax.rewards.llm_judge import LLMJudgeReward
 from grpo_jax.rewards.math import math_accuracy
 from grpo_jax.rewards.reward_model import RewardModelReward
 from grpo_jax.rewards.stateful import StatefulReward
+from grpo_jax.sandbox import sandbox_shared
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math_accuracy": math_accuracy,
@@ -150,15 +151,18 @@ def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec, Rewa
 
 def sandbox_notes(specs: list[RewardSpec]) -> list[str]:
     """The code reward's sandbox isolation as lines to log, checked before the run starts: without
-    user, mount and PID namespaces it is refused unless its kwargs say allow_weak_isolation."""
+    user, mount and PID namespaces it is refused unless its kwargs say allow_weak_isolation. Each
+    line ends with what a sample could write that the host and later samples see ("nothing")."""
     notes = []
     for index, spec in enumerate(specs):
         fn, kwargs = unwrapped(spec.fn)
         if fn is not code_reward:
             continue
         try:
-            notes.append(check_isolation(allow_weak_isolation=kwargs.get("allow_weak_isolation", False),
-                                         python=kwargs.get("python")))
+            line = check_isolation(allow_weak_isolation=kwargs.get("allow_weak_isolation", False),
+                                   python=kwargs.get("python"))
         except ValueError as e:
             raise ConfigError(f"rewards[{index}] ({spec.name}): {e}") from None
+        shared = sandbox_shared(kwargs.get("python"))
+        notes.append(f"{line}; writable and shared with the host: {'; '.join(shared) or 'nothing'}")
     return notes

@@ -4,14 +4,15 @@ Run as `python -I harness.py CONFIG_FD STATUS_FD CONTROL_FD` with the sandbox's 
 cwd (`runner.run_sandboxed` copies this file there, so the sandbox user can read it wherever the
 checkout lives; see `runner._HARNESS_NAME`). The harness process (PID 1 of the sandbox's PID
 namespace, where there is one) reads CONFIG_FD (an unlinked file), deletes the files the config names
-(that copy), mounts its private /tmp, /dev/shm and /var/tmp and drops every capability (with a
-mount namespace), sets the limits, then
-forks the child that runs the candidate, and reports the child's exit status on STATUS_FD, which
-the child closes first: the candidate can neither fake its status nor inherit PID 1's signal
-handling (which ignores SIGXCPU). To stop the sandbox, the supervisor closes CONTROL_FD; the
-harness then kills the child and exits, and the kernel kills and reaps everything else in the
-namespace before `unshare` reaps the harness, so the whole tree is gone by the time the supervisor
-reaps `unshare`.
+(its copies), mounts its private /tmp, /dev/shm and /var/tmp and drops every capability (with a
+mount namespace), sets the limits, then forks the child that runs the candidate, and reports the
+child's exit status on STATUS_FD, which the child closes first: the candidate can neither fake its
+status nor inherit PID 1's signal handling (which ignores SIGXCPU). With tests, it first forks the
+grader (`grader.py`, loaded from its copy), the only process that reads the tests (on the config's
+`tests_fd`) and writes the report on STATUS_FD, and waits for both. To stop the sandbox, the
+supervisor closes CONTROL_FD; the harness then kills its children and exits, and the kernel kills
+and reaps everything else in the namespace before `unshare` reaps the harness, so the whole tree
+is gone by the time the supervisor reaps `unshare`.
 
 Standard library only: it runs under `python -I` without grpo_jax on sys.path. Importing it runs
 nothing, so its helpers are unit-tested in-process.
@@ -37,7 +38,14 @@ _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
 _MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
-PRIVATE_DIRS = ("/tmp", "/dev/shm", "/var/tmp")  # each sample's own, in its mount namespace
+# The host's world-writable directories; each sample gets its own, in its mount namespace, where every
+# other mount is read-only (/var/lock is usually a link to /run/lock: one directory, bound once).
+PRIVATE_DIRS = ("/tmp", "/dev/shm", "/var/tmp", "/run/lock", "/var/lock")
+_MS_RDONLY, _MS_NOEXEC, _MS_REMOUNT, _MS_STRICTATIME = 1, 8, 32, 1 << 24
+_SYS_MOUNT_SETATTR, _AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
+# The flags (statvfs -> mount) a read-only remount must repeat: a locked mount may not lose them.
+_KEPT_FLAGS = ((os.ST_NOSUID, 2), (os.ST_NODEV, 4), (os.ST_NOEXEC, 8), (os.ST_NOATIME, 1024),
+               (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21))
 WORKDIR = "/tmp/work"  # the candidate's cwd inside its private /tmp
 
 
@@ -45,24 +53,66 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
+def _mount(libc, source, target, fstype, flags, data) -> None:
+    if libc.mount(source, target, fstype, flags, data) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {target.decode()}: {os.strerror(errno)}")
+
+
+def mount_points() -> list:
+    """This mount namespace's mount points, parents first (/proc/self/mountinfo writes a space,
+    tab, newline or backslash in a path as a backslash and three octal digits)."""
+    with open("/proc/self/mountinfo") as f:
+        fields = [line.split()[4] for line in f]
+    points = []
+    for field in fields:
+        head, *rest = field.split("\\")
+        points.append(head + "".join(chr(int(part[:3], 8)) + part[3:] for part in rest))
+    return points
+
+
+def remount_read_only(libc) -> None:
+    """Each mount of this mount namespace remounted read-only, one by one (before Linux 5.12), with
+    the flags it has; one that refuses stays writable (the launcher's probe reports it)."""
+    for point in mount_points():
+        try:
+            flags = os.statvfs(point).f_flag
+        except OSError:
+            continue
+        kept = sum(bit for st, bit in _KEPT_FLAGS if flags & st)
+        if not flags & (os.ST_NOATIME | os.ST_RELATIME):
+            kept |= _MS_STRICTATIME
+        libc.mount(None, point.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept, None)
+
+
+def read_only_mounts(libc) -> None:
+    """Every mount of this mount namespace read-only: its copies of the host's mounts, so the host's
+    own stay as they are. One recursive mount_setattr (Linux 5.12), else `remount_read_only`."""
+    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)  # struct mount_attr: set, clear, propagation, userns
+    if libc.syscall(ctypes.c_long(_SYS_MOUNT_SETATTR), ctypes.c_int(_AT_FDCWD), b"/", ctypes.c_uint(_AT_RECURSIVE),
+                    attr, ctypes.c_size_t(ctypes.sizeof(attr))) != 0:
+        remount_read_only(libc)
+
+
 def private_tmp(size_mb: int) -> str:
-    """One tmpfs of `size_mb` (their total cap) mounted on /tmp, with directories of it bound over
-    /dev/shm and /var/tmp, in this process's own mount namespace: the sample sees none of the
-    host's or another sample's temporary files, and everything it writes there dies with the
-    namespace. Returns the new working directory."""
+    """In this process's own mount namespace: every mount read-only, then one tmpfs of `size_mb`
+    (their total cap) on /tmp with directories of it bound over the other PRIVATE_DIRS (/dev/shm,
+    /var/tmp, /run/lock), and over /dev/mqueue, where there is one, the message queues of this
+    process's IPC namespace. The sample can write nothing the host or a later sample sees, and
+    everything it writes dies with the namespace. Returns the new working directory."""
     libc = _libc()
-
-    def mount(source, target, fstype, flags, data):
-        if libc.mount(source, target, fstype, flags, data) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"mount {target.decode()}: {os.strerror(errno)}")
-
-    mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=%dm,mode=1777" % size_mb)
+    read_only_mounts(libc)
+    _mount(libc, b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=%dm,mode=1777" % size_mb)
+    bound = {"/tmp"}
     for target in PRIVATE_DIRS[1:]:
-        if os.path.isdir(target):
-            inner = "/tmp/.private" + target.replace("/", "_")
+        real = os.path.realpath(target)
+        if real not in bound and os.path.isdir(real):
+            bound.add(real)
+            inner = "/tmp/.private" + real.replace("/", "_")
             os.mkdir(inner, 0o1777)
-            mount(inner.encode(), target.encode(), None, _MS_BIND, None)
+            _mount(libc, inner.encode(), real.encode(), None, _MS_BIND, None)
+    if os.path.isdir("/dev/mqueue"):  # best effort: refused without an IPC namespace, and read-only anyway
+        libc.mount(b"mqueue", b"/dev/mqueue", b"mqueue", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
     os.mkdir(WORKDIR, 0o700)
     os.chdir(WORKDIR)
     return WORKDIR
@@ -141,25 +191,23 @@ def parse_tests(source: str) -> list:
 
 
 def tests_namespace(candidate: dict, pristine_builtins: dict) -> dict:
-    """The globals the tests run in: the candidate's public names, minus any that shadow a builtin,
-    and a copy of the builtins taken before the candidate ran (so patching `builtins` is ignored)."""
+    """The globals the tests run in: the candidate's public names (the grader's stand-ins), minus
+    any that shadow a builtin, and `pristine_builtins` (the grader's, which no candidate touched)."""
     namespace = {k: v for k, v in candidate.items() if not k.startswith("__") and k not in pristine_builtins}
     namespace.update(__name__="__tests__", __builtins__=pristine_builtins)
     return namespace
 
 
-def run_statements(tests: list, namespace: dict, *, exec_=exec, report=traceback.print_exception,
-                   base_exception=BaseException) -> int:
-    """Run the compiled test statements in `namespace` and return how many tests passed. A failing
-    test is reported and skipped; a failing setup statement (a def, an import) stops the rest,
-    which could not run without it. The defaults are bound when the harness is imported, before
-    any candidate code runs, so a candidate that patches `builtins.exec` cannot reach them."""
+def run_statements(tests: list, namespace: dict) -> int:
+    """Run the compiled test statements in `namespace` (in the grader's process, where no candidate
+    code ever ran) and return how many tests passed. A failing test is reported and skipped; a
+    failing setup statement (a def, an import) stops the rest, which could not run without it."""
     passed = 0
     for statement, test in tests:
         try:
-            exec_(statement, namespace)
-        except base_exception as e:
-            report(e.__class__, e, e.__traceback__.tb_next)
+            exec(statement, namespace)
+        except BaseException as e:
+            traceback.print_exception(e.__class__, e, e.__traceback__.tb_next)
             if not test:
                 break
             continue
@@ -184,68 +232,53 @@ def run_script(code) -> None:
     sys.exit(0)  # normal interpreter shutdown: atexit handlers, non-daemon threads, flushing
 
 
-_type, _repr, _dict_items = type, repr, dict.items  # bound before any candidate code exists
-_SCALARS = (bool, int, str, bytes, type(None))
-_SEQUENCES = {list: "l", tuple: "t", set: "s", frozenset: "fs"}
-
-
-def encode_value(value, depth: int = 0):
-    """A returned value as nested tuples of builtin scalars, whose `repr` the trusted side reads
-    back with `ast.literal_eval` (`result.decode_value`). Only exact plain types pass (bool, int,
-    float, str, bytes, None, and list, tuple, set, frozenset, dict of them): an object that
-    pretends to be one (an always-equal `__eq__`, an int subclass) is refused with a TypeError."""
-    t = _type(value)
-    if depth > 100:
-        raise TypeError("the value is nested more than 100 levels deep")
-    if t in _SCALARS:
-        return ("v", value)
-    if t is float:
-        return ("f", _repr(value))  # nan and inf are not literals
-    if t in _SEQUENCES:
-        return (_SEQUENCES[t], [encode_value(v, depth + 1) for v in value])
-    if t is dict:
-        return ("d", [(encode_value(k, depth + 1), encode_value(v, depth + 1)) for k, v in _dict_items(value)])
-    raise TypeError(f"a {t.__module__}.{t.__qualname__} is not a plain value (int, float, str, list, dict, ...)")
-
-
-def run_calls(calls: list, namespace: dict, *, eval_=eval, encode=encode_value, base_exception=BaseException) -> list:
-    """Evaluate each compiled call expression in `namespace` -> [("ok", encoded value) or
-    ("error", exception name)]. Comparing with the expected values happens outside the sandbox."""
-    results = []
-    for call in calls:
-        try:
-            results.append(("ok", encode(eval_(call, namespace))))
-        except base_exception as e:
-            results.append(("error", e.__class__.__name__))
-    return results
-
-
-def run_tests(code, tests: list, nonce: str, calls: list = ()) -> None:
-    """Run `code` as module `solution`, then the tests, then the calls whose values the trusted
-    side checks; print the nonce sentinel with the pass count and the calls' values, and exit 0
-    only when the last test has run."""
-    # Bind everything the harness needs before the candidate can touch modules, builtins or this
-    # module's globals (it can `import __main__`, which is the harness).
-    write, exit_, exec_, report, base_exception = os.write, os._exit, exec, traceback.print_exception, BaseException
-    run_statements_, tests_namespace_, flush_, run_calls_, repr_ = run_statements, tests_namespace, flush, run_calls, repr
-    pristine_builtins = dict(builtins.__dict__)
-    total = sum(test for _, test in tests)
-    out_fd = os.dup(1)
+def run_solution(code) -> dict:
+    """Run `code` as module `solution` and return its namespace; exit 1 if it fails or exits (even
+    with status 0): a candidate that never finishes its definitions fails every test."""
     module = types.ModuleType("solution")
     module.__file__ = "solution.py"
     sys.modules["solution"] = module
     try:
-        exec_(code, module.__dict__)
-    except base_exception as e:
-        report(e.__class__, e, e.__traceback__.tb_next)
-        flush_()
-        exit_(1)  # a candidate that exits (even with status 0) or fails before the tests fails them all
-    namespace = tests_namespace_(module.__dict__, pristine_builtins)
-    passed = run_statements_(tests, namespace, exec_=exec_, report=report, base_exception=base_exception)
-    values = run_calls_(calls, namespace, base_exception=base_exception)
-    flush_()
-    write(out_fd, f"\n{nonce} {passed} {total} {repr_(values)}\n".encode())
-    exit_(0)
+        exec(code, module.__dict__)
+    except BaseException as e:
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        flush()
+        os._exit(1)
+    return module.__dict__
+
+
+def grade(grader, tests_fd: int, status_fd: int, fds: tuple) -> None:
+    """The grader's process (`grader.py`), forked before any candidate code exists: read the tests
+    (only it has TESTS_FD), run them against the candidate's names as the grader's stand-ins, then
+    the value tests' expressions, and write the report on STATUS_FD; never returns. No report when
+    the candidate's code did not finish: the run then fails."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a candidate's SIGINT must not interrupt a test
+    os.set_inheritable(status_fd, False)  # not for a process the tests might start
+    payload = read_config(tests_fd)
+    tests = parse_tests(payload["tests"])
+    link = grader.Link(*fds)
+    try:
+        names = link.names()
+    except Exception:  # noqa: BLE001 - the candidate failed, exited or sent junk
+        flush()
+        os._exit(1)
+    namespace = tests_namespace(names, dict(builtins.__dict__))
+    namespace.update(grader.stdlib_modules(payload["tests"]))
+    passed = run_statements(tests, namespace)
+    values = grader.run_calls(payload["calls"], namespace)
+    flush()
+    grader.write_report(status_fd, payload["nonce"], passed, sum(t for _, t in tests), values)
+    link.close()
+    os._exit(0)
+
+
+def load_grader(path: str):
+    """grader.py from the runner's copy at `path`, run as a module of its own: not importable by
+    the candidate, and no bytecode cache written next to it."""
+    module = types.ModuleType("sandbox_grader")
+    with open(path, "rb") as f:
+        exec(compile(f.read(), path, "exec"), module.__dict__)
+    return module
 
 
 def _set_up(config: dict) -> None:
@@ -263,8 +296,9 @@ def _set_up(config: dict) -> None:
     guard_network()
 
 
-def _child(config: dict, tests: list | None, status_fd: int, control_fd: int) -> None:
-    """The forked child: compile and run the candidate; never returns."""
+def _child(config: dict, status_fd: int, control_fd: int, serve=None) -> None:
+    """The forked child: compile and run the candidate, as `__main__`, or (with `serve`, which
+    answers the grader) as module `solution`; never returns."""
     os.close(status_fd)
     os.close(control_fd)
     try:
@@ -273,28 +307,55 @@ def _child(config: dict, tests: list | None, status_fd: int, control_fd: int) ->
         traceback.print_exc(limit=0)
         flush()
         os._exit(1)
-    if tests is None:
+    if serve is None:
         run_script(code)
-    calls = [compile(c, "tests.py", "eval") for c in config.get("calls") or ()]
-    run_tests(code, tests, config["nonce"], calls)
+    serve(run_solution(code))
+    flush()
+    os._exit(0)
 
 
-def _wait(pid: int, status_fd: int, control_fd: int) -> None:
-    """Report the child's exit status, or kill it when the supervisor closes CONTROL_FD; then exit."""
+def _start_graded(grader, config: dict, status_fd: int, control_fd: int) -> list:
+    """Fork the grader, then the candidate, joined by a pipe pair -> [candidate PID, grader PID]."""
+    (to_candidate, from_grader), (to_grader, from_candidate) = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        for fd in (control_fd, to_candidate, from_candidate):
+            os.close(fd)
+        grade(grader, config["tests_fd"], status_fd, (to_grader, from_grader))
+    os.close(config["tests_fd"])  # the candidate never has it
+    candidate = os.fork()
+    if candidate == 0:
+        for fd in (to_grader, from_grader):
+            os.close(fd)
+        _child(config, status_fd, control_fd, lambda names: grader.serve(names, to_candidate, from_candidate))
+    for fd in (to_candidate, from_grader, to_grader, from_candidate):
+        os.close(fd)
+    return [candidate, pid]
+
+
+def _wait(pids: list, status_fd: int, control_fd: int) -> None:
+    """Once every child has exited, report the first's (the candidate's) exit status; kill them all
+    when the supervisor closes CONTROL_FD; then exit."""
     try:
-        child_fd = os.pidfd_open(pid)  # readable when the child exits
+        child_fds = {pid: os.pidfd_open(pid) for pid in pids}  # readable when that child exits
     except (AttributeError, OSError):
-        child_fd = None  # an old kernel: poll
+        child_fds = None  # an old kernel: poll
+    codes = {}
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            os.write(status_fd, b"X %d\n" % os.waitstatus_to_exitcode(status))
+        for pid in pids:
+            done, status = (0, 0) if pid in codes else os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        if len(codes) == len(pids):
+            os.write(status_fd, b"X %d\n" % codes[pids[0]])
             os._exit(0)  # as PID 1 of the namespace: the kernel kills and reaps everything left in it
-        watched = [control_fd] if child_fd is None else [control_fd, child_fd]
-        if control_fd in select.select(watched, [], [], 0.02 if child_fd is None else None)[0]:
+        watched = [control_fd] + ([] if child_fds is None else [child_fds[p] for p in pids if p not in codes])
+        if control_fd in select.select(watched, [], [], 0.02 if child_fds is None else None)[0]:
             # The supervisor asks us to stop (timeout, output flood) or has gone away.
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            for pid in pids:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
             os._exit(0)
 
 
@@ -313,18 +374,21 @@ def main() -> None:
     sys.path[:] = clean_sys_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
     config_fd, status_fd, control_fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     config = read_config(config_fd)
-    # The runner's copy of this file: gone before the candidate runs, so the cwd it sees is empty.
+    grader = load_grader(config["grader"]) if config.get("tests_fd") is not None else None
+    # The runner's copies of this file and grader.py: gone before the candidate runs, so its cwd is empty.
     for path in config["unlink"]:
         os.unlink(path)
     _set_up(config)
-    tests = None if config["tests"] is None else parse_tests(config["tests"])
     sys.argv = ["solution.py"]
     os.write(status_fd, b"S\n")
-    pid = os.fork()
-    if pid == 0:
-        _child(config, tests, status_fd, control_fd)
+    if grader is not None:
+        pids = _start_graded(grader, config, status_fd, control_fd)
+    else:
+        pids = [os.fork()]
+        if pids[0] == 0:
+            _child(config, status_fd, control_fd)
     config = None
-    _wait(pid, status_fd, control_fd)
+    _wait(pids, status_fd, control_fd)
 
 
 if __name__ == "__main__":

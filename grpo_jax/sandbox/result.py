@@ -1,14 +1,17 @@
 """What one sandboxed run came to: `SandboxResult`, classified from what the harness wrote on its
-three pipes (stdout, stderr and the status pipe), and the calls' values decoded from its sentinel."""
+three pipes (stdout, stderr and the status pipe), with the grader's report (on the status pipe,
+which the candidate's process never has) and the calls' values decoded from it."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
+import json
 import re
 import signal
 import time
 from typing import Literal
+
+from grpo_jax.sandbox.grader import decode
 
 SandboxStatus = Literal["ok", "error", "timeout", "killed", "infra_error"]
 
@@ -27,7 +30,7 @@ class SandboxResult:
     detail: str = ""  # why, for anything but "ok": the limit hit, the signal, the infrastructure error
     stdout_truncated: bool = False
     stderr_truncated: bool = False
-    tests_passed: int | None = None  # assert-style tests only, from the harness's sentinel
+    tests_passed: int | None = None  # assert-style tests only, from the grader's report
     tests_total: int | None = None
     # With `calls`: per call, ("ok", its value as plain Python data) or ("error", the exception's name).
     call_values: tuple | None = None
@@ -42,48 +45,27 @@ def infra_error(start: float, detail: str, isolation: tuple[str, ...] = (), pid:
                          wall_s=time.monotonic() - start, detail=detail, isolation=isolation, pid=pid)
 
 
-def decode_value(encoded):
-    """The plain Python value of `harness.encode_value`'s output (built here from literals only)."""
-    tag, payload = encoded
-    if tag == "v":
-        if type(payload) not in (bool, int, str, bytes, type(None)):
-            raise ValueError(f"not a scalar: {payload!r}")
-        return payload
-    if tag == "f":
-        return float(payload)
-    if tag in ("l", "t", "s", "fs"):
-        items = [decode_value(v) for v in payload]
-        return {"l": list, "t": tuple, "s": set, "fs": frozenset}[tag](items)
-    if tag == "d":
-        return {decode_value(k): decode_value(v) for k, v in payload}
-    raise ValueError(f"unknown tag {tag!r}")
-
-
 def _decode_calls(text: bytes) -> tuple | None:
-    """The calls' results from the sentinel line; None when it does not read back (then nothing
-    of it can be trusted)."""
+    """The calls' results from the grader's report; None when it does not read back."""
     try:
-        raw = ast.literal_eval(text.decode())
-        return tuple(("ok", decode_value(v)) if kind == "ok" else ("error", str(v)) for kind, v in raw)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, UnicodeDecodeError):
+        raw = json.loads(text)
+        return tuple(("ok", decode(v)) if kind == "ok" else ("error", str(v)) for kind, v in raw)
+    except (ValueError, TypeError, RecursionError, MemoryError):
         return None
 
 
 def classify(outputs: dict[str, bytearray], truncated: set[str], timed_out: bool, wall_s: float, start: float,
-             timeout_s: float, max_output_bytes: int, nonce: str, with_tests: bool, isolation: tuple[str, ...],
+             timeout_s: float, max_output_bytes: int, nonce: str | None, isolation: tuple[str, ...],
              pid: int) -> SandboxResult:
-    """The result of a finished (or stopped) run, from what it wrote on its three pipes."""
+    """The result of a finished (or stopped) run, from what it wrote on its three pipes (`nonce`:
+    the grader's, with tests)."""
     stdout, stderr = bytes(outputs["stdout"]), bytes(outputs["stderr"])
-    passed = total = values = None
-    if with_tests:
-        # The last one: the harness writes it after everything the candidate ran, then exits.
-        found = list(re.finditer(rb"\n" + re.escape(nonce.encode()) + rb" (\d+) (\d+) ([^\n]*)\n", stdout))
-        if found:
-            sentinel = found[-1]
-            passed, total = int(sentinel.group(1)), int(sentinel.group(2))
-            values = _decode_calls(sentinel.group(3))
-            stdout = stdout[:sentinel.start()] + stdout[sentinel.end():]
     status_text = bytes(outputs["status"])
+    passed = total = values = None
+    if nonce is not None:
+        found = re.findall(rb"^R " + re.escape(nonce.encode()) + rb" (\d+) (\d+) (.*)$", status_text, re.M)
+        if found:
+            passed, total, values = int(found[-1][0]), int(found[-1][1]), _decode_calls(found[-1][2])
     reported = _STATUS_LINE.findall(status_text)
     returncode = int(reported[-1]) if reported else None  # the harness writes last, then exits
     stderr_text = stderr.decode(errors="replace")

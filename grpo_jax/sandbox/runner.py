@@ -3,11 +3,13 @@ how a sandbox starts here: `launcher`; what the run came to: `result`).
 
 Each run gets a fresh temporary directory (chowned to the sandbox user) holding a copy of
 `harness.py`, which runs by path as `python -I <workdir>/.sandbox_harness.py CONFIG_FD STATUS_FD
-CONTROL_FD`; the config (code, tests, calls, nonce, limits) arrives on CONFIG_FD, an unlinked file
-no other sample can open. With a mount namespace the harness then moves into a private tmpfs
-(`harness.private_tmp`). The copy, not the package's own file, because as root the harness runs as
-`nobody`, who may not be able to read the checkout or site-packages (a checkout under /root, mode
-700); the harness deletes both files before any candidate code runs.
+CONTROL_FD`, and with tests a copy of `grader.py`, which the harness loads by path; the config
+(code, limits) arrives on CONFIG_FD and the tests, calls and nonce on the config's `tests_fd`, two
+unlinked files no other sample can open; the harness hands the second to the grader only. With a
+mount namespace the harness then moves into a private tmpfs (`harness.private_tmp`). Copies, not
+the package's own files, because as root the harness runs as `nobody`, who may not be able to read
+the checkout or site-packages (a checkout under /root, mode 700); the harness deletes the copies
+before any candidate code runs.
 """
 
 from __future__ import annotations
@@ -33,15 +35,16 @@ from grpo_jax.sandbox.result import SandboxResult, classify, infra_error
 log = logging.getLogger(__name__)
 
 _HARNESS_NAME = ".sandbox_harness.py"  # the per-run copy of harness.py in the sandbox's cwd
-_HARNESS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py")
+_GRADER_NAME = ".sandbox_grader.py"  # and of grader.py, with tests
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _DRAIN_S = 0.2  # after the program exits, how long stragglers may keep its pipes open
 _STOP_GRACE_S = 2.0  # how long the harness has to stop the program before the process group is killed
 
 
-@functools.lru_cache(maxsize=1)
-def _harness_source() -> bytes:
-    """harness.py, read once (an OSError is not cached: the next run tries again)."""
-    with open(_HARNESS_SOURCE, "rb") as f:
+@functools.lru_cache(maxsize=2)
+def _source(name: str) -> bytes:
+    """harness.py or grader.py, read once (an OSError is not cached: the next run tries again)."""
+    with open(os.path.join(_HERE, name), "rb") as f:
         return f.read()
 
 
@@ -100,13 +103,14 @@ def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, calls
     """Run the Python program `code` in a sandbox (see `grpo_jax.sandbox`) and report what happened.
 
     Without `tests`, `code` runs as `__main__` with `stdin` on its standard input. With `tests`
-    (Python source), `code` runs as module `solution` and then the tests, each top-level statement
-    on its own; `tests_passed`/`tests_total` count the top-level `assert` and expression statements
-    (e.g. `check(candidate)`) that ran without raising, read from the harness's nonce sentinel.
+    (Python source), `code` runs as module `solution` and the tests run in the grader's process
+    (`grader.py`), each top-level statement on its own, calling the candidate's functions over a
+    pipe; `tests_passed`/`tests_total` count the top-level `assert` and expression statements
+    (e.g. `check(candidate)`) that ran without raising, from the grader's report.
 
     `calls` (Python expressions, e.g. `add(2, 3)`; implies `tests`, "" if not given) are evaluated
-    after the tests, in their namespace; `call_values` returns their values as plain data
-    (`result.decode_value`), for the caller to compare with the expected values outside the sandbox.
+    by the grader after the tests, in their namespace; `call_values` returns their values as plain
+    data (`grader.decode`), for the caller to compare with the expected values outside the sandbox.
     Only values of exact plain types come back (int, float, str, bytes, None and lists, tuples,
     sets, dicts of them); anything else is ("error", "TypeError").
 
@@ -120,30 +124,32 @@ def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, calls
     _check_limits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_procs, max_tmp_mb)
     if calls is not None and tests is None:
         tests = ""
+    if tests is not None and max_procs < 3:
+        raise ValueError(f"max_procs must be >= 3 with tests (supervisor, grader and program), got {max_procs}")
+    graded = None if tests is None else {"tests": tests, "calls": list(calls or ()), "nonce": secrets.token_hex(16)}
     start = time.monotonic()
     try:
         launcher = find_launcher(python)
     except SandboxUnavailable as e:
         return infra_error(start, str(e))
-    config = _harness_config(launcher, code, tests, calls, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-                             max_file_mb=max_file_mb, max_procs=max_procs, max_tmp_mb=max_tmp_mb)
+    config = _harness_config(launcher, code, graded is not None, timeout_s=timeout_s, cpu_s=cpu_s,
+                             memory_mb=memory_mb, max_file_mb=max_file_mb, max_procs=max_procs, max_tmp_mb=max_tmp_mb)
     try:
-        proc, workdir, status_r, control_w = _spawn(launcher, config, stdin)
+        proc, workdir, status_r, control_w = _spawn(launcher, config, graded, stdin)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         return infra_error(start, f"could not start the sandbox: {type(e).__name__}: {e}", launcher.isolation)
     control = [control_w]
     try:
-        return _supervise(proc, status_r, control, start, timeout_s, max_output_bytes, config["nonce"],
-                          tests is not None, launcher)
+        return _supervise(proc, status_r, control, start, timeout_s, max_output_bytes,
+                          graded["nonce"] if graded else None, launcher)
     finally:
         _tear_down(proc, control, status_r, workdir)
 
 
-def _harness_config(launcher: Launcher, code: str, tests: str | None, calls: Sequence[str] | None, *,
-                    timeout_s: float, cpu_s: float | None, memory_mb: int, max_file_mb: int, max_procs: int,
-                    max_tmp_mb: int) -> dict:
-    """What the harness reads on its config descriptor: the program, its tests and calls, a fresh
-    nonce for the sentinel, and the rlimits it sets before any candidate code runs."""
+def _harness_config(launcher: Launcher, code: str, graded: bool, *, timeout_s: float, cpu_s: float | None,
+                    memory_mb: int, max_file_mb: int, max_procs: int, max_tmp_mb: int) -> dict:
+    """What the harness reads on its config descriptor: the program, the grader's copy (with tests;
+    `_spawn` adds the descriptor of the tests), and the rlimits it sets before any candidate code runs."""
     cpu = math.ceil(cpu_s if cpu_s is not None else timeout_s + 1)
     limits = [("RLIMIT_CPU", cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
               ("RLIMIT_AS", memory_mb << 20, memory_mb << 20),
@@ -151,8 +157,8 @@ def _harness_config(launcher: Launcher, code: str, tests: str | None, calls: Seq
               ("RLIMIT_CORE", 0, 0)]
     if "nproc" in launcher.isolation:  # else it would count every process of this user, not the sandbox's
         limits.append(("RLIMIT_NPROC", max_procs, max_procs))
-    return {"code": code, "tests": tests, "calls": list(calls or ()), "nonce": secrets.token_hex(16),
-            "limits": limits, "unlink": [_HARNESS_NAME],
+    return {"code": code, "limits": limits, "unlink": [_HARNESS_NAME, _GRADER_NAME] if graded else [_HARNESS_NAME],
+            "grader": _GRADER_NAME if graded else None,
             "private_tmp_mb": max_tmp_mb if "mountns" in launcher.isolation else 0}
 
 
@@ -171,20 +177,32 @@ def _tear_down(proc: subprocess.Popen, control: list[int], status_r: int, workdi
     _remove_tree(workdir)
 
 
-def _spawn(launcher: Launcher, config: dict, stdin: str) -> tuple[subprocess.Popen, str, int, int]:
+def _unlinked_file(data: dict):
+    """A temporary file holding `data` as JSON, without a name: reachable only through its descriptor."""
+    f = tempfile.TemporaryFile()  # noqa: SIM115 - closed by _spawn on both paths
+    f.write(json.dumps(data).encode())
+    f.flush()
+    return f
+
+
+def _spawn(launcher: Launcher, config: dict, graded: dict | None,
+           stdin: str) -> tuple[subprocess.Popen, str, int, int]:
     """Start the harness in a fresh temporary directory: (process, workdir, status read end,
     control write end). On failure everything made so far is undone and the error raised."""
-    workdir = stdin_file = config_file = None
+    workdir = stdin_file = config_file = tests_file = None
     status_r = status_w = control_r = control_w = -1
     try:
         workdir = tempfile.mkdtemp(prefix="grpo_sandbox_")
         if launcher.uid is not None:
             os.chown(workdir, launcher.uid, launcher.uid)
-        config_file = tempfile.TemporaryFile()  # noqa: SIM115 - unlinked: reachable only through the fd
-        config_file.write(json.dumps(config).encode())
-        config_file.flush()
+        passed = []
+        if graded is not None:
+            tests_file = _unlinked_file(graded)
+            passed.append(tests_file.fileno())
+            _write_private(os.path.join(workdir, _GRADER_NAME), _source("grader.py"), launcher.uid)
+        config_file = _unlinked_file({**config, "tests_fd": tests_file.fileno() if tests_file else None})
         harness = os.path.join(workdir, _HARNESS_NAME)
-        _write_private(harness, _harness_source(), launcher.uid)
+        _write_private(harness, _source("harness.py"), launcher.uid)
         # A file, not a pipe: no deadlock against a program that never reads. Closed below on both paths.
         stdin_file = tempfile.TemporaryFile()  # noqa: SIM115
         stdin_file.write(stdin.encode())
@@ -196,12 +214,13 @@ def _spawn(launcher: Launcher, config: dict, stdin: str) -> tuple[subprocess.Pop
             [*launcher.prefix, launcher.python, "-I", harness, str(config_file.fileno()), str(status_w),
              str(control_r)],
             stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-            start_new_session=True, pass_fds=(config_file.fileno(), status_w, control_r), **user_kwargs(launcher.uid))
+            start_new_session=True, pass_fds=(config_file.fileno(), status_w, control_r, *passed),
+            **user_kwargs(launcher.uid))
     except BaseException:
         for fd in (status_r, status_w, control_r, control_w):
             if fd >= 0:
                 os.close(fd)
-        for f in (stdin_file, config_file):
+        for f in (stdin_file, config_file, tests_file):
             if f is not None:
                 f.close()
         if workdir is not None:
@@ -209,8 +228,9 @@ def _spawn(launcher: Launcher, config: dict, stdin: str) -> tuple[subprocess.Pop
         raise
     os.close(status_w)
     os.close(control_r)
-    stdin_file.close()
-    config_file.close()
+    for f in (stdin_file, config_file, tests_file):
+        if f is not None:
+            f.close()
     return proc, workdir, status_r, control_w
 
 
@@ -226,7 +246,7 @@ def _stop(proc: subprocess.Popen, control: list[int]) -> None:
 
 
 def _supervise(proc: subprocess.Popen, status_r: int, control: list[int], start: float, timeout_s: float,
-               max_output_bytes: int, nonce: str, with_tests: bool, launcher: Launcher) -> SandboxResult:
+               max_output_bytes: int, nonce: str | None, launcher: Launcher) -> SandboxResult:
     """Read the sandbox's output with caps until it ends or runs out of time, then classify."""
     outputs = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray()}
     truncated: set[str] = set()
@@ -266,5 +286,5 @@ def _supervise(proc: subprocess.Popen, status_r: int, control: list[int], start:
     else:
         _kill_group(proc.pid)  # stragglers of a finished program (without a PID namespace)
     wall_s = time.monotonic() - start
-    return classify(outputs, truncated, timed_out, wall_s, start, timeout_s, max_output_bytes, nonce, with_tests,
+    return classify(outputs, truncated, timed_out, wall_s, start, timeout_s, max_output_bytes, nonce,
                     launcher.isolation, proc.pid)

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from grpo_jax.rewards.code import code_reward, extract_code
+from grpo_jax.rewards.code import code_reward, extract_code, split_tests
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\nassert add(10, 0) == 10"
 CORRECT_ADD = "def add(a, b):\n    return a + b"
@@ -109,3 +109,151 @@ def test_samples_keep_their_order_across_the_thread_pool():
     with pytest.raises(ValueError, match="lengths differ"):
         code_reward(["q"], ["x", "y"], tests=[ADD_TESTS] * 2)
 
+
+
+# --- general tests: the grader's process runs them, calling the candidate over a pipe ----------------
+
+# name -> (tests, a correct solution): ordinary shapes of test that must keep scoring 1.
+HONEST = {
+    "a LeetCode class": ("""
+        assert Solution().two_sum([2, 7, 11, 15], 9) == [0, 1]
+        assert Solution().two_sum([3, 3], 6) == [0, 1]
+        """, """
+        class Solution:
+            def two_sum(self, nums, target):
+                seen = {}
+                for i, x in enumerate(nums):
+                    if target - x in seen:
+                        return [seen[target - x], i]
+                    seen[x] = i
+        """),
+    "an object's state": ("""
+        s = Stack()
+        s.push(1)
+        s.push(2)
+        assert s.pop() == 2
+        assert s.size() == 1
+        assert s.items == [1]
+        """, """
+        class Stack:
+            def __init__(self):
+                self.items = []
+            def push(self, x):
+                self.items.append(x)
+            def pop(self):
+                return self.items.pop()
+            def size(self):
+                return len(self.items)
+        """),
+    "an in-place sort": ("xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
+                         "def sort_in_place(xs):\n    xs.sort()"),
+    "a callback and a key function": ("""
+        assert apply_twice(lambda x: x * 3, 2) == 18
+        assert sorted_by([3, 1, 2], key=lambda v: -v) == [3, 2, 1]
+        """, """
+        def apply_twice(f, x):
+            return f(f(x))
+        def sorted_by(xs, key):
+            return sorted(xs, key=key)
+        """),
+    "an expected exception in check()": ("""
+        def check(candidate):
+            assert candidate(4, 2) == 2
+            try:
+                candidate(1, 0)
+            except ValueError:
+                pass
+            else:
+                assert False
+        check(safe_div)
+        """, """
+        def safe_div(a, b):
+            if b == 0:
+                raise ValueError("b is 0")
+            return a // b
+        """),
+    "a helper of the candidate's in check()": ("""
+        def check(candidate):
+            assert candidate(encode_shift("abc")) == "abc"
+        check(decode_shift)
+        """, """
+        def encode_shift(s):
+            return "".join(chr(ord(c) + 1) for c in s)
+        def decode_shift(s):
+            return "".join(chr(ord(c) - 1) for c in s)
+        """),
+    "plain types of every kind": ("""
+        assert stats([1, 2, 3]) == (1, 3, 2.0)
+        assert uniq([1, 1, 2]) == {1, 2}
+        assert big() == 2 ** 100
+        assert math.isnan(nan())
+        assert counts("aab") == {"a": 2, "b": 1}
+        assert raw() == b"\\x00"
+        assert nothing() is None
+        assert LIMIT > 5
+        """, """
+        import math
+        LIMIT = 10
+        def stats(xs):
+            return min(xs), max(xs), sum(xs) / len(xs)
+        def uniq(xs):
+            return set(xs)
+        def big():
+            return 2 ** 100
+        def nan():
+            return math.nan
+        def counts(s):
+            return {c: s.count(c) for c in sorted(set(s))}
+        def raw():
+            return b"\\x00"
+        def nothing():
+            return None
+        """),
+}
+# Shapes that cannot be graded without trusting the candidate's objects: 0 even for correct code.
+UNGRADABLE = {
+    "comparing two of the candidate's objects": ("assert Point(1, 2) == Point(1, 2)", """
+        class Point:
+            def __init__(self, x, y):
+                self.x, self.y = x, y
+            def __eq__(self, other):
+                return (self.x, self.y) == (other.x, other.y)
+        """),
+    "a Counter for a dict": ("assert counts('aab') == {'a': 2, 'b': 1}",
+                             "from collections import Counter\ndef counts(s):\n    return Counter(s)"),
+    "a returned generator": ("assert list(evens(5)) == [0, 2, 4]",
+                             "def evens(n):\n    return (i for i in range(n) if i % 2 == 0)"),
+}
+
+
+def test_correct_code_passes_general_tests_and_objects_are_not_values():
+    cases = {**HONEST, **UNGRADABLE}
+    rewards = code_reward(["q"] * len(cases), [fenced(code) for _, code in cases.values()],
+                          tests=[textwrap.dedent(tests).strip() for tests, _ in cases.values()], max_workers=2)
+    assert dict(zip(cases, rewards)) == {**dict.fromkeys(HONEST, 1.0), **dict.fromkeys(UNGRADABLE, 0.0)}
+
+
+def test_value_tests_are_the_trailing_run_with_the_literal_on_either_side():
+    general, values = split_tests("import math\nassert f(1) == 2\nassert 3 == f(2), 'msg'\nassert [1] == g()")
+    assert general == "import math" and values == [("f(1)", 2), ("f(2)", 3), ("g()", [1])]
+    # A value test before a general one stays in place: nothing runs in another order than written.
+    general, values = split_tests("assert f(1) == 2\nassert f(2) > 1\nx = 1\nassert f(x) == 2")
+    assert general == "assert f(1) == 2\nassert f(2) > 1\nx = 1" and values == [("f(x)", 2)]
+    assert split_tests("assert f(1) == g(2)") == ("assert f(1) == g(2)", [])
+
+
+def test_one_sample_that_fails_to_grade_costs_that_sample_only(monkeypatch, caplog):
+    from grpo_jax.rewards import code as code_module
+
+    real = code_module.run_sandboxed
+
+    def flaky(code, **kwargs):
+        if "poison" in code:
+            raise RuntimeError("the harness raised")
+        return real(code, **kwargs)
+
+    monkeypatch.setattr(code_module, "run_sandboxed", flaky)
+    poisoned = fenced(CORRECT_ADD + "\n# poison")
+    rewards = code_reward(["q"] * 3, [fenced(CORRECT_ADD), poisoned, fenced(CORRECT_ADD)], tests=[ADD_TESTS] * 3)
+    assert rewards == [1.0, None, 1.0]
+    assert "grading a sample failed" in caplog.text

@@ -10,7 +10,9 @@ import builtins
 import json
 import os
 import pathlib
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,17 +39,6 @@ def group_is_gone(pgid: int) -> bool:
 
 def fenced(source: str) -> str:
     return f"Here is my solution.\n```python\n{textwrap.dedent(source).strip()}\n```\n"
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory the sandbox user (possibly `nobody`) can write, to observe processes from outside.
-    Not under /tmp: with a mount namespace the sandbox has its own /tmp (as root, /srv: `nobody`
-    cannot traverse /root; else the home directory, which the sandbox's user owns)."""
-    path = tempfile.mkdtemp(prefix="sandbox_test_", dir="/srv" if os.geteuid() == 0 else os.path.expanduser("~"))
-    os.chmod(path, 0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # --- the sandbox -----------------------------------------------------------------------------------
@@ -121,34 +112,62 @@ def test_a_fork_bomb_is_capped_and_killed_with_its_group():
     assert group_is_gone(r.pid)
 
 
-def test_a_child_that_outlives_the_program_is_killed(shared_dir):
+def live_processes_named(names: set[str]) -> dict[str, int]:
+    """name -> PID of each process here (not a zombie) whose name (comm) is one of `names`."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name in names and state != "Z":
+            found[name] = int(pid)
+    return found
+
+
+def test_a_child_that_outlives_the_program_is_killed():
     """A plain child dies with the process group; one that escaped the group with setsid dies with
-    the PID namespace, where there is one."""
-    beats = {name: os.path.join(shared_dir, name) for name in ("plain", "escaped")}
+    the PID namespace, where there is one. The children name themselves (prctl PR_SET_NAME), so
+    this test sees them in its own /proc: the sandbox can write no directory the host shares."""
+    names = {kind: f"beat{secrets.token_hex(4)}{kind[0]}" for kind in ("plain", "escaped")}
     source = textwrap.dedent(f"""
-        import os, time
-        for name, path in {beats!r}.items():
+        import ctypes, os, time
+        for kind, name in {names!r}.items():
             if os.fork() == 0:
-                if name == "escaped":
+                if kind == "escaped":
                     os.setsid()
+                ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
                 while True:
-                    with open(path, "a") as f:
-                        f.write(".")
                     time.sleep(0.02)
+        def named():
+            found = set()
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    found.add(open(f"/proc/{{pid}}/comm").read().strip())
+                except OSError:
+                    pass
+            return found
         deadline = time.monotonic() + 3
-        while not all(os.path.exists(p) for p in {list(beats.values())!r}) and time.monotonic() < deadline:
+        while not set({list(names.values())!r}) <= named() and time.monotonic() < deadline:
             time.sleep(0.01)
-        print("parent done")
+        print("parent done" if set({list(names.values())!r}) <= named() else "children missing")
     """)
     r = run_sandboxed(source, timeout_s=5.0)
-    assert r.status == "ok" and r.stdout == "parent done\n", r
-    assert group_is_gone(r.pid)
-    sizes = {name: os.path.getsize(path) for name, path in beats.items()}
-    assert all(size > 0 for size in sizes.values())  # they did run
-    time.sleep(0.3)
-    assert os.path.getsize(beats["plain"]) == sizes["plain"]
-    if "pidns" in r.isolation:
-        assert os.path.getsize(beats["escaped"]) == sizes["escaped"]
+    try:
+        assert r.status == "ok" and r.stdout == "parent done\n", r  # they did run
+        assert group_is_gone(r.pid)
+        deadline = time.monotonic() + 2  # without a PID namespace the host's init reaps the plain one
+        while names["plain"] in live_processes_named(set(names.values())) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        alive = live_processes_named(set(names.values()))
+        assert names["plain"] not in alive
+        if "pidns" in r.isolation:
+            assert names["escaped"] not in alive
+    finally:
+        for pid in live_processes_named(set(names.values())).values():  # the escaped one, without a PID namespace
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
@@ -202,16 +221,16 @@ def test_processes_outside_the_sandbox_are_invisible_with_its_own_proc():
 
 def test_files_of_the_invoking_user_are_protected_when_running_as_root(tmp_path):
     """As root, the program runs as another uid and cannot write this user's files; without root it
-    runs as this user (documented: no filesystem isolation then)."""
+    runs as this user, and only a read-only root (a mount namespace) protects them."""
     target = tmp_path / "checkout_file"
     target.write_text("original")
     target.chmod(0o666)  # even a world-writable file: its directories are not reachable, or not writable
     source = (f"try:\n    open({str(target)!r}, 'w').write('changed')\n    print('wrote')\n"
               "except OSError:\n    print('denied')")
     r = run_sandboxed(source, timeout_s=5.0)
-    dropped = any(m.startswith("uid=") for m in r.isolation)
-    assert r.stdout.strip() == ("denied" if dropped else "wrote"), r
-    assert target.read_text() == ("original" if dropped else "changed")
+    protected = any(m.startswith("uid=") for m in r.isolation) or "read-only-root" in r.isolation
+    assert r.stdout.strip() == ("denied" if protected else "wrote"), r
+    assert target.read_text() == ("original" if protected else "changed")
 
 
 def test_an_exit_status_and_a_crash_are_errors():

@@ -96,6 +96,202 @@ def test_killing_the_harness_without_namespaces_scores_0_not_none(monkeypatch):
     assert rewards == [0.0, 1.0]
 
 
+# --- general tests: run by the grader's process, which no candidate code can reach ------------------
+
+ANYTHING = """
+class Anything:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    def __gt__(self, other):
+        return True
+    __lt__ = __le__ = __ge__ = __gt__
+    def __bool__(self):
+        return True
+    def __float__(self):
+        return 3.14159
+    __hash__ = object.__hash__
+"""
+# Finds "secret() == <n>" in the program's own memory and in every descriptor it can read in /proc.
+SCANNER = r"""
+import os, re
+PATTERN = re.compile(rb"secret\(\) == (\d+)")
+def scan():
+    found = []
+    with open("/proc/self/maps") as maps:
+        regions = [line.split() for line in maps]
+    with open("/proc/self/mem", "rb", 0) as mem:
+        for fields in regions:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if fields[1].startswith("r") and end - start < 1 << 28:
+                try:
+                    mem.seek(start)
+                    found += PATTERN.findall(mem.read(end - start))
+                except (OSError, ValueError, OverflowError):
+                    pass
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if int(pid) == os.getpid():  # its own: read in place (reopening may be refused)
+                    found += PATTERN.findall(os.pread(int(fd), 1 << 20, 0))
+                else:
+                    with open(f"/proc/{pid}/fd/{fd}", "rb") as f:
+                        found += PATTERN.findall(f.read(1 << 20))
+            except OSError:
+                pass
+    return [int(n) for n in found]
+"""
+ALWAYS_EQUAL_ADD = ANYTHING + "def add(a, b):\n    return Anything()"
+CIRCLE = "import math\ndef area(r):\n    return math.pi * r * r"
+ISCLOSE = ("assert math.isclose(area(1.0), 3.14159, rel_tol=1e-3)\n"
+           "assert math.isclose(area(2.0), 12.56637, rel_tol=1e-3)")
+CHECK = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n\ncheck(add)"
+# The last statement is not a value test, so the grader runs every one of these asserts.
+MIXED = "assert 5 == add(2, 3)\nassert add(2, 3) == 5, 'add(2, 3) is 5'\nassert add(2, 3) > 4"
+# name -> (tests, a wrong program that passes them in the candidate's own process, the correct one)
+GENERAL_HACKS = {
+    "an always-equal object: literal first, a message, >": (MIXED, ALWAYS_EQUAL_ADD, CORRECT),
+    "an always-equal object, value tests with the literal first": (
+        "assert 5 == add(2, 3)\nassert 0 == add(-1, 1), 'a message'", ALWAYS_EQUAL_ADD,
+        CORRECT),
+    "an int subclass equal to and above everything": (MIXED, """
+class Five(int):
+    def __eq__(self, other):
+        return True
+    def __gt__(self, other):
+        return True
+    __hash__ = int.__hash__
+def add(a, b):
+    return Five(0)
+""", CORRECT),
+    "an always-equal object inside check(candidate)": (CHECK, ALWAYS_EQUAL_ADD, CORRECT),
+    "a truth value that flips": ("assert is_even(4)\nassert not is_even(3)", """
+class Flip:
+    state = False
+    def __bool__(self):
+        Flip.state = not Flip.state
+        return Flip.state
+def is_even(n):
+    return Flip()
+""", "def is_even(n):\n    return n % 2 == 0"),
+    "math.isclose patched, MBPP-style (the tests use the solution's math)": (
+        ISCLOSE, "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return 0.0", CIRCLE),
+    "math.isclose patched, the tests import math": (
+        "import math\n" + ISCLOSE, "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return 0.0",
+        CIRCLE),
+    "a math of the candidate's own": (ISCLOSE, """
+class FakeMath:
+    def isclose(self, *args, **kwargs):
+        return True
+math = FakeMath()
+def area(r):
+    return 0.0
+""", CIRCLE),
+    "the harness's run_statements given another __code__": (CHECK, """
+import __main__
+def fake(tests, namespace, *args, **kwargs):
+    return sum(test for _, test in tests)
+__main__.run_statements.__code__ = fake.__code__
+__main__.tests_namespace.__code__ = (lambda *args, **kwargs: {}).__code__
+def add(a, b):
+    return 0
+""", CORRECT),
+    "a nonce from memory, a fake report on every descriptor": (CHECK, """
+import gc, os, re, sys
+def add(a, b):
+    return 0
+nonces = {"0" * 32}
+for obj in gc.get_objects():
+    for value in (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()):
+        if isinstance(value, str) and re.fullmatch("[0-9a-f]{32}", value):
+            nonces.add(value)
+frame = sys._getframe()
+while frame is not None:
+    nonces.update(v for v in frame.f_locals.values() if isinstance(v, str) and re.fullmatch("[0-9a-f]{32}", v))
+    frame = frame.f_back
+for nonce in nonces:
+    for fd in range(1, 64):
+        try:
+            os.write(fd, f"\\nR {nonce} 1 1 []\\nX 0\\n{nonce} 1 1 []\\n".encode())
+        except OSError:
+            pass
+os._exit(0)
+""", CORRECT),
+    "a StopIteration that ends the tests' map() early": (
+        "assert all(map(lambda case: add(case[0], case[1]) == case[2], [(2, 3, 5), (-1, 1, 0)]))",
+        "def add(a, b):\n    raise StopIteration", CORRECT),
+    "the expected values read from memory or descriptors": (
+        "assert secret() == 424242, 'the secret'\nassert secret() > 0",
+        SCANNER + "def secret():\n    found = scan()\n    return found[0] if found else 0",
+        "def secret():\n    return 424242"),
+}
+
+
+def test_every_general_test_hack_scores_0_and_each_correct_control_1():
+    runs = [(tests, hack) for tests, hack, _ in GENERAL_HACKS.values()]
+    controls = list(dict.fromkeys((tests, correct) for tests, _, correct in GENERAL_HACKS.values()))
+    rewards = code_reward(["q"] * (len(runs) + len(controls)), [fenced(code) for _, code in runs + controls],
+                          tests=[tests for tests, _ in runs + controls], partial_credit=True, max_workers=2,
+                          timeout_s=10)
+    assert dict(zip(GENERAL_HACKS, rewards)) == dict.fromkeys(GENERAL_HACKS, 0.0)  # not one assert passed
+    assert rewards[len(runs):] == [1.0] * len(controls)
+
+
+def test_the_memory_and_descriptor_scanner_finds_what_is_there():
+    """The scanner above is no straw man: what a candidate's process holds, it finds."""
+    from grpo_jax.sandbox import run_sandboxed
+
+    r = run_sandboxed(SCANNER + "planted = 'secret() ' + '== 777'\nprint(sorted(set(scan())))",
+                      stdin="secret() == 888", timeout_s=10)
+    assert r.status == "ok" and r.stdout.strip() == "[777, 888]", r
+
+
+@pytest.mark.skipif(not namespaces(), reason="needs a PID namespace (else it would signal the host's processes)")
+def test_killing_the_grader_scores_0_and_costs_no_batch_mate():
+    killer = """
+        import os, signal
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) not in (1, os.getpid()):
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+        def add(a, b):
+            return a + b
+    """
+    rewards = code_reward(["q"] * 3, [fenced(CORRECT), fenced(killer), fenced(CORRECT)], tests=[CHECK] * 3)
+    assert rewards == [1.0, 0.0, 1.0]
+
+
+def test_without_namespaces_the_grader_still_grades_and_no_file_of_it_is_left(monkeypatch):
+    monkeypatch.setattr(launcher, "_find_unshare", lambda: None)
+    monkeypatch.setattr(launcher, "_launchers", {})
+    peek = "import os\nassert os.listdir('.') == [], os.listdir('.')\n" + CORRECT  # the cwd holds the copies
+    rewards = code_reward(["q"] * 2, [fenced(ALWAYS_EQUAL_ADD), fenced(peek)], tests=[MIXED] * 2,
+                          allow_weak_isolation=True)
+    assert rewards == [0.0, 1.0]
+
+
+def test_the_grader_is_time_limited_and_leaves_nothing():
+    from grpo_jax.sandbox import run_sandboxed
+
+    r = run_sandboxed(CORRECT, tests="assert add(1, 1) == 2\nwhile True:\n    pass", timeout_s=1.0)
+    assert r.status == "timeout" and r.tests_passed is None and r.wall_s < 5.0, r
+    r2 = run_sandboxed(CORRECT, tests="while True:\n    pass", timeout_s=10.0, cpu_s=1)  # the grader's CPU limit
+    assert r2.tests_passed is None and r2.wall_s < 8.0, r2
+    for pgid in (r.pid, r2.pid):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"process group {pgid} outlived its run")
+
+
 @pytest.mark.skipif(not namespaces(), reason="needs unprivileged user, mount and PID namespaces")
 def test_a_sample_cannot_reach_its_siblings_files_and_nothing_persists():
     # The attacker looks for other samples' files everywhere they used to be (their directories in
