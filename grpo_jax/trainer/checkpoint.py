@@ -281,6 +281,27 @@ def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, strea
     checkpointer.save(step, state, meta, reference=reference)
 
 
+def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, base: dict | None,
+                    synced: Callable[[], None]) -> Callable[..., bool]:
+    """The loop's checkpoint hook (a `loop.StepHook`): saves the step (`save_step`, then `synced()`)
+    every `checkpoint.every` steps, at the last step, and when `signals.check(step)` (a
+    `preemption.StopSignals`, the same on every host) says a stop signal arrived or the clock made a
+    checkpoint due. Returns True (stop the run after this step) after a signal."""
+    cfg = prepared.config
+
+    def hook(step: int, state, trajectories, metrics: dict) -> bool:
+        stop, due = signals.check(step)
+        every = cfg.checkpoint.every
+        if stop or due or every and step % every == 0 or step == cfg.train.steps:
+            save_step(checkpointer, step, learner.unplace(state), stream=prepared.train_stream, seed=cfg.train.seed,
+                      reference=learner.reference, base=base, rewards=prepared.rewards)
+            synced()
+            signals.saved()
+        return stop
+
+    return hook
+
+
 def check_resumable(checkpointer: Checkpointer, step: int, *, stream, run_dir: Path, model_json: dict) -> None:
     """Everything that would stop `resume` from continuing checkpoint `step`, checked before a
     restarted run writes anything: the run's architecture (`run_dir/model/config.json`) against the

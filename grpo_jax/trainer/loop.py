@@ -37,9 +37,9 @@ from grpo_jax.rollout.evaluation import evaluate
 from grpo_jax.rollout.source import RolloutSource, Trajectories
 from grpo_jax.runtime.hosts import any_host, is_primary
 from grpo_jax.runtime.storage import RunDirectory
-from grpo_jax.trainer.checkpoint import Checkpointer, save_step
-from grpo_jax.trainer.preemption import StopSignals
-from grpo_jax.trainer.prepare import model_json, prepare, write_model_files
+from grpo_jax.trainer.checkpoint import Checkpointer, checkpoint_hook
+from grpo_jax.trainer.preemption import StoppedBeforeStart, StopSignals, stop_report
+from grpo_jax.trainer.prepare import Prepared, model_json, prepare, write_model_files
 from grpo_jax.trainer.resume import restore_state, resumable_steps
 from grpo_jax.trainer.setup import Built, build
 
@@ -77,12 +77,13 @@ class Trainer:
         self.config, self.run_dir, self.hooks = config, self.storage.local, list(hooks)
         self.bar: ProgressBar | None = None
         self.log = log or (lambda line: (self.bar.write(line) if self.bar else print(line, file=sys.stderr)))
-        self.prepared = prepare(config)  # every input check, before any compile
         self.primary = is_primary()  # process 0 writes the run directory's files
         if not self.primary:
             self.log = lambda line: None
-        for note in self.prepared.notes:
-            self.log(note)
+        self.sync = self.storage.sync if self.primary else (lambda: None)  # upload the staged files (gs://...)
+        # Installed by `run` from its first input check to its last file (grpo_jax.trainer.preemption).
+        self.signals = StopSignals(self.log, every_minutes=config.checkpoint.every_minutes, stage="setup")
+        self.prepared: Prepared | None = None  # every input check, before any compile (by `run`)
         self.evals: list[tuple[int, dict]] = []  # (step, eval metrics), for the summary
         self.rewards: list[float] = []  # each step's reward/mean
         self.writer: MetricsWriter | None = None
@@ -90,25 +91,30 @@ class Trainer:
         self.state = None
 
     def run(self) -> dict:
-        cfg = self.config
-        checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
-        try:
-            steps = checkpointer.all_steps()
-            if steps and not cfg.train.resume:
-                raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {steps[0]}); resume "
-                                  "it (train.resume: true) or choose another --output")
-            candidates = []
-            if steps:  # every reason to refuse the restart is found before anything is written
-                if self.primary:
-                    self.storage.pull()  # a remote run's model/config.json, to compare
-                candidates = resumable_steps(checkpointer, steps, prepared=self.prepared, run_dir=self.run_dir,
-                                             model_json=model_json(self.prepared), where=str(self.storage),
-                                             warn=self.log)
-            self._open_run_dir()
-            with StopSignals(self.log, every_minutes=cfg.checkpoint.every_minutes) as signals:
-                return self._run(checkpointer, candidates, signals)
-        finally:
-            checkpointer.close()
+        cfg, candidates = self.config, []
+        with self.signals:
+            self.prepared = prepare(cfg)
+            for note in self.prepared.notes:
+                self.log(note)
+            checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
+            try:
+                steps = checkpointer.all_steps()
+                if steps and not cfg.train.resume:
+                    raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {steps[0]}); resume "
+                                      "it (train.resume: true) or choose another --output")
+                if steps:  # every reason to refuse the restart is found before anything is written
+                    if self.primary:
+                        self.storage.pull()  # a remote run's model/config.json, to compare
+                    candidates = resumable_steps(checkpointer, steps, prepared=self.prepared, run_dir=self.run_dir,
+                                                 model_json=model_json(self.prepared), where=str(self.storage),
+                                                 warn=self.log)
+                self.signals.stop_point()  # before anything is written
+                self._open_run_dir()
+                return self._run(checkpointer, candidates)
+            except StoppedBeforeStart as stop:
+                return self._stopped(checkpointer, None, str(stop), resuming=bool(candidates))
+            finally:
+                checkpointer.close()
 
     def _open_run_dir(self) -> None:
         """Write the run's config and model files (after the checkpoint check: a refused start
@@ -124,8 +130,9 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
             write_model_files(self.prepared, self.run_dir / "model")
 
-    def _run(self, checkpointer: Checkpointer, candidates: list[int], signals: StopSignals) -> dict:
-        cfg = self.config
+    def _start(self, checkpointer: Checkpointer, candidates: list[int]) -> tuple[Any, int | None]:
+        """(state, the step it resumes after) with the pieces built and the evaluations so far (a
+        fresh run's at step 0); a stop signal meanwhile stops the run here (StoppedBeforeStart)."""
         saved_base = checkpointer.restore_meta(candidates[0]).get("base") if candidates else None
         self.built = b = build(self.prepared, run_dir=self.run_dir, saved_base=saved_base,
                                resuming=bool(candidates), log=self.log)
@@ -135,55 +142,56 @@ class Trainer:
                                                prepared=self.prepared, where=str(self.storage), warn=self.log)
             state = b.learner.place(state)
             self.log(f"resumed from the checkpoint of step {resume_from} in {self.storage}"
-                     + (f"; the run already reached train.steps={cfg.train.steps}, nothing left to train"
-                        if resume_from >= cfg.train.steps else ""))
+                     + (f"; the run already reached train.steps={self.config.train.steps}, nothing left to train"
+                        if resume_from >= self.config.train.steps else ""))
+        self.signals.stop_point()
         b.source.sync(b.learner.params(state))
         self.evals = self._past_evals(resume_from)
+        if resume_from is None:
+            self.evals.append((0, self._evaluate(0)))
+            self.signals.stop_point()  # before it is logged: a run stopped here leaves no logs to repeat
+        self.signals.stage = "steps"  # from here a signal ends the step in flight, and it is saved
+        return state, resume_from
+
+    def _run(self, checkpointer: Checkpointer, candidates: list[int]) -> dict:
+        cfg, signals = self.config, self.signals
+        state, resume_from = self._start(checkpointer, candidates)
+        b, first = self.built, (resume_from or 0) + 1
         self.writer = MetricsWriter(self.run_dir) if self.primary else None
         if self.writer is not None and resume_from is not None:
             self.writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
-        first = (resume_from or 0) + 1
+        elif self.writer is not None:
+            self.writer.write(0, self.evals[0][1])
         self.bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
                                initial=min(first - 1, cfg.train.steps))
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
 
-        def checkpoint(step, state, trajectories, metrics) -> bool:
-            stop, due = signals.check(step)
-            if stop or due or cfg.checkpoint.every and step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                save_step(checkpointer, step, b.learner.unplace(state), stream=self.prepared.train_stream,
-                          seed=cfg.train.seed, reference=b.learner.reference, base=b.base,
-                          rewards=self.prepared.rewards)
-                if self.primary:
-                    self.storage.sync()
-                signals.saved()
-            return stop
-
         hooks = [lambda step, _, t, m: watch.check(step, m, t.first.rewards.messages), self._evaluate_hook,
-                 self._publish, checkpoint]
+                 self._publish, checkpoint_hook(checkpointer, signals, learner=b.learner, prepared=self.prepared,
+                                                base=b.base, synced=self.sync)]
         try:
-            if resume_from is None:
-                self.evals.append((0, self._evaluate(0, self.writer)))
             state, stopped_at = run_steps(b.source, b.learner, state, range(first, cfg.train.steps + 1), hooks)
+            signals.stage = "finish"
             if stopped_at is None and any_host(not self.evals):  # resumed after the last step, on a host without the logs
-                self.evals.append((cfg.train.steps, self._evaluate(cfg.train.steps, None)))
+                self.evals.append((cfg.train.steps, self._evaluate(cfg.train.steps)))
         finally:
             self.bar.close()
             self.bar = None
             if self.writer is not None:
                 self.writer.close()
-            if self.primary:
-                self.storage.sync()  # what there is, even when the run stops with an error
+            self.sync()  # what there is, even when the run stops with an error
         self.state = state  # the final train state (placed), for callers that inspect it
         if stopped_at is not None:
             return self._stopped(checkpointer, stopped_at, signals.received)
+        checkpointer.wait()  # the last checkpoint committed before the summary says the run is done
         return {**self._summary(), "learner_bytes": b.learner.footprint(state)}
 
     # --- hooks ------------------------------------------------------------------------------------
     def _evaluate_hook(self, step: int, state, trajectories: Trajectories, metrics: dict) -> None:
         every = self.config.eval.every
         if every and step % every == 0 or step == self.config.train.steps:
-            self.evals.append((step, self._evaluate(step, None)))
+            self.evals.append((step, self._evaluate(step)))
             metrics.update(self.evals[-1][1])
 
     def _publish(self, step: int, state, trajectories: Trajectories, metrics: dict) -> None:
@@ -200,13 +208,11 @@ class Trainer:
         self.bar.update(step, metrics)
 
     # --- around the loop --------------------------------------------------------------------------
-    def _evaluate(self, step: int, writer: MetricsWriter | None) -> dict:
+    def _evaluate(self, step: int) -> dict:
         p = self.prepared
         ev = evaluate(self.built.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
                       sampling=p.eval_sampling, tokenizer=p.tokenizer, mesh=p.mesh,
                       rng=jax.random.key(self.config.train.seed + 1))
-        if writer is not None:
-            writer.write(step, ev)
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
                  f"{ev['eval/pass@k']:.3f}")
         return ev
@@ -220,19 +226,16 @@ class Trainer:
             return []
         return [(r["step"], r) for r in read_metrics(self.run_dir) if "eval/accuracy" in r and r["step"] <= resume_from]
 
-    def _stopped(self, checkpointer: Checkpointer, step: int, why: str) -> dict:
-        """After a stop signal: the step's checkpoint complete on storage, one line on how to go on."""
+    def _stopped(self, checkpointer: Checkpointer, step: int | None, why: str, *, resuming: bool = False) -> dict:
+        """After a stop signal: the step's checkpoint (if any) complete on storage, one line on how to go on."""
         checkpointer.wait()
-        if self.primary:
-            self.storage.sync()
-        self.log(f"stopped by {why} after step {step} of {self.config.train.steps}: its checkpoint is in "
-                 f"{self.storage}; run the same command again to resume from it")
-        return {"stopped": why, "step": step, "run_dir": str(self.storage)}
+        self.sync()
+        return stop_report(why, step=step, steps=self.config.train.steps, where=str(self.storage),
+                           resuming=resuming, log=self.log)
 
     def _summary(self) -> dict:
         plot = plot_run(self.run_dir) if self.primary else None
-        if self.primary:
-            self.storage.sync()
+        self.sync()
         start, end = self.evals[0][1], self.evals[-1][1]
         self.log(f"eval accuracy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}; "
                  f"metrics: {self.run_dir / 'metrics.jsonl'}; plot: {plot}")

@@ -1,11 +1,20 @@
-"""Preemption: a preemption notice (SIGTERM) or Ctrl-C (SIGINT) ends the current step, saves a
-checkpoint at it and lets the run return normally; a second signal aborts at once.
+"""Preemption: a preemption notice (SIGTERM) or Ctrl-C (SIGINT) ends the run at the next point where
+nothing is lost, and the run returns normally (the command exits 0); a second signal aborts at once.
+
+Where a first signal lands decides what the run does (`StopSignals.stage`):
+- "setup", before the first step (input checks, the pieces, the warm start, the first evaluation):
+  nothing new is there to save, so the run stops at the next `stop_point` (between setup phases and
+  between warm-start steps) with one line saying so;
+- "steps": the step in flight ends, a checkpoint is saved at it and the run stops;
+- "finish", after the last step: the run finishes as it would have (its last checkpoint committed,
+  its metrics, summary and plot written): there is nothing shorter that loses nothing.
+The handlers stay installed through all three, until the last file is written.
 
 On one host the trainer's own signal handlers set the flag. On several hosts (jax.distributed)
 JAX's preemption service already owns SIGTERM: it agrees on a step every host reaches
 (`multihost_utils.reached_preemption_sync_point`), so every host saves the same step; SIGINT is
 still ours, and a flag set on any host stops every host at the same step (one small collective
-per step, shared with the wall-clock checkpoint decision).
+per step, and one per stop point, shared with the wall-clock checkpoint decision).
 """
 
 from __future__ import annotations
@@ -18,7 +27,17 @@ from collections.abc import Callable
 
 from jax.experimental import multihost_utils
 
-from grpo_jax.runtime.hosts import any_hosts, multi_process
+from grpo_jax.runtime.hosts import any_host, any_hosts, multi_process
+
+STAGES = ("setup", "steps", "finish")
+_PLANS = {"setup": "stopping before the first step, without saving",
+          "steps": "finishing this step, then saving a checkpoint and stopping",
+          "finish": "the last step is done: finishing its checkpoint and the run's files, then stopping"}
+
+
+class StoppedBeforeStart(Exception):
+    """A stop signal arrived before the run's first step (raised at a `stop_point`): nothing new
+    to save. The argument is the signal's name."""
 
 
 def _jax_preemption_service() -> bool:
@@ -30,14 +49,31 @@ def _jax_preemption_service() -> bool:
     return distributed.global_state.preemption_sync_manager is not None
 
 
-class StopSignals:
-    """Context manager installing the handlers (main thread only; restored on exit), and the
-    per-step decision `check(step)` -> (stop, checkpoint due by the clock), the same on every host."""
+# The StopSignals whose handlers are installed: handlers are process-wide, and so is this (read by
+# `stop_point`, which code far from the trainer calls, e.g. the warm start between its steps).
+_installed: list[StopSignals] = []
 
-    def __init__(self, log: Callable[[str], None], *, every_minutes: float = 0.0):
+
+def stop_point() -> None:
+    """A point before the run's first step where it can stop losing nothing: raises
+    StoppedBeforeStart when the installed StopSignals received a signal (on any host: every host
+    calls this at the same points). Does nothing without installed handlers or after the setup."""
+    if _installed and _installed[-1].stage == "setup":
+        _installed[-1].stop_point()
+
+
+class StopSignals:
+    """Context manager installing the handlers (main thread only; restored on exit), the per-step
+    decision `check(step)` -> (stop, checkpoint due by the clock), the same on every host, and
+    `stop_point()` before the first step. The trainer moves `stage` on as the run goes (STAGES)."""
+
+    def __init__(self, log: Callable[[str], None], *, every_minutes: float = 0.0, stage: str = "steps"):
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         self.log = log
         self.every_s = every_minutes * 60.0
         self.received: str | None = None  # the signal's name, once one arrived (on this host)
+        self.stage = stage
         self.last_save = time.monotonic()
         self._previous: dict[int, object] = {}
         self._jax_service = multi_process() and _jax_preemption_service()
@@ -47,9 +83,11 @@ class StopSignals:
             signals = [signal.SIGINT] + ([] if self._jax_service else [signal.SIGTERM])
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        _installed.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _installed.remove(self)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -62,8 +100,12 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.received = name
-        self.log(f"received {name}: finishing this step, then saving a checkpoint and stopping "
-                 f"(send {name} again to abort at once)")
+        self.log(f"received {name}: {_PLANS[self.stage]} (send {name} again to abort at once)")
+
+    def stop_point(self) -> None:
+        """Raise StoppedBeforeStart if a signal arrived on any host (a collective on several)."""
+        if any_host(self.received is not None):
+            raise StoppedBeforeStart(self.received or "a stop signal on another host")
 
     def saved(self) -> None:
         """A checkpoint was just written: the clock starts again."""
@@ -78,3 +120,20 @@ class StopSignals:
             stop = True
             self.received = self.received or "a preemption notice (JAX preemption service)"
         return stop, due
+
+
+def stop_report(why: str, *, step: int | None, steps: int, where: str, resuming: bool,
+                log: Callable[[str], None]) -> dict:
+    """The summary of a run a stop signal ended, and its last line (to `log`): after `step`, whose
+    checkpoint is complete in `where`, or before its first step (`step` None): nothing saved yet,
+    or nothing new for a `resuming` run."""
+    again = "run the same command again to"
+    if step is not None:
+        line = f"stopped by {why} after step {step} of {steps}: its checkpoint is in {where}; {again} resume from it"
+    elif resuming:
+        line = (f"stopped by {why} before its next step: nothing new was saved; {again} resume from its newest "
+                f"checkpoint in {where}")
+    else:
+        line = f"stopped by {why} before the first checkpoint: nothing was saved yet; {again} start the run"
+    log(line)
+    return {"stopped": why, "step": step, "run_dir": where}

@@ -21,6 +21,7 @@ from flax import nnx
 from grpo_jax.runtime.hosts import common_bucket, row_share, to_global
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.optimizer import warm_start_optimizer
+from grpo_jax.trainer.preemption import stop_point
 from grpo_jax.trainer.prepare import Prepared
 from grpo_jax.rollout.sampling import pad_prompts
 from grpo_jax.runtime.sharding import batch_sharding, on_mesh, replicated, sharded_jit, tree_shardings
@@ -66,7 +67,8 @@ def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Seq
 def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[float]:
     """The supervised phase (`sft.steps` steps) on the train split's reference answers, data-parallel
     over the run's mesh (each host builds its block of every batch); updates `model` in place and
-    returns the losses."""
+    returns the losses. A stop signal before a step ends it there (`preemption.stop_point`: the
+    run stops, nothing saved)."""
     cfg, sampling, mesh = prepared.config.sft, prepared.sampling, prepared.mesh
     tok = prepared.tokenizer
     eos = sampling.stop_token_ids[0]
@@ -79,6 +81,7 @@ def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[fl
     step = make_sft_step(graphdef, optimizer, mesh=mesh, params=params, opt_state=opt_state, chunk=t.logprob_chunk)
     losses = []
     for i in range(cfg.steps):
+        stop_point()
         examples = prepared.sft_stream.next_batch(share.size)
         answers = [tok.encode(cfg.answer_template.format(**ex.fields), add_special_tokens=False) + [eos]
                    for ex in examples]

@@ -1,5 +1,7 @@
 """A preemption notice (SIGTERM) ends the step in flight, saves it and exits 0; the same command
-then resumes, and the run ends exactly where an uninterrupted one does."""
+then resumes, and the run ends exactly where an uninterrupted one does. A signal before the first
+step stops the run, saving nothing, and one after the last step lets it finish: exit 0 either way,
+with every checkpoint it reports complete."""
 
 from __future__ import annotations
 
@@ -52,6 +54,93 @@ def test_sigterm_saves_the_step_exits_0_and_the_rerun_matches_an_uninterrupted_r
     reference = tmp_path / "uninterrupted"
     assert cli.main(["train", "--config", path, "--output", str(reference)]) == 0
     assert_same_run(reference, out)  # each step logged once
+
+
+def sigterm_in(monkeypatch, *targets, call: int = 1) -> None:
+    """Deliver SIGTERM from inside the `call`-th call (counted over `targets`, (owner, name) pairs)
+    of the functions named, before it runs, as the signal would be (the installed handler, called in
+    the main thread): it lands at that moment however fast the machine, and without handlers
+    installed there (SIG_DFL: not callable) the test fails instead of the process dying."""
+    calls = []
+
+    def wrap(original, name):
+        def patched(*args, **kwargs):
+            calls.append(name)
+            if len(calls) == call:
+                handler = signal.getsignal(signal.SIGTERM)
+                assert callable(handler) and handler.__self__.received is None, f"no stop handler in {name}"
+                handler(signal.SIGTERM, None)
+            return original(*args, **kwargs)
+        return patched
+
+    for owner, name in targets:
+        monkeypatch.setattr(owner, name, wrap(getattr(owner, name), name))
+
+
+def _signalled_train(monkeypatch, capsys, args: list[str], *targets, call: int = 1) -> tuple[dict, str]:
+    """`grpo-jax train ARGS` with SIGTERM delivered in `targets` -> (its summary line, its log)."""
+    with monkeypatch.context() as patch:
+        sigterm_in(patch, *targets, call=call)
+        capsys.readouterr()
+        assert cli.main(["train", *args]) == 0
+    out, err = capsys.readouterr()
+    assert "received SIGTERM" in err, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _complete_checkpoints(out) -> list[int]:
+    """The saved steps, after checking that none is partial (orbax's *.orbax-checkpoint-tmp*)."""
+    entries = [p.name for p in (out / "checkpoints").iterdir()]
+    assert not [e for e in entries if "tmp" in e], entries
+    return sorted(int(e) for e in entries if e.isdigit())
+
+
+def _rerun_finds_nothing_to_do(args: list[str], steps: int, capsys) -> None:
+    capsys.readouterr()
+    assert cli.main(["train", *args]) == 0
+    out, err = capsys.readouterr()
+    assert f"the run already reached train.steps={steps}, nothing left to train" in err, err
+    assert "damaged" not in err, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert {"eval_accuracy_start", "eval_accuracy_end", "plot"} <= set(summary), summary
+
+
+def test_a_signal_before_the_first_step_saves_nothing_and_one_after_the_last_lets_the_run_finish(
+        tmp_path, monkeypatch, capsys):
+    """One run directory through three signalled runs: in the warm start (stops, nothing saved),
+    then afresh with a signal in the final evaluation, then extended by a step with a signal while
+    its last checkpoint commits; each exits 0, and a rerun finds nothing to do."""
+    from grpo_jax.trainer import checkpoint, loop, warm_start
+
+    config = _config(tmp_path)
+    config["train"]["steps"] = 1
+    out = tmp_path / "run"
+    args = ["--config", write_config(tmp_path, config), "--output", str(out)]
+
+    summary, err = _signalled_train(monkeypatch, capsys, [*args, "--set", "sft.steps=2"],
+                                    (warm_start, "warm_start_optimizer"))  # before the warm start's first step
+    assert "received SIGTERM: stopping before the first step, without saving" in err
+    assert "stopped by SIGTERM before the first checkpoint: nothing was saved yet" in err
+    assert "sft step" not in err and summary == {"stopped": "SIGTERM", "step": None, "run_dir": str(out)}
+    assert _complete_checkpoints(out) == [] and not (out / "metrics.jsonl").exists()
+
+    # The same command starts afresh; a signal in its final evaluation (the second): the run finishes.
+    summary, err = _signalled_train(monkeypatch, capsys, args, (loop, "evaluate"), call=2)
+    assert "received SIGTERM: finishing this step, then saving a checkpoint" in err
+    assert "eval_accuracy_end" in summary and (out / "metrics.png").exists()
+    assert _complete_checkpoints(out) == [1]
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]  # each logged once
+    _rerun_finds_nothing_to_do(args, 1, capsys)
+
+    # One more step; the signal lands while its checkpoint commits (orbax saves asynchronously).
+    args = [*args, "--set", "train.steps=2"]
+    summary, err = _signalled_train(monkeypatch, capsys, args, (checkpoint.Checkpointer, "wait"),
+                                    (checkpoint.Checkpointer, "close"))
+    assert "received SIGTERM: the last step is done: finishing its checkpoint and the run's files" in err
+    assert "eval_accuracy_end" in summary
+    assert _complete_checkpoints(out) == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+    _rerun_finds_nothing_to_do(args, 2, capsys)
 
 
 def test_a_second_signal_aborts_at_once():
