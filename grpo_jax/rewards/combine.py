@@ -88,10 +88,13 @@ def _scores(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str]
     if values is not None:
         return _counted(spec, values, n), 0, ""
     values, lost, message, first = [], 0, "", None
+    # A reward that keeps statistics (grpo_jax.rewards.stateful: a reward model's running
+    # normalisation) rescores without updating them: one failed batch must not count n times.
+    fn = spec.fn.without_updates() if callable(getattr(spec.fn, "without_updates", None)) else spec.fn
     for i in range(n):
         one = {key: column[i:i + 1] for key, column in fields.items()}
         try:
-            value = list(spec.fn(prompts[i:i + 1], completions[i:i + 1], **one))
+            value = list(fn(prompts[i:i + 1], completions[i:i + 1], **one))
         except Exception as e:  # noqa: BLE001 - this sample only
             values.append(None)
             lost += 1

@@ -120,3 +120,22 @@ def test_every_built_in_keeps_its_good_samples_beside_a_poisoned_one(name, field
                              {k: [v] * 4 for k, v in fields.items()})
     np.testing.assert_array_equal(result.per_fn[name], [1.0, np.nan, 0.0, 1.0])
     assert result.failures == {name: 1} and "(sample 1)" in result.messages[name]
+
+
+def test_a_stateful_reward_rescores_a_failed_batch_without_updating_its_statistics():
+    class Counting:  # the shape of grpo_jax.rewards.stateful.StatefulReward's scoring side
+        def __init__(self):
+            self.updates = 0
+
+        def __call__(self, prompts, completions, **fields):
+            if len(completions) > 1:
+                raise RuntimeError("batch failed")
+            self.updates += 1
+            return [1.0]
+
+        def without_updates(self):
+            return lambda prompts, completions, **fields: [2.0] * len(completions)
+
+    reward = Counting()
+    result = combine_rewards([RewardSpec("rm", reward)], ["p", "q"], ["a", "b"])
+    assert result.total.tolist() == [2.0, 2.0] and reward.updates == 0
