@@ -302,6 +302,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from grpo_jax.tools import check as check_tool
     from grpo_jax.tools import smoke as smoke_tool
 
     parser = _Parser(prog="grpo-jax", description=__doc__)
@@ -324,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "data, rewards, installed packages) without compiling anything")
     check.add_argument("--config", required=True, help="YAML file, e.g. configs/smollm2_135m_gsm8k_cpu.yaml")
     check.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
-    check.add_argument("--for", dest="for_command", choices=("train", "train-rm"), default="train",
+    check.add_argument("--for", dest="for_command", choices=check_tool.COMMANDS, default="train",
                        help="the command the config is for (default train)")
     check.set_defaults(func=_check, prog=check.prog)
 
