@@ -54,7 +54,9 @@ class PreferenceDataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RMTrainConfig:
-    """AdamW on -log sigmoid(r_chosen - r_rejected - margin) over `batch_size` pairs a step;
+    """AdamW on -log sigmoid(r_chosen - r_rejected - margin) over `batch_size` pairs a step, plus
+    `lm_coef` times the backbone's next-token cross-entropy on the chosen answers' tokens (0 = off;
+    the backbone predicts through its tied embedding, so nothing is added to the saved model);
     held-out pair accuracy every `eval_every` steps (0: before the first and after the last)."""
 
     steps: int = 300
@@ -64,6 +66,7 @@ class RMTrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     margin: float = 0.0  # a constant margin, added to the margin_field's when both are set
+    lm_coef: float = 0.0
     seed: int = 0
     eval_every: int = 0
     progress: bool = True
@@ -71,7 +74,7 @@ class RMTrainConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "learning_rate", "max_grad_norm"):
             positive("train", name, getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "margin", "eval_every"):
+        for name in ("warmup_steps", "weight_decay", "margin", "lm_coef", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 

@@ -56,13 +56,19 @@ class RewardModel(nnx.Module):
     def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """Scores float32 [B, num_labels] of input_ids int [B, T] (attention_mask [B, T], 1 = real;
         default: every token that is not the pad id), read at each row's last non-pad token."""
+        return self.scores_and_states(input_ids, attention_mask)[0]
+
+    def scores_and_states(self, input_ids: jax.Array,
+                          attention_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(scores as `__call__`, the backbone's final-normed hidden states [B, T, E]: reward-model
+        training also predicts tokens from them through the tied embedding, `backbone.logits`)."""
         chex.assert_rank(input_ids, 2)
         if attention_mask is None:
             attention_mask = input_ids != self.pad_token_id
         h_BTE = self.backbone.hidden_states(input_ids, attention_mask=attention_mask)
         h_BE = h_BTE[jnp.arange(input_ids.shape[0]), last_token_index(input_ids, self.pad_token_id)]
         return jnp.einsum("be,eo->bo", h_BE, self.score[...].astype(h_BE.dtype),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=jnp.float32), h_BTE
 
 
 def last_token_index(input_ids: jax.Array, pad_token_id: int) -> jax.Array:

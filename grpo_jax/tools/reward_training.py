@@ -1,12 +1,17 @@
 """`grpo-jax train-rm`: a reward model trained on preference pairs with the Bradley-Terry loss.
 
     loss = mean over pairs of -log sigmoid(r(prompt, chosen) - r(prompt, rejected) - margin)
+           + lm_coef * (the backbone's next-token cross-entropy on the chosen answers' tokens)
 
 on the same mesh machinery as the policy (the model placed by the sharding rules, the step jitted
 with explicit shardings, rows split over data x fsdp). Pairs come from a TFDS builder of this
 project (`arithmetic_preferences`) or jsonl files; each answer is put after its prompt exactly as
 the `reward_model` reward will put a policy's completion (`rewards.reward_model.rm_input`), so the
-model is scored at training time on what it will see at GRPO time. Rows without the fields, or with
+model is scored at training time on what it will see at GRPO time. The language-model term
+(`train.lm_coef`, off by default) is there for correctness: a Bradley-Terry loss alone lets a small
+model rank pairs by the easy cues (length, filler words) and never learn what makes an answer right;
+predicting the right answer's tokens makes the backbone compute it, and the score head can then
+compare (the demo's reward model needs it to tell wrong sums apart: configs/rm_demo_cpu.yaml). Rows without the fields, or with
 answers that are not text, are skipped and counted; pairs longer than `data.max_length` keep their
 last tokens (counted). Held-out pair accuracy (`rm/pair_accuracy`) is measured before the first
 step, every `train.eval_every` steps and after the last; the model is saved as an HF
@@ -35,6 +40,7 @@ from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.models import from_pretrained
 from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_reward_model
 from grpo_jax.rewards.reward_model import rm_input
+from grpo_jax.learner.logprobs import chunked_logprobs
 from grpo_jax.learner.optimizer import make_optimizer, schedule
 from grpo_jax.models import JNP_DTYPES
 from grpo_jax.trainer.prepare import architecture, build_tokenizer
@@ -45,11 +51,13 @@ from grpo_jax.runtime.sharding import (batch_sharding, make_mesh, mesh_devices, 
 @dataclasses.dataclass
 class Pairs:
     """Encoded preference pairs: ids / mask int32 [N, 2, T] (0 = chosen, 1 = rejected, right-padded),
-    margin float32 [N], and the rows' `kind` (or None) for per-kind accuracy."""
+    margin float32 [N], answer_start int32 [N] (the chosen row's first answer token), and the rows'
+    `kind` (or None) for per-kind accuracy."""
 
     ids: np.ndarray
     mask: np.ndarray
     margin: np.ndarray
+    answer_start: np.ndarray
     kinds: list[str | None]
 
 
@@ -81,7 +89,8 @@ def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit:
     """(the encodable pairs, counters {pairs, skipped, truncated, first_skip}) of `rows`."""
     d = config.data
     use_chat = d.chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
-    texts, margins, kinds, stats = [], [], [], {"pairs": 0, "skipped": 0, "truncated": 0, "first_skip": None}
+    texts, prompts, margins, kinds = [], [], [], []
+    stats = {"pairs": 0, "skipped": 0, "truncated": 0, "first_skip": None}
     for row in rows:
         if limit and stats["pairs"] == limit:
             break
@@ -101,11 +110,17 @@ def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit:
         messages = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + [
             {"role": "user", "content": user}]
         texts += [rm_input(tokenizer, user, a, messages, use_chat=use_chat) for a in answers]
+        prompts.append(rm_input(tokenizer, user, "", messages, use_chat=use_chat))
         margins.append(margin + config.train.margin)
         kinds.append(row.get("kind"))
         stats["pairs"] += 1
     ids = tokenizer(texts, add_special_tokens=not use_chat)["input_ids"] if texts else []
+    prompt_ids = tokenizer(prompts, add_special_tokens=not use_chat)["input_ids"] if prompts else []
     stats["truncated"] = sum(len(a) > d.max_length or len(b) > d.max_length for a, b in zip(ids[::2], ids[1::2]))
+    # The answer starts where the chosen row parts from its prompt rendered with an empty answer
+    # (with a chat template the empty turn's closing tokens follow the prompt, so a plain prompt
+    # length would be wrong); cut rows lose their first tokens.
+    starts = [max(0, common_prefix(p, c) - max(0, len(c) - d.max_length)) for p, c in zip(prompt_ids, ids[::2])]
     ids = [row[-d.max_length:] for row in ids]
     T = min(d.max_length, pow2_bucket(max((len(r) for r in ids), default=1), 8))
     out = np.full((len(ids), T), tokenizer.pad_token_id, np.int32)
@@ -113,7 +128,14 @@ def encode_pairs(rows: Sequence[dict], config: RMRunConfig, tokenizer, *, limit:
     for i, row in enumerate(ids):
         out[i, :len(row)], mask[i, :len(row)] = row, 1
     n = len(ids) // 2
-    return Pairs(out.reshape(n, 2, T), mask.reshape(n, 2, T), np.asarray(margins, np.float32), kinds), stats
+    return Pairs(out.reshape(n, 2, T), mask.reshape(n, 2, T), np.asarray(margins, np.float32),
+                 np.asarray(starts, np.int32), kinds), stats
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def build_reward_model(config: RMRunConfig, tokenizer) -> RewardModel:
@@ -140,34 +162,53 @@ def bt_loss(r_chosen: jax.Array, r_rejected: jax.Array, margin: jax.Array) -> ja
     return jnp.mean(jax.nn.softplus(-(r_chosen - r_rejected - margin)))
 
 
+def answer_nll(model: RewardModel, h_BTE: jax.Array, ids_BT: jax.Array, mask_BT: jax.Array,
+               answer_start_B: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of the tokens at and after `answer_start` (int32 [B]) of each
+    row, predicted by the backbone (tied embedding) from the hidden states h [B, T, E] before them."""
+    logp_BT, _ = chunked_logprobs(h_BTE[:, :-1], ids_BT[:, 1:], model.backbone.logits)
+    T = ids_BT.shape[1]
+    keep_BT = (jnp.arange(1, T)[None, :] >= answer_start_B[:, None]) & (mask_BT[:, 1:] > 0)
+    keep_BT = keep_BT.astype(jnp.float32)
+    return -jnp.sum(logp_BT * keep_BT) / jnp.maximum(jnp.sum(keep_BT), 1.0)
+
+
 def _pair_scores(model: RewardModel, ids_B2T, mask_B2T):
+    """(r_chosen [B], r_rejected [B], the chosen rows' hidden states [B, T, E])."""
     B, _, T = ids_B2T.shape
-    r = model(ids_B2T.reshape(2 * B, T), mask_B2T.reshape(2 * B, T))[:, 0].reshape(B, 2)
-    return r[:, 0], r[:, 1]
+    r, h = model.scores_and_states(ids_B2T.reshape(2 * B, T), mask_B2T.reshape(2 * B, T))
+    r = r[:, 0].reshape(B, 2)
+    return r[:, 0], r[:, 1], h.reshape(B, 2, T, -1)[:, 0]
 
 
-def make_steps(graphdef, optimizer, mesh, params, opt_state):
+def make_steps(graphdef, optimizer, mesh, params, opt_state, *, lm_coef: float = 0.0):
     """(train step, scoring step), jitted once (`sharded_jit`). The params (and Adam's moments, made
     from them) keep the shardings `place_model` gave them (`params`, `opt_state` as placed); the
-    pairs' rows are split over data x fsdp; params and optimizer state are donated."""
+    pairs' rows are split over data x fsdp; params and optimizer state are donated. With `lm_coef`
+    the step also logs `rm/lm_loss` (the chosen answers' cross-entropy); without, no logits are
+    computed (a real model's vocabulary makes them the largest tensor of the step)."""
 
-    def train_step(params, opt_state, ids, mask, margin):
+    def train_step(params, opt_state, ids, mask, margin, answer_start):
         def loss_fn(p):
-            rc, rr = _pair_scores(nnx.merge(graphdef, p), ids, mask)
-            return bt_loss(rc, rr, margin), (rc, rr)
+            model = nnx.merge(graphdef, p)
+            rc, rr, h_BTE = _pair_scores(model, ids, mask)
+            terms = {"rm/loss": bt_loss(rc, rr, margin)}
+            if lm_coef:
+                terms["rm/lm_loss"] = answer_nll(model, h_BTE, ids[:, 0], mask[:, 0], answer_start)
+            return terms["rm/loss"] + lm_coef * terms.get("rm/lm_loss", 0.0), (terms, rc, rr)
 
-        (loss, (rc, rr)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, (terms, rc, rr)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {"rm/loss": loss, "rm/accuracy": jnp.mean(rc > rr), "rm/reward_margin": jnp.mean(rc - rr),
+        metrics = {**terms, "rm/accuracy": jnp.mean(rc > rr), "rm/reward_margin": jnp.mean(rc - rr),
                    "train/grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(params, updates), opt_state, metrics
 
     def score_step(params, ids, mask):
-        return _pair_scores(nnx.merge(graphdef, params), ids, mask)
+        return _pair_scores(nnx.merge(graphdef, params), ids, mask)[:2]
 
     shardings = (tree_shardings(params), tree_shardings(opt_state))
     rows = batch_sharding(mesh, 1)  # a prefix: the pairs' rows split, the rest whole
-    train = sharded_jit(train_step, in_shardings=(*shardings, rows, rows, rows),
+    train = sharded_jit(train_step, in_shardings=(*shardings, rows, rows, rows, rows),
                         out_shardings=(*shardings, replicated(mesh)), donate=("params", "opt_state"))
     score = sharded_jit(score_step, in_shardings=(shardings[0], rows, rows), out_shardings=replicated(mesh))
     return train, score
@@ -222,7 +263,7 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
                                weight_decay=t.weight_decay)
     graphdef, params = nnx.split(model)
     opt_state = on_mesh(optimizer.init(params), mesh)  # Adam's moments take the placed params' shardings
-    train_step, score = make_steps(graphdef, optimizer, mesh, params, opt_state)
+    train_step, score = make_steps(graphdef, optimizer, mesh, params, opt_state, lm_coef=t.lm_coef)
     rng = np.random.default_rng(t.seed)
     order, cursor = rng.permutation(len(train.margin)), 0
     eval_steps = {0, t.steps} | ({*range(t.eval_every, t.steps, t.eval_every)} if t.eval_every else set())
@@ -239,7 +280,7 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
                 order, cursor = rng.permutation(len(train.margin)), 0
             t0 = time.perf_counter()
             params, opt_state, metrics = train_step(params, opt_state, train.ids[idx], train.mask[idx],
-                                                    train.margin[idx])
+                                                    train.margin[idx], train.answer_start[idx])
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
             metrics["perf/step_s"] = time.perf_counter() - t0
             if step in eval_steps:

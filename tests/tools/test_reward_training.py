@@ -50,6 +50,7 @@ def test_bradley_terry_training_raises_held_out_pair_accuracy(trained_rm):
     assert start < 0.6 and end > 0.68, (start, end)
     assert evals[-1]["rm/pair_accuracy/verbose"] > 0.95
     train_rows = [r for r in read_metrics(out) if "rm/loss" in r]
+    assert not any("rm/lm_loss" in r for r in train_rows)  # lm_coef 0: no language-model term computed
     assert np.mean([r["rm/loss"] for r in train_rows[-20:]]) < np.mean([r["rm/loss"] for r in train_rows[:10]])
 
 
@@ -205,6 +206,9 @@ def test_jsonl_pairs_are_encoded_as_the_reward_scores_them_and_bad_rows_skipped_
     # The chosen text is the prompt followed by the answer, right-padded, exactly as the reward scores it.
     first = tok.decode([t for t in pairs.ids[0, 0] if t], skip_special_tokens=True)
     assert first == "0+0=0" and pairs.mask[0, 0].sum() == len("0+0=0") + 1  # + <bos>
+    # The language-model term's answer starts after <bos> and the prompt.
+    assert [tok.decode(pairs.ids[i, 0, pairs.answer_start[i]:], skip_special_tokens=True)
+            for i in range(3)] == [r["chosen"] for r in good[:3]]
     held, held_stats = encode_pairs(read_rows(rm, "eval"), rm, tok, limit=4)
     assert held_stats["pairs"] == 4 and held.ids.shape[0] == 4
     config["data"]["eval_file"] = None
@@ -212,17 +216,54 @@ def test_jsonl_pairs_are_encoded_as_the_reward_scores_them_and_bad_rows_skipped_
     assert "both data.train_file and data.eval_file" in capsys.readouterr().err
 
 
+def test_the_answer_language_model_term_is_the_chosen_answers_cross_entropy(tmp_path):
+    """With a chat template the answer starts inside the assistant turn (its closing tokens count
+    too), a cut row's start moves with it, and `answer_nll` equals a NumPy cross-entropy over
+    exactly those tokens."""
+    from flax import nnx
+
+    from grpo_jax.models.presets import tiny
+    from grpo_jax.models.reward_model import RewardModel
+    from grpo_jax.tools.reward_training import answer_nll
+
+    template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.role == 'assistant' %}<eos>"
+                "{% endif %}{% endfor %}")
+    tok = char_tokenizer(add_bos=True, chat_template=template)
+    rows = [{"question": "12+30=", "chosen": "42", "rejected": "41"},
+            {"question": "99+99=", "chosen": "198", "rejected": "it is 198!!"}]
+    config = load_rm_config(write_config(tmp_path, {**rm_config(tmp_path), "data": {
+        "name": None, "train_file": "t", "eval_file": "e", "max_length": 26}}))
+    pairs, stats = encode_pairs(rows, config, tok)
+    assert stats["truncated"] == 1  # the second pair (27 and 35 tokens) keeps its last 26
+    assert [tok.decode(pairs.ids[i, 0, pairs.answer_start[i]:]) for i in range(2)] == ["42<eos>", "198<eos>"]
+    assert tok.decode(pairs.ids[0, 0, :pairs.answer_start[0]]) == "[user]12+30=[assistant]"
+    assert tok.decode(pairs.ids[1, 0, :pairs.answer_start[1]]) == "user]99+99=[assistant]"
+
+    model = RewardModel(tiny("qwen3"), pad_token_id=0, rngs=nnx.Rngs(0))
+    ids, mask = pairs.ids[:, 0], pairs.mask[:, 0]
+    _, h = model.scores_and_states(ids, mask)
+    got = float(answer_nll(model, h, ids, mask, pairs.answer_start))
+    logits = np.asarray(model.backbone.logits(h), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    nll = [-logp[i, t - 1, ids[i, t]] for i in range(2) for t in range(pairs.answer_start[i], ids.shape[1])
+           if mask[i, t]]
+    assert len(nll) == 7
+    np.testing.assert_allclose(got, np.mean(nll), rtol=1e-5)
+
+
 def test_train_rm_on_a_2x2x2_mesh_equals_one_device(tmp_path):
     runs = {}
     for name, mesh in (("one", {"data": 1, "fsdp": 1, "tensor": 1}), ("eight", {"data": 2, "fsdp": 2, "tensor": 2})):
-        config = {**rm_config(tmp_path, steps=3, eval_every=0, batch_size=8), "mesh": mesh}
+        config = {**rm_config(tmp_path, steps=3, eval_every=0, batch_size=8, lm_coef=0.5), "mesh": mesh}
         # 6 training pairs for batches of 8: every batch is still 8 pairs (the order wraps around).
         config["data"]["builder_kwargs"] = {"num_train": 6, "num_test": 16}
         out = tmp_path / name
         assert cli.main(["train-rm", "--config", write_config(tmp_path, config, f"{name}.yaml"),
                          "--output", str(out)]) == 0
         runs[name] = read_metrics(out)
+    assert sum("rm/lm_loss" in r for r in runs["one"]) == 3
     for a, b in zip(runs["one"], runs["eight"], strict=True):
-        for key in ("rm/loss", "rm/pair_accuracy", "rm/eval_loss"):
+        for key in ("rm/loss", "rm/lm_loss", "rm/pair_accuracy", "rm/eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
