@@ -3,7 +3,8 @@
 `hf_dir(path)` dequantises a `.gguf` file once into a cached HF-format directory (config.json,
 model.safetensors in float32, the tokenizer and chat template from the same file) keyed by the
 file's SHA-256, so `from_pretrained`, `load_tokenizer` and a run's `model.path` take a `.gguf`
-path like any model directory, and the second load is a plain safetensors read.
+path like any model directory, and the second load is a plain safetensors read. None of it imports
+torch, which a plain install does not have (`hf_tokenizer`).
 
 The conversion undoes what llama.cpp's converter did to the Hugging Face weights: GGUF stores
 linear weights [out, in] as HF does, under its own names (`blk.N.attn_q.weight`, ...); for
@@ -38,7 +39,7 @@ import numpy as np
 from grpo_jax.runtime.storage import cache_dir
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-_FORMAT = 1  # bump when the conversion changes: cached directories of older conversions are redone
+_FORMAT = 2  # bump when the conversion changes: cached directories of older conversions are redone
 
 # GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`).
 _LAYER = {
@@ -343,11 +344,45 @@ def hf_tensors(reader, config: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def hf_tokenizer(reader, model_type: str):
+    """The file's tokenizer as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)` builds
+    it (the class of `model_type`, bos/eos/unk/pad, add_bos/add_eos, the chat template), without torch.
+
+    transformers (5.24) reads a GGUF file's metadata for its tokenizer with a reader that imports torch
+    (`integrations/gguf/reader.py`), and the plain install has no torch. So the `tokenizer.*` fields
+    are read here from `reader` and grouped as its `get_gguf_tokenizer` groups them (its own key
+    table); the vocabulary, merges and special tokens then go through its own converter
+    (`convert_gguf_tokenizer`) and tokenizer class, neither of which needs torch.
+    """
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    grouped = {group: {name: _field(reader, f"tokenizer.{key}") for key, name in renames.items()
+                       if f"tokenizer.{key}" in reader.fields}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":
+        # As transformers does: llama.cpp adds BOS to a sentencepiece vocabulary unless the file says
+        # otherwise (older files have no flag). Its other special case, Gemma 4, is an architecture
+        # hf_config has refused before this.
+        tokenizer_config.setdefault("add_bos_token", True)
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
+                      ("pad_token", "padding_token_id")):
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer["tokens"][int(token_id)] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tokenizer)
+    # AutoTokenizer's choice for a directory with no tokenizer files: the model type's registered
+    # class (Gemma's, Qwen2's), else the generic backend (llama has none registered).
+    registered = TOKENIZER_MAPPING_NAMES.get(model_type)
+    cls = (tokenizer_class_from_name(registered) if registered else None) or TokenizersBackend
+    return cls(tokenizer_object=backend, **tokenizer_config, **extra)
+
+
 def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write GGUF file `path` as an HF-format directory `out` (float32 weights, tokenizer)."""
     from gguf import GGUFReader
     from safetensors.numpy import save_file
-    from transformers import AutoTokenizer
 
     path, out = Path(path), Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -356,6 +391,5 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     save_file(hf_tensors(reader, config), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if "tokenizer.ggml.model" in reader.fields:  # a file without one loads as a model; load_tokenizer says so
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        tokenizer.save_pretrained(str(out))
+        hf_tokenizer(reader, config["model_type"]).save_pretrained(str(out))
     return out
