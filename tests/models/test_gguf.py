@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf_files import one_parse_per_file
+from gguf_files import one_parse_per_file, tokenizer_behaviour
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import from_pretrained, load_tokenizer, save_pretrained
@@ -52,6 +52,17 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(loaded):
     assert "<|im_start|>" in tokenizer.chat_template
     assert chat_ids(tokenizer) == chat_ids(reference_tokenizer)
     assert len(chat_ids(tokenizer)) > 20
+
+
+def test_the_tokenizer_read_without_torch_behaves_as_transformers_gguf_tokenizer(loaded):
+    # Ours is gguf.hf_tokenizer's (our reading of the file's fields, transformers' converter), saved
+    # with the conversion and loaded back as a run loads it; theirs reads the file with torch.
+    _, tokenizer, _, reference_tokenizer, _ = loaded
+    ours, theirs = tokenizer_behaviour(tokenizer), tokenizer_behaviour(reference_tokenizer)
+    assert ours == theirs
+    assert ours["special_ids"] == [1, 2, 2, 0] and ours["adds_bos_eos"] == [False, False]
+    assert [i for i in ours["ids"][-1] if i in (0, 1, 2)] == [1, 2, 2, 0]  # each special token's text is one token
+    assert ours["chat"].endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_logits_match_transformers_gguf_loader(loaded):

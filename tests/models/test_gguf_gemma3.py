@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf_files import one_parse_per_file
+from gguf_files import one_parse_per_file, tokenizer_behaviour
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import from_pretrained, load_tokenizer
@@ -56,6 +56,18 @@ def test_gemma3_logits_match_transformers_within_and_beyond_the_sliding_window(g
         np.testing.assert_allclose(got, want, atol=1e-3, rtol=2e-5, err_msg=f"{len(ids)} tokens")
         assert (got.argmax(-1) == want.argmax(-1)).all()
     assert len(ids) > 512 and keep.max() > 512  # the long prompt crosses the sliding window
+
+
+def test_gemma3_tokenizer_read_without_torch_behaves_as_transformers_gguf_tokenizer(gemma):
+    # As tests/models/test_gguf.py's for SmolLM2: a SentencePiece vocabulary (merges rebuilt from the
+    # vocabulary, byte fallback) where SmolLM2's is byte-level BPE, and a base model without a template.
+    _, tokenizer, _, reference_tokenizer = gemma
+    ours, theirs = tokenizer_behaviour(tokenizer), tokenizer_behaviour(reference_tokenizer)
+    assert ours == theirs
+    assert ours["special_ids"] == [2, 1, 0, 3] and ours["adds_bos_eos"] == [True, False]
+    assert all(ids[0] == 2 for ids in ours["ids"])  # BOS first, as the file asks
+    assert [i for i in ours["ids"][-1] if i < 4] == [2, 2, 1, 0, 3]  # BOS added, then each special token whole
+    assert ours["chat"] is None and ours["vocabulary"] == 262_144
 
 
 def test_gemma3_greedy_generation_matches_transformers(gemma):
