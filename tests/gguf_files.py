@@ -2,13 +2,13 @@
 what a run sees of a tokenizer (`tokenizer_behaviour`), to compare ours with transformers'.
 
 A GGUF test loads one file four times: our conversion (the weights and the tokenizer, from one
-reader), and transformers' reference (its config, its weights, its tokenizer). Ours and the
-reference's config and weights parse the file's metadata with `gguf.GGUFReader` (Gemma 3's
-262,144-token vocabulary takes tens of seconds to parse on these machines; transformers reads the
-tokenizer with a reader of its own) and dequantise with `gguf.dequantize`. Both are the gguf
-package's, the same functions on both sides, so `one_parse_per_file` does each once per file and
-process: what the tests compare (our name mapping, layouts, q/k un-permutation, config, tokenizer
-files and model code against transformers' own) is computed by each side as before.
+reader), and transformers' reference (its config, its weights, its tokenizer). Our conversion and
+the reference's config parse the file's metadata with `gguf.GGUFReader` (Gemma 3's 262,144-token
+vocabulary takes tens of seconds to parse on these machines); transformers 5.24 reads the tokenizer,
+and the weights of the architectures its GGUF quantizer covers, with a reader of its own.
+`one_parse_per_file` makes each `gguf.GGUFReader` parse and each `gguf.dequantize` happen once per
+file and process: what the tests compare (our name mapping, layouts, q/k un-permutation, config,
+tokenizer files and model code against transformers' own) is computed by each side as before.
 """
 
 from __future__ import annotations
