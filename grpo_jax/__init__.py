@@ -7,7 +7,9 @@ The main API, importable from here:
 - `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.rollout.sampling);
 - `group_advantages(rewards, group_size, *, scale, estimator)` (grpo_jax.learner.grpo);
 - `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir)`
-  (grpo_jax.trainer.loop).
+  (grpo_jax.trainer.loop);
+- `mesh_device_grid(mesh_config, devices)`: the host-aware device order of a run's mesh
+  (grpo_jax.runtime.sharding).
 
 Names are loaded on first use, so `import grpo_jax.config` (a leaf) does not import JAX.
 """
@@ -28,6 +30,7 @@ _EXPORTS = {
     "RunConfig": "grpo_jax.config",
     "load_config": "grpo_jax.config",
     "train": "grpo_jax.trainer.loop",
+    "mesh_device_grid": "grpo_jax.runtime.sharding",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -75,7 +75,7 @@ def test_the_package_exports_the_main_api_lazily():
     import grpo_jax
 
     expected = {"from_pretrained", "save_pretrained", "generate", "SamplingConfig", "group_advantages", "gae",
-                "policy_loss", "get_reward_fn", "RunConfig", "load_config", "train"}
+                "policy_loss", "get_reward_fn", "RunConfig", "load_config", "train", "mesh_device_grid"}
     assert set(grpo_jax.__all__) == expected and expected <= set(dir(grpo_jax))
     from grpo_jax import config, models
     from grpo_jax.learner import grpo
@@ -91,11 +91,24 @@ def test_the_package_exports_the_main_api_lazily():
 
     assert grpo_jax.gae is ppo.gae and grpo_jax.policy_loss is grpo.policy_loss
     assert grpo_jax.get_reward_fn is rewards.get_reward_fn
+    from grpo_jax.runtime import sharding
+
+    assert grpo_jax.mesh_device_grid is sharding.mesh_device_grid
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         grpo_jax.nope  # noqa: B018
     code = "import sys, grpo_jax; grpo_jax.RunConfig; print('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_mesh_device_grid_by_keyword():
+    from grpo_jax import mesh_device_grid
+    from grpo_jax.config import MeshConfig
+
+    # One process of 8 CPU devices: their own order, shaped [data, fsdp, tensor] with -1 resolved.
+    # (Pod layouts with fake devices: tests/runtime/test_mesh_grid.py.)
+    grid = mesh_device_grid(mesh_config=MeshConfig(data=2, fsdp=-1, tensor=2), devices=jax.devices())
+    assert isinstance(grid, np.ndarray) and grid.shape == (2, 2, 2) and list(grid.flat) == jax.devices()
 
 
 def test_group_advantages_by_keyword():

@@ -68,19 +68,24 @@ class RowShare:
         return RowShare(self.start * factor, self.stop * factor, self.total * factor)
 
 
-def row_share(mesh: Mesh, total: int) -> RowShare:
-    """This process's block of a `total`-row batch whose rows are split over (data, fsdp)."""
+def row_share(mesh: Mesh, total: int, process: int | None = None) -> RowShare:
+    """This process's block of a `total`-row batch whose rows are split over (data, fsdp); or the
+    block of process `process` (every host knows every device's process, so any block can be
+    computed anywhere, and fake devices can stand in for a pod's)."""
+    process = jax.process_index() if process is None else process
     sharding = NamedSharding(mesh, PartitionSpec(BATCH))
-    spans = sorted({idx[0].indices(total)[:2] for idx in sharding.addressable_devices_indices_map((total,)).values()})
+    spans = sorted({idx[0].indices(total)[:2] for device, idx in sharding.devices_indices_map((total,)).items()
+                    if device.process_index == process})
     if not spans:
-        raise ValueError(f"process {jax.process_index()} has no device in the mesh; a multi-host mesh must use "
+        raise ValueError(f"process {process} has no device in the mesh; a multi-host mesh must use "
                          "every process's devices (use -1 for one mesh axis)")
     start, stop = spans[0][0], spans[-1][1]
     covered = sum(b - a for a, b in spans)
     size = stop - start
     if covered != size or total % size or start % size:
-        raise ValueError(f"process {jax.process_index()} holds rows {spans} of {total}: not one aligned contiguous "
-                         "block. Order the mesh's devices so each host's devices are adjacent along (data, fsdp)")
+        raise ValueError(f"process {process} holds rows {spans} of {total}: not one aligned contiguous "
+                         "block. Build the mesh with sharding.make_mesh (its device order keeps each host's "
+                         "devices adjacent along (data, fsdp))")
     return RowShare(start, stop, total)
 
 

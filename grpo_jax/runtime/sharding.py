@@ -14,7 +14,9 @@ gain at these boundaries).
 
 A dimension that its mesh axis does not divide cannot be split; it is replicated instead and
 `param_shardings` reports it in `Sharded.replicated`, so nothing is replicated silently.
-The mesh is always passed explicitly; nothing here reads a global mesh.
+The mesh is always passed explicitly; nothing here reads a global mesh. Its device order
+(`mesh_device_grid`) gives each host one contiguous block of batch rows, which the per-host data
+path relies on (grpo_jax.runtime.hosts).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import MeshConfig
@@ -73,11 +76,55 @@ def mesh_devices(config: MeshConfig) -> list[jax.Device]:
     return devices[:n]
 
 
+def mesh_device_grid(mesh_config: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
+    """The order a run's mesh puts `devices` in: an object array [data, fsdp, tensor] of them.
+
+    Batch rows are split over (data, fsdp), row shard `d * fsdp + f`. With devices of several
+    processes, each process's devices are one contiguous, equal-sized block of those row shards
+    (processes in `process_index` order), with a row's `tensor` devices on one host; a `tensor`
+    axis larger than a host spans consecutive processes, which then share a block. This is what
+    `hosts.row_share` needs to give each host its own rows of every batch. Within a process (and
+    with one process) the order is JAX's `create_device_mesh`: ICI neighbours by torus coordinates
+    on TPU, the given order on CPU.
+
+    `jax.make_mesh` alone orders a multi-host TPU slice by torus coordinates, which scatters each
+    host's chips over the rows. Anything with JAX's device attributes (`id`, `process_index`,
+    `platform`, `device_kind`; `coords`, `core_on_chip` on TPU) works, so fake devices can test
+    a pod's layout.
+    """
+    devices = list(devices)
+    shape = mesh_shape(mesh_config, len(devices))
+    by_process: dict[int, list] = {}
+    for device in devices:
+        by_process.setdefault(device.process_index, []).append(device)
+    if len(by_process) == 1:
+        return _ici_grid(shape, devices)
+    hosts = [by_process[p] for p in sorted(by_process)]
+    local, tensor = len(hosts[0]), shape[2]
+    if any(len(h) != local for h in hosts):
+        raise ValueError(f"processes hold {sorted({len(h) for h in hosts})} devices each; a mesh over several "
+                         "processes needs the same number of devices from every process")
+    if local % tensor and tensor % local:
+        raise ValueError(f"mesh.tensor={tensor} neither divides nor is a multiple of the {local} devices of each "
+                         "process, so a host would hold parts of rows; make it one of those")
+    # A host's devices fill whole rows (tensor <= local) or a run of one row's tensor axis.
+    local_shape = (local // tensor, tensor) if tensor <= local else (1, local)
+    blocks = [_ici_grid(local_shape, host).reshape(-1) for host in hosts]
+    return np.concatenate(blocks).reshape(shape)
+
+
+def _ici_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
+    # Splitting a physical torus axis over two mesh axes is only tried when no whole-axis
+    # assignment exists (e.g. one v5e host's 2x2 chips as a 4-device axis); jax.make_mesh allows it
+    # on v5e only and otherwise fails.
+    return mesh_utils.create_device_mesh(tuple(shape), devices, allow_split_physical_axes=True)
+
+
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes)."""
+    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), in the
+    host-aware order of `mesh_device_grid`."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(config, len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return Mesh(mesh_device_grid(config, devices), AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
