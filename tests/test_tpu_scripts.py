@@ -37,7 +37,7 @@ OPTIONS = {
     "create.sh": ["--accelerator-type", "--runtime-version", "--spot", "--queued"],
     "delete.sh": ["--queued", "--yes"],
     "setup.sh": ["--repo", "--ref", "--source", "--remote-dir", "--python"],
-    "launch.sh": ["--config", "--output", "--set", "--log", "--remote-dir"],
+    "launch.sh": ["--config", "--output", "--set", "--log", "--remote-dir", "--allow-local-output"],
     "logs.sh": ["--worker", "--lines", "--no-follow", "--log", "--remote-dir"],
     "copy_out.sh": ["--output", "--dest", "--worker", "--remote-dir"],
 }
@@ -272,9 +272,10 @@ def test_worker_venv_without_any_fails_in_one_line(tmp_path):
 
 
 def test_launch_starts_train_on_all_workers(bare_path, tmp_path):
-    (ssh,) = dry_run("launch.sh", "--config", "configs/your_run.yaml", "--output", "runs/v5e-32",
-                     "--set", "mesh.fsdp=4", "--set", "model.path=/models/my model", path=bare_path,
-                     env=LOCATION)
+    describe, ssh = dry_run("launch.sh", "--config", "configs/your_run.yaml", "--output", "runs/v5e-32",
+                            "--set", "mesh.fsdp=4", "--set", "model.path=/models/my model", path=bare_path,
+                            env=LOCATION)
+    assert describe == DESCRIBE  # a local run directory: the slice is checked first (see below)
     assert ssh[:-1] == [*SSH, "--worker=all", "--command"]
     remote = ssh[-1]
     assert remote.startswith("cd ~/grpo_jax && { nohup .venv/bin/grpo-jax train --config configs/your_run.yaml "
@@ -299,6 +300,70 @@ def test_launch_starts_train_on_all_workers(bare_path, tmp_path):
     assert (project / "train.log").read_text().splitlines() == [
         "train", "--config", "configs/your_run.yaml", "--output", "runs/v5e-32", "--set",
         "distributed.enabled=true", "--set", "mesh.fsdp=4", "--set", "model.path=/models/my model"]
+
+
+DESCRIBE = ["gcloud", "compute", "tpus", "tpu-vm", "describe", "grpo-test", *LOC_FLAGS, "--format",
+            "value(networkEndpoints[].ipAddress,schedulingConfig.spot,schedulingConfig.preemptible)"]
+EIGHT_VMS = ";".join(f"10.0.0.{i}" for i in range(8))  # v5litepod-32: 8 worker VMs of 4 chips
+
+
+def fake_gcloud(tmp_path, describe: str | None):
+    """A PATH with bash and a gcloud that logs its arguments and answers `describe` like
+    `--format value(...)` does (a list joined by ';', fields by tabs), or fails when None."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "bash").symlink_to(shutil.which("bash"))
+    log = tmp_path / "gcloud.log"
+    answer = "exit 1" if describe is None else f"printf '%s\\n' {shlex.quote(describe)}"
+    (bin_dir / "gcloud").write_text(f"#!{shutil.which('bash')}\nprintf '%s\\n' \"$*\" >> {log}\n"
+                                    f"if [[ $* == *' describe '* ]]; then {answer}; fi\n")
+    (bin_dir / "gcloud").chmod(0o755)
+    return str(bin_dir), log
+
+
+@pytest.mark.parametrize("describe,refused", [
+    (f"{EIGHT_VMS}\t\t", "has 8 hosts and each would keep only its own shards"),
+    ("10.0.0.1\tTrue\t", "is a Spot/preemptible slice"),
+    ("10.0.0.1\t\tTrue", "is a Spot/preemptible slice"),
+    (None, "could not describe grpo-test"),
+    ("10.0.0.1\t\t", None),  # one on-demand host: a local run directory is fine
+])
+def test_launch_checks_the_slice_before_a_local_run_directory(tmp_path, describe, refused):
+    path, log = fake_gcloud(tmp_path, describe)
+    result = run_script("launch.sh", path=path, env=required_env("launch.sh"))
+    calls = log.read_text().splitlines()
+    assert calls[0] == " ".join(DESCRIBE[1:])
+    if refused:
+        assert result.returncode != 0 and len(calls) == 1  # nothing started
+        errors = [line for line in result.stderr.splitlines() if line.startswith("launch.sh: error:")]
+        assert len(errors) == 1 and refused in errors[0], result.stderr
+        assert "--output runs/r1 is on the worker" in errors[0] or describe is None
+        assert "--allow-local-output" in errors[0]
+    else:
+        assert result.returncode == 0, result.stderr
+        assert len(calls) == 2 and calls[1].startswith("compute tpus tpu-vm ssh grpo-test")
+
+
+@pytest.mark.parametrize("args,run_dir", [(["--allow-local-output"], "runs/r1"),
+                                          (["--output", "gs://my-bucket/runs/r1"], "gs://my-bucket/runs/r1")])
+def test_a_bucket_or_allow_local_output_skips_the_check(tmp_path, args, run_dir):
+    path, log = fake_gcloud(tmp_path, f"{EIGHT_VMS}\tTrue\t")  # 8 hosts and Spot: refused otherwise
+    result = run_script("launch.sh", *args, path=path, env=required_env("launch.sh"))
+    assert result.returncode == 0, result.stderr
+    (call,) = log.read_text().splitlines()
+    assert call.startswith("compute tpus tpu-vm ssh grpo-test") and f"--output {run_dir} " in call
+
+
+def test_the_pod_walkthrough_keeps_spot_runs_in_a_bucket():
+    # The README's walkthroughs run on Spot slices, where launch.sh refuses a local run directory;
+    # and a v5litepod-32 is 8 worker VMs of 4 chips, which the docs must not count as 4 hosts.
+    readme = (ROOT / "README.md").read_text()
+    launches = [line for line in readme.splitlines() if "tpu_scripts/launch.sh " in line]
+    assert len(launches) >= 3
+    for line in launches:
+        assert "--output gs://" in line, line
+    assert "4 hosts of 8 chips" not in readme and "8 TPU VMs of 4 chips" in readme
+    assert "delete.sh --queued --yes" in readme and "create.sh --spot" in readme
 
 
 def test_launch_rejects_a_set_without_value(bare_path):

@@ -17,7 +17,9 @@ is free (see 'gcloud compute tpus queued-resources describe NAME --zone ZONE').
 Options:
   --accelerator-type TYPE   e.g. v5litepod-8, v5litepod-32 [ACCELERATOR_TYPE]
   --runtime-version VER     TPU VM image, e.g. v2-alpha-tpuv5-lite [RUNTIME_VERSION]
-  --spot                    spot capacity via 'queued-resources create ... --spot' (preemptible, cheaper)
+  --spot                    spot capacity via 'queued-resources create ... --spot' (preemptible, cheaper;
+                            a preempted slice cannot be restarted: delete.sh --queued, then create.sh,
+                            setup.sh and launch.sh again, with the run directory on gs://)
   --queued                  on-demand capacity via a queued resource (waits instead of failing)
   -- FLAGS...               passed on to gcloud (e.g. -- --network my-net --internal-ips)
 
