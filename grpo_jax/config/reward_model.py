@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 
 from grpo_jax.config.checks import choice_in, positive
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.config.training import MeshConfig
+from grpo_jax.config.training import LR_SCHEDULES, LRSchedule, MeshConfig
 
 PairChatTemplate = Literal["auto", "never"]
 PAIR_CHAT_TEMPLATES: tuple[str, ...] = get_args(PairChatTemplate)
@@ -63,6 +63,7 @@ class RMTrainConfig:
     batch_size: int = 32
     learning_rate: float = 1e-4
     warmup_steps: int = 0
+    lr_schedule: LRSchedule = "constant"  # or "cosine": warm-up, then decay to 0 at the last step
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     margin: float = 0.0  # a constant margin, added to the margin_field's when both are set
@@ -74,6 +75,7 @@ class RMTrainConfig:
     def __post_init__(self):
         for name in ("steps", "batch_size", "learning_rate", "max_grad_norm"):
             positive("train", name, getattr(self, name))
+        choice_in("train", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         for name in ("warmup_steps", "weight_decay", "margin", "lm_coef", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")

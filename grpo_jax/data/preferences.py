@@ -1,11 +1,14 @@
 """`arithmetic_preferences`: preference pairs (chosen, rejected) for training a reward model offline.
 
 Each row is an arithmetic question with two answers: `chosen` is the right result, written
-plainly; `rejected` is either a wrong result (`kind: wrong`, off by 1 to `max_offset`) or the right
-one buried in filler (`kind: verbose`). A reward model trained on it (`grpo-jax train-rm`) learns to
-prefer answers that are correct and concise: the preference a verifier-free GRPO run then
-optimises. Questions use the `arithmetic` builder's problems and formats, so the policy demo's
-prompts are in its domain.
+plainly; `rejected` is a wrong result (`kind: wrong`, off by 1 to `max_offset`; `kind: digit`, one
+digit of the result, at any position, one up or down: off by 1, 10 or 100, so a wrong tens digit
+is as common as a wrong last one) or the right one buried in filler (`kind: verbose`). A reward model trained on it
+(`grpo-jax train-rm`) learns to prefer answers that are correct and concise: the preference a
+verifier-free GRPO run then optimises. Rejections that are all near misses of one kind teach a
+reward model only that kind: a policy trained on it then finds the wrong answers it never saw
+(README, "Spotting a policy that games the reward model"). Questions use the `arithmetic`
+builder's problems and formats, so the policy demo's prompts are in its domain.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from grpo_jax.data._rng import StableRandom
 from grpo_jax.data.arithmetic import ArithmeticConfig, draw_problem
 from grpo_jax.data.synthetic import SyntheticBuilder
 
-KINDS = ("wrong", "verbose")
+KINDS = ("wrong", "digit", "verbose")
 FILLERS = ("{r}, I think", "maybe {r}", "{r} or so", "it is {r}!!", "{r}, probably")
 
 
@@ -27,7 +30,7 @@ FILLERS = ("{r}, I think", "maybe {r}", "{r} or so", "it is {r}!!", "{r}, probab
 class PreferencesConfig(ArithmeticConfig):
     """`ArithmeticConfig`'s problems, and which kinds of rejected answer to draw (evenly)."""
 
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = ("wrong", "verbose")
     max_offset: int = 10
 
     def __post_init__(self):
@@ -65,7 +68,19 @@ class ArithmeticPreferences(SyntheticBuilder, skip_registration=True):
             if result + offset < 0 and not config.negative_results:
                 offset = -offset
             rejected = str(result + offset)
+        elif kind == "digit":
+            rejected = replace_digit(str(result), rng)
         else:
             rejected = rng.choice(FILLERS).format(r=result)
         return (a, op, b), {"question": question, "chosen": str(result), "rejected": rejected,
                             "answer": str(result), "kind": kind}
+
+
+def replace_digit(number: str, rng: StableRandom) -> str:
+    """`number` with one of its digits (any position, chosen evenly) one up or down: the near misses
+    a slipped carry makes (off by 1, 10, 100, ...); a leading digit never becomes 0."""
+    at = rng.choice([i for i, c in enumerate(number) if c.isdigit()])
+    lowest = 1 if not number[:at].lstrip("-") and len(number.lstrip("-")) > 1 else 0
+    digit = int(number[at])
+    moves = [d for d in (digit - 1, digit + 1) if lowest <= d <= 9]
+    return number[:at] + str(rng.choice(moves)) + number[at + 1:]

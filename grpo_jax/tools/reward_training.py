@@ -259,8 +259,8 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
         log(f"train-rm: train.batch_size {t.batch_size} -> {batch} pairs, a multiple of the mesh's row shards")
     model = build_reward_model(config, tokenizer)
     place_model(model, mesh)
-    optimizer = make_optimizer(schedule(t.learning_rate, warmup_steps=t.warmup_steps), max_grad_norm=t.max_grad_norm,
-                               weight_decay=t.weight_decay)
+    optimizer = make_optimizer(schedule(t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                                        kind=t.lr_schedule), max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay)
     graphdef, params = nnx.split(model)
     opt_state = on_mesh(optimizer.init(params), mesh)  # Adam's moments take the placed params' shardings
     train_step, score = make_steps(graphdef, optimizer, mesh, params, opt_state, lm_coef=t.lm_coef)

@@ -49,18 +49,27 @@ def test_synthetic_deterministic_per_seed_and_splits_disjoint(name, data_dir, tm
     assert not {problem(r) for r in train} & {problem(r) for r in test}  # ...and across splits
 
 
-def test_preference_pairs_prefer_the_right_concise_answer(data_dir):
-    source = load_source("arithmetic_preferences", "train", data_dir=data_dir, num_train=300, num_test=10, max_offset=4)
-    kinds = set()
+@pytest.mark.parametrize("kinds", [None, ["wrong", "digit", "verbose"]])
+def test_preference_pairs_prefer_the_right_concise_answer(data_dir, kinds):
+    source = load_source("arithmetic_preferences", "train", data_dir=data_dir, num_train=300, num_test=10, max_offset=4,
+                         **({"kinds": kinds} if kinds else {}))
+    seen, moved = set(), set()
     for row in rows(source):
         a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", row["question"]).groups())
         assert row["chosen"] == row["answer"] == str(a + b)
-        kinds.add(row["kind"])
+        seen.add(row["kind"])
         if row["kind"] == "wrong":
             assert 1 <= abs(int(row["rejected"]) - (a + b)) <= 4
+        elif row["kind"] == "digit":  # one digit one up or down, no leading zero
+            chosen, rejected = row["chosen"], row["rejected"]
+            assert len(rejected) == len(chosen) and (rejected[0] != "0" or len(rejected) == 1)
+            diff = [i for i in range(len(chosen)) if chosen[i] != rejected[i]]
+            assert len(diff) == 1 and abs(int(rejected[diff[0]]) - int(chosen[diff[0]])) == 1
+            moved.add(len(chosen) - diff[0])  # 1 = the last digit, 2 = tens, ...
         else:  # the right number, buried in filler
             assert row["rejected"] != row["chosen"] and re.findall(r"\d+", row["rejected"]) == [row["chosen"]]
-    assert kinds == {"wrong", "verbose"}
+    assert seen == set(kinds or ["wrong", "verbose"])  # the default keeps the first datasets' kinds
+    assert moved == ({1, 2, 3} if kinds else set())
     with pytest.raises(ValueError, match="kinds must be a non-empty subset"):
         load_source("arithmetic_preferences", "train", data_dir=data_dir, kinds=["rude"])
 
