@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -26,6 +28,7 @@ from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.gguf import hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer, layer_param_specs
+from grpo_jax.runtime.sharding import RULES, host_to_mesh, param_shardings
 from grpo_jax.runtime.storage import is_remote, local_copy
 
 # Our per-layer parameter -> (HF name inside `layers.{i}.`, number of leading "input" axes of our
@@ -172,10 +175,12 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
-                    remat: bool = False, scan_layers: bool = True) -> Transformer:
+                    remat: bool = False, scan_layers: bool = True, *, mesh: Mesh | None = None,
+                    rules: Mapping[str, str | None] = RULES) -> Transformer:
     """Load an HF-format directory (config.json + one or sharded safetensors), or a `.gguf` file
     (dequantised once into a cached HF directory, `models.gguf`), into a Transformer (`remat`,
-    `scan_layers`: see `Transformer`)."""
+    `scan_layers`: see `Transformer`). With a `mesh`, each parameter goes from host memory straight
+    to its shards by `rules` (`sharding.host_to_mesh`); without, onto the default device."""
     path = model_dir(path)
     config = load_config(path)
     reader = TensorReader(path)
@@ -186,20 +191,27 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     abstract = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat,
                             scan_layers=scan_layers))
-    return fill_params(abstract, values)
+    return fill_params(abstract, values, mesh, rules)
 
 
-def fill_params(abstract: nnx.Module, values: dict[tuple, np.ndarray]) -> nnx.Module:
+def fill_params(abstract: nnx.Module, values: dict[tuple, np.ndarray], mesh: Mesh | None = None,
+                rules: Mapping[str, str | None] = RULES) -> nnx.Module:
     """`abstract` (from nnx.eval_shape) with its parameters set from `values`, keyed by NNX state
-    path; the two must name the same parameters with the same shapes."""
+    path; the two must name the same parameters with the same shapes. With a `mesh`, each is placed
+    by `rules` from the host (`host_to_mesh`), so no device ever holds a parameter it does not shard."""
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
+    if mesh is not None:
+        shardings = dict(nnx.to_flat_state(param_shardings(state, mesh, rules).shardings))
     if set(flat) != set(values):
         raise AssertionError(f"loader and model disagree on parameters: {sorted(set(flat) ^ set(values))}")
     for key, var in flat.items():
         if tuple(var.shape) != values[key].shape:
             raise AssertionError(f"{key}: converted shape {values[key].shape} != model shape {var.shape}")
-        var.set_value(jnp.asarray(values[key]))
+        if mesh is None:
+            var.set_value(jnp.asarray(values[key]))
+        else:
+            var.set_value(host_to_mesh(values[key], shardings[key].get_value()))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

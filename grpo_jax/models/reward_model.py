@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import chex
@@ -26,12 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.hf import (TensorReader, fill_params, hf_state_dict, model_dir, read_tensor, read_values,
                                 write_tensors)
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer
+from grpo_jax.runtime.sharding import RULES
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
@@ -87,8 +90,10 @@ def _hf_config(path: Path) -> dict:
 
 
 def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
-                      scan_layers: bool = True) -> RewardModel:
-    """A `*ForSequenceClassification` directory (config.json + safetensors) as a RewardModel."""
+                      scan_layers: bool = True, *, mesh: Mesh | None = None,
+                      rules: Mapping[str, str | None] = RULES) -> RewardModel:
+    """A `*ForSequenceClassification` directory (config.json + safetensors) as a RewardModel; with a
+    `mesh`, placed from host memory by `rules` as `from_pretrained` places a model."""
     path = model_dir(path)
     hf = _hf_config(path)
     archs = hf.get("architectures") or []
@@ -113,7 +118,7 @@ def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jn
     abstract = nnx.eval_shape(lambda: RewardModel(config, pad_token_id=hf["pad_token_id"], num_labels=num_labels,
                                                   rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                                   remat=remat, scan_layers=scan_layers))
-    return fill_params(abstract, values)
+    return fill_params(abstract, values, mesh, rules)
 
 
 def save_reward_model(model: RewardModel, path: str | os.PathLike, *, tokenizer=None) -> Path:

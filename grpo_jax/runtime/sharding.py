@@ -174,12 +174,31 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Mapping[str, str | Non
     return Sharded(shardings=shardings, replicated=replicated)
 
 
+def host_to_mesh(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host (NumPy) array placed by `sharding`: each device receives only its own slice, cut on
+    the host, so no device holds more than it shards and no host's copy is compared with another's
+    (`jax.device_put` of a host array onto a mesh spanning several processes gathers every copy to
+    check they agree)."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def place_array(x, sharding: NamedSharding) -> jax.Array:
+    """`x` placed by `sharding`. An array already spread over devices is resharded by XLA on the
+    devices; a host array, or one on a single device of this process (a freshly built model, still
+    uncommitted on the default device), goes through the host (`host_to_mesh`)."""
+    if getattr(x, "sharding", None) == sharding:
+        return x
+    if isinstance(x, jax.Array) and (not x.is_fully_addressable or len(x.sharding.device_set) > 1):
+        return jax.device_put(x, sharding)
+    return host_to_mesh(np.asarray(x), sharding)
+
+
 def place_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> list[str]:
-    """Move an NNX model's parameters onto the mesh by the rules, in place; returns the dimensions
-    that had to be replicated (see `param_shardings`)."""
+    """Move an NNX model's parameters onto the mesh by the rules, in place (`place_array`: nothing is
+    gathered across hosts); returns the dimensions that had to be replicated (see `param_shardings`)."""
     params = nnx.state(model, nnx.Param)
     sharded = param_shardings(params, mesh, rules)
-    nnx.update(model, jax.device_put(params, sharded.shardings))
+    nnx.update(model, jax.tree.map(place_array, params, sharded.shardings))
     return sharded.replicated
 
 

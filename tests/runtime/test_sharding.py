@@ -126,3 +126,20 @@ def test_mesh_shape_resolution_and_errors():
         mesh_shape(MeshConfig(data=3, fsdp=1, tensor=1), 8)
     with pytest.raises(ValueError, match="not divisible"):
         mesh_shape(MeshConfig(data=-1, fsdp=3, tensor=1), 8)
+
+
+def test_a_loaded_model_goes_from_the_host_to_the_rules_shardings(tmp_path):
+    from grpo_jax.models import from_pretrained, save_pretrained
+    from grpo_jax.runtime.sharding import place_model
+
+    save_pretrained(model(), tmp_path)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    plain, loaded = from_pretrained(tmp_path), from_pretrained(tmp_path, mesh=mesh)
+    moved = from_pretrained(tmp_path)
+    place_model(moved, mesh)  # from the default device, through the host
+    expected = param_shardings(nnx.state(plain, nnx.Param), mesh).shardings
+    for (path, want), (_, x), (_, y), (_, p) in zip(*(nnx.to_flat_state(t) for t in (
+            expected, nnx.state(loaded, nnx.Param), nnx.state(moved, nnx.Param), nnx.state(plain, nnx.Param)))):
+        for placed in (x.get_value(), y.get_value()):
+            assert placed.sharding == want.get_value(), path
+            np.testing.assert_array_equal(np.asarray(placed), np.asarray(p.get_value()))
