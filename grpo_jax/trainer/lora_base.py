@@ -84,7 +84,7 @@ def settle(config: RunConfig, model, *, mesh, run_dir: Path, saved: dict | None)
     if saved is not None:
         if saved["path"] == BASE_DIR:
             base = build_model(dataclasses.replace(config.model, path=str(Path(run_dir) / BASE_DIR), architecture=None),
-                               None, config.train.seed)
+                               None, config.train.seed, mesh)
             nnx.update(model, nnx.state(base, nnx.Param))
             place_model(model, mesh)
     elif base_is_written(config):

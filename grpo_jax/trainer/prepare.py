@@ -79,12 +79,14 @@ def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
         raise ConfigError(f"model.architecture: {e}") from None
 
 
-def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int) -> Transformer:
-    """The base policy: loaded from `model.path`, or initialised from `model.architecture` and the seed.
-    (A LoRA run adds its adapters after the warm start: `add_run_adapters`.)"""
+def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int, mesh: Mesh | None = None) -> Transformer:
+    """The base policy: loaded from `model.path` (with a `mesh`, straight onto it from host memory:
+    `from_pretrained`), or initialised from `model.architecture` and the seed (on the default
+    device; `place_model` then moves it). (A LoRA run adds its adapters after the warm start:
+    `add_run_adapters`.)"""
     dtypes = dict(dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype], scan_layers=cfg.scan_layers)
     if cfg.path is not None:
-        return from_pretrained(cfg.path, **dtypes)
+        return from_pretrained(cfg.path, **dtypes, mesh=mesh)
     return Transformer(model_config, rngs=nnx.Rngs(seed), **dtypes)
 
 
