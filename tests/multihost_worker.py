@@ -8,7 +8,9 @@ Trains `configs/demo_cpu.yaml` with the overrides and writes OUT_DIR/process<ID>
   shards only (no communication), so two processes' files are two independent copies;
 - `warm/<i>`: the parameters after the warm start, the same way;
 - `metrics`: the JSON of every step's metrics (as the hooks saw them), `rows_read`: prompts this
-  process loaded from the train split.
+  process loaded from the train split;
+- `placement/*` (when GRPO_TEST_PLACEMENT_MODEL names an HF directory): that model placed on a
+  (1, 4, 2) mesh over every process's devices, before training (`check_placement`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
@@ -56,6 +59,80 @@ def own_copy(tree) -> list[np.ndarray]:
     return out
 
 
+
+
+def cross_process_calls(fn):
+    """(fn(), the calls it made into JAX's cross-process paths): `multihost_utils` (device_put checks
+    that every host's copy of a host value is equal with `assert_equal`, a gather) and
+    `jax.device_put` of a value not yet global onto a sharding that spans processes."""
+    from jax.experimental import multihost_utils
+
+    calls: list[str] = []
+    names = ("assert_equal", "process_allgather", "broadcast_one_to_all", "host_local_array_to_global_array")
+    originals, put = {n: getattr(multihost_utils, n) for n in names}, jax.device_put
+
+    def counted(name):
+        return lambda *a, **k: (calls.append(name), originals[name](*a, **k))[1]
+
+    def device_put(x, device=None, *a, **k):
+        leaves = jax.tree.leaves(x)
+        targets = jax.tree.leaves(device, is_leaf=lambda t: isinstance(t, jax.sharding.Sharding))
+        for leaf, target in zip(leaves, targets * len(leaves) if len(targets) == 1 else targets):
+            is_global = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+            if isinstance(target, jax.sharding.Sharding) and not target.is_fully_addressable and not is_global:
+                calls.append("device_put")
+        return put(x, device, *a, **k)
+
+    for n in names:
+        setattr(multihost_utils, n, counted(n))
+    jax.device_put = device_put
+    try:
+        return jax.block_until_ready(fn()), len(calls)
+    finally:
+        jax.device_put = put
+        for n, f in originals.items():
+            setattr(multihost_utils, n, f)
+
+
+def check_placement(path: str) -> dict[str, np.ndarray]:
+    """Load the HF directory `path` onto a (1, 4, 2) mesh over every process's devices two ways
+    (`from_pretrained(mesh=)`, and `place_model` of a model on the default device: the trainer's
+    path for an initialised policy). Returns the cross-process calls each made (and, to show the
+    count sees them, the old way's: a device_put of a default-device array onto that mesh), the
+    largest difference of any addressable shard from the unsharded model, and the bytes on each
+    of this process's devices against the whole model's."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.models import from_pretrained
+    from grpo_jax.runtime.sharding import make_mesh, place_model
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    params = lambda model: dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))  # noqa: E731
+    reference = {k: np.asarray(v.get_value()) for k, v in params(from_pretrained(path)).items()}
+    loaded, loaded_calls = cross_process_calls(lambda: params(from_pretrained(path, mesh=mesh)))
+
+    def moved():
+        model = from_pretrained(path)
+        place_model(model, mesh)
+        return params(model)
+
+    moved_params, moved_calls = cross_process_calls(moved)
+    _, old_calls = cross_process_calls(lambda: jax.device_put(jnp.ones(8), NamedSharding(mesh, PartitionSpec())))
+    diff, per_device = 0.0, {}
+    for placed in (loaded, moved_params):
+        for key, var in placed.items():
+            for shard in var.get_value().addressable_shards:
+                diff = max(diff, float(np.abs(np.asarray(shard.data) - reference[key][shard.index]).max()))
+    for var in loaded.values():
+        for shard in var.get_value().addressable_shards:
+            per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+    return {"placement/calls": np.asarray([loaded_calls, moved_calls, old_calls]), "placement/diff": np.asarray(diff),
+            "placement/device_bytes": np.asarray(sorted(per_device.values())),
+            "placement/model_bytes": np.asarray(sum(v.nbytes for v in reference.values()))}
+
+placement = check_placement(os.environ["GRPO_TEST_PLACEMENT_MODEL"]) if os.environ.get("GRPO_TEST_PLACEMENT_MODEL") else {}
 warm = []
 original = setup_module.warm_start
 
@@ -79,5 +156,5 @@ if config.parallelism == "pmap":  # stacked per-device copies: each must be the 
 np.savez(Path(out_dir) / f"process{process_id}.npz",
          **{f"final/{i}": a for i, a in enumerate(final)}, **{f"warm/{i}": a for i, a in enumerate(warm)},
          metrics=np.asarray(json.dumps(seen)),
-         rows_read=np.asarray(trainer.prepared.train_stream.stats["rows_read"]))
+         rows_read=np.asarray(trainer.prepared.train_stream.stats["rows_read"]), **placement)
 print(f"process {process_id}: done", flush=True)

@@ -4,7 +4,8 @@ collectives) end exactly where one process with 8 devices ends, on a (2, 2, 2) m
 Both runs are the demo config shortened to a 2-step warm start and 2 GRPO steps, each process in
 its own interpreter (tests/multihost_worker.py: its own device count), all started at once. On
 two hosts each process loads only its half of every batch, only process 0 writes the run
-directory's logs, and both write the checkpoint. (Sharded == one device is checked step by step
+directory's logs, and both write the checkpoint. Before training, the two processes also place a
+tiny HF model on a mesh over both of them, with no cross-host gather. (Sharded == one device is checked step by step
 in tests/runtime/test_sharding.py, pmap == jit in tests/learner/test_parallel.py: the same train_step.)
 """
 
@@ -79,6 +80,9 @@ def runs(tmp_path_factory):
     env = dict(os.environ)  # conftest's compile flags, less its device count (each worker sets its own)
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    from hf_models import build_hf_model
+
+    build_hf_model("qwen3").save_pretrained(tmp / "hf")  # placed by the 2-process run (check_placement)
     procs = []
     for name, (devices, nproc, extra) in RUNS.items():
         port = free_port()
@@ -87,7 +91,8 @@ def runs(tmp_path_factory):
             cmd = [sys.executable, str(WORKER), str(tmp / f"out_{name}"), str(tmp / name), str(devices), str(nproc),
                    str(pid), str(port), *[a for o in overrides(tfds_dir) + extra for a in ("--set", o)]]
             log = open(tmp / f"{name}{pid}.log", "w")
-            procs.append((name, pid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+            run_env = dict(env, GRPO_TEST_PLACEMENT_MODEL=str(tmp / "hf")) if nproc > 1 else env
+            procs.append((name, pid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log))
     failed = []
     try:
         for name, pid, proc, log in procs:
@@ -143,6 +148,19 @@ def test_two_processes_end_with_the_parameters_of_one_process_on_eight_devices(r
     ref = runs["mesh"]
     assert max_diff(params(ref, "final"), params(ref, "warm")) > 1e-4
     assert ref["metrics"][-1]["kl/k3"] > 0 and min(m["groups/frac_zero_std"] for m in ref["metrics"]) < 1
+
+
+def test_a_model_is_placed_over_both_hosts_without_gathering_it(runs):
+    for name in ("multi", "multi1"):
+        run = runs[name]
+        loaded, moved, old = run["placement/calls"]
+        # from_pretrained(mesh=) and place_model make no cross-process call; the old way (a
+        # device_put of a default-device array onto the mesh) does, so the count would see one.
+        assert (loaded, moved) == (0, 0) and old > 0, name
+        assert float(run["placement/diff"]) == 0.0, name  # every addressable shard is the model's slice
+        per_device, whole = run["placement/device_bytes"], int(run["placement/model_bytes"])
+        assert len(per_device) == 4 and per_device.max() < whole / 4, (name, per_device, whole)  # fsdp 4 x tensor 2
+        print(f"{name}: peak {per_device.max()} bytes per device, whole model {whole} bytes")
 
 
 def test_each_host_loads_only_its_half_of_the_prompts(runs):
