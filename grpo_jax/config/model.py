@@ -7,11 +7,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-from grpo_jax.config.checks import positive
+from grpo_jax.config.checks import choice_in, positive
 
 DType = Literal["float32", "bfloat16"]
+Remat = Literal["none", "block", "dots"]
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES: tuple[str, ...] = get_args(DType)
+REMATS: tuple[str, ...] = get_args(Remat)
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 
 
@@ -33,6 +35,13 @@ class ModelConfig:
     # (compile time independent of depth); false: unrolled (compile time grows with depth; the GRPO
     # update was 5-14% faster on CPU for the 4-layer benchmark model, benchmarks/RESULTS.md).
     scan_layers: bool = True
+    # What the training pass keeps for the backward pass of each decoder layer (the sampler and the
+    # reference pass take no gradient, so it changes nothing there). none: everything, fastest, the
+    # most memory (attention's T x T probabilities of every layer among it); block: only each layer's
+    # input, the layer recomputed in the backward pass (~1/3 more compute, activations of one layer);
+    # dots: the weight matmuls' outputs, recomputing attention, norms and activations in between.
+    # `grpo-jax bench memory` shows what each costs a run on its chips before it launches.
+    remat: Remat = "none"
 
     def __post_init__(self):
         if (self.path is None) == (self.architecture is None):
@@ -43,6 +52,7 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {list(DTYPES)}")
+        choice_in("model", "remat", self.remat, REMATS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -334,6 +334,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
     def sharded_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None):
         return jitted(state, batch, frozen)
 
+    sharded_step.lower = jitted.lower  # the same program on abstract shapes (`grpo-jax bench memory`)
     return sharded_step
 
 

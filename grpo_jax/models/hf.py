@@ -175,7 +175,7 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
-                    remat: bool = False, scan_layers: bool = True, *, mesh: Mesh | None = None,
+                    remat: str = "none", scan_layers: bool = True, *, mesh: Mesh | None = None,
                     rules: Mapping[str, str | None] = RULES) -> Transformer:
     """Load an HF-format directory (config.json + one or sharded safetensors), or a `.gguf` file
     (dequantised once into a cached HF directory, `models.gguf`), into a Transformer (`remat`,

@@ -44,7 +44,7 @@ class RewardModel(nnx.Module):
     """A decoder (`backbone`, without an LM head) and a linear `score` head [E, num_labels]."""
 
     def __init__(self, config: TransformerConfig, *, pad_token_id: int, num_labels: int = 1, rngs: nnx.Rngs,
-                 dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False, scan_layers: bool = True):
+                 dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none", scan_layers: bool = True):
         if num_labels < 1:
             raise ValueError(f"num_labels must be >= 1, got {num_labels}")
         self.config = config
@@ -89,7 +89,7 @@ def _hf_config(path: Path) -> dict:
     return json.loads(cfg_file.read_text())
 
 
-def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
+def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
                       scan_layers: bool = True, *, mesh: Mesh | None = None,
                       rules: Mapping[str, str | None] = RULES) -> RewardModel:
     """A `*ForSequenceClassification` directory (config.json + safetensors) as a RewardModel; with a

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.config import REMATS
 from grpo_jax.models import lora
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
@@ -33,6 +34,14 @@ from grpo_jax.models.layers import (as_mask, attention, decode_attention, defaul
 
 # The names of model.dtype / model.param_dtype (and reward models' dtype) as JAX dtypes.
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# model.remat -> what a layer keeps for its backward pass (a jax.checkpoint policy; "none": no
+# checkpoint at all). `dots_with_no_batch_dims_saveable` keeps the weight matmuls' outputs (the
+# projections and the MLP) and not attention's score and probability products, which are batched
+# over heads: those are recomputed, and they are the [B, H, T, T] arrays that grow with T^2.
+REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+assert tuple(REMAT_POLICIES) == REMATS, "one policy per model.remat choice"
 
 
 def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -139,10 +148,14 @@ class Transformer(nnx.Module):
 
     Logits are always returned in float32 (the lm-head matmul accumulates in float32), since
     GRPO's log-probabilities and ratios need that precision even when compute is bf16.
+    `remat` (a `model.remat` choice, `REMAT_POLICIES`): what each layer keeps for a backward pass;
+    passes without gradients (sampling, reference log-probs) run the same either way.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, remat: bool = False, scan_layers: bool = True):
+                 param_dtype=jnp.float32, remat: str = "none", scan_layers: bool = True):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)}")
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
@@ -308,12 +321,13 @@ def compute_dtype(p: dict[str, jax.Array], dtype) -> dict[str, jax.Array]:
 
 def run_layers(model: Transformer, body, x0, *, dropout_key: jax.Array | None = None):
     """Run `body(x, (layer params, kind index)) -> (x, y)` over the model's layers -> (x, ys stacked
-    on a leading layers axis, or None), rematerialised per layer when `model.remat`: one `lax.scan`
+    on a leading layers axis, or None), each layer under `model.remat`'s checkpoint policy (what its
+    backward pass recomputes; `REMAT_POLICIES`): one `lax.scan`
     when `model.scan_layers`, else unrolled over per-layer weights (split from the stacked arrays
     with `jnp.split`, whose gradient is one concatenation rather than a padded sum per layer).
     `dropout_key`: see `Layers.arrays`."""
-    if model.remat:
-        body = jax.checkpoint(body, prevent_cse=False)
+    if model.remat != "none":
+        body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[model.remat])
     cfg, arrays = model.config, model.layers.arrays(dropout_key)
     if model.scan_layers:
         return jax.lax.scan(body, x0, (arrays, _kind_index(cfg)))

@@ -79,15 +79,21 @@ def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
         raise ConfigError(f"model.architecture: {e}") from None
 
 
+def model_options(cfg: ModelConfig) -> dict[str, Any]:
+    """The `Transformer` keywords the `model:` section sets (dtypes, remat, scan_layers)."""
+    return dict(dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype], remat=cfg.remat,
+                scan_layers=cfg.scan_layers)
+
+
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int, mesh: Mesh | None = None) -> Transformer:
     """The base policy: loaded from `model.path` (with a `mesh`, straight onto it from host memory:
     `from_pretrained`), or initialised from `model.architecture` and the seed (on the default
     device; `place_model` then moves it). (A LoRA run adds its adapters after the warm start:
     `add_run_adapters`.)"""
-    dtypes = dict(dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype], scan_layers=cfg.scan_layers)
+    options = model_options(cfg)
     if cfg.path is not None:
-        return from_pretrained(cfg.path, **dtypes, mesh=mesh)
-    return Transformer(model_config, rngs=nnx.Rngs(seed), **dtypes)
+        return from_pretrained(cfg.path, **options, mesh=mesh)
+    return Transformer(model_config, rngs=nnx.Rngs(seed), **options)
 
 
 def add_run_adapters(model: Transformer, config: RunConfig) -> None:

@@ -178,6 +178,7 @@ def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
     ("sampling.prompt_buckets=8", "sampling.prompt_buckets must be a list, got 8"),
     ("sampling.stop_token_ids=[2, two]", "sampling.stop_token_ids[1] must be an integer, got 'two'"),
     ("model.dtype=float16", "model.dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
+    ("model.remat=true", "model.remat must be one of ['none', 'block', 'dots'], got True"),
     ("train.shared_prompt=1", "train.shared_prompt must be true or false, got 1"),
     ("data.builder_kwargs=[1]", "data.builder_kwargs must be a mapping of keys to values, got a list [1]"),
     ("rewards=[{name: format, kwargs: {require_reasonin: false}}]",
