@@ -30,6 +30,20 @@ def make_batch(seed=0, rewards=None):
                  old_logprobs=jnp.asarray(rng.normal(-3, 0.1, (R, M)), jnp.float32))
 
 
+def long_batch(rows=8, seed=0, prompt_len=8, completion_len=56, group_size=4):
+    """A batch of 64-token rows (8 prompt, 56 completion) in groups of 4: long enough that each
+    layer's activations are most of what a train step keeps (the tests of compiled memory)."""
+    rng = np.random.default_rng(seed)
+    R, P, M = rows, prompt_len, completion_len
+    cmask = (np.arange(M)[None] < rng.integers(M // 2, M + 1, R)[:, None]).astype(np.int32)
+    adv = group_advantages(jnp.asarray(rng.integers(0, 2, R), jnp.float32), group_size)
+    return Batch(prompt_ids=jnp.asarray(rng.integers(3, 256, (R, P)), jnp.int32), prompt_mask=jnp.ones((R, P), jnp.int32),
+                 completion_ids=jnp.asarray(rng.integers(3, 256, (R, M)), jnp.int32),
+                 completion_mask=jnp.asarray(cmask), rewards=jnp.zeros((R,), jnp.float32), advantages=adv.advantages,
+                 valid=adv.valid, zero_std=adv.zero_std, truncated=jnp.asarray(cmask.sum(1) == M),
+                 old_logprobs=jnp.full((R, M), -3.0, jnp.float32))
+
+
 def fresh(optimizer, seed=0):
     return init_state(Transformer(tiny("qwen3"), rngs=nnx.Rngs(seed)), optimizer)
 

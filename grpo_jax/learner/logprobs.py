@@ -54,7 +54,7 @@ def chunked_logprobs(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[
 
 
 def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,
-                      group_size: int = 1, dropout_key: jax.Array | None = None) -> jax.Array:
+                      group_size: int = 1, dropout_key: jax.Array | None = None, row_sharding=None) -> jax.Array:
     """The hidden states [R, M, E] that predict each completion token (int [R, M]) given its prompt
     (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it: state t is the one
     before token t (feed to `model.logits`, or to a value head: the critic's state for token t).
@@ -64,6 +64,7 @@ def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, comp
     instead of R x (P + M), with the same result up to float rounding.
 
     dropout_key: apply the LoRA adapters' input dropout (the training pass; `Layers.arrays`).
+    row_sharding: where the activations' rows live on a mesh (`models.transformer.run_layers`).
     """
     prompt_ids_RP, prompt_mask_RP, completion_ids_RM = prompt_ids, prompt_mask, completion_ids
     chex.assert_rank([prompt_ids_RP, prompt_mask_RP, completion_ids_RM], 2)
@@ -74,20 +75,22 @@ def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, comp
         N = R // group_size
         h_NPE, h_RME = grouped_hidden_states(model, prompt_ids_RP.reshape(N, group_size, P)[:, 0],
                                              prompt_mask_RP.reshape(N, group_size, P)[:, 0], completion_ids_RM,
-                                             dropout_key=dropout_key)
+                                             dropout_key=dropout_key, row_sharding=row_sharding)
         # The prompt's last position predicts completion token 0, completion position t token t+1.
         h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
         return jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
     ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
     mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
     # Position P-1+t predicts completion token t.
-    return model.hidden_states(ids, attention_mask=mask, dropout_key=dropout_key)[:, P - 1:-1]
+    h_BTE = model.hidden_states(ids, attention_mask=mask, dropout_key=dropout_key, row_sharding=row_sharding)
+    return h_BTE[:, P - 1:-1]
 
 
 def completion_logprobs(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,
-                        chunk: int = 128,
-                        temperature: float = 1.0, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
+                        chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
+                        row_sharding=None) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies float32 [R, M] of each completion token (int [R, M]) given its prompt
     and the tokens before it; arguments as `completion_states`."""
-    h_RME = completion_states(model, prompt_ids, prompt_mask, completion_ids, group_size=group_size)
+    h_RME = completion_states(model, prompt_ids, prompt_mask, completion_ids, group_size=group_size,
+                              row_sharding=row_sharding)
     return chunked_logprobs(h_RME, completion_ids, model.logits, chunk=chunk, temperature=temperature)

@@ -4,8 +4,9 @@ normalisation of the global rewards array) and `ref_logprobs_step` (the KL refer
 log-probs).
 
 The model enters as an NNX graphdef (static) plus its parameter state (a pytree); `nnx.merge`
-happens inside the step only. Gradients are accumulated over micro-batches with `lax.scan`, with
-the loss normaliser of the whole batch, so any number of micro-batches gives the same update. A
+happens inside the step only. Gradients are accumulated over micro-batches with `lax.scan`
+(grpo_jax.learner.micro_batches), with the loss normaliser of the whole batch, so any number of
+micro-batches gives the same update. A
 non-finite loss or gradient leaves params and optimizer state bit-identical and is counted; the
 host aborts after `max_consecutive_skips` in a row (`check_skips`).
 
@@ -25,9 +26,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import GRPOConfig, PPOConfig, check_micro_batches
-from grpo_jax.learner.grpo import (MAX_SUMS, GroupAdvantages, accumulate_sums, effective_mask, group_advantages, loss_metrics,
-                           loss_weights, policy_loss)
+from grpo_jax.learner.grpo import (MAX_SUMS, GroupAdvantages, effective_mask, group_advantages, loss_metrics, loss_weights,
+                                   policy_loss)
 from grpo_jax.learner.logprobs import chunked_logprobs, completion_logprobs, completion_states
+from grpo_jax.learner.micro_batches import accumulate, grad_noise_scale, sq_norm
 from grpo_jax.learner.ppo import explained_variance, ppo_loss
 from grpo_jax.models.lora import LoRAParam, has_adapters
 from grpo_jax.runtime.sharding import batch_sharding, replicated, sharded_jit
@@ -140,7 +142,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
                group_size: int = 1, ppo_config: PPOConfig | None = None,
-               seed: int = 0) -> tuple[TrainState, dict[str, jax.Array]]:
+               seed: int = 0, row_sharding=None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`).
     `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
 
@@ -157,7 +159,9 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
 
     seed: with LoRA adapter dropout (`lora.dropout`), the masks of step s, micro-batch m (device d
     under pmap) come from key(seed) folded with s, m and d: a resumed run draws what an
-    uninterrupted one would."""
+    uninterrupted one would.
+
+    row_sharding: on a mesh, where the activations' rows live (`models.transformer.run_layers`)."""
     check_batch(batch, micro_batches=micro_batches)
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
     ppo = state.critic is not None
@@ -167,10 +171,11 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:
         step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
-    micro_loss = _micro_loss(graphdef, frozen, config, ppo_config if ppo else None, normaliser,
-                             group_size=group_size, logprob_chunk=logprob_chunk, temperature=temperature)
+    micro_loss = _micro_loss(graphdef, frozen, config, ppo_config if ppo else None, normaliser, group_size=group_size,
+                             logprob_chunk=logprob_chunk, temperature=temperature, row_sharding=row_sharding)
     trainable = (state.params, state.critic) if ppo else state.params
-    loss, grads, sums, sq = _accumulate(micro_loss, trainable, batch, step_key, micro_batches)
+    loss, grads, sums, sq = accumulate(micro_loss, trainable, batch.replace(zero_std=None), step_key, micro_batches,
+                                       unit=group_size)
     pieces, rows = micro_batches, batch.completion_ids.shape[0]
     if axis_name is not None:
         # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
@@ -178,7 +183,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
         sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
                 for k, v in sums.items()}
         pieces, rows = pieces * jax.lax.psum(1, axis_name), rows * jax.lax.psum(1, axis_name)
-    noise_scale = grad_noise_scale(sq, _sq_norm(grads), pieces=pieces, rows=rows)
+    noise_scale = grad_noise_scale(sq, sq_norm(grads), pieces=pieces, rows=rows)
     ev = None
     if ppo:
         ev = explained_variance({k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
@@ -192,7 +197,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
 
 
 def _micro_loss(graphdef, frozen, config: GRPOConfig, ppo_config: PPOConfig | None, normaliser, *, group_size: int,
-                logprob_chunk: int, temperature: float):
+                logprob_chunk: int, temperature: float, row_sharding=None):
     """`loss(trainable, micro_batch, dropout_key) -> (loss, sums)`: GRPO's objective, or PPO's when
     `ppo_config` is given (then `trainable` is the pair (params, critic))."""
     def micro_loss(trainable, mb, key):
@@ -200,7 +205,7 @@ def _micro_loss(graphdef, frozen, config: GRPOConfig, ppo_config: PPOConfig | No
         model = merge_model(graphdef, params, frozen)
         # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
         h_RME = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
-                                  dropout_key=key)
+                                  dropout_key=key, row_sharding=row_sharding)
         logp_RM, entropy_RM = chunked_logprobs(h_RME, mb.completion_ids, model.logits, chunk=logprob_chunk,
                                                temperature=temperature)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
@@ -229,27 +234,6 @@ def _whole_batch(batch: Batch, config: GRPOConfig, axis_name: str | None) -> tup
     return everyone, loss_weights(gather(mask_RM), config)[1]
 
 
-def _accumulate(micro_loss, trainable, batch: Batch, step_key: jax.Array, micro_batches: int):
-    """Gradients of `micro_loss` summed over `micro_batches` slices of the batch's rows in a scan
-    -> (loss, grads, the loss's sums, the sum of the micro-batch gradients' squared norms)."""
-    R = batch.completion_ids.shape[0]
-    per_row = batch.replace(zero_std=None)
-    micro = jax.tree.map(lambda x: x.reshape(micro_batches, R // micro_batches, *x.shape[1:]), per_row)
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def accumulate(carry, xs):
-        mb, m = xs
-        loss, grads, sums, sq = carry
-        (piece_loss, s), g = grad_fn(trainable, mb, jax.random.fold_in(step_key, m))
-        # sq: the sum of squared norms of the micro-batch gradients, for the gradient noise scale.
-        return (loss + piece_loss, jax.tree.map(jnp.add, grads, g), accumulate_sums(sums, s), sq + _sq_norm(g)), None
-
-    (l_shape, s_shape), g_shape = jax.eval_shape(grad_fn, trainable, jax.tree.map(lambda x: x[0], micro), step_key)
-    zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
-    init = (zeros(l_shape), zeros(g_shape), zeros(s_shape), jnp.zeros((), jnp.float32))
-    return jax.lax.scan(accumulate, init, (micro, jnp.arange(micro_batches)))[0]
-
-
 def _apply(state: TrainState, trainable, grads, loss, optimizer, ppo: bool) -> tuple[TrainState, jax.Array]:
     """The optimizer's update where loss and gradients are finite; else the state bit-identical
     with the skip counted -> (state, the gradient's norm)."""
@@ -266,29 +250,6 @@ def _apply(state: TrainState, trainable, grads, loss, optimizer, ppo: bool) -> t
 def keep_if(finite: jax.Array, new, old):
     """`new` where the update is finite, else `old`, leaf by leaf (a skipped step is bit-identical)."""
     return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-
-
-def _sq_norm(tree) -> jax.Array:
-    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-
-
-def grad_noise_scale(sum_sq_pieces: jax.Array, sq_total: jax.Array, *, pieces, rows) -> jax.Array:
-    """The simple gradient noise scale B = tr(Sigma) / |g|^2 (McCandlish et al., 2018), in rows.
-
-    The batch's gradient g = sum_k g_k is the sum of K = `pieces` micro-batch contributions (each
-    already divided by the whole batch's normaliser), so K g_k estimates g from b = rows / K rows.
-    tr(Sigma) per row = b * the unbiased variance of those K estimates around their mean g:
-    b / (K - 1) * sum_k |K g_k - g|^2 = b / (K - 1) * (K^2 sum_k |g_k|^2 - K |g|^2). |g|^2 is the
-    batch gradient's own squared norm (above the true one by tr(Sigma) / rows on average).
-    B at or above `rows` means the batch's gradient is mostly noise: larger batches would help.
-    `sum_sq_pieces` = sum_k |g_k|^2, `sq_total` = |g|^2. NaN with one piece (no spread to measure).
-    """
-    k = jnp.asarray(pieces, jnp.float32)
-    b = jnp.asarray(rows, jnp.float32) / k
-    trace = b / jnp.maximum(k - 1.0, 1.0) * (k * k * sum_sq_pieces - k * sq_total)
-    return jnp.where(k > 1, jnp.maximum(trace, 0.0) / jnp.maximum(sq_total, 1e-30), jnp.nan)
-
-
 
 
 def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
@@ -311,12 +272,14 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 
 def bind_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
-                    ppo_config: PPOConfig | None = None, seed: int = 0, axis_name: str | None = None):
+                    ppo_config: PPOConfig | None = None, seed: int = 0, axis_name: str | None = None,
+                    row_sharding=None):
     """`train_step` with its static parts bound: what `make_train_step` jits and the pmap mode
     (grpo_jax.learner.parallel) pmaps. See `train_step` for the arguments."""
     return functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
-                             group_size=group_size, ppo_config=ppo_config, seed=seed, axis_name=axis_name)
+                             group_size=group_size, ppo_config=ppo_config, seed=seed, axis_name=axis_name,
+                             row_sharding=row_sharding)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *, mesh: Mesh,
@@ -324,8 +287,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
     """`train_step` jitted once on `mesh` with explicit shardings: the state keeps `state_shardings`
     (see `grpo_jax.runtime.sharding.place_train_state`) and its buffers are donated, the batch's rows
     are split over (data, fsdp), the frozen parameters (a LoRA base) keep `frozen_shardings`, the
-    metrics come back replicated. `step_kw`: `bind_train_step`'s."""
-    step = bind_train_step(graphdef, optimizer, config, **step_kw)
+    metrics come back replicated; activations keep the batch's rows split (`row_sharding`).
+    `step_kw`: `bind_train_step`'s."""
+    step = bind_train_step(graphdef, optimizer, config, row_sharding=batch_sharding(mesh, 1), **step_kw)
     # One sharding for every field of the batch (a prefix: rows split, other dimensions whole), so
     # a batch with or without reference log-probs runs the same jitted function.
     jitted = sharded_jit(step, in_shardings=(state_shardings, batch_sharding(mesh, 1), frozen_shardings),
@@ -356,24 +320,25 @@ def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh: Mesh):
 
 def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
                       *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0,
-                      group_size: int = 1) -> jax.Array:
+                      group_size: int = 1, row_sharding=None) -> jax.Array:
     """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
     (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: a copy of the
     policy's params, or a LoRA run's frozen base with `graphdef` the base's structure without
     adapters), tempered as the sampler's. group_size=G > 1: each group's shared prompt runs once
-    (`completion_logprobs`)."""
+    (`completion_logprobs`). row_sharding: as `train_step`'s."""
     check_group_rows(completion_ids.shape[0], 1, group_size)
     logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
-                                     chunk=logprob_chunk, temperature=temperature, group_size=group_size)
+                                     chunk=logprob_chunk, temperature=temperature, group_size=group_size,
+                                     row_sharding=row_sharding)
     return logp_RM
 
 
 def make_ref_logprobs_step(graphdef, *, mesh: Mesh, params_shardings, logprob_chunk: int = 128,
                            temperature: float = 1.0, group_size: int = 1):
     """`ref_logprobs_step` jitted once on `mesh`: the reference params keep `params_shardings` and
-    the rows of every input and of the output are split over (data, fsdp)."""
+    the rows of every input, of the activations and of the output are split over (data, fsdp)."""
     step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
-                             temperature=temperature, group_size=group_size)
+                             temperature=temperature, group_size=group_size, row_sharding=batch_sharding(mesh, 1))
     rows = batch_sharding(mesh, 2)
     return sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
 

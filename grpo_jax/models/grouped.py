@@ -28,13 +28,13 @@ from grpo_jax.models.transformer import compute_dtype, run_layers
 
 
 def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None, completion_ids: jax.Array,
-                          *, dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                          *, dropout_key: jax.Array | None = None, row_sharding=None) -> tuple[jax.Array, jax.Array]:
     """Final-normed hidden states of N prompts and their R = N x G completions, in `model`'s compute dtype.
 
     prompt_ids int [N, P] (left-padded, prompt_mask [N, P], 1 = real), completion_ids int [R, T]
     (row i*G + j continues prompt i) -> (h_prompt [N, P, E], h_completion [R, T, E]): what
     `model.hidden_states` gives on each row's [prompt, completion] (completion all real tokens).
-    `dropout_key`: as `model.hidden_states`'s.
+    `dropout_key`, `row_sharding`: as `model.hidden_states`'s.
     """
     cfg, dtype = model.config, model.dtype
     chex.assert_rank([prompt_ids, completion_ids], 2)
@@ -63,7 +63,7 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
         return (finish_layer(x_NPE, out_NPHD, p, cfg), finish_layer(x_RTE, out_RTHD, p, cfg)), None
 
     x0 = (model.embed_tokens(prompt_ids), model.embed_tokens(completion_ids))
-    (x_NPE, x_RTE), _ = run_layers(model, body, x0, dropout_key=dropout_key)
+    (x_NPE, x_RTE), _ = run_layers(model, body, x0, dropout_key=dropout_key, row_sharding=row_sharding)
     return rms_norm(x_NPE, model.final_norm[...], cfg), rms_norm(x_RTE, model.final_norm[...], cfg)
 
 

@@ -11,7 +11,7 @@ GRPO's known failure modes each leave a trace in the rollouts before they show i
 - the per-group pass-rate histogram (TensorBoard `health/pass_rate`).
 
 Gradient noise and sampler/trainer drift are measured inside the train step
-(`train_step.grad_noise_scale`, `grpo.policy_loss`). "Correct" means the evaluation's reward
+(`micro_batches.grad_noise_scale`, `grpo.policy_loss`). "Correct" means the evaluation's reward
 (`eval.reward`, default the first reward) scored the sample above 0.5, as `eval/accuracy` does.
 Row i*G + j of every array is sample j of prompt i.
 """

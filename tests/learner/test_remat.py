@@ -4,32 +4,16 @@ less for its backward pass with `block` than with `none`."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from batches import one_device_step
+from batches import long_batch, one_device_step
 from flax import nnx
 
 from grpo_jax.config import GRPOConfig, ModelConfig
-from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.learner.train_step import Batch, init_state
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-
-# Long enough (T = 64) that each layer's activations are most of what the step keeps.
-R, P, M, G = 8, 8, 56, 4
-
-
-def _batch(seed=0) -> Batch:
-    rng = np.random.default_rng(seed)
-    cmask = (np.arange(M)[None] < rng.integers(M // 2, M + 1, R)[:, None]).astype(np.int32)
-    adv = group_advantages(jnp.asarray(rng.integers(0, 2, R), jnp.float32), G)
-    return Batch(prompt_ids=jnp.asarray(rng.integers(3, 256, (R, P)), jnp.int32), prompt_mask=jnp.ones((R, P), jnp.int32),
-                 completion_ids=jnp.asarray(rng.integers(3, 256, (R, M)), jnp.int32),
-                 completion_mask=jnp.asarray(cmask), rewards=jnp.zeros((R,), jnp.float32), advantages=adv.advantages,
-                 valid=adv.valid, zero_std=adv.zero_std, truncated=jnp.asarray(cmask.sum(1) == M),
-                 old_logprobs=jnp.full((R, M), -3.0, jnp.float32))
 
 
 def _step(remat: str, batch: Batch):
@@ -43,7 +27,7 @@ def _step(remat: str, batch: Batch):
 
 
 def test_every_remat_policy_gives_the_same_update_and_block_keeps_less():
-    batch = _batch()
+    batch = long_batch()
     memory, params, metrics = {}, {}, {}
     for remat in ("none", "block", "dots"):
         memory[remat], params[remat], metrics[remat] = _step(remat, batch)

@@ -18,7 +18,7 @@ from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
 from grpo_jax.rollout.health import distinct_answers, expected_zero_std_fraction, random_control, rollout_health
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.rewards import RewardResult, RewardSpec, format_reward
-from grpo_jax.learner.train_step import grad_noise_scale
+from grpo_jax.learner.micro_batches import grad_noise_scale
 
 
 def _flat(tree) -> np.ndarray:
@@ -49,7 +49,8 @@ def test_grad_noise_scale_of_the_step_equals_numpy_on_micro_batch_gradients():
                            valid=mb.valid, truncated=mb.truncated, normaliser=normaliser)[0]
 
     piece_grad = jax.jit(jax.grad(piece_loss))  # one compile for the k pieces
-    pieces = [_flat(piece_grad(state.params, jnp.arange(i * b, (i + 1) * b))) for i in range(k)]
+    # Micro-batch i holds every k-th row from row i (micro_batches.split_micro_batches).
+    pieces = [_flat(piece_grad(state.params, jnp.arange(i, R, k))) for i in range(k)]
     g = np.sum(pieces, axis=0)
     estimates = [k * p for p in pieces]  # each piece's estimate of the whole gradient, from b rows
     trace = b * sum(np.sum((e - g) ** 2) for e in estimates) / (k - 1)
