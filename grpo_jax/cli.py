@@ -2,7 +2,7 @@
 preference pairs, `eval` scores a checkpoint on the held-out split, `export` writes a checkpoint as
 a Hugging Face model directory, `plot` draws a run's metrics, `report` writes its health report
 (HTML); `check` checks a config's inputs without compiling; `fetch-model` puts a real model's GGUF file in the cache; `smoke` exercises the model stack
-on a tiny random model; `bench BENCHMARK` measures throughput (grpo_jax.tools.bench).
+on a tiny random model; `bench BENCHMARK` measures throughput and memory (grpo_jax.tools.bench).
 
 A user error (a bad option, a config that cannot run, a missing path) is one line on stderr,
 `grpo-jax <command>: error: <message>`, and exit status 2."""
@@ -119,21 +119,14 @@ def _bench_scaling(args: argparse.Namespace) -> dict:
     return result
 
 
-# The options of the benchmarks: a benchmark takes those of its function's keyword parameters
-# named here, with the function's defaults (a config benchmark also takes --config and --set).
-_BENCH_OPTIONS = {"preset": "model shape", "dtype": "compute and parameter dtype", "iters": "timed repetitions",
-                  "prompts": "distinct prompts", "group_size": "samples per prompt", "prompt_len": "prompt tokens",
-                  "new_tokens": "generated tokens per row", "batch": "rows", "seq": "tokens per row",
-                  "steps": "timed steps", "warmup": "untimed steps before them"}
-
-
 def _add_bench(sub) -> None:
     """`grpo-jax bench BENCHMARK`: one parser per benchmark (grpo_jax.tools.bench)."""
     from grpo_jax.tools import bench
 
     parser = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
                                           "weights; grpo-step: whole GRPO steps of a run config, with MFU; "
-                                          "scaling: grpo-step against group size, completion length, prompts")
+                                          "scaling: grpo-step against group size, completion length, prompts; "
+                                          "memory: a run config's compiled memory per device against a chip's HBM")
     which = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     _bench_command(which, "sampler", bench.sampler, functools.partial(_bench_parity, bench.sampler),
                    "generated tokens/s of the sampler against transformers' generate, and shared prefill")
@@ -149,6 +142,8 @@ def _add_bench(sub) -> None:
                              help=f"{what} to sweep (default {','.join(map(str, bench.SCALING_AXES[axis][1]))}; "
                                   "with no sweep option, every default sweep runs)")
     scaling.add_argument("--plot", default=None, help="the PNG (default: --output with .png)")
+    _bench_command(which, "memory", bench.memory, functools.partial(_call, bench.memory),
+                   "a run config's programs compiled on abstract shapes: memory per device against a chip's HBM")
 
 
 def _bench_command(which, name: str, fn, run, about: str) -> argparse.ArgumentParser:
@@ -161,11 +156,11 @@ def _bench_command(which, name: str, fn, run, about: str) -> argparse.ArgumentPa
                             help="the run config (YAML), e.g. benchmarks/configs/peers.yaml")
         parser.add_argument("--set", dest="overrides", action="append", default=list(params["overrides"].default),
                             metavar="KEY=VALUE", help="override a config key")
-    choices = {"preset": list(bench.PRESETS), "dtype": ["float32", "bfloat16"]}
     for key, default in _defaults(fn).items():
-        if key in _BENCH_OPTIONS:
+        if key in bench.OPTIONS:
+            shown = "%(default)s" if default != "" else "the config's model"  # "": memory's preset
             parser.add_argument("--" + key.replace("_", "-"), type=type(default), default=default,
-                                choices=choices.get(key), help=f"{_BENCH_OPTIONS[key]} (default %(default)s)")
+                                choices=bench.CHOICES.get(key), help=f"{bench.OPTIONS[key]} (default {shown})")
     parser.add_argument("--output", default=None, metavar="FILE.json", help="also write the JSON result to this file")
     parser.set_defaults(func=_bench, run=run, prog=parser.prog)
     return parser

@@ -29,7 +29,7 @@ from grpo_jax.config import RunConfig
 from grpo_jax.learner.grpo import GroupAdvantages
 from grpo_jax.learner.train_step import (Batch, TrainState, bind_train_step, make_advantages_step,
                                          make_ref_logprobs_step, make_train_step)
-from grpo_jax.runtime.sharding import (param_shardings, place_train_state, replicate, replicated, split_rows,
+from grpo_jax.runtime.sharding import (param_shardings, replicate, replicated, split_rows, train_state_shardings,
                                        tree_shardings, unreplicate)
 
 
@@ -66,9 +66,17 @@ class Parallel(abc.ABC):
 
     def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
         """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
+        return self._ref_step()(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+
+    def lower_ref_logprobs(self, params, batch: Batch) -> jax.stages.Lowered:
+        """`ref_logprobs`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs):
+        `.compile().memory_analysis()` says what it needs before anything is placed."""
+        return self._ref_step().lower(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+
+    def _ref_step(self):
         if self._ref is None:
             raise ValueError("reference log-probs are computed only with grpo.beta > 0")
-        return self._ref(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+        return self._ref
 
     @abc.abstractmethod
     def place(self, state: TrainState) -> TrainState:
@@ -93,7 +101,8 @@ class MeshParallel(Parallel):
 
     def __init__(self, config, mesh, graphdef, optimizer, state, **kwargs):
         super().__init__(config, mesh, graphdef, optimizer, state, **kwargs)
-        _, self.shardings, self.not_sharded = place_train_state(state, mesh)
+        # From shapes and logical axes only: `state` may be abstract (`grpo-jax bench memory`).
+        self.shardings, self.not_sharded = train_state_shardings(state, mesh)
         frozen = self.frozen
         self._step = make_train_step(graphdef, optimizer, config.grpo, mesh=mesh, state_shardings=self.shardings,
                                      frozen_shardings=None if frozen is None else tree_shardings(frozen),
@@ -104,6 +113,10 @@ class MeshParallel(Parallel):
 
     def step(self, state, batch):
         return self._step(state, batch, self.frozen)
+
+    def lower_step(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+        """`step`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs)."""
+        return self._step.lower(state, batch, self.frozen)
 
     def sampler_params(self, state):
         return state.params

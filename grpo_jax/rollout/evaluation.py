@@ -33,6 +33,12 @@ def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
     return {k: [ex.fields.get(k) for ex in examples for _ in range(group_size)] for k in keys}
 
 
+def prompts_per_call(num_prompts: int, mesh=None, chunk: int = 64) -> int:
+    """The prompts of one `generate` call of `evaluate` over `num_prompts`: at most `chunk`, rounded
+    up to split evenly over data x fsdp (the last chunk is padded with repeats)."""
+    return round_to_row_shards(min(chunk, num_prompts), mesh)
+
+
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
              rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None) -> dict[str, float]:
     """`eval/accuracy` (the share of samples `reward` scores above 0.5), `eval/pass@k` (with k =
@@ -45,8 +51,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
     k = sampling.group_size
-    chunk = min(chunk, len(examples))
-    chunk = round_to_row_shards(chunk, mesh)  # prompts are split over data x fsdp: a chunk must divide evenly
+    chunk = prompts_per_call(len(examples), mesh, chunk)
     # Every host has every prompt; each scores only the rows its devices hold, and the scores are
     # put together on every host.
     share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)

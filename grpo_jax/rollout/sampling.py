@@ -159,7 +159,7 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
         rollout = _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
     else:
         ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.runtime.hosts.to_global) stay where they are
-        rollout = _sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
+        rollout = sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
     return rollout
 
@@ -208,7 +208,11 @@ def _check(field: str, assertion, *args) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded_generate(graphdef, config: SamplingConfig, share_prefill: bool, mesh):
+def sharded_generate(graphdef, config: SamplingConfig, share_prefill: bool, mesh):
+    """The jitted sampler `generate` runs on `mesh`: `(model state, ids [N, P], mask [N, P], key) ->
+    Rollout`, rows split over (data, fsdp), the model state where it was placed. Its `.lower` with
+    jax.ShapeDtypeStructs (each state leaf carrying its sharding) shows its memory before any
+    parameter exists (`grpo-jax bench memory`)."""
     def rows(ndim):
         return batch_sharding(mesh, ndim)
 

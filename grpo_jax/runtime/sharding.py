@@ -262,27 +262,34 @@ def tree_shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES):
-    """A TrainState on the mesh: params by the rules, optimizer moments like their params (any
-    subtree shaped like the params, such as Adam's mu and nu), everything else replicated.
-    Returns (state, its shardings, the dimensions that had to be replicated)."""
+def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES):
+    """Where a TrainState goes on the mesh: params by the rules, optimizer moments like their params
+    (any subtree shaped like the params, such as Adam's mu and nu), everything else replicated.
+    Reads shapes and logical axes only, so an abstract state (`jax.eval_shape`) works too.
+    Returns (the shardings, a pytree like the state; the dimensions that had to be replicated)."""
     sharded = param_shardings(state.params, mesh, rules)
-    params = jax.device_put(state.params, sharded.shardings)
     structure = jax.tree.structure(state.params)
+    whole = replicated(mesh)
 
     def opt_node(x):
         # Optimizer moments are pytrees shaped like the params: shard them the same way.
         if isinstance(x, nnx.State) and jax.tree.structure(x) == structure:
-            return jax.device_put(x, sharded.shardings)
-        return jax.device_put(x, replicated(mesh))
+            return sharded.shardings
+        return jax.tree.map(lambda _: whole, x)
 
     opt_state = jax.tree.map(opt_node, state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
-    state = state.replace(params=params, opt_state=opt_state,
-                          step=jax.device_put(state.step, replicated(mesh)),
-                          skipped_total=jax.device_put(state.skipped_total, replicated(mesh)),
-                          skipped_streak=jax.device_put(state.skipped_streak, replicated(mesh)),
-                          critic=jax.device_put(state.critic, replicated(mesh)))  # PPO's value head: small
-    return state, tree_shardings(state), sharded.replicated
+    shardings = state.replace(params=sharded.shardings, opt_state=opt_state, step=whole, skipped_total=whole,
+                              skipped_streak=whole,
+                              critic=jax.tree.map(lambda _: whole, state.critic))  # PPO's value head: small
+    return shardings, sharded.replicated
+
+
+def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES):
+    """A TrainState on the mesh (`train_state_shardings`). Returns (state, its shardings, the
+    dimensions that had to be replicated)."""
+    shardings, left_whole = train_state_shardings(state, mesh, rules)
+    state = jax.device_put(state, shardings)
+    return state, tree_shardings(state), left_whole
 
 
 # --- pmap mode (pure data parallelism, the state replicated on every local device) -------------

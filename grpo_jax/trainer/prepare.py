@@ -122,6 +122,13 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
     return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
 
 
+def evaluation_sampling(sampling: SamplingConfig, config: RunConfig) -> SamplingConfig:
+    """The run's `sampling` for evaluation: eval.k samples per prompt at eval.temperature (default
+    the run's), no minimum length."""
+    return dataclasses.replace(sampling, group_size=config.eval.k, min_new_tokens=0, temperature=(
+        sampling.temperature if config.eval.temperature is None else config.eval.temperature))
+
+
 def prepare(config: RunConfig) -> Prepared:
     """Every input check of a run, before any compile."""
     if config.model is None:
@@ -141,8 +148,7 @@ def prepare(config: RunConfig) -> Prepared:
     mesh = run_mesh(config)
     streams = _streams(config, tokenizer, mesh, notes)
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
-    eval_sampling = dataclasses.replace(sampling, group_size=config.eval.k, min_new_tokens=0, temperature=(
-        sampling.temperature if config.eval.temperature is None else config.eval.temperature))
+    eval_sampling = evaluation_sampling(sampling, config)
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards, eval_reward=eval_reward,
                     eval_verifier=eval_verifier, mesh=mesh, notes=tuple(notes), **streams)

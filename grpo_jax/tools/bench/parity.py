@@ -26,6 +26,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
                                  num_kv_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True,
                                  max_position_embeddings=40_960)),
+    # Qwen/Qwen3-1.7B's config.json (as the 0.6B's, wider): `bench memory --preset` sizes the pod config.
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                                 num_kv_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True,
+                                 max_position_embeddings=40_960)),
     "llama3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                                   num_kv_heads=8, head_dim=64, vocab_size=128_256, tie_word_embeddings=True,
                                   max_position_embeddings=131_072,

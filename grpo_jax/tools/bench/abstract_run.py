@@ -1,0 +1,180 @@
+"""A run's programs on abstract shapes (`abstract_run`), for `grpo-jax bench memory`.
+
+The pieces come from the code a run is built with (`trainer.setup.build`'s order: the policy with
+the run's adapters, its train state, `make_parallel`, the sampler's `sharded_generate`), but every
+array is a `jax.ShapeDtypeStruct` (`nnx.eval_shape`, `jax.eval_shape`): nothing is initialised,
+loaded or placed, so a pod-sized model compiles on a laptop's host devices.
+
+What a run keeps on its devices between programs, per device, in parts (`AbstractRun.resident`):
+`params` (the trainable parameters: the policy's, or a LoRA run's adapters), `optimizer` (the rest
+of the train state: moments, counters, a PPO critic), `frozen` (a LoRA run's base), `reference`
+(the KL reference's copy of the parameters: grpo.beta > 0 without LoRA), `batch_ids` (the batch's
+token ids and prompt mask) and `batch_rest` (its other fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.config import RunConfig, SamplingConfig
+from grpo_jax.learner.optimizer import run_optimizer
+from grpo_jax.learner.parallel import Parallel, make_parallel
+from grpo_jax.learner.ppo import init_critic
+from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_trainable
+from grpo_jax.models import Transformer, TransformerConfig
+from grpo_jax.models import load_config as load_model_config
+from grpo_jax.models.lora import strip_adapters
+from grpo_jax.rollout.evaluation import prompts_per_call
+from grpo_jax.rollout.sampling import sharded_generate
+from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
+from grpo_jax.runtime.storage import is_remote
+from grpo_jax.tools.bench.parity import preset_config
+from grpo_jax.trainer.prepare import add_run_adapters, architecture, build_tokenizer, evaluation_sampling, model_options
+
+# The batch's fields that the reference pass takes (the rest stay where they are meanwhile).
+_IDS = ("prompt_ids", "prompt_mask", "completion_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    # name -> (the program lowered with the run's shardings, the resident parts among its arguments)
+    programs: dict[str, tuple[jax.stages.Lowered, tuple[str, ...]]]
+    resident: dict[str, int]  # part (see the module docstring) -> bytes per device
+    model: dict  # where the shape came from, its size and the model section's settings
+    workload: dict  # the shapes the programs were lowered for
+    not_compiled: dict[str, str]  # a program the run does not have -> why
+
+
+def model_shape(cfg, preset: str = "") -> tuple[TransformerConfig, str]:
+    """(the policy's architecture, where it came from): `preset` (bench.PRESETS), else the model
+    section's architecture, else model.path's config.json (a local one: only the shape is needed)."""
+    if preset:
+        return preset_config(preset), f"preset {preset}"
+    if cfg.path is None:
+        return architecture(cfg.architecture, build_tokenizer(cfg)), "model.architecture"
+    if is_remote(cfg.path):
+        raise FileNotFoundError(f"model.path {cfg.path!r} is remote; bench memory needs only the model's shape: "
+                                "pass --preset NAME (a known shape) or set model.path to a local copy of its config")
+    return load_model_config(cfg.path), str(cfg.path)
+
+
+def abstract_run(config: RunConfig, mesh, *, preset: str = "") -> AbstractRun:
+    """The run's programs lowered on abstract shapes over `mesh` (see the module docstring)."""
+    model_config, source = model_shape(config.model, preset)
+    model = nnx.eval_shape(functools.partial(_policy, config, model_config))
+    graphdef, params, frozen = split_trainable(model)
+    optimizer = run_optimizer(config)
+    critic = model_config.hidden_size if config.algorithm == "ppo" else None
+    state = jax.eval_shape(functools.partial(_fresh_state, graphdef, optimizer, critic), params, frozen)
+    if frozen is not None:  # placed with the model, by the rules
+        frozen = with_shardings(frozen, param_shardings(frozen, mesh).shardings)
+    ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
+    parallel = make_parallel(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
+                             frozen=frozen, ref_graphdef=ref_graphdef)
+    batch = abstract_batch(config)
+    resident = _resident(config, parallel, state, frozen, batch, mesh)
+    sampling = _sampling(config.sampling, model_config)
+    eval_prompts = prompts_per_call(config.eval.num_prompts, mesh)
+    programs = {"sampler": (_sampler(model, sampling, config.data.prompts_per_step, mesh), ("params", "frozen")),
+                "eval_sampler": (_sampler(model, evaluation_sampling(sampling, config), eval_prompts, mesh),
+                                 ("params", "frozen"))}
+    not_compiled = {}
+    if config.grpo.beta > 0:
+        ref_params = state.params if frozen is None else frozen
+        programs["reference"] = (parallel.lower_ref_logprobs(ref_params, batch),
+                                 ("reference" if frozen is None else "frozen", "batch_ids"))
+    else:
+        not_compiled["reference"] = "grpo.beta = 0: the run has no reference pass (--set grpo.beta=... to see one)"
+    programs["train_step"] = (parallel.lower_step(state, batch),
+                              ("params", "optimizer", "frozen", "batch_ids", "batch_rest"))
+    return AbstractRun(programs=programs, resident=resident, model=_model_summary(config, model_config, source, state,
+                                                                                  frozen),
+                       workload=_workload(config, mesh, eval_prompts), not_compiled=not_compiled)
+
+
+def _policy(config: RunConfig, model_config: TransformerConfig) -> Transformer:
+    model = Transformer(model_config, rngs=nnx.Rngs(config.train.seed), **model_options(config.model))
+    add_run_adapters(model, config)
+    return model
+
+
+def _fresh_state(graphdef, optimizer, critic_width: int | None, params, frozen):
+    critic = None if critic_width is None else init_critic(critic_width)
+    return init_state(merge_model(graphdef, params, frozen), optimizer, critic=critic)[1]
+
+
+def with_shardings(tree, shardings):
+    """`tree`'s arrays (or jax.ShapeDtypeStructs) as jax.ShapeDtypeStructs carrying `shardings`."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of jax.ShapeDtypeStructs carrying shardings (the largest shard)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def abstract_batch(config: RunConfig) -> Batch:
+    """A step's Batch as jax.ShapeDtypeStructs: prompts_per_step x group_size rows, prompts padded to
+    the largest bucket (the worst a step pads to), max_new_tokens completion slots."""
+    N, G = config.data.prompts_per_step, config.sampling.group_size
+    R, P, M = N * G, max(config.sampling.prompt_buckets), config.sampling.max_new_tokens
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    return Batch(prompt_ids=sds((R, P), jnp.int32), prompt_mask=sds((R, P), jnp.int32),
+                 completion_ids=sds((R, M), jnp.int32), completion_mask=sds((R, M), jnp.int32),
+                 rewards=sds((R,), jnp.float32), advantages=sds((R,), jnp.float32), valid=sds((R,), jnp.bool_),
+                 zero_std=sds((N,), jnp.bool_), truncated=sds((R,), jnp.bool_), old_logprobs=sds((R, M), jnp.float32),
+                 ref_logprobs=sds((R, M), jnp.float32) if config.grpo.beta > 0 else None)
+
+
+def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch, mesh) -> dict[str, int]:
+    placed = with_shardings(state, parallel.shardings)
+    params = device_bytes(placed.params)
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
+    rows = {k: device_bytes(with_shardings(v, batch_sharding(mesh, v.ndim))) for k, v in fields.items()}
+    return {"params": params, "optimizer": device_bytes(placed) - params,
+            "frozen": 0 if frozen is None else device_bytes(frozen),
+            "reference": params if config.grpo.beta > 0 and frozen is None else 0,
+            "batch_ids": sum(v for k, v in rows.items() if k in _IDS),
+            "batch_rest": sum(v for k, v in rows.items() if k not in _IDS)}
+
+
+def _sampling(sampling: SamplingConfig, model_config: TransformerConfig) -> SamplingConfig:
+    # Token ids change no program's memory: the model's own stop ids stand in for the tokenizer's.
+    stops = tuple(sampling.stop_token_ids or model_config.eos_token_ids or (0,))
+    pad = stops[0] if sampling.pad_token_id is None else sampling.pad_token_id
+    return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
+
+
+def _sampler(model, sampling: SamplingConfig, prompts: int, mesh) -> jax.stages.Lowered:
+    """The sampler `generate` runs for `prompts` prompts in the largest bucket, the model placed by
+    the rules (as `place_model` places it)."""
+    graphdef, state = nnx.split(model)
+    state = with_shardings(state, param_shardings(state, mesh).shardings)
+    ids = jax.ShapeDtypeStruct((prompts, max(sampling.prompt_buckets)), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return sharded_generate(graphdef, sampling, True, mesh).lower(state, ids, ids, key)
+
+
+def _model_summary(config: RunConfig, model_config: TransformerConfig, source: str, state, frozen) -> dict:
+    count = sum(x.size for x in jax.tree.leaves((state.params, frozen)))
+    m = config.model
+    return {"source": source, "parameters": int(count), "hidden_size": model_config.hidden_size,
+            "num_layers": model_config.num_layers, "vocab_size": model_config.vocab_size, "dtype": m.dtype,
+            "param_dtype": m.param_dtype, "remat": m.remat, "scan_layers": m.scan_layers, "lora_rank": config.lora.rank}
+
+
+def _workload(config: RunConfig, mesh, eval_prompts: int) -> dict:
+    N, G, micro = config.data.prompts_per_step, config.sampling.group_size, config.train.micro_batches
+    return {"prompts_per_step": N, "group_size": G, "rows": N * G, "prompt_len": max(config.sampling.prompt_buckets),
+            "completion_len": config.sampling.max_new_tokens, "micro_batches": micro,
+            "micro_batch_rows_per_device": N * G // rows_per_shard(mesh) // micro,
+            "eval_prompts_per_call": eval_prompts, "eval_k": config.eval.k}

@@ -1,0 +1,71 @@
+"""`grpo-jax bench memory`: a tiny config's programs compiled on abstract shapes, their figures per
+device, what model.remat changes, and the run in its own process when the device count differs."""
+
+from __future__ import annotations
+
+import json
+
+from runs import CONFIG, write_config
+
+from grpo_jax import cli
+from grpo_jax.tools.bench.memory import CHIPS, with_device_count
+
+PROGRAMS = ("sampler", "eval_sampler", "reference", "train_step")  # CONFIG has grpo.beta > 0: a reference pass
+FIGURES = ("argument_bytes", "output_bytes", "temp_bytes")
+
+
+def _bench(tmp_path, name, *options):
+    config = {**CONFIG, "mesh": {"data": 1, "fsdp": 4, "tensor": 1}, "eval": {"num_prompts": 8, "k": 2}}
+    out = tmp_path / f"{name}.json"
+    argv = ["bench", "memory", "--config", write_config(tmp_path, config), "--output", str(out), *options]
+    assert cli.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_memory_of_each_program_per_device_and_block_remat_lowers_the_train_step(tmp_path, capsys):
+    # conftest's 8 host devices: measured in this process, on 4 of them (mesh.fsdp: 4).
+    none = _bench(tmp_path, "none", "--devices", "8", "--set", "train.micro_batches=4")
+    table = capsys.readouterr().err
+    assert "train_step" in table and "fits on v5e (16 GiB)" in table
+    assert (none["devices"], none["mesh"], none["chip"], none["hbm_bytes"]) == (4, {"data": 1, "fsdp": 4, "tensor": 1},
+                                                                               "v5e", CHIPS["v5e"])
+    assert tuple(none["programs"]) == PROGRAMS and none["not_compiled"] == {}
+    for name, p in none["programs"].items():
+        assert all(p[k] > 0 for k in FIGURES), (name, p)
+        assert p["peak_bytes"] == (p["held_bytes"] + p["argument_bytes"] + p["output_bytes"] - p["alias_bytes"]
+                                   + p["temp_bytes"] + p["generated_code_bytes"])
+    # Per device, float32: every parameter splits over fsdp = 4 (its embed axis) except the q/k norms
+    # (2 layers x 2 x head_dim 16, no embed axis), which every device holds whole.
+    resident, norms = none["resident_bytes"], 2 * 2 * 16 * 4
+    assert resident["params"] == (none["model"]["parameters"] * 4 - norms) // 4 + norms
+    assert resident["reference"] == resident["params"] and resident["optimizer"] > 2 * resident["params"]  # Adam
+    train = none["programs"]["train_step"]
+    # The state is donated: its buffers come back as the new state's.
+    assert train["alias_bytes"] >= resident["params"] + resident["optimizer"]
+    assert train["held_bytes"] == resident["reference"]  # what it does not take: the KL reference
+    assert none["peak_bytes"] == max(p["peak_bytes"] for p in none["programs"].values())
+    assert none["margin_bytes"] == CHIPS["v5e"] - none["peak_bytes"] and none["verdict"] == "fits"
+
+    block = _bench(tmp_path, "block", "--devices", "8", "--set", "train.micro_batches=4", "--set", "model.remat=block")
+    assert block["model"]["remat"] == "block"
+    assert block["programs"]["train_step"]["temp_bytes"] < 0.8 * train["temp_bytes"]
+    # Passes without gradients are the same programs.
+    assert block["programs"]["sampler"]["temp_bytes"] == none["programs"]["sampler"]["temp_bytes"]
+
+
+def test_another_device_count_is_measured_in_a_process_of_its_own(tmp_path):
+    two = _bench(tmp_path, "two", "--devices", "2", "--set", "mesh={data: -1}", "--set", "grpo.beta=0",
+                 "--chip", "v6e")
+    assert two["devices"] == 2 and two["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert two["hbm_bytes"] == CHIPS["v6e"] and "reference" in two["not_compiled"]
+    assert two["programs"]["train_step"]["temp_bytes"] > 0
+    assert with_device_count("--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", 2) == (
+        "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
+
+
+def test_a_remote_model_path_without_a_preset_is_one_line(tmp_path, capsys):
+    config = {**CONFIG, "model": {"path": "gs://bucket/models/Qwen3-0.6B"}}
+    argv = ["bench", "memory", "--config", write_config(tmp_path, config), "--devices", "8"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-jax bench memory: error: ") and "--preset NAME" in err and err.count("\n") == 1
