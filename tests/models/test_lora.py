@@ -231,11 +231,12 @@ def test_a_lora_run_of_the_demo_task_improves_reward(lora_run):
     records = read_metrics(lora_run[1])
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-    # Measured with this seed: reward 0.29 -> 0.34 and held-out accuracy 0.23 -> 0.28 (rank 8 on a
-    # 64-wide model learns slower than full fine-tuning, tests/trainer/test_loop.py: reward 0.23 -> 0.40).
+    # Measured with this seed: reward 0.29 -> 0.34 (rank 8 on a 64-wide model learns slower than
+    # full fine-tuning, tests/trainer/test_loop.py: reward 0.23 -> 0.40). Held-out accuracy is not
+    # asserted: on 20 held-out prompts it does not move measurably in 40 steps (0.252 -> 0.253 with
+    # 32 samples a prompt, 2026-12-02; the 0.23 -> 0.28 once seen with 8 was the noise, ~0.035, and
+    # another machine's floats gave 0.231 -> 0.225). LoRA's held-out gains: configs/demo_cpu_lora.yaml.
     assert last > first + 0.03, (first, last)
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    assert evals[-1] > evals[0] + 0.02, evals
 
 
 def test_a_lora_checkpoint_holds_adapters_and_exports_merged(lora_run, tmp_path):
