@@ -24,7 +24,7 @@ def test_the_demo_configs_check_out_without_compiling(tmp_path):
     assert lines[-1].endswith("ready for `grpo-jax train`")
     lines = check(config=ROOT / "configs" / "rm_demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}"],
                   for_command="train-rm", log=lambda line: None)
-    assert any("6000 train pairs" in line for line in lines) and lines[-1].endswith("`grpo-jax train-rm`")
+    assert any("7500 train pairs" in line for line in lines) and lines[-1].endswith("`grpo-jax train-rm`")
     assert compiled == []
     jax.numpy.ones(3).sum().block_until_ready()  # the listener sees a compile when there is one
     assert compiled
