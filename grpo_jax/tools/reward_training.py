@@ -42,8 +42,7 @@ from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_re
 from grpo_jax.rewards.reward_model import rm_input
 from grpo_jax.learner.logprobs import chunked_logprobs
 from grpo_jax.learner.optimizer import make_optimizer, schedule
-from grpo_jax.models import JNP_DTYPES
-from grpo_jax.trainer.prepare import architecture, build_tokenizer
+from grpo_jax.trainer.prepare import architecture, build_tokenizer, model_options
 from grpo_jax.runtime.sharding import (batch_sharding, make_mesh, mesh_devices, on_mesh, place_model, pow2_bucket,
                                        replicated, round_to_row_shards, sharded_jit, tree_shardings)
 
@@ -142,16 +141,16 @@ def build_reward_model(config: RMRunConfig, tokenizer) -> RewardModel:
     """The model to train: an RM directory as it is, a causal LM's decoder with a fresh score head,
     or a random architecture."""
     m = config.model
-    dtypes = dict(dtype=JNP_DTYPES[m.dtype], param_dtype=JNP_DTYPES[m.param_dtype])
+    options = model_options(m)  # dtypes, remat, scan_layers: as the policy takes them
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if m.path is None:
         return RewardModel(architecture(m.architecture, tokenizer), pad_token_id=pad,
-                           rngs=nnx.Rngs(config.train.seed), **dtypes)
+                           rngs=nnx.Rngs(config.train.seed), **options)
     hf = json.loads((Path(m.path) / "config.json").read_text()) if (Path(m.path) / "config.json").exists() else {}
     if any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
-        return load_reward_model(m.path, **dtypes)
-    causal = from_pretrained(m.path, **dtypes)
-    model = RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed), **dtypes)
+        return load_reward_model(m.path, **options)
+    causal = from_pretrained(m.path, **options)
+    model = RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed), **options)
     state = {k: v for k, v in nnx.to_flat_state(nnx.state(causal, nnx.Param)) if k[0] != "lm_head"}
     nnx.update(model.backbone, nnx.from_flat_state(state))
     return model

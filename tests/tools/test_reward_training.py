@@ -252,6 +252,15 @@ def test_the_answer_language_model_term_is_the_chosen_answers_cross_entropy(tmp_
     np.testing.assert_allclose(got, np.mean(nll), rtol=1e-5)
 
 
+def test_the_model_section_builds_the_reward_model_as_it_builds_a_policy(tmp_path):
+    from grpo_jax.tools.reward_training import build_reward_model
+
+    config = rm_config(tmp_path)
+    config["model"] = {**config["model"], "remat": "block", "scan_layers": False}
+    model = build_reward_model(load_rm_config(write_config(tmp_path, config)), char_tokenizer(add_bos=True))
+    assert (model.backbone.remat, model.backbone.scan_layers) == ("block", False)  # accepted, so honoured
+
+
 def test_train_rm_on_a_2x2x2_mesh_equals_one_device(tmp_path):
     runs = {}
     for name, mesh in (("one", {"data": 1, "fsdp": 1, "tensor": 1}), ("eight", {"data": 2, "fsdp": 2, "tensor": 2})):
