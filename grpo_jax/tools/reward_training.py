@@ -11,9 +11,9 @@ model is scored at training time on what it will see at GRPO time. The language-
 (`train.lm_coef`, off by default) is there for correctness: a Bradley-Terry loss alone lets a small
 model rank pairs by the easy cues (length, filler words) and never learn what makes an answer right;
 predicting the right answer's tokens makes the backbone compute it, and the score head can then
-compare (the demo's reward model needs it to tell wrong sums apart: configs/rm_demo_cpu.yaml). Rows without the fields, or with
-answers that are not text, are skipped and counted; pairs longer than `data.max_length` keep their
-last tokens (counted). Held-out pair accuracy (`rm/pair_accuracy`) is measured before the first
+compare (the demo's reward model needs it to tell wrong sums apart: configs/rm_demo_cpu.yaml).
+Rows without the fields, or with answers that are not text, are skipped and counted; pairs longer
+than `data.max_length` keep their last tokens (counted). Held-out pair accuracy (`rm/pair_accuracy`) is measured before the first
 step, every `train.eval_every` steps and after the last; the model is saved as an HF
 `*ForSequenceClassification` directory in `OUTPUT/hf` (with its tokenizer), which transformers'
 AutoModelForSequenceClassification loads with equal scores.
