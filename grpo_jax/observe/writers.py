@@ -120,6 +120,18 @@ def _drop_partial_tail(path: Path) -> None:
 
 # --------------------------------------------------------------------------- writer
 
+def _after_existing_event_files(tb_dir: Path) -> None:
+    """Wait, if need be, until a new event file's name sorts after every existing one's: TensorBoard
+    reads a directory's event files in name order, and the name carries the creation time in whole
+    seconds, then a per-process counter that sorts as text (10 before 9). A writer reopened within
+    the second its predecessor started (a resume) would otherwise be read first, and the restart
+    marker that drops the interrupted run's later steps would apply to the wrong events."""
+    stamps = [int(f.name.split(".")[3]) for f in tb_dir.glob("events.out.tfevents.*")
+              if f.name.split(".")[3].isdigit()] if tb_dir.is_dir() else []
+    if stamps and max(stamps) >= int(time.time()):
+        time.sleep(max(stamps) + 1 - time.time())
+
+
 class MetricsWriter:
     """Appends per-step metrics and sample completions to a run directory (see module docstring).
 
@@ -139,6 +151,7 @@ class MetricsWriter:
             # Imported here so that runs without TensorBoard never load it.
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+            _after_existing_event_files(self.run_dir / TENSORBOARD_DIR)
             self._tb = EventFileWriter(str(self.run_dir / TENSORBOARD_DIR))
         self._file(self._metrics_path)  # create metrics.jsonl (and repair its tail) now
 
