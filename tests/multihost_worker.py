@@ -95,9 +95,10 @@ def cross_process_calls(fn):
 
 
 def check_placement(path: str) -> dict[str, np.ndarray]:
-    """Load the HF directory `path` onto a (1, 4, 2) mesh over every process's devices two ways
-    (`from_pretrained(mesh=)`, and `place_model` of a model on the default device: the trainer's
-    path for an initialised policy). Returns the cross-process calls each made (and, to show the
+    """Load the HF directory `path` onto a (1, 4, 2) mesh over every process's devices three ways
+    (`from_pretrained(mesh=)`; `place_model` of a model on the default device; `place_model` of one
+    loaded `on_host`, a reward model's way), and place a model drawn in host memory (`init_on_host`,
+    an initialised policy's way) as well. Returns the cross-process calls each made (and, to show the
     count sees them, the old way's: a device_put of a default-device array onto that mesh), the
     largest difference of any addressable shard from the unsharded model, and the bytes on each
     of this process's devices against the whole model's."""
@@ -105,30 +106,36 @@ def check_placement(path: str) -> dict[str, np.ndarray]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from grpo_jax.config import MeshConfig
-    from grpo_jax.models import from_pretrained
-    from grpo_jax.runtime.sharding import make_mesh, place_model
+    from grpo_jax.models import Transformer, from_pretrained, load_config
+    from grpo_jax.runtime.sharding import init_on_host, make_mesh, place_model
 
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
     params = lambda model: dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))  # noqa: E731
     reference = {k: np.asarray(v.get_value()) for k, v in params(from_pretrained(path)).items()}
     loaded, loaded_calls = cross_process_calls(lambda: params(from_pretrained(path, mesh=mesh)))
 
-    def moved():
-        model = from_pretrained(path)
+    def moved(model):
         place_model(model, mesh)
         return params(model)
 
-    moved_params, moved_calls = cross_process_calls(moved)
+    moved_params, moved_calls = cross_process_calls(lambda: moved(from_pretrained(path)))
+    # A reward model's or judge's way (loaded into host memory), and an initialised policy's (drawn there).
+    host_params, host_calls = cross_process_calls(lambda: moved(from_pretrained(path, on_host=True)))
+    config = load_config(path)
+    drawn_params, drawn_calls = cross_process_calls(
+        lambda: moved(init_on_host(lambda: Transformer(config, rngs=nnx.Rngs(0)))))
+    eager = {k: np.asarray(v.get_value()) for k, v in params(Transformer(config, rngs=nnx.Rngs(0))).items()}
     _, old_calls = cross_process_calls(lambda: jax.device_put(jnp.ones(8), NamedSharding(mesh, PartitionSpec())))
     diff, per_device = 0.0, {}
-    for placed in (loaded, moved_params):
+    for placed, want in ((loaded, reference), (moved_params, reference), (host_params, reference),
+                         (drawn_params, eager)):
         for key, var in placed.items():
             for shard in var.get_value().addressable_shards:
-                diff = max(diff, float(np.abs(np.asarray(shard.data) - reference[key][shard.index]).max()))
+                diff = max(diff, float(np.abs(np.asarray(shard.data) - want[key][shard.index]).max()))
     for var in loaded.values():
         for shard in var.get_value().addressable_shards:
             per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
-    return {"placement/calls": np.asarray([loaded_calls, moved_calls, old_calls]), "placement/diff": np.asarray(diff),
+    return {"placement/calls": np.asarray([loaded_calls, moved_calls, host_calls, drawn_calls, old_calls]), "placement/diff": np.asarray(diff),
             "placement/device_bytes": np.asarray(sorted(per_device.values())),
             "placement/model_bytes": np.asarray(sum(v.nbytes for v in reference.values()))}
 

@@ -176,11 +176,13 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
                     remat: str = "none", scan_layers: bool = True, *, mesh: Mesh | None = None,
-                    rules: Mapping[str, str | None] = RULES) -> Transformer:
+                    rules: Mapping[str, str | None] = RULES, on_host: bool = False) -> Transformer:
     """Load an HF-format directory (config.json + one or sharded safetensors), or a `.gguf` file
     (dequantised once into a cached HF directory, `models.gguf`), into a Transformer (`remat`,
     `scan_layers`: see `Transformer`). With a `mesh`, each parameter goes from host memory straight
-    to its shards by `rules` (`sharding.host_to_mesh`); without, onto the default device."""
+    to its shards by `rules` (`sharding.host_to_mesh`); with `on_host`, the parameters stay NumPy
+    arrays in host memory (for a model placed later: `sharding.place_model` cuts them there);
+    otherwise onto the default device."""
     path = model_dir(path)
     config = load_config(path)
     reader = TensorReader(path)
@@ -191,14 +193,17 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
     abstract = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat,
                             scan_layers=scan_layers))
-    return fill_params(abstract, values, mesh, rules)
+    return fill_params(abstract, values, mesh, rules, on_host=on_host)
 
 
 def fill_params(abstract: nnx.Module, values: dict[tuple, np.ndarray], mesh: Mesh | None = None,
-                rules: Mapping[str, str | None] = RULES) -> nnx.Module:
+                rules: Mapping[str, str | None] = RULES, *, on_host: bool = False) -> nnx.Module:
     """`abstract` (from nnx.eval_shape) with its parameters set from `values`, keyed by NNX state
     path; the two must name the same parameters with the same shapes. With a `mesh`, each is placed
-    by `rules` from the host (`host_to_mesh`), so no device ever holds a parameter it does not shard."""
+    by `rules` from the host (`host_to_mesh`), so no device ever holds a parameter it does not shard;
+    with `on_host`, each stays the NumPy array it is; otherwise each goes to the default device."""
+    if on_host and mesh is not None:
+        raise ValueError("on_host and mesh exclude each other: a model is either kept on the host or placed")
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     if mesh is not None:
@@ -208,7 +213,9 @@ def fill_params(abstract: nnx.Module, values: dict[tuple, np.ndarray], mesh: Mes
     for key, var in flat.items():
         if tuple(var.shape) != values[key].shape:
             raise AssertionError(f"{key}: converted shape {values[key].shape} != model shape {var.shape}")
-        if mesh is None:
+        if on_host:
+            var.set_value(values[key])
+        elif mesh is None:
             var.set_value(jnp.asarray(values[key]))
         else:
             var.set_value(host_to_mesh(values[key], shardings[key].get_value()))

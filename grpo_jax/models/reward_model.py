@@ -91,9 +91,10 @@ def _hf_config(path: Path) -> dict:
 
 def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
                       scan_layers: bool = True, *, mesh: Mesh | None = None,
-                      rules: Mapping[str, str | None] = RULES) -> RewardModel:
+                      rules: Mapping[str, str | None] = RULES, on_host: bool = False) -> RewardModel:
     """A `*ForSequenceClassification` directory (config.json + safetensors) as a RewardModel; with a
-    `mesh`, placed from host memory by `rules` as `from_pretrained` places a model."""
+    `mesh`, placed from host memory by `rules`, and with `on_host` kept there, as `from_pretrained`
+    does."""
     path = model_dir(path)
     hf = _hf_config(path)
     archs = hf.get("architectures") or []
@@ -118,7 +119,7 @@ def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jn
     abstract = nnx.eval_shape(lambda: RewardModel(config, pad_token_id=hf["pad_token_id"], num_labels=num_labels,
                                                   rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                                                   remat=remat, scan_layers=scan_layers))
-    return fill_params(abstract, values, mesh, rules)
+    return fill_params(abstract, values, mesh, rules, on_host=on_host)
 
 
 def save_reward_model(model: RewardModel, path: str | os.PathLike, *, tokenizer=None) -> Path:

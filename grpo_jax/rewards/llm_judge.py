@@ -62,7 +62,7 @@ class LLMJudgeReward:
             raise ValueError("llm_judge: max_score, max_new_tokens and batch_size must be positive")
         if chat_template not in ("auto", "never"):
             raise ValueError(f"llm_judge: chat_template must be 'auto' or 'never', got {chat_template!r}")
-        self.model = from_pretrained(path)
+        self.model = from_pretrained(path, on_host=True)  # cut onto the run's mesh by `place`
         self.tokenizer = load_tokenizer(tokenizer or path)
         self.use_chat = chat_template == "auto" and bool(getattr(self.tokenizer, "chat_template", None))
         self.rubric, self.template, self.pattern, self.max_score = rubric, template, pattern, float(max_score)
@@ -108,6 +108,10 @@ class LLMJudgeReward:
         from grpo_jax.rollout.sampling import generate
         from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
 
+        if self.mesh is None:
+            from grpo_jax.rewards.reward_model import on_default_device
+
+            on_default_device(self.model)
         tok = self.tokenizer
         stops = tuple(self.model.config.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)

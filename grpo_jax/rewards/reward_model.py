@@ -5,10 +5,10 @@
         kwargs: {path: DIR, batch_size: 32, normalize: true}
         weight: 1.0
 
-The model (`models.reward_model`) is loaded once, when the config is read (a bad path fails before
-training), and placed on the run's mesh by the policy's sharding rules (`place`); each call scores
-prompt + completion jitted on device, `batch_size` rows at a time, in a few padded lengths so that
-few shapes compile. Its input is built with the reward model's own tokenizer (`rm_input`): with a
+The model (`models.reward_model`) is loaded into host memory once, when the config is read (a bad
+path fails before training), and cut onto the run's mesh by the policy's sharding rules (`place`;
+no chip holds it whole); each call scores prompt + completion jitted on device, `batch_size` rows
+at a time, in a few padded lengths so that few shapes compile. Its input is built with the reward model's own tokenizer (`rm_input`): with a
 chat template, [the prompt's messages, the completion as the assistant's turn]; else the prompt's
 text followed by the completion. The prompt's messages are the user (and system) messages before
 the policy's chat template (the `prompt_messages` example field), so a reward model with another
@@ -48,9 +48,10 @@ def rm_input(tokenizer, prompt: str, completion: str, messages: Sequence[Mapping
 
 
 def place_on(model, mesh):
-    """Place a scoring model (a reward model, a judge) on the run's `mesh` by the policy's sharding
-    rules, and return the mesh it is on. With several processes each host scores its own rows, so
-    the model goes on a mesh of this host's devices instead."""
+    """Place a scoring model (a reward model, a judge; loaded into host memory, `on_host`) on the
+    run's `mesh` by the policy's sharding rules, and return the mesh it is on: each device receives
+    only its own slices, cut on the host, so no chip ever holds the whole model. With several
+    processes each host scores its own rows, so the model goes on a mesh of this host's devices."""
     from grpo_jax.config import MeshConfig
     from grpo_jax.runtime.sharding import make_mesh, place_model
 
@@ -58,6 +59,14 @@ def place_on(model, mesh):
         mesh = make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), jax.local_devices())
     place_model(model, mesh)
     return mesh
+
+
+def on_default_device(model) -> None:
+    """A scoring model used without a mesh: its host (NumPy) parameters moved to the default
+    device once, in place, so that each call does not copy them again."""
+    params = nnx.state(model, nnx.Param)
+    if any(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
+        nnx.update(model, jax.tree.map(jnp.asarray, params))
 
 
 class RunningMoments:
@@ -99,7 +108,8 @@ class RewardModelReward:
             raise ValueError(f"chat_template must be one of {list(CHAT_TEMPLATE_CHOICES)}, got {chat_template!r}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-        self.model = load_reward_model(path, dtype=jnp.dtype(dtype))
+        # Kept in host memory until `place` cuts it onto the run's mesh (or a mesh-less call moves it).
+        self.model = load_reward_model(path, dtype=jnp.dtype(dtype), on_host=True)
         if not 0 <= label < self.model.num_labels:
             raise ValueError(f"label={label}, but {path} has {self.model.num_labels} output(s)")
         self.tokenizer = load_tokenizer(path)
@@ -118,6 +128,8 @@ class RewardModelReward:
 
     def _score_fn(self):
         if self._jitted is None:
+            if self.mesh is None:
+                on_default_device(self.model)
             graphdef, state = nnx.split(self.model)
             label = self.label
 

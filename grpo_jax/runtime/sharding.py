@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -200,6 +200,26 @@ def place_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, str | None] =
     sharded = param_shardings(params, mesh, rules)
     nnx.update(model, jax.tree.map(place_array, params, sharded.shardings))
     return sharded.replicated
+
+
+def init_on_host(make: Callable[[], nnx.Module]) -> nnx.Module:
+    """The module `make()` builds, drawn by JAX's CPU backend and kept as NumPy arrays in host
+    memory, for `place_model` to cut onto a mesh: no accelerator ever holds it whole (a draw on the
+    default device would put the whole model on chip 0), and every host draws the same values,
+    which are also the values a CPU-only run draws. Without a CPU backend (`JAX_PLATFORMS` leaving
+    it out), it is drawn on the default device and then copied to the host."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        cpu = None
+    if cpu is None:
+        module = make()
+    else:
+        with jax.default_device(cpu):
+            module = make()
+    params = nnx.state(module, nnx.Param)
+    nnx.update(module, jax.tree.map(np.array, params))  # copies: np.asarray would keep the CPU buffers alive
+    return module
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx
+from jax.sharding import Mesh
 
 from grpo_jax.config import ConfigError, RMRunConfig
 from grpo_jax.config.loading import config_to_dict
@@ -43,8 +44,8 @@ from grpo_jax.rewards.reward_model import rm_input
 from grpo_jax.learner.logprobs import chunked_logprobs
 from grpo_jax.learner.optimizer import make_optimizer, schedule
 from grpo_jax.trainer.prepare import architecture, build_tokenizer, model_options
-from grpo_jax.runtime.sharding import (batch_sharding, make_mesh, mesh_devices, on_mesh, place_model, pow2_bucket,
-                                       replicated, round_to_row_shards, sharded_jit, tree_shardings)
+from grpo_jax.runtime.sharding import (batch_sharding, init_on_host, make_mesh, mesh_devices, on_mesh, place_model,
+                                       pow2_bucket, replicated, round_to_row_shards, sharded_jit, tree_shardings)
 
 
 @dataclasses.dataclass
@@ -137,22 +138,29 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def build_reward_model(config: RMRunConfig, tokenizer) -> RewardModel:
+def build_reward_model(config: RMRunConfig, tokenizer, mesh: Mesh | None = None) -> RewardModel:
     """The model to train: an RM directory as it is, a causal LM's decoder with a fresh score head,
-    or a random architecture."""
+    or a random architecture. With a `mesh`, nothing is built whole on a device: a directory loads
+    straight onto the mesh, a fresh model is drawn in host memory (`init_on_host`) and cut onto the
+    mesh (`place_model`)."""
     m = config.model
     options = model_options(m)  # dtypes, remat, scan_layers: as the policy takes them
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    on_host = (lambda make: make()) if mesh is None else init_on_host
     if m.path is None:
-        return RewardModel(architecture(m.architecture, tokenizer), pad_token_id=pad,
-                           rngs=nnx.Rngs(config.train.seed), **options)
-    hf = json.loads((Path(m.path) / "config.json").read_text()) if (Path(m.path) / "config.json").exists() else {}
-    if any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
-        return load_reward_model(m.path, **options)
-    causal = from_pretrained(m.path, **options)
-    model = RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed), **options)
-    state = {k: v for k, v in nnx.to_flat_state(nnx.state(causal, nnx.Param)) if k[0] != "lm_head"}
-    nnx.update(model.backbone, nnx.from_flat_state(state))
+        model = on_host(lambda: RewardModel(architecture(m.architecture, tokenizer), pad_token_id=pad,
+                                            rngs=nnx.Rngs(config.train.seed), **options))
+    else:
+        hf = json.loads((Path(m.path) / "config.json").read_text()) if (Path(m.path) / "config.json").exists() else {}
+        if any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
+            return load_reward_model(m.path, **options, mesh=mesh)
+        causal = from_pretrained(m.path, **options, on_host=mesh is not None)
+        model = on_host(lambda: RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed),
+                                            **options))
+        state = {k: v for k, v in nnx.to_flat_state(nnx.state(causal, nnx.Param)) if k[0] != "lm_head"}
+        nnx.update(model.backbone, nnx.from_flat_state(state))
+    if mesh is not None:
+        place_model(model, mesh)
     return model
 
 
@@ -256,8 +264,7 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
     batch = round_to_row_shards(t.batch_size, mesh)
     if batch != t.batch_size:
         log(f"train-rm: train.batch_size {t.batch_size} -> {batch} pairs, a multiple of the mesh's row shards")
-    model = build_reward_model(config, tokenizer)
-    place_model(model, mesh)
+    model = build_reward_model(config, tokenizer, mesh)
     optimizer = make_optimizer(schedule(t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps,
                                         kind=t.lr_schedule), max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay)
     graphdef, params = nnx.split(model)

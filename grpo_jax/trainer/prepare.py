@@ -28,6 +28,7 @@ from grpo_jax.rewards import RewardSpec, build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.runtime.devices import check_devices, run_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
+from grpo_jax.runtime.sharding import init_on_host
 from grpo_jax.runtime.storage import is_remote
 
 
@@ -87,13 +88,14 @@ def model_options(cfg: ModelConfig) -> dict[str, Any]:
 
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int, mesh: Mesh | None = None) -> Transformer:
     """The base policy: loaded from `model.path` (with a `mesh`, straight onto it from host memory:
-    `from_pretrained`), or initialised from `model.architecture` and the seed (on the default
-    device; `place_model` then moves it). (A LoRA run adds its adapters after the warm start:
-    `add_run_adapters`.)"""
+    `from_pretrained`), or initialised from `model.architecture` and the seed (with a `mesh`, drawn
+    in host memory, `init_on_host`, for `place_model` to cut onto the mesh). (A LoRA run adds its
+    adapters after the warm start: `add_run_adapters`.)"""
     options = model_options(cfg)
     if cfg.path is not None:
         return from_pretrained(cfg.path, **options, mesh=mesh)
-    return Transformer(model_config, rngs=nnx.Rngs(seed), **options)
+    make = lambda: Transformer(model_config, rngs=nnx.Rngs(seed), **options)  # noqa: E731
+    return make() if mesh is None else init_on_host(make)
 
 
 def add_run_adapters(model: Transformer, config: RunConfig) -> None:

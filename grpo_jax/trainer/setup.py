@@ -49,9 +49,9 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     """The run's pieces. `resuming`: the params will come from a checkpoint (no warm start);
     `saved_base`: that checkpoint's LoRA base record."""
     cfg, mesh = prepared.config, prepared.mesh
-    # A loaded policy goes from host memory straight onto the mesh; an initialised one is built the
-    # same on every host and placed by the rules from the host (pmap mode: its data-only mesh, so
-    # replicated) for the warm start and the sampler. Neither gathers anything across hosts.
+    # A loaded policy goes from host memory straight onto the mesh; an initialised one is drawn the
+    # same in every host's memory (init_on_host) and cut onto the mesh by the rules (pmap mode: its
+    # data-only mesh, so replicated). Neither sits whole on a chip or gathers anything across hosts.
     model = build_model(cfg.model, prepared.model_config, cfg.train.seed, mesh)
     place_model(model, mesh)
     for reward in stateful_rewards(prepared):  # a reward model: on the run's mesh, by the policy's rules

@@ -143,3 +143,35 @@ def test_a_loaded_model_goes_from_the_host_to_the_rules_shardings(tmp_path):
         for placed in (x.get_value(), y.get_value()):
             assert placed.sharding == want.get_value(), path
             np.testing.assert_array_equal(np.asarray(placed), np.asarray(p.get_value()))
+
+
+def test_a_drawn_or_loaded_model_stays_on_the_host_until_it_is_cut_onto_the_mesh(tmp_path):
+    """`init_on_host` (a run's `model.architecture`, train-rm's fresh model) and `on_host` loading (a
+    reward model, a judge) leave NumPy arrays in host memory: no device holds any of the model until
+    `place_model` cuts each device's slices there; the values are the eager init's, bit for bit."""
+    from grpo_jax.models import from_pretrained, save_pretrained
+    from grpo_jax.runtime.sharding import init_on_host, place_model
+
+    import gc
+
+    def device_arrays():
+        gc.collect()
+        return {id(a): a for a in jax.live_arrays()}
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    eager = model()
+    save_pretrained(eager, tmp_path)
+    expected = param_shardings(nnx.state(eager, nnx.Param), mesh).shardings
+    for build in (lambda: init_on_host(model), lambda: from_pretrained(tmp_path, on_host=True)):
+        before = device_arrays()
+        host = build()
+        assert all(isinstance(v, np.ndarray) for v in jax.tree.leaves(nnx.state(host, nnx.Param)))
+        new = [a.shape for i, a in device_arrays().items() if i not in before]
+        assert not new, new  # no device holds any of it
+        place_model(host, mesh)
+        for (path, want), (_, x), (_, e) in zip(*(nnx.to_flat_state(t) for t in (
+                expected, nnx.state(host, nnx.Param), nnx.state(eager, nnx.Param)))):
+            assert x.get_value().sharding == want.get_value(), path
+            np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(e.get_value()))
+    with pytest.raises(ValueError, match="exclude each other"):
+        from_pretrained(tmp_path, on_host=True, mesh=mesh)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from runs import CONFIG, write_config
 
 from grpo_jax import cli
@@ -106,8 +108,12 @@ def test_reward_model_scores_are_the_same_sharded_on_a_mesh_and_normalise_as_doc
     completions = [str(int(p[0]) + int(p[2])) if i % 3 else "maybe 7" for i, p in enumerate(prompts)]
     plain = RewardModelReward(path=str(rm / "hf"), batch_size=8)
     sharded = RewardModelReward(path=str(rm / "hf"), batch_size=8, normalize=True)
+    # Loaded into host memory (no chip holds it whole); `place` cuts each device's slices there.
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(sharded.model, nnx.Param)))
     sharded.place(make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
     assert len(sharded.model.score[...].sharding.device_set) == 8
+    embed = sharded.model.backbone.embed[...]
+    assert {s.data.size for s in embed.addressable_shards} == {embed.size // 4}  # fsdp x tensor
     raw = np.asarray(plain(prompts, completions))
     np.testing.assert_allclose(sharded.raw_scores([p + c for p, c in zip(prompts, completions)]), raw, atol=1e-4)
     # Normalised by the statistics of everything scored so far (this batch included) ...
@@ -178,6 +184,7 @@ def test_the_llm_judge_runs_through_the_sampler_and_counts_unparsable_verdicts(t
     tok = char_tokenizer(add_bos=True)
     save_pretrained(Transformer(tiny("llama"), rngs=nnx.Rngs(0)), tmp_path / "judge", tokenizer=tok)
     judge = LLMJudgeReward(path=str(tmp_path / "judge"), max_new_tokens=6, batch_size=4, rubric="R!")
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(judge.model, nnx.Param)))  # until placed
     prompt = tok.decode(judge.judge_prompt("2+2=", "4"), skip_special_tokens=True)
     assert "Question: 2+2=" in prompt and "Answer: 4" in prompt and "R!" in prompt
     result = combine_rewards([RewardSpec("llm_judge", judge)], ["2+2="] * 5, ["4", "5", "4", "x", "4"])
