@@ -11,6 +11,8 @@ from grpo_jax.config.checks import choice_in, positive
 
 ChatTemplate = Literal["auto", "always", "never"]
 Overlong = Literal["skip", "truncate"]
+Engine = Literal["static", "continuous"]
+ENGINES: tuple[str, ...] = get_args(Engine)
 CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
 OVERLONG: tuple[str, ...] = get_args(Overlong)
 
@@ -32,8 +34,16 @@ class SamplingConfig:
     # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
     # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
     attend_phases: int = 4
+    # static: every row of a call decodes in lock-step until the longest is done. continuous: `slots`
+    # decode slots (0 = one per row), each refilled with the next waiting sequence as soon as its
+    # own stops (grpo_jax.rollout.engine).
+    engine: Engine = "static"
+    slots: int = 0
 
     def __post_init__(self):
+        choice_in("sampling", "engine", self.engine, ENGINES)
+        if self.slots < 0:
+            raise ValueError(f"sampling.slots must be >= 0 (0 = one per sequence), got {self.slots}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "prompt_buckets", tuple(sorted(int(b) for b in self.prompt_buckets)))
         if self.group_size < 1:

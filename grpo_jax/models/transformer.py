@@ -227,6 +227,18 @@ class Transformer(nnx.Module):
                                      decode_steps=decode_steps, chunks=chunks)
         return self.logits(h_BTE), cache
 
+    def prefill_kv(self, input_ids: jax.Array, attention_mask: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The prompts' pass for a cache laid out by the caller (the continuous engine's
+        `models.slots.SlotCache`): input_ids int [N, P], attention_mask [N, P] -> (float32 logits
+        [N, V] of the last position, keys and values [L, N, K, P, D], mask bool [N, P], rotary
+        positions int32 [N, P])."""
+        chex.assert_rank(input_ids, 2)
+        mask_BT = as_mask(attention_mask, input_ids.shape)
+        positions_BT = default_positions(mask_BT)
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT, collect_kv=True)
+        return self.logits(h_BTE[:, -1:])[:, 0], k_LBKTD, v_LBKTD, mask_BT, positions_BT
+
     def decode_step(self, input_ids: jax.Array, cache: KVCache, *, chunk: int | None = None,
                     weights: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, KVCache]:
         """Feed one token per row, input_ids int [R] -> (float32 logits [R, V] of the next token, cache).

@@ -1,0 +1,91 @@
+"""What a sampler returns (`Rollout`) and how it draws a token (`sample_tokens`), shared by the
+static engine (grpo_jax.rollout.sampling) and the continuous one (grpo_jax.rollout.engine).
+
+Shape letters: grpo_jax.shapes.
+"""
+
+from __future__ import annotations
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class Rollout:
+    tokens: jax.Array  # int32 [N*G, M]; config.pad_id after the stop token
+    logprobs: jax.Array  # float32 [N*G, M]; 0 where mask is 0
+    mask: jax.Array  # int32 [N*G, M]; 1 for completion tokens up to and including the stop token
+    lengths: jax.Array  # int32 [N*G]
+    truncated: jax.Array  # bool [N*G]; hit max_new_tokens without a stop token
+    prompt_ids: jax.Array  # int32 [N, P], left-padded to the bucket
+    prompt_mask: jax.Array  # int32 [N, P]
+
+    @property
+    def group_size(self) -> int:
+        return self.tokens.shape[0] // self.prompt_ids.shape[0]
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0, banned: jax.Array | None = None,
+                  uniforms: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row -> (tokens [B] int32, log-probs [B] under softmax(logits / T)).
+
+    `key`: one key for the whole batch (row b takes the b-th of B uniforms); or instead the rows'
+    own `uniforms` [B] in [0, 1) (row b's draw then depends on its own number alone; the
+    continuous engine draws them from each sequence's key). `banned` (bool [V], or [B, V] per row)
+    removes tokens from the draw only, like top-k / top-p: the reported log-prob stays that of the
+    untruncated distribution, which the trainer recomputes."""
+    chex.assert_rank(logits, 2)
+    logits = logits.astype(jnp.float32)
+    if banned is not None and banned.ndim == 1:
+        banned = banned[None]
+    allowed_BV = logits if banned is None else jnp.where(banned, -jnp.inf, logits)
+    if temperature == 0:
+        tokens_B = jnp.argmax(allowed_BV, axis=-1).astype(jnp.int32)
+        logp_BV = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled_BV = logits / temperature
+        logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+        # Inverse-CDF sampling: one uniform per row instead of a Gumbel draw per vocabulary entry
+        # (jax.random.categorical), 4x cheaper per decode step on CPU and exact in distribution.
+        probs_BV = jax.nn.softmax(_truncate(allowed_BV / temperature, top_k, top_p), axis=-1)
+        cdf_BV = _cumsum(probs_BV)
+        if uniforms is None:
+            u_B1 = jax.random.uniform(key, (logits.shape[0], 1))
+        else:
+            u_B1 = uniforms.reshape(-1, 1)
+        u_B1 = u_B1 * cdf_BV[:, -1:]
+        tokens_B = jnp.minimum(jnp.sum(cdf_BV <= u_B1, axis=-1), logits.shape[-1] - 1).astype(jnp.int32)
+    return tokens_B, jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def _cumsum(x_BV: jax.Array, block: int = 64) -> jax.Array:
+    """Inclusive cumsum along the last axis as two small matmuls (within blocks, then block offsets):
+    XLA:CPU lowers jnp.cumsum to a reduce-window that took ~2 ms of a 64 x 4096 decode step."""
+    B, V = x_BV.shape
+    x_BV = jnp.pad(x_BV, ((0, 0), (0, -V % block)))
+    nb = x_BV.shape[1] // block
+    within_BNC = jnp.einsum("bnc,cd->bnd", x_BV.reshape(B, nb, block), jnp.triu(jnp.ones((block, block), x_BV.dtype)),
+                            precision="highest")
+    offset_BN = jnp.einsum("bn,nm->bm", within_BNC[:, :, -1], jnp.triu(jnp.ones((nb, nb), x_BV.dtype), 1),
+                           precision="highest")
+    return (within_BNC + offset_BN[:, :, None]).reshape(B, -1)[:, :V]
+
+
+def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Set logits outside the top-k and the top-p nucleus to -inf (ties at the boundary are kept)."""
+    V = scaled_BV.shape[-1]
+    if top_k and top_k < V:
+        kth_B1 = jax.lax.top_k(scaled_BV, top_k)[0][:, -1:]
+        scaled_BV = jnp.where(scaled_BV < kth_B1, -jnp.inf, scaled_BV)
+    if top_p < 1.0:
+        sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass strictly above each token
+        # The smallest prefix whose mass reaches top_p: keep a token while the mass before it is < p.
+        n_keep_B1 = jnp.maximum(jnp.sum(before_BV < top_p, axis=-1, keepdims=True), 1)
+        cutoff_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+        scaled_BV = jnp.where(scaled_BV < cutoff_B1, -jnp.inf, scaled_BV)
+    return scaled_BV

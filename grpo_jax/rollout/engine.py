@@ -1,0 +1,221 @@
+"""The continuous engine (`sampling.engine: continuous`): a fixed number of decode slots, each
+refilled with the next waiting sequence as soon as its sequence stops, so no slot-step is spent on
+a finished row while sequences are waiting.
+
+One jitted program per call: the N prompts are prefilled once each (their keys and values stay one
+copy per prompt, `models.slots.SlotCache`), then one `lax.while_loop` whose step
+1. draws the next token of every occupied slot (from its own key, below),
+2. records it in the sequence's row of the outputs and marks the sequences that stopped (a stop
+   token, or max_new_tokens reached),
+3. feeds every continuing slot's token through one decode step (`slot_decode_step`, in the
+   attention phase of the longest sequence in flight),
+4. refills every free slot with the next waiting sequence of its shard: its prompt's prefill
+   logits draw its first token at the next step, its generated block starts empty.
+The loop, the refills and the bookkeeping all stay on device: no host round trip per refill.
+
+Sequences: R = N x G, row r = i*G + j (sample j of prompt i), as the static engine's. They are
+admitted in row order; with a mesh the rows (prompts and slots) are split into Z = data x fsdp
+shards, each with its own queue of its own prompts' sequences and its own `slots / Z` slots, so a
+slot only ever reads prompts on its own devices.
+
+Exact and reproducible. Sequence r draws token t with the t-th of its own uniforms,
+uniform(fold_in(rng, r), (M,)) (`sequence_uniforms`, drawn once per call), whatever slot it runs
+in and whenever, so the rollout does not depend on the number of slots, the refill order
+or the mesh (up to float rounding of the logits in different batch shapes). The log-probs are the
+tempered, untruncated distribution's, as the static engine's (`sampling.sample_tokens`). With
+temperature 0 every sequence's tokens are the static engine's. The two engines' sampled rollouts
+differ: the static engine draws one uniform per step for all rows from `fold_in(rng, t)`.
+
+Shape letters: grpo_jax.shapes (Z row shards, J decode slots per shard, Np prompts per shard,
+Rb = Np x G sequences per shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.models.slots import SlotCache, slot_decode_step
+from grpo_jax.rollout.draw import Rollout, sample_tokens
+from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated, rows_per_shard
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """How a call's sequences map onto the engine: Z shards of Np prompts, Rb sequences and J slots."""
+
+    shards: int
+    prompts: int  # Np, per shard
+    sequences: int  # Rb, per shard
+    slots: int  # J, per shard
+
+    @property
+    def total_slots(self) -> int:
+        return self.shards * self.slots
+
+
+def engine_layout(num_prompts: int, config: SamplingConfig, mesh=None) -> EngineLayout:
+    """The layout of `num_prompts` prompts: `config.slots` (0 = one per sequence) split evenly over
+    the mesh's row shards, rounded up, and never more per shard than the shard has sequences."""
+    Z = 1 if mesh is None else rows_per_shard(mesh)
+    if num_prompts % Z:
+        raise ValueError(f"{num_prompts} prompts do not split over data x fsdp = {Z} row shards")
+    Np = num_prompts // Z
+    Rb = Np * config.group_size
+    J = Rb if config.slots == 0 else min(Rb, -(-config.slots // Z))
+    return EngineLayout(shards=Z, prompts=Np, sequences=Rb, slots=J)
+
+
+@functools.lru_cache(maxsize=64)
+def continuous_program(graphdef, config: SamplingConfig, mesh):
+    """The jitted engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`, with
+    stats = {"steps", "slot_steps", "useful_slot_steps", "prefill_rows"} (int32 scalars). With a
+    mesh, rows split over (data, fsdp) in and out and the model state where it was placed."""
+    fn = functools.partial(_engine, graphdef, config=config, mesh=mesh)
+    if mesh is None:
+        return jax.jit(fn)
+
+    def rows(ndim):
+        return batch_sharding(mesh, ndim)
+
+    out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
+                  prompt_ids=rows(2), prompt_mask=rows(2))
+    stats = {k: replicated(mesh) for k in ("steps", "slot_steps", "useful_slot_steps", "prefill_rows")}
+    return jax.jit(fn, in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=(out, stats))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What every step of one call's loop reads: the layout, the sampling settings, the key, the
+    prompts' prefill logits [Z, Np, V] and the decode step."""
+
+    lay: EngineLayout
+    config: SamplingConfig
+    rng: jax.Array
+    last_ZNV: jax.Array
+    phase_size: int
+    decode: Callable  # (tokens [Z, J], cache, phase=) -> (logits [Z, J, V], cache): slot_decode_step
+    uniforms_ZRM: jax.Array | None  # float32 [Z, Rb, M]: each sequence's draws (None when greedy)
+    mesh: object
+
+    def hold(self, x):
+        """Keep an engine array's leading axis (shards, or slots of all shards) split over the
+        mesh's row axes, so each shard's bookkeeping stays on its own devices."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(BATCH)))
+
+    def prompt_logits(self, prompt_ZJ):
+        return jax.vmap(lambda a, i: a[i])(self.last_ZNV, prompt_ZJ)
+
+
+def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
+    model = nnx.merge(graphdef, state)
+    M = config.max_new_tokens
+    lay = engine_layout(ids_NP.shape[0], config, mesh)
+    Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP = model.prefill_kv(ids_NP, mask_NP)  # once per prompt
+    cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
+                             phases=config.attend_phases)
+    phases = max(1, min(config.attend_phases, max(M - 1, 1)))
+    weights = model.layer_weights()
+    C = cache.capacity // phases
+    loop = _Loop(lay=lay, config=config, rng=rng, last_ZNV=None, phase_size=C, mesh=mesh, uniforms_ZRM=None,
+                 decode=functools.partial(slot_decode_step, model, phases=phases, weights=weights))
+    rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
+    loop = dataclasses.replace(loop, last_ZNV=loop.hold(last_NV.reshape(Z, Np, -1)), uniforms_ZRM=(
+        loop.hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None))
+    hold = loop.hold
+    # Slot j of every shard starts with the shard's sequence j (if it has that many).
+    seq_ZJ = jnp.broadcast_to(jnp.where(jnp.arange(J) < Rb, jnp.arange(J), -1), (Z, J)).astype(jnp.int32)
+    prompt_ZJ = jnp.maximum(seq_ZJ, 0) // config.group_size
+    init = dict(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache.replace(slot_prompt=prompt_ZJ)),
+                logits=hold(loop.prompt_logits(prompt_ZJ)),
+                next=jnp.full((Z,), min(J, Rb), jnp.int32), done=jnp.zeros((Z,), jnp.int32),
+                tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
+                logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
+                lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
+                steps=jnp.int32(0), useful=jnp.int32(0))
+    st = jax.lax.while_loop(lambda st: jnp.any(st["done"] < Rb), functools.partial(_step, loop), init)
+    R = Z * Rb
+    lengths_R = st["lengths"].reshape(R)
+    mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
+    rollout = Rollout(tokens=st["tokens"].reshape(R, M), logprobs=st["logprobs"].reshape(R, M), mask=mask_RM,
+                      lengths=lengths_R, truncated=st["truncated"].reshape(R), prompt_ids=ids_NP,
+                      prompt_mask=mask_NP)
+    stats = {"steps": st["steps"], "slot_steps": st["steps"] * (Z * J), "useful_slot_steps": st["useful"],
+             "prefill_rows": jnp.int32(ids_NP.shape[0])}
+    return rollout, stats
+
+
+def sequence_uniforms(rng: jax.Array, rows: jax.Array, max_new_tokens: int) -> jax.Array:
+    """float32 [..., M]: the uniforms that draw tokens 0..M-1 of the sequences in `rows` (int, any
+    shape; a row of the whole rollout): row r's are uniform(fold_in(rng, r), (M,)), its own, so a
+    sequence's draws do not depend on where or when it runs."""
+    draw = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(rng, r), (max_new_tokens,)))
+    return draw(rows.reshape(-1)).reshape(*rows.shape, max_new_tokens)
+
+
+def _draw(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
+    """Every slot's next token and its log-prob [Z, J]: a sequence's token t takes the t-th of its
+    own uniforms (`sequence_uniforms`, drawn once per call: no random program runs per step)."""
+    config = loop.config
+    Z, J = st["seq"].shape
+    V = st["logits"].shape[-1]
+    t_ZJ = st["cache"].slot_t
+    uniforms_X = None
+    if config.temperature > 0:
+        at_ZJ = jnp.maximum(st["seq"], 0)
+        uniforms_X = jax.vmap(lambda u, s, t: u[s, jnp.minimum(t, u.shape[-1] - 1)])(loop.uniforms_ZRM, at_ZJ, t_ZJ)
+    banned_XV = None
+    if config.min_new_tokens:
+        stop_V = jnp.isin(jnp.arange(V), jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
+        banned_XV = stop_V[None] & (t_ZJ.reshape(-1, 1) < config.min_new_tokens)
+    tok_X, logp_X = sample_tokens(st["logits"].reshape(-1, V), None, temperature=config.temperature,
+                                  top_k=config.top_k, top_p=config.top_p, banned=banned_XV,
+                                  uniforms=None if uniforms_X is None else uniforms_X.reshape(-1))
+    return tok_X.reshape(Z, J), logp_X.reshape(Z, J)
+
+
+def _step(loop: _Loop, st: dict) -> dict:
+    """One engine step: draw, record, decode the continuing slots, refill the free ones."""
+    config, hold, Rb, G = loop.config, loop.hold, loop.lay.sequences, loop.config.group_size
+    seq_ZJ, cache = st["seq"], st["cache"]
+    z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t  # slot_t: the index of the token drawn now
+    tok_ZJ, logp_ZJ = _draw(loop, st)
+    at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)  # an empty slot's writes fall outside and are dropped
+    tokens = st["tokens"].at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
+    logprobs = st["logprobs"].at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
+    stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
+    finished_ZJ = active_ZJ & (stopped_ZJ | (t_ZJ + 1 >= config.max_new_tokens))
+    ended_ZJ = jnp.where(finished_ZJ, seq_ZJ, Rb)
+    lengths = st["lengths"].at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
+    truncated = st["truncated"].at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
+
+    # Feed the continuing slots' tokens (the others feed into slot 0 of a block nobody reads).
+    going_ZJ = active_ZJ & ~finished_ZJ
+    cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, 0))
+    phase = jnp.max(jnp.where(going_ZJ, t_ZJ, 0)) // loop.phase_size
+    logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
+
+    # Refill every free slot, in slot order, with its shard's next waiting sequences.
+    free_ZJ = finished_ZJ | ~active_ZJ
+    new_ZJ = st["next"][:, None] + jnp.cumsum(free_ZJ, axis=1, dtype=jnp.int32) - 1
+    fill_ZJ = free_ZJ & (new_ZJ < Rb)
+    seq_ZJ = jnp.where(fill_ZJ, new_ZJ, jnp.where(finished_ZJ, -1, seq_ZJ))
+    prompt_ZJ = jnp.where(fill_ZJ, new_ZJ // G, cache.slot_prompt)
+    cache = cache.replace(slot_prompt=prompt_ZJ, slot_t=jnp.where(fill_ZJ, 0, cache.slot_t))
+    logits_ZJV = jnp.where(fill_ZJ[..., None], loop.prompt_logits(prompt_ZJ), logits_ZJV)
+    return dict(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
+                next=st["next"] + fill_ZJ.sum(axis=1, dtype=jnp.int32),
+                done=st["done"] + finished_ZJ.sum(axis=1, dtype=jnp.int32),
+                tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
+                steps=st["steps"] + 1, useful=st["useful"] + active_ZJ.sum(dtype=jnp.int32))

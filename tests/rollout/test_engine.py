@@ -1,0 +1,135 @@
+"""The continuous engine (`sampling.engine: continuous`): fewer slots than sequences, so slots are
+refilled mid-loop, and still every sequence is what it would be alone.
+
+- greedy: every sequence equals the static engine's (ragged prompts, G = 1 and 4, stops at
+  different steps, sequences that reach max_new_tokens);
+- sampled: the same rollout with 2, 3 and 8 slots, log-probs equal to a teacher-forced pass, the
+  prompts prefilled once each, every slot-step that drew a token counted as useful;
+- sharded: slots split over a (2, 2, 2) mesh give the one-device rollout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax.config import MeshConfig, SamplingConfig
+from grpo_jax.models import Transformer
+from grpo_jax.models.presets import tiny
+from grpo_jax.rollout.engine import continuous_program
+from grpo_jax.rollout.sampling import generate, pad_prompts
+from grpo_jax.runtime.sharding import make_mesh, place_model
+
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7], [12], [80, 81, 82, 83, 84, 85, 86, 87], [30, 31], [4, 4, 4, 4],
+           [70, 9, 1, 2, 3, 6, 8], [100, 101]]
+M = 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
+
+
+def config(**kw) -> SamplingConfig:
+    return SamplingConfig(**{"max_new_tokens": M, "prompt_buckets": (8,), "pad_token_id": 0, **kw})
+
+
+def arrays(rollout) -> dict[str, np.ndarray]:
+    return {k: np.asarray(getattr(rollout, k)) for k in ("tokens", "logprobs", "mask", "lengths", "truncated")}
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_greedy_sequences_equal_the_static_engines(model, group_size):
+    free = generate(model, PROMPTS, config(group_size=1, temperature=0.0, stop_token_ids=(1,)), jax.random.key(0))
+    tokens = np.asarray(free.tokens)
+    # Each prompt's greedy continuation stops where one of these tokens first appears: at
+    # different steps for different prompts, and never for some (they reach max_new_tokens).
+    stops = tuple(sorted({int(tokens[i, (3 * i) % M]) for i in range(0, len(PROMPTS), 2)} - {0}))
+    cfg = config(group_size=group_size, temperature=0.0, stop_token_ids=stops)
+    static = arrays(generate(model, PROMPTS, cfg, jax.random.key(0)))
+    assert len(set(static["lengths"].tolist())) >= 3 and 0 < static["truncated"].sum() < len(static["truncated"])
+    R = len(PROMPTS) * group_size
+    for slots in (3, R - 1):  # refills happen: fewer slots than sequences
+        got = arrays(generate(model, PROMPTS, dataclasses.replace(cfg, engine="continuous", slots=slots),
+                              jax.random.key(0)))
+        for key in ("tokens", "mask", "lengths", "truncated"):
+            np.testing.assert_array_equal(got[key], static[key], err_msg=f"{key}, {slots} slots")
+        np.testing.assert_allclose(got["logprobs"], static["logprobs"], atol=1e-5)
+
+
+def teacher_forced(model, rollout) -> np.ndarray:
+    G = rollout.group_size
+    p_ids, p_mask = (np.repeat(np.asarray(x), G, axis=0) for x in (rollout.prompt_ids, rollout.prompt_mask))
+    tokens = np.asarray(rollout.tokens)
+    logits = np.asarray(model(np.concatenate([p_ids, tokens], 1),
+                              attention_mask=np.concatenate([p_mask, np.ones_like(tokens)], 1)), np.float64)
+    pred = logits[:, p_ids.shape[1] - 1:-1] / 0.8
+    logp = pred - pred.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exact(model, monkeypatch):
+    prefills = []
+    original = Transformer.prefill_kv
+
+    def counted(self, ids, mask=None):
+        prefills.append(ids.shape)
+        return original(self, ids, mask)
+
+    monkeypatch.setattr(Transformer, "prefill_kv", counted)
+    cfg = config(group_size=4, temperature=0.8, stop_token_ids=tuple(range(3, 30)), engine="continuous")
+    ids, mask = pad_prompts(PROMPTS, (8,), 0)
+    graphdef, state = nnx.split(model)
+    runs = {}
+    for slots in (2, 3, 8):
+        prefills.clear()
+        rollout, stats = continuous_program(graphdef, dataclasses.replace(cfg, slots=slots), None)(
+            state, ids, mask, jax.random.key(7))
+        assert prefills == [(len(PROMPTS), 8)]  # one pass over the N prompts, not N x G rows
+        runs[slots] = arrays(rollout)
+        lengths = runs[slots]["lengths"]
+        # Every slot-step that drew a token drew one of a sequence's tokens, and only those.
+        assert int(stats["useful_slot_steps"]) == lengths.sum()
+        assert int(stats["slot_steps"]) == int(stats["steps"]) * slots >= lengths.sum()
+        assert int(stats["steps"]) >= -(-lengths.sum() // slots)
+    assert len(set(runs[2]["lengths"].tolist())) >= 4 and runs[2]["truncated"].any()
+    for slots in (3, 8):
+        for key in ("tokens", "mask", "lengths", "truncated"):
+            np.testing.assert_array_equal(runs[slots][key], runs[2][key], err_msg=f"{key}, {slots} slots")
+        np.testing.assert_allclose(runs[slots]["logprobs"], runs[2]["logprobs"], atol=1e-6)
+    m = runs[2]["mask"].astype(bool)
+    np.testing.assert_allclose(runs[2]["logprobs"][m], teacher_forced(model, rollout)[m], atol=1e-5)
+    assert (runs[2]["tokens"][~m] == 0).all() and (runs[2]["logprobs"][~m] == 0).all()
+
+
+def test_min_new_tokens_holds_in_every_slot(model):
+    cfg = config(group_size=4, temperature=1.0, stop_token_ids=tuple(range(3, 120)), min_new_tokens=4,
+                 engine="continuous", slots=5)
+    out = arrays(generate(model, PROMPTS, cfg, jax.random.key(2)))
+    assert out["lengths"].min() >= 5 and (out["lengths"] < M).any()  # stops drawn right after the ban
+
+
+def test_sharded_slots_equal_one_device(model):
+    cfg = config(group_size=4, temperature=1.0, stop_token_ids=tuple(range(3, 40)), engine="continuous", slots=8)
+    alone = arrays(generate(model, PROMPTS, cfg, jax.random.key(3)))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded_model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
+    place_model(sharded_model, mesh)
+    rollout = generate(sharded_model, PROMPTS, cfg, jax.random.key(3), mesh=mesh)
+    assert len(rollout.tokens.sharding.device_set) == 8
+    got = arrays(rollout)
+    for key in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(got[key], alone[key], err_msg=key)
+    np.testing.assert_allclose(got["logprobs"], alone["logprobs"], atol=1e-5)
+
+
+def test_engine_settings_are_checked():
+    with pytest.raises(ValueError, match="sampling.engine"):
+        SamplingConfig(engine="paged")
+    with pytest.raises(ValueError, match="sampling.slots"):
+        SamplingConfig(slots=-1)
