@@ -1,5 +1,6 @@
 """Multi-host training: two processes with 4 CPU devices each (jax.distributed on localhost, gloo
-collectives) end exactly where one process with 8 devices ends, on a (2, 2, 2) mesh.
+collectives) end exactly where one process with 8 devices ends, on a (2, 2, 2) mesh, with the static
+sampler and with the continuous engine.
 
 Both runs are the demo config shortened to a 2-step warm start and 2 GRPO steps, each process in
 its own interpreter (tests/multihost_worker.py: its own device count), all started at once. On
@@ -35,8 +36,10 @@ WORKER = ROOT / "tests" / "multihost_worker.py"
 STEPS = 2
 PROMPTS = 32  # the demo's data.prompts_per_step
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+# The continuous engine's 64 slots (16 per row shard) for the 256 rows of a step: refills happen.
+ENGINE = ["sampling.engine=continuous", "sampling.slots=64"]
 # name: (devices per process, processes, overrides)
-RUNS = {"mesh": (8, 1, MESH), "multi": (4, 2, MESH)}
+RUNS = {"mesh": (8, 1, MESH), "multi": (4, 2, MESH), "cmesh": (8, 1, MESH + ENGINE), "cmulti": (4, 2, MESH + ENGINE)}
 
 
 def overrides(tfds_dir: Path) -> list[str]:
@@ -91,7 +94,7 @@ def runs(tmp_path_factory):
             cmd = [sys.executable, str(WORKER), str(tmp / f"out_{name}"), str(tmp / name), str(devices), str(nproc),
                    str(pid), str(port), *[a for o in overrides(tfds_dir) + extra for a in ("--set", o)]]
             log = open(tmp / f"{name}{pid}.log", "w")
-            run_env = dict(env, GRPO_TEST_PLACEMENT_MODEL=str(tmp / "hf")) if nproc > 1 else env
+            run_env = dict(env, GRPO_TEST_PLACEMENT_MODEL=str(tmp / "hf")) if name == "multi" else env
             procs.append((name, pid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log))
     failed = []
     try:
@@ -111,6 +114,7 @@ def runs(tmp_path_factory):
         pytest.fail("\n\n".join(failed))
     out = {name: load(tmp / f"out_{name}" / "process0.npz") for name in RUNS}
     out["multi1"] = load(tmp / "out_multi" / "process1.npz")
+    out["cmulti1"] = load(tmp / "out_cmulti" / "process1.npz")
     out["dirs"] = {name: tmp / name for name in RUNS}
     return out
 
@@ -148,6 +152,18 @@ def test_two_processes_end_with_the_parameters_of_one_process_on_eight_devices(r
     ref = runs["mesh"]
     assert max_diff(params(ref, "final"), params(ref, "warm")) > 1e-4
     assert ref["metrics"][-1]["kl/k3"] > 0 and min(m["groups/frac_zero_std"] for m in ref["metrics"]) < 1
+
+
+def test_the_continuous_engine_on_two_processes_ends_where_one_process_ends(runs):
+    """Each host's engine fills its own slots from its own prompts; the finished groups are put
+    together as the static engine's are, so two processes train exactly as one on eight devices."""
+    p0, p1 = params(runs["cmulti"], "final"), params(runs["cmulti1"], "final")
+    assert max_diff(p0, p1) == 0.0
+    assert max_diff(p0, params(runs["cmesh"], "final")) <= 1e-5
+    for name in ("cmulti", "cmulti1"):
+        assert_same_metrics(runs[name]["metrics"], runs["cmesh"]["metrics"], name)
+    # The engines draw differently (per sequence, per step), so the runs did not sample alike.
+    assert max_diff(params(runs["cmesh"], "final"), params(runs["mesh"], "final")) > 1e-6
 
 
 def test_a_model_is_placed_over_both_hosts_without_gathering_it(runs):
