@@ -39,9 +39,13 @@ class SamplingConfig:
     # own stops (grpo_jax.rollout.engine).
     engine: Engine = "static"
     slots: int = 0
+    # With dynamic sampling, the continuous engine returns to the host every this many decode steps
+    # to score the groups that finished (grpo_jax.rollout.stream).
+    segment_steps: int = 16
 
     def __post_init__(self):
         choice_in("sampling", "engine", self.engine, ENGINES)
+        positive("sampling", "segment_steps", self.segment_steps)
         if self.slots < 0:
             raise ValueError(f"sampling.slots must be >= 0 (0 = one per sequence), got {self.slots}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

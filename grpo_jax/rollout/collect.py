@@ -74,6 +74,15 @@ def collect(draw: Callable[[int], Round], *, num_groups: int, group_size: int, d
         if (not dynamic_sampling or len(rounds) > max_resample_rounds
                 or not any_short(len(kept) < num_groups)):
             break
+    return assemble(rounds, kept, spare, num_groups=num_groups, group_size=group_size, first=rounds[0],
+                    stats={"dynamic/rounds": float(len(rounds))})
+
+
+def assemble(rounds: list[Round], kept: list[tuple[Round, int]], spare: list[tuple[Round, int]], *,
+             num_groups: int, group_size: int, first: Round, stats: dict[str, float]) -> Collected:
+    """The batch of `num_groups` groups: the first kept ones, then copies of set-aside ones (else
+    kept ones) with NaN rewards; `stats` gains dynamic/dropped_groups, dynamic/filled_groups and
+    the rounds' tokens and seconds."""
     filled = max(0, num_groups - len(kept))
     source = spare or kept
     chosen = [(r, i, True) for r, i in kept[:num_groups]]
@@ -85,11 +94,10 @@ def collect(draw: Callable[[int], Round], *, num_groups: int, group_size: int, d
     rows = {k: np.concatenate([r.rows[k][group(r, i)] for r, i, _ in chosen]) for k in rounds[0].rows}
     rewards = np.concatenate([r.scores[group(r, i)] if real else np.full(group_size, np.nan)
                               for r, i, real in chosen]).astype(np.float32)
-    stats = {"dynamic/rounds": float(len(rounds)), "dynamic/dropped_groups": float(len(spare)),
-             "dynamic/filled_groups": float(filled),
+    stats = {"dynamic/dropped_groups": float(len(spare)), "dynamic/filled_groups": float(filled),
              "sample_tokens": float(sum(int(r.rows["lengths"].sum()) for r in rounds)),
-             "sample_s": sum(r.sample_s for r in rounds), "reward_s": sum(r.reward_s for r in rounds)}
-    return Collected(examples=[r.examples[i] for r, i, _ in chosen], rows=rows, rewards=rewards, first=rounds[0],
+             "sample_s": sum(r.sample_s for r in rounds), "reward_s": sum(r.reward_s for r in rounds), **stats}
+    return Collected(examples=[r.examples[i] for r, i, _ in chosen], rows=rows, rewards=rewards, first=first,
                      stats=stats)
 
 

@@ -93,16 +93,13 @@ def continuous_program(graphdef, config: SamplingConfig, mesh):
 
 @dataclasses.dataclass(frozen=True)
 class _Loop:
-    """What every step of one call's loop reads: the layout, the sampling settings, the key, the
-    prompts' prefill logits [Z, Np, V] and the decode step."""
+    """What every step of a call's loop reads besides the loop state: the layout, the sampling
+    settings, the attention phase size and the decode step (with the model's weights)."""
 
     lay: EngineLayout
     config: SamplingConfig
-    rng: jax.Array
-    last_ZNV: jax.Array
     phase_size: int
     decode: Callable  # (tokens [Z, J], cache, phase=) -> (logits [Z, J, V], cache): slot_decode_step
-    uniforms_ZRM: jax.Array | None  # float32 [Z, Rb, M]: each sequence's draws (None when greedy)
     mesh: object
 
     def hold(self, x):
@@ -112,45 +109,63 @@ class _Loop:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(BATCH)))
 
-    def prompt_logits(self, prompt_ZJ):
-        return jax.vmap(lambda a, i: a[i])(self.last_ZNV, prompt_ZJ)
+
+def engine_loop(model, config: SamplingConfig, mesh, lay: EngineLayout, capacity: int) -> _Loop:
+    """The loop's constants for `model` (its decode step, with the weights hoisted)."""
+    phases = max(1, min(config.attend_phases, max(config.max_new_tokens - 1, 1)))
+    decode = functools.partial(slot_decode_step, model, phases=phases, weights=model.layer_weights())
+    return _Loop(lay=lay, config=config, phase_size=capacity // phases, decode=decode, mesh=mesh)
 
 
-def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
-    model = nnx.merge(graphdef, state)
+def _prompt_logits(st, prompt_ZJ):
+    """The prefill logits [Z, J, V] of each slot's prompt (they draw a sequence's first token)."""
+    return jax.vmap(lambda a, i: a[i])(st["last"], prompt_ZJ)
+
+
+def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh) -> tuple[_Loop, dict]:
+    """Prefill the N prompts once each and fill the slots with each shard's first sequences ->
+    (the loop's constants, the loop state)."""
     M = config.max_new_tokens
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP = model.prefill_kv(ids_NP, mask_NP)  # once per prompt
     cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                              phases=config.attend_phases)
-    phases = max(1, min(config.attend_phases, max(M - 1, 1)))
-    weights = model.layer_weights()
-    C = cache.capacity // phases
-    loop = _Loop(lay=lay, config=config, rng=rng, last_ZNV=None, phase_size=C, mesh=mesh, uniforms_ZRM=None,
-                 decode=functools.partial(slot_decode_step, model, phases=phases, weights=weights))
-    rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
-    loop = dataclasses.replace(loop, last_ZNV=loop.hold(last_NV.reshape(Z, Np, -1)), uniforms_ZRM=(
-        loop.hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None))
+    loop = engine_loop(model, config, mesh, lay, cache.capacity)
     hold = loop.hold
+    rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
     # Slot j of every shard starts with the shard's sequence j (if it has that many).
     seq_ZJ = jnp.broadcast_to(jnp.where(jnp.arange(J) < Rb, jnp.arange(J), -1), (Z, J)).astype(jnp.int32)
     prompt_ZJ = jnp.maximum(seq_ZJ, 0) // config.group_size
-    init = dict(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache.replace(slot_prompt=prompt_ZJ)),
-                logits=hold(loop.prompt_logits(prompt_ZJ)),
-                next=jnp.full((Z,), min(J, Rb), jnp.int32), done=jnp.zeros((Z,), jnp.int32),
-                tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
-                logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
-                lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
-                steps=jnp.int32(0), useful=jnp.int32(0))
-    st = jax.lax.while_loop(lambda st: jnp.any(st["done"] < Rb), functools.partial(_step, loop), init)
+    st = dict(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache.replace(slot_prompt=prompt_ZJ)),
+              last=hold(last_NV.reshape(Z, Np, -1)),
+              uniforms=hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None,
+              next=jnp.full((Z,), min(J, Rb), jnp.int32), done=jnp.zeros((Z,), jnp.int32),
+              tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
+              logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
+              lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
+              steps=jnp.int32(0), useful=jnp.int32(0))
+    st["logits"] = hold(_prompt_logits(st, prompt_ZJ))
+    return loop, st
+
+
+def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
+    loop, st = start_engine(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config, mesh=mesh)
+    st = jax.lax.while_loop(lambda st: jnp.any(st["done"] < loop.lay.sequences), functools.partial(engine_step, loop),
+                            st)
+    return _rollout(st, ids_NP, mask_NP, loop.lay)
+
+
+def _rollout(st: dict, ids_NP, mask_NP, lay: EngineLayout):
+    """The loop state's outputs as a Rollout (row r = sequence r of the whole call) and the stats."""
+    Z, Rb, M = st["tokens"].shape
     R = Z * Rb
     lengths_R = st["lengths"].reshape(R)
     mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
     rollout = Rollout(tokens=st["tokens"].reshape(R, M), logprobs=st["logprobs"].reshape(R, M), mask=mask_RM,
                       lengths=lengths_R, truncated=st["truncated"].reshape(R), prompt_ids=ids_NP,
                       prompt_mask=mask_NP)
-    stats = {"steps": st["steps"], "slot_steps": st["steps"] * (Z * J), "useful_slot_steps": st["useful"],
+    stats = {"steps": st["steps"], "slot_steps": st["steps"] * lay.total_slots, "useful_slot_steps": st["useful"],
              "prefill_rows": jnp.int32(ids_NP.shape[0])}
     return rollout, stats
 
@@ -173,7 +188,7 @@ def _draw(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
     uniforms_X = None
     if config.temperature > 0:
         at_ZJ = jnp.maximum(st["seq"], 0)
-        uniforms_X = jax.vmap(lambda u, s, t: u[s, jnp.minimum(t, u.shape[-1] - 1)])(loop.uniforms_ZRM, at_ZJ, t_ZJ)
+        uniforms_X = jax.vmap(lambda u, s, t: u[s, jnp.minimum(t, u.shape[-1] - 1)])(st["uniforms"], at_ZJ, t_ZJ)
     banned_XV = None
     if config.min_new_tokens:
         stop_V = jnp.isin(jnp.arange(V), jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
@@ -184,7 +199,7 @@ def _draw(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
     return tok_X.reshape(Z, J), logp_X.reshape(Z, J)
 
 
-def _step(loop: _Loop, st: dict) -> dict:
+def engine_step(loop: _Loop, st: dict) -> dict:
     """One engine step: draw, record, decode the continuing slots, refill the free ones."""
     config, hold, Rb, G = loop.config, loop.hold, loop.lay.sequences, loop.config.group_size
     seq_ZJ, cache = st["seq"], st["cache"]
@@ -213,8 +228,8 @@ def _step(loop: _Loop, st: dict) -> dict:
     seq_ZJ = jnp.where(fill_ZJ, new_ZJ, jnp.where(finished_ZJ, -1, seq_ZJ))
     prompt_ZJ = jnp.where(fill_ZJ, new_ZJ // G, cache.slot_prompt)
     cache = cache.replace(slot_prompt=prompt_ZJ, slot_t=jnp.where(fill_ZJ, 0, cache.slot_t))
-    logits_ZJV = jnp.where(fill_ZJ[..., None], loop.prompt_logits(prompt_ZJ), logits_ZJV)
-    return dict(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
+    logits_ZJV = jnp.where(fill_ZJ[..., None], _prompt_logits(st, prompt_ZJ), logits_ZJV)
+    return dict(st, seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
                 next=st["next"] + fill_ZJ.sum(axis=1, dtype=jnp.int32),
                 done=st["done"] + finished_ZJ.sum(axis=1, dtype=jnp.int32),
                 tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),

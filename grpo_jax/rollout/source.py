@@ -28,6 +28,7 @@ from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, 
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
 from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
 from grpo_jax.rollout.sampling import generate, pad_prompts
+from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
                                     to_global)
 
@@ -82,15 +83,23 @@ class SyncSampler:
         self.seed, self.rng = seed, jax.random.key(seed)
         self.shared_prompt, self.reward_control = shared_prompt, reward_control
         self.dynamic_sampling, self.max_resample_rounds = dynamic_sampling, max_resample_rounds
+        # Dynamic sampling with the continuous engine over-samples in one pass (`_stream`).
+        self.streaming = dynamic_sampling and self.sampling.engine == "continuous"
+        if self.streaming and reward_control != "none":
+            raise ValueError("reward_control: random compares equal batches across hosts round by round; it "
+                             "needs the static engine or train.dynamic_sampling off with sampling.engine continuous")
 
     def sync(self, params: nnx.State) -> None:
         nnx.update(self.model, params)
 
     def next(self, step: int) -> Trajectories:
         G = self.sampling.group_size
-        c = collect(functools.partial(self._round, step), num_groups=self.share.size, group_size=G,
-                    dynamic_sampling=self.dynamic_sampling, max_resample_rounds=self.max_resample_rounds,
-                    any_short=any_host)
+        if self.streaming:
+            c = self._stream(step)
+        else:
+            c = collect(functools.partial(self._round, step), num_groups=self.share.size, group_size=G,
+                        dynamic_sampling=self.dynamic_sampling, max_resample_rounds=self.max_resample_rounds,
+                        any_short=any_host)
         prompts = [ex.prompt_ids for ex in c.examples]
         prompt_ids, prompt_mask = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets),
                                               self.sampling.pad_id)
@@ -105,15 +114,43 @@ class SyncSampler:
 
     def _round(self, step: int, round_index: int) -> Round:
         """One sampling round of this host's block of prompts: sampled on the mesh, scored here."""
-        p, G = self.prepared, self.sampling.group_size
-        examples = p.train_stream.next_batch(self.share.size)
-        prompts = [ex.prompt_ids for ex in examples]
-        ids = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets), self.sampling.pad_id)
+        examples = self.prepared.train_stream.next_batch(self.share.size)
         t0 = time.perf_counter()
-        rollout = generate(self.model, to_global(ids, self.mesh, self.share), self.sampling,
+        rollout = generate(self.model, to_global(self._prompt_arrays(examples), self.mesh, self.share), self.sampling,
                            step_key(self.rng, step, round_index), mesh=self.mesh)
         rows = dict(zip(ROLLOUT_FIELDS, local_rows(tuple(getattr(rollout, k) for k in ROLLOUT_FIELDS), self.rows)))
-        sample_s = time.perf_counter() - t0
+        return self._score(step, round_index, examples, rows, sample_s=time.perf_counter() - t0)
+
+    def _prompt_arrays(self, examples) -> tuple[np.ndarray, np.ndarray]:
+        prompts = [ex.prompt_ids for ex in examples]
+        return pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets), self.sampling.pad_id)
+
+    def _stream(self, step: int) -> Collected:
+        """Over-sampling in one pass (`rollout.stream`): the continuous engine gets as many
+        candidate prompts as the resampling rounds could have drawn (1 + max_resample_rounds
+        times the step's), and stops once every host has its informative groups."""
+        G = self.sampling.group_size
+        share = self.share.scaled(1 + self.max_resample_rounds)  # this host's block of the candidates
+        examples = self.prepared.train_stream.next_batch(share.size)
+        rows_share = share.scaled(G)
+
+        def read(out: dict) -> dict:
+            return dict(zip(out, local_rows(tuple(out.values()), rows_share)))
+
+        stream = EngineStream(self.model, to_global(self._prompt_arrays(examples), self.mesh, share), self.sampling,
+                              step_key(self.rng, step, 0), mesh=self.mesh, segment_steps=self.sampling.segment_steps,
+                              read=read)
+
+        def score(new: np.ndarray) -> Round:
+            groups = [stream.group_rows(int(i)) for i in new]
+            rows = {k: np.concatenate([g[k] for g in groups]) for k in ROLLOUT_FIELDS}
+            return self._score(step, 0, [examples[int(i)] for i in new], rows, sample_s=0.0)
+
+        return stream_collect(stream, score, num_groups=self.share.size, group_size=G, any_short=any_host)
+
+    def _score(self, step: int, round_index: int, examples, rows: dict, *, sample_s: float) -> Round:
+        """Decode and score sampled groups of this host (`rows`: G rows per example)."""
+        p, G = self.prepared, self.sampling.group_size
         t1 = time.perf_counter()
         texts = decode_completions(p.tokenizer, rows["tokens"], rows["lengths"])
         fields = {**repeat_fields(examples, G), "completion_tokens": rows["lengths"].tolist()}
@@ -139,7 +176,8 @@ class SyncSampler:
             messages=first.messages)
         stats = dict(self.prepared.train_stream.stats)
         epoch = max_over_hosts(stats.pop("epoch"))
-        local = ("dynamic/rounds", "sample_s", "reward_s")  # the same on every host, or its own time
+        # The same on every host, or its own time:
+        local = ("dynamic/rounds", "dynamic/segments", "sample_s", "reward_s")
         counts = sum_over_shares({**{k: v for k, v in c.stats.items() if k not in local},
                                   **{f"data/{k}": v for k, v in stats.items()}}, self.share)
         sample_tokens = counts.pop("sample_tokens")
@@ -149,7 +187,8 @@ class SyncSampler:
             gather_rows(c.first.rows["lengths"], self.rows), group_size=G,
             correct_by=self.prepared.eval_reward.name, specs=self.prepared.rewards)
         metrics = {**reward_metrics(everyone, G), **health, **counts, "data/epoch": float(epoch),
-                   "dynamic/rounds": c.stats["dynamic/rounds"], "perf/sample_s": c.stats["sample_s"],
+                   **{k: c.stats[k] for k in ("dynamic/rounds", "dynamic/segments") if k in c.stats},
+                   "perf/sample_s": c.stats["sample_s"],
                    "perf/reward_s": c.stats["reward_s"], "perf/sample_tokens": sample_tokens,
                    "perf/sample_tokens_per_s": sample_tokens / max(c.stats["sample_s"], 1e-9)}
         return metrics, pass_rates

@@ -133,3 +133,67 @@ def test_engine_settings_are_checked():
         SamplingConfig(engine="paged")
     with pytest.raises(ValueError, match="sampling.slots"):
         SamplingConfig(slots=-1)
+
+
+class Example:
+    def __init__(self, index):
+        self.index, self.prompt_text = index, f"prompt {index}"
+
+
+def fake_scores(informative: set[int], G: int):
+    """A reward by prompt: 0 for every sample of a prompt outside `informative` (a uniform group),
+    alternating 0/1 over the samples of one inside it."""
+    def score(stream, new):
+        from grpo_jax.rewards import RewardResult
+        from grpo_jax.rollout.collect import Round
+
+        groups = [stream.group_rows(int(i)) for i in new]
+        rows = {k: np.concatenate([g[k] for g in groups]) for k in groups[0]}
+        total = np.asarray([float(j % 2) if int(i) in informative else 0.0 for i in new for j in range(G)], np.float32)
+        return Round(examples=[Example(int(i)) for i in new], rows=rows, texts=[""] * len(total),
+                     rewards=RewardResult(total=total, per_fn={"fake": total}, failures={}, messages={}))
+    return score
+
+
+def stream_over(model, cfg, informative, num_groups, segment_steps=2):
+    from grpo_jax.rollout.stream import EngineStream, stream_collect
+
+    stream = EngineStream(model, pad_prompts(PROMPTS, (8,), 0), cfg, jax.random.key(5), segment_steps=segment_steps)
+    score = fake_scores(informative, cfg.group_size)
+    return stream, stream_collect(stream, lambda new: score(stream, new), num_groups=num_groups,
+                                  group_size=cfg.group_size)
+
+
+def test_over_sampling_stops_at_the_informative_groups_it_needs_in_one_pass(model):
+    G = 4
+    cfg = config(group_size=G, temperature=1.0, stop_token_ids=tuple(range(3, 40)), engine="continuous", slots=5)
+    stream, c = stream_over(model, cfg, informative={1, 2, 5, 6, 7}, num_groups=3)
+    chosen = [ex.index for ex in c.examples]
+    assert len(chosen) == len(set(chosen)) == 3 and set(chosen) <= {1, 2, 5, 6, 7}  # no group twice
+    assert not np.isnan(c.rewards).any()
+    s = c.stats
+    assert s["dynamic/kept_groups"] == 3 and s["dynamic/filled_groups"] == 0 and s["dynamic/rounds"] == 1
+    # The counts add up: what finished was kept or set aside (or kept beyond the batch), and what
+    # was admitted finished or was dropped in flight; the engine stopped before all 8 ran.
+    assert s["dynamic/finished_groups"] >= s["dynamic/kept_groups"] + s["dynamic/dropped_groups"]
+    assert s["dynamic/admitted_groups"] == s["dynamic/finished_groups"] + s["dynamic/in_flight_dropped"]
+    assert s["dynamic/finished_groups"] < len(PROMPTS) and not stream.done
+    # Each chosen group is what the one-shot engine samples for that prompt with the same key.
+    whole = arrays(generate(model, PROMPTS, cfg, jax.random.key(5)))
+    for g, i in enumerate(chosen):
+        for key in ("tokens", "lengths", "truncated", "mask"):
+            np.testing.assert_array_equal(c.rows[key][g * G:(g + 1) * G], whole[key][i * G:(i + 1) * G], err_msg=key)
+        np.testing.assert_allclose(c.rows["logprobs"][g * G:(g + 1) * G], whole["logprobs"][i * G:(i + 1) * G],
+                                   atol=1e-6)
+
+
+def test_over_sampling_that_runs_out_of_candidates_fills_without_rewards(model):
+    G = 4
+    cfg = config(group_size=G, temperature=1.0, stop_token_ids=tuple(range(3, 40)), engine="continuous", slots=5)
+    stream, c = stream_over(model, cfg, informative={3}, num_groups=3, segment_steps=4)
+    assert stream.done and [ex.index for ex in c.examples][0] == 3
+    s = c.stats
+    assert s["dynamic/finished_groups"] == s["dynamic/admitted_groups"] == len(PROMPTS)
+    assert s["dynamic/kept_groups"] == 1 and s["dynamic/dropped_groups"] == 7 and s["dynamic/filled_groups"] == 2
+    assert s["dynamic/in_flight_dropped"] == 0
+    assert np.isnan(c.rewards[G:]).all() and not np.isnan(c.rewards[:G]).any()
