@@ -1,5 +1,6 @@
-"""The model's one key/value cache: built by `Transformer.prefill`, read and written by
-`Transformer.decode_step`, carried by the sampler's decode loop.
+"""The static engine's key/value cache: built by `Transformer.prefill`, read and written by
+`Transformer.decode_step`, carried by the sampler's lock-step decode loop (the continuous engine's
+cache, with per-slot blocks, is `models.slots.SlotCache`).
 
 Slots. Row r's slot s holds the s-th input of that row, padding included: the P (left-padded)
 prompt slots, then one slot per decode step. The slots live in separate buffers, one per layer and
