@@ -68,7 +68,7 @@ def test_sliding_window_layers_in_slots_equal_the_static_engine():
         cfg = config(group_size=4, temperature=temperature, stop_token_ids=(7, 8, 9))
         rollout = generate(gemma, PROMPTS, dataclasses.replace(cfg, engine="continuous", slots=5), jax.random.key(0))
         got = arrays(rollout)
-        assert got["lengths"].max() + 8 > 8 + 8  # prompt + completion outrun the window
+        assert got["lengths"].max() > 8  # with any prompt, prompt + completion outrun the window of 8
         if temperature == 0:
             static = arrays(generate(gemma, PROMPTS, cfg, jax.random.key(0)))
             for key in ("tokens", "mask", "lengths", "truncated"):
