@@ -8,17 +8,20 @@ shard and no lookup crosses devices. Per layer:
   of each prompt. A slot reads its prompt's block through `slot_prompt` [Z, J]: the G samples of a
   prompt read one copy wherever and whenever they run, so prefill cost and prompt memory do not
   grow with G (or with the number of slots).
-- each slot's generated block [Z*J, K, D, Mc] / [Z*J, K, Mc, D]: Mc = `phases` x C slots, the fed
-  tokens of the sequence the slot holds now. `slot_t` [Z, J] counts them; the next fed token is
-  written at `slot_t` (a per-slot scatter, in place in the loop). A refilled slot starts at
-  slot_t = 0: what the previous sequence left above it is masked, then overwritten.
+- each slot's generated block, in `phases` chunk buffers of C slots each, [Z*J, K, D, C] (keys) /
+  [Z*J, K, C, D] (values): Mc = phases x C fed tokens of the sequence the slot holds now.
+  `slot_t` [Z, J] counts them; the next fed token goes to chunk slot_t // C at slot_t % C (a
+  per-slot scatter into each chunk, the slots whose token is elsewhere dropped; in place in the
+  loop). A refilled slot starts at slot_t = 0: what the previous sequence left above it is
+  masked, then overwritten. Separate chunk buffers, not one of Mc: XLA:CPU copies a slice of a
+  buffer before a matmul reads it, and slicing the first (c + 1) x C slots of one buffer every
+  step cost a third of a decode step.
 
 Why per-slot blocks and not pages: every slot's capacity is the same (max_new_tokens), so a page
 table would add a gather per step and buy nothing but finer-grained memory; the prompt is the one
 part that is shared, and the indirection shares it without copying.
 
-Attention of phase c (static: it fixes the shapes) reads the prompt block and the first (c + 1) x C
-generated slots; the engine picks the phase from the longest sequence in flight (`lax.switch` per
+Attention of phase c (static: it fixes the shapes) reads the prompt block and chunks 0..c; the engine picks the phase from the longest sequence in flight (`lax.switch` per
 layer, around attention only), so steps while every sequence is short do not pay for the whole
 capacity.
 
@@ -43,8 +46,8 @@ class SlotCache:
     prompt_mask: jax.Array  # bool [Z, Np, P]: the prompt slot holds a real token
     prompt_pos: jax.Array  # int32 [Z, Np, P]: its rotary position
     prompt_next: jax.Array  # int32 [Z, Np]: the rotary position of the first generated token
-    keys: tuple[jax.Array, ...]  # L x [Z*J, K, D, Mc]
-    values: tuple[jax.Array, ...]  # L x [Z*J, K, Mc, D]
+    keys: tuple[tuple[jax.Array, ...], ...]  # phases x L x [Z*J, K, D, C]
+    values: tuple[tuple[jax.Array, ...], ...]  # phases x L x [Z*J, K, C, D]
     slot_prompt: jax.Array  # int32 [Z, J]: the (shard-local) prompt each slot decodes from
     slot_t: jax.Array  # int32 [Z, J]: tokens fed to the slot's sequence so far
 
@@ -60,7 +63,6 @@ class SlotCache:
             raise ValueError(f"{N} prompts do not split into {Z} row shards")
         phases = max(1, min(phases, decode_steps))
         C = max(1, -(-decode_steps // phases))
-        Mc = phases * C
 
         def per_shard(x):
             return x.reshape(Z, N // Z, *x.shape[1:])
@@ -71,8 +73,9 @@ class SlotCache:
             prompt_mask=per_shard(mask_NP.astype(jnp.bool_)),
             prompt_pos=per_shard(pos_NP.astype(jnp.int32)),
             prompt_next=per_shard(mask_NP.astype(jnp.int32).sum(axis=1)),
-            keys=tuple(jnp.zeros((Z * J, K, D, Mc), keys_LNKPD.dtype) for _ in range(L)),
-            values=tuple(jnp.zeros((Z * J, K, Mc, D), values_LNKPD.dtype) for _ in range(L)),
+            keys=tuple(tuple(jnp.zeros((Z * J, K, D, C), keys_LNKPD.dtype) for _ in range(L)) for _ in range(phases)),
+            values=tuple(tuple(jnp.zeros((Z * J, K, C, D), values_LNKPD.dtype) for _ in range(L))
+                         for _ in range(phases)),
             slot_prompt=jnp.zeros((Z, J), jnp.int32),
             slot_t=jnp.zeros((Z, J), jnp.int32),
         )
@@ -87,26 +90,35 @@ class SlotCache:
         return self.slot_t.shape[1]
 
     @property
+    def num_phases(self) -> int:
+        return len(self.keys)
+
+    @property
+    def chunk_size(self) -> int:
+        """Generated slots per chunk buffer (C)."""
+        return self.keys[0][0].shape[-1]
+
+    @property
     def capacity(self) -> int:
         """Fed tokens a slot can hold (Mc)."""
-        return self.keys[0].shape[-1]
+        return self.num_phases * self.chunk_size
 
     def per_slot(self, x_ZN):
         """A per-prompt array [Z, Np, ...] read for each slot's prompt -> [Z, J, ...]."""
         return jax.vmap(lambda a, i: a[i])(x_ZN, self.slot_prompt)
 
 
-def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: jax.Array | int, phases: int,
+def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: jax.Array | int,
                      weights: list[dict[str, jax.Array]]) -> tuple[jax.Array, SlotCache]:
     """Feed each slot's token, tokens int [Z, J], at its position -> (float32 logits [Z, J, V] of
     each slot's next token, the cache with the token's keys/values written at `slot_t` and
-    `slot_t` + 1). `phase` (an int32 scalar, may be traced) of `phases`: attention reads the first
-    (phase + 1) x Mc / phases generated slots (every slot's `slot_t` must lie below that); each
-    layer picks its attention program with `lax.switch`, which reads the cache but does not carry
-    it, so no buffer is copied in or out. `weights`: `model.layer_weights()`, hoisted."""
+    `slot_t` + 1). `phase` (an int32 scalar, may be traced): attention reads chunks 0..phase
+    (every slot's `slot_t` must lie below (phase + 1) x C); each layer picks its attention program
+    with `lax.switch`, which reads the cache but does not carry it, so no buffer is copied in or
+    out. `weights`: `model.layer_weights()`, hoisted."""
     cfg, dtype = model.config, model.dtype
     Z, J = tokens_ZJ.shape
-    X, K, D = Z * J, cfg.num_kv_heads, cfg.head_dim
+    X, C = Z * J, cache.chunk_size
     t_X = cache.slot_t.reshape(X)
     pos_X1 = (cache.per_slot(cache.prompt_next) + cache.slot_t).reshape(X, 1)
     cos_YX1D, sin_YX1D = rope_tables(cfg, pos_X1, dtype)
@@ -121,35 +133,43 @@ def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: ja
             masks[kind] = (pmask_XP, gen_XC)
         else:
             masks[kind] = (pmask_XP & (pos_X1 - ppos_XP < window), gen_XC & (t_X[:, None] - j_C[None] < window))
-    size = cache.capacity // phases
-    programs = [functools.partial(_attend, n=(c + 1) * size, cfg=cfg, dtype=dtype) for c in range(phases)]
+    programs = [functools.partial(_attend, chunks=c + 1, cfg=cfg, dtype=dtype) for c in range(cache.num_phases)]
     rows = jnp.arange(X)
+    # Where the token goes in each chunk: its slot there, or C (outside: the write is dropped).
+    at = [jnp.where(t_X // C == c, t_X % C, C) for c in range(cache.num_phases)]
     x_X1E = model.embed_tokens(tokens_ZJ.reshape(X, 1))
-    keys, values = [], []
+    keys, values = [list(chunk) for chunk in cache.keys], [list(chunk) for chunk in cache.values]
     for l, kind in enumerate(cfg.layer_types):
         y = cfg.kinds.index(kind)
         q, k, v = qkv(x_X1E, weights[l], cfg, cos_YX1D[y], sin_YX1D[y])  # [X, 1, H, D], [X, 1, K, D]
-        k_XKDC = cache.keys[l].at[rows, :, :, t_X].set(k[:, 0].astype(cache.keys[l].dtype))
-        v_XKCD = cache.values[l].at[rows, :, t_X, :].set(v[:, 0].astype(cache.values[l].dtype))
-        keys.append(k_XKDC)
-        values.append(v_XKCD)
+        for c in range(cache.num_phases):
+            keys[c][l] = keys[c][l].at[rows, :, :, at[c]].set(k[:, 0].astype(keys[c][l].dtype), mode="drop")
+            values[c][l] = values[c][l].at[rows, :, at[c], :].set(v[:, 0].astype(values[c][l].dtype), mode="drop")
+        K, D = k.shape[2], k.shape[3]
         pk_XKDP = cache.per_slot(cache.prompt_keys[l]).reshape(X, K, D, -1)
         pv_XKPD = cache.per_slot(cache.prompt_values[l]).reshape(X, K, -1, D)
-        o_XKQD = jax.lax.switch(phase, programs, q.reshape(X, K, -1, D), pk_XKDP, pv_XKPD, k_XKDC, v_XKCD,
-                                *masks[kind])
+        o_XKQD = jax.lax.switch(phase, programs, q.reshape(X, K, -1, D), pk_XKDP, pv_XKPD,
+                                tuple(chunk[l] for chunk in keys), tuple(chunk[l] for chunk in values), *masks[kind])
         x_X1E = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg)
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]
-    return logits_XV.reshape(Z, J, -1), cache.replace(keys=tuple(keys), values=tuple(values),
+    return logits_XV.reshape(Z, J, -1), cache.replace(keys=tuple(map(tuple, keys)), values=tuple(map(tuple, values)),
                                                        slot_t=cache.slot_t + 1)
 
 
-def _attend(q_XKQD, pk_XKDP, pv_XKPD, k_XKDC, v_XKCD, pmask_XP, gmask_XC, *, n: int, cfg, dtype) -> jax.Array:
-    """One query per slot over its prompt's slots and its first `n` generated slots -> [X, K, Q, D]."""
-    s_prompt = jnp.einsum("xkqd,xkds->xkqs", q_XKQD, pk_XKDP.astype(dtype), preferred_element_type=jnp.float32)
-    s_gen = jnp.einsum("xkqd,xkds->xkqs", q_XKQD, k_XKDC[..., :n].astype(dtype), preferred_element_type=jnp.float32)
-    s_XKQS = softcap(jnp.concatenate([s_prompt, s_gen], axis=-1) * cfg.query_scale, cfg.attn_logit_softcap)
+def _attend(q_XKQD, pk_XKDP, pv_XKPD, k_chunks, v_chunks, pmask_XP, gmask_XC, *, chunks: int, cfg,
+            dtype) -> jax.Array:
+    """One query per slot over its prompt's slots and its first `chunks` chunks -> [X, K, Q, D]."""
+    def scores(k):
+        return jnp.einsum("xkqd,xkds->xkqs", q_XKQD, k.astype(dtype), preferred_element_type=jnp.float32)
+
+    s_XKQS = jnp.concatenate([scores(pk_XKDP)] + [scores(k) for k in k_chunks[:chunks]], axis=-1)
+    s_XKQS = softcap(s_XKQS * cfg.query_scale, cfg.attn_logit_softcap)
+    n = chunks * k_chunks[0].shape[-1]
     mask_XS = jnp.concatenate([pmask_XP, gmask_XC[:, :n]], axis=1)
     p_XKQS = jax.nn.softmax(jnp.where(mask_XS[:, None, None, :], s_XKQS, NEG), axis=-1).astype(dtype)
-    P = pk_XKDP.shape[-1]
-    return (jnp.einsum("xkqs,xksd->xkqd", p_XKQS[..., :P], pv_XKPD.astype(dtype))
-            + jnp.einsum("xkqs,xksd->xkqd", p_XKQS[..., P:], v_XKCD[:, :, :n].astype(dtype)))
+    out, start = 0, 0
+    for v in (pv_XKPD, *v_chunks[:chunks]):
+        S = v.shape[2]
+        out = out + jnp.einsum("xkqs,xksd->xkqd", p_XKQS[..., start:start + S], v.astype(dtype))
+        start += S
+    return out

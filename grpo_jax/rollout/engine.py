@@ -113,7 +113,7 @@ class _Loop:
 def engine_loop(model, config: SamplingConfig, mesh, lay: EngineLayout, capacity: int) -> _Loop:
     """The loop's constants for `model` (its decode step, with the weights hoisted)."""
     phases = max(1, min(config.attend_phases, max(config.max_new_tokens - 1, 1)))
-    decode = functools.partial(slot_decode_step, model, phases=phases, weights=model.layer_weights())
+    decode = functools.partial(slot_decode_step, model, weights=model.layer_weights())
     return _Loop(lay=lay, config=config, phase_size=capacity // phases, decode=decode, mesh=mesh)
 
 
