@@ -126,6 +126,7 @@ def _add_bench(sub) -> None:
     parser = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
                                           "weights; grpo-step: whole GRPO steps of a run config, with MFU; "
                                           "scaling: grpo-step against group size, completion length, prompts; "
+                                          "engine: static vs continuous rollout engines at one KV budget; "
                                           "memory: a run config's compiled memory per device against a chip's HBM")
     which = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     _bench_command(which, "sampler", bench.sampler, functools.partial(_bench_parity, bench.sampler),
@@ -142,6 +143,8 @@ def _add_bench(sub) -> None:
                              help=f"{what} to sweep (default {','.join(map(str, bench.SCALING_AXES[axis][1]))}; "
                                   "with no sweep option, every default sweep runs)")
     scaling.add_argument("--plot", default=None, help="the PNG (default: --output with .png)")
+    _bench_command(which, "engine", bench.engine, functools.partial(_call, bench.engine),
+                   "static (in batches of sampling.slots rows, and all rows at once) vs continuous engine (JSON, PNG)")
     _bench_command(which, "memory", bench.memory, functools.partial(_call, bench.memory),
                    "a run config's programs compiled on abstract shapes: memory per device against a chip's HBM")
 
