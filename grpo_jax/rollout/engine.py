@@ -110,11 +110,11 @@ class _Loop:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(BATCH)))
 
 
-def engine_loop(model, config: SamplingConfig, mesh, lay: EngineLayout, capacity: int) -> _Loop:
-    """The loop's constants for `model` (its decode step, with the weights hoisted)."""
-    phases = max(1, min(config.attend_phases, max(config.max_new_tokens - 1, 1)))
+def engine_loop(model, config: SamplingConfig, mesh, lay: EngineLayout, chunk_size: int) -> _Loop:
+    """The loop's constants for `model` (its decode step, with the weights hoisted); `chunk_size`:
+    the cache's generated slots per attention phase (`SlotCache.chunk_size`)."""
     decode = functools.partial(slot_decode_step, model, weights=model.layer_weights())
-    return _Loop(lay=lay, config=config, phase_size=capacity // phases, decode=decode, mesh=mesh)
+    return _Loop(lay=lay, config=config, phase_size=chunk_size, decode=decode, mesh=mesh)
 
 
 def _prompt_logits(st, prompt_ZJ):
@@ -131,7 +131,7 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh) -
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP = model.prefill_kv(ids_NP, mask_NP)  # once per prompt
     cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                              phases=config.attend_phases)
-    loop = engine_loop(model, config, mesh, lay, cache.capacity)
+    loop = engine_loop(model, config, mesh, lay, cache.chunk_size)
     hold = loop.hold
     rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
     # Slot j of every shard starts with the shard's sequence j (if it has that many).

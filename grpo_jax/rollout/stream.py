@@ -45,7 +45,7 @@ def stream_programs(graphdef, config: SamplingConfig, mesh):
 
     def advance(state, st, steps):
         lay = engine_layout(st["last"].shape[0] * st["last"].shape[1], config, mesh)
-        loop = engine_loop(nnx.merge(graphdef, state), config, mesh, lay, st["cache"].capacity)
+        loop = engine_loop(nnx.merge(graphdef, state), config, mesh, lay, st["cache"].chunk_size)
         end = st["steps"] + steps
         return jax.lax.while_loop(lambda s: jnp.any(s["done"] < loop.lay.sequences) & (s["steps"] < end),
                                   functools.partial(engine_step, loop), st)

@@ -28,7 +28,7 @@ from grpo_jax.rewards import RewardSpec, build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.runtime.devices import check_devices, run_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
-from grpo_jax.runtime.sharding import init_on_host
+from grpo_jax.runtime.sharding import init_on_host, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 
 
@@ -124,6 +124,22 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
     return dataclasses.replace(sampling, stop_token_ids=stops, pad_token_id=pad)
 
 
+def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool) -> list[str]:
+    """What a run says at start about engine settings it does not use as written: slots with the
+    static engine, slots rounded up to the mesh's row shards, segment steps without over-sampling."""
+    if sampling.engine == "static":
+        return [f"sampling.slots={sampling.slots} is not used: the static engine decodes every row at once "
+                "(sampling.engine: continuous uses slots)"] if sampling.slots else []
+    notes = []
+    shards = rows_per_shard(mesh)
+    if sampling.slots % shards:
+        notes.append(f"sampling.slots={sampling.slots} -> {-(-sampling.slots // shards) * shards}: an equal "
+                     f"number of slots on each of the mesh's {shards} row shards")
+    if not dynamic_sampling and sampling.segment_steps != SamplingConfig.segment_steps:
+        notes.append("sampling.segment_steps is used by over-sampling only (train.dynamic_sampling)")
+    return notes
+
+
 def evaluation_sampling(sampling: SamplingConfig, config: RunConfig) -> SamplingConfig:
     """The run's `sampling` for evaluation: eval.k samples per prompt at eval.temperature (default
     the run's), no minimum length."""
@@ -151,6 +167,7 @@ def prepare(config: RunConfig) -> Prepared:
     streams = _streams(config, tokenizer, mesh, notes)
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
     eval_sampling = evaluation_sampling(sampling, config)
+    notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards, eval_reward=eval_reward,
                     eval_verifier=eval_verifier, mesh=mesh, notes=tuple(notes), **streams)

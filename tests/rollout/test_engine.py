@@ -146,6 +146,19 @@ def test_sharded_slots_equal_one_device(model):
     np.testing.assert_allclose(got["logprobs"], alone["logprobs"], atol=1e-5)
 
 
+def test_a_run_says_which_engine_settings_it_does_not_use_as_written():
+    from grpo_jax.trainer.prepare import engine_notes
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    (static,) = engine_notes(config(slots=8), mesh, dynamic_sampling=False)
+    assert "not used: the static engine" in static
+    (rounded,) = engine_notes(config(engine="continuous", slots=6), mesh, dynamic_sampling=True)
+    assert "sampling.slots=6 -> 8" in rounded
+    assert engine_notes(config(engine="continuous", slots=8), mesh, dynamic_sampling=True) == []
+    (segments,) = engine_notes(config(engine="continuous", segment_steps=4), mesh, dynamic_sampling=False)
+    assert "over-sampling only" in segments
+
+
 def test_engine_settings_are_checked():
     with pytest.raises(ValueError, match="sampling.engine"):
         SamplingConfig(engine="paged")
