@@ -81,15 +81,6 @@ class SlotCache:
         )
 
     @property
-    def shards(self) -> int:
-        return self.slot_t.shape[0]
-
-    @property
-    def slots(self) -> int:
-        """Decode slots per shard (J)."""
-        return self.slot_t.shape[1]
-
-    @property
     def num_phases(self) -> int:
         return len(self.keys)
 
