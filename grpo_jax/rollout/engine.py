@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models.slots import SlotCache, slot_decode_step
 from grpo_jax.rollout.draw import Rollout, sample_tokens
+from grpo_jax.rollout.lockstep import constrain_rows, lockstep_decode
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated, rows_per_shard
 
 
@@ -150,7 +151,11 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh) -
 
 
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
-    loop, st = start_engine(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config, mesh=mesh)
+    model = nnx.merge(graphdef, state)
+    lay = engine_layout(ids_NP.shape[0], config, mesh)
+    if lay.slots >= lay.sequences:
+        return _every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
+    loop, st = start_engine(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     st = jax.lax.while_loop(lambda st: jnp.any(st["done"] < loop.lay.sequences), functools.partial(engine_step, loop),
                             st)
     return _rollout(st, ids_NP, mask_NP, loop.lay)
@@ -166,6 +171,22 @@ def _rollout(st: dict, ids_NP, mask_NP, lay: EngineLayout):
                       lengths=lengths_R, truncated=st["truncated"].reshape(R), prompt_ids=ids_NP,
                       prompt_mask=mask_NP)
     stats = {"steps": st["steps"], "slot_steps": st["steps"] * lay.total_slots, "useful_slot_steps": st["useful"],
+             "prefill_rows": jnp.int32(ids_NP.shape[0])}
+    return rollout, stats
+
+
+def _every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
+    """Every sequence has a slot from the start (slots >= sequences on every shard): nothing can be
+    refilled, so the engine is the lock-step loop (grpo_jax.rollout.lockstep), which reads each
+    prompt once per group of G rows instead of once per slot, drawing with each sequence's own
+    uniforms: the rollout the slot loop would draw."""
+    R = ids_NP.shape[0] * config.group_size
+    uniforms_RM = None
+    if config.temperature > 0:
+        uniforms_RM = sequence_uniforms(rng, jnp.arange(R, dtype=jnp.int32), config.max_new_tokens)
+        uniforms_RM = uniforms_RM if mesh is None else constrain_rows(uniforms_RM, mesh)
+    rollout, steps = lockstep_decode(model, ids_NP, mask_NP, rng, config=config, mesh=mesh, uniforms_RM=uniforms_RM)
+    stats = {"steps": steps, "slot_steps": steps * R, "useful_slot_steps": rollout.lengths.sum(),
              "prefill_rows": jnp.int32(ids_NP.shape[0])}
     return rollout, stats
 

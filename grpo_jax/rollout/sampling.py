@@ -36,14 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import replicated_key
 from grpo_jax.models.transformer import Transformer
-from grpo_jax.rollout.draw import Rollout, sample_tokens
+from grpo_jax.rollout.draw import Rollout
 from grpo_jax.rollout.engine import continuous_program
-from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated, shard_rows
+from grpo_jax.rollout.lockstep import lockstep_decode
+from grpo_jax.runtime.sharding import batch_sharding, replicated, shard_rows
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,83 +165,7 @@ def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, sha
     return _generate_impl(graphdef, state, ids_NP, mask_NP, rng, config=config, share_prefill=share_prefill)
 
 
-def _prefill(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh):
-    """The prompts' pass -> (the logits [R, V] that draw token 0, the cache sized for the decode)."""
-    G, M = config.group_size, config.max_new_tokens
-    # Token t (t < M - 1) is fed back as decode step t; the last sampled token never is.
-    spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True)
-    if share_prefill:
-        # N rows: the prompt's keys/values stay one copy per group (the decode attends them per group).
-        logits_N1V, cache = model.prefill(ids_NP, mask_NP, group_size=G, **spec)
-        last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
-    else:
-        logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0), **spec)
-        last_RV = logits_R1V[:, 0]
-    if mesh is not None:
-        # Keep the cache's rows where their prompts' rows are, for the whole loop.
-        cache = _constrain_rows(cache, mesh, BATCH)
-        last_RV = _constrain_rows(last_RV, mesh, BATCH)
-    return last_RV, cache
-
-
 def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
                    mesh=None) -> Rollout:
-    model = nnx.merge(graphdef, state)
-    M = config.max_new_tokens
-    last_RV, cache = _prefill(model, ids_NP, mask_NP, config, share_prefill, mesh)
-    stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
-    sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
-                               top_p=config.top_p)
-
-    def emit(t, last_RV, done_R, tokens_RM, logprobs_RM):
-        # Before min_new_tokens, stop tokens cannot be drawn (a benchmark's fixed-length completions).
-        banned_V = (jnp.isin(jnp.arange(last_RV.shape[-1]), stop_ids) & (t < config.min_new_tokens)
-                    if config.min_new_tokens else None)
-        tok_R, logp_R = sample(last_RV, jax.random.fold_in(rng, t), banned=banned_V)
-        tok_R = jnp.where(done_R, config.pad_id, tok_R)
-        logp_R = jnp.where(done_R, 0.0, logp_R)
-        tokens_RM = tokens_RM.at[:, t].set(tok_R)
-        logprobs_RM = logprobs_RM.at[:, t].set(logp_R)
-        done_R = done_R | jnp.isin(tok_R, stop_ids)
-        return tok_R, done_R, tokens_RM, logprobs_RM
-
-    R = cache.rows
-    tokens_RM = jnp.full((R, M), config.pad_id, jnp.int32)
-    logprobs_RM = jnp.zeros((R, M), jnp.float32)
-    done_R = jnp.zeros((R,), jnp.bool_)
-    # mask_RM[:, t] = the row was still running when token t was emitted.
-    running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
-    tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
-
-    # Step t (1 <= t < M) feeds token t - 1 (decode step t - 1). Chunk c of the cache's generated
-    # slots is one while_loop (static shapes: it attends the prompt and chunks 0..c only).
-    weights = model.layer_weights()
-    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache)
-    for c in range(cache.num_chunks):
-        def cond(carry, end=min((c + 1) * cache.chunk_size, M - 1) + 1):
-            t, _, done_R, *_ = carry
-            return (t < end) & ~jnp.all(done_R)
-
-        def body(carry, c=c):
-            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache = carry
-            running_RM = running_RM.at[:, t].set(~done_R)
-            logits_RV, cache = model.decode_step(tok_R, cache, chunk=c, weights=weights)
-            tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_RV, done_R, tokens_RM, logprobs_RM)
-            return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache
-
-        carry = jax.lax.while_loop(cond, body, carry)
-    done_R, tokens_RM, logprobs_RM, running_RM = carry[2:6]
-    mask_RM = running_RM.astype(jnp.int32)
-    return Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
-                   truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)
-
-
-def _constrain_rows(tree, mesh, batch_axes):
-    """with_sharding_constraint splitting each array's leading (row) axis over the batch mesh axes:
-    every buffer of the KVCache and the logits have rows first."""
-    def one(x):
-        if x.ndim == 0:
-            return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(batch_axes)))
-
-    return jax.tree.map(one, tree)
+    return lockstep_decode(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config,
+                           share_prefill=share_prefill, mesh=mesh)[0]

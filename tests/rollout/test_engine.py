@@ -3,7 +3,7 @@ refilled mid-loop, and still every sequence is what it would be alone.
 
 - greedy: every sequence equals the static engine's (ragged prompts, G = 1 and 4, stops at
   different steps, sequences that reach max_new_tokens);
-- sampled: the same rollout with 2, 3 and 8 slots, log-probs equal to a teacher-forced pass, the
+- sampled: the same rollout with 2, 3 and 8 slots and with one slot per sequence (the lock-step loop), log-probs equal to a teacher-forced pass, the
   prompts prefilled once each, every slot-step that drew a token counted as useful;
 - sharded: slots split over a (2, 2, 2) mesh give the one-device rollout.
 """
@@ -93,18 +93,24 @@ def teacher_forced(model, rollout, temperature: float = 0.8) -> np.ndarray:
 
 def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exact(model, monkeypatch):
     prefills = []
-    original = Transformer.prefill_kv
 
-    def counted(self, ids, mask=None):
-        prefills.append(ids.shape)
-        return original(self, ids, mask)
+    def counting(name):
+        original = getattr(Transformer, name)
 
-    monkeypatch.setattr(Transformer, "prefill_kv", counted)
+        def counted(self, ids, mask=None, **kw):
+            prefills.append(ids.shape)
+            return original(self, ids, mask, **kw)
+        monkeypatch.setattr(Transformer, name, counted)
+
+    counting("prefill_kv")  # the slot loop's prompt pass
+    counting("prefill")  # the lock-step loop's
     cfg = config(group_size=4, temperature=0.8, stop_token_ids=tuple(range(3, 30)), engine="continuous")
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     graphdef, state = nnx.split(model)
     runs = {}
-    for slots in (2, 3, 8):
+    # 0: one slot per sequence, nothing to refill: the engine runs the lock-step loop with the
+    # sequences' own uniforms, and draws the same rollout.
+    for slots in (2, 3, 8, 0):
         prefills.clear()
         rollout, stats = continuous_program(graphdef, dataclasses.replace(cfg, slots=slots), None)(
             state, ids, mask, jax.random.key(7))
@@ -113,10 +119,11 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
         lengths = runs[slots]["lengths"]
         # Every slot-step that drew a token drew one of a sequence's tokens, and only those.
         assert int(stats["useful_slot_steps"]) == lengths.sum()
-        assert int(stats["slot_steps"]) == int(stats["steps"]) * slots >= lengths.sum()
-        assert int(stats["steps"]) >= -(-lengths.sum() // slots)
+        width = slots or len(lengths)
+        assert int(stats["slot_steps"]) == int(stats["steps"]) * width >= lengths.sum()
+        assert int(stats["steps"]) >= -(-lengths.sum() // width)
     assert len(set(runs[2]["lengths"].tolist())) >= 4 and runs[2]["truncated"].any()
-    for slots in (3, 8):
+    for slots in (3, 8, 0):
         for key in ("tokens", "mask", "lengths", "truncated"):
             np.testing.assert_array_equal(runs[slots][key], runs[2][key], err_msg=f"{key}, {slots} slots")
         np.testing.assert_allclose(runs[slots]["logprobs"], runs[2]["logprobs"], atol=1e-6)
