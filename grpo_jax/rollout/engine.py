@@ -57,10 +57,6 @@ class EngineLayout:
     sequences: int  # Rb, per shard
     slots: int  # J, per shard
 
-    @property
-    def total_slots(self) -> int:
-        return self.shards * self.slots
-
 
 def engine_layout(num_prompts: int, config: SamplingConfig, mesh=None) -> EngineLayout:
     """The layout of `num_prompts` prompts: `config.slots` (0 = one per sequence) split evenly over
@@ -145,7 +141,7 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh) -
               tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
               logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
               lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
-              steps=jnp.int32(0), useful=jnp.int32(0))
+              steps=jnp.int32(0), useful=jnp.int32(0), slot_steps=jnp.int32(0))
     st["logits"] = hold(_prompt_logits(st, prompt_ZJ))
     return loop, st
 
@@ -156,12 +152,63 @@ def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
     if lay.slots >= lay.sequences:
         return _every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     loop, st = start_engine(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
-    st = jax.lax.while_loop(lambda st: jnp.any(st["done"] < loop.lay.sequences), functools.partial(engine_step, loop),
-                            st)
-    return _rollout(st, ids_NP, mask_NP, loop.lay)
+    widths = drain_widths(loop.lay.slots)
+    for i, width in enumerate(widths):
+        if width < loop.lay.slots:
+            loop, st = compact(loop, st, width)
+        narrower = widths[i + 1] if i + 1 < len(widths) else 0
+        st = jax.lax.while_loop(functools.partial(_running, loop, narrower), functools.partial(engine_step, loop), st)
+    return _rollout(st, ids_NP, mask_NP)
 
 
-def _rollout(st: dict, ids_NP, mask_NP, lay: EngineLayout):
+DRAIN_HALVINGS, DRAIN_MIN_SLOTS = 2, 8
+
+
+def drain_widths(slots: int) -> tuple[int, ...]:
+    """The slots per shard the loop runs with, in turn: all of them, then (from `DRAIN_MIN_SLOTS`
+    slots up, at most `DRAIN_HALVINGS` times) half as many, rounded up, once every queue is empty
+    and no shard has more sequences in flight than that (`compact`): the drain at the end of a
+    call, when the last long sequences run nearly alone, does not pay for the idle slots. Each
+    width compiles its own decode step; below 8 slots the drain is too short to pay for that."""
+    widths = [slots]
+    while slots >= DRAIN_MIN_SLOTS and len(widths) <= DRAIN_HALVINGS:
+        widths.append(-(-widths[-1] // 2))
+    return tuple(widths)
+
+
+def _running(loop: _Loop, narrower: int, st: dict) -> jax.Array:
+    """Go on at this width: sequences are left, and (when a `narrower` width follows) the queues
+    are not all empty or some shard has more than `narrower` sequences in flight."""
+    left = jnp.any(st["done"] < loop.lay.sequences)
+    if not narrower:
+        return left
+    in_flight = jnp.max(jnp.sum(st["seq"] >= 0, axis=1))
+    return left & ~(jnp.all(st["next"] >= loop.lay.sequences) & (in_flight <= narrower))
+
+
+def compact(loop: _Loop, st: dict, width: int) -> tuple[_Loop, dict]:
+    """Move every shard's sequences in flight (at most `width` each) into its first `width` slots,
+    with their generated keys/values, positions and next-token logits, and drop the other slots ->
+    (the loop's constants at that width, the loop state). A sequence's draws are its own
+    (`sequence_uniforms`), so the move does not change what it samples."""
+    Z, J = st["seq"].shape
+    keep_Zw = jnp.argsort(st["seq"] < 0, axis=1, stable=True)[:, :width]  # busy slots first, in order
+
+    def take(x_ZJ):  # [Z, J, ...] -> [Z, width, ...]
+        return jax.vmap(lambda a, i: a[i])(x_ZJ, keep_Zw)
+
+    def take_rows(x):  # [Z*J, ...] -> [Z*width, ...]
+        return take(x.reshape(Z, J, *x.shape[1:])).reshape(Z * width, *x.shape[1:])
+
+    cache = st["cache"]
+    cache = cache.replace(keys=jax.tree.map(take_rows, cache.keys), values=jax.tree.map(take_rows, cache.values),
+                          slot_prompt=take(cache.slot_prompt), slot_t=take(cache.slot_t))
+    loop = dataclasses.replace(loop, lay=dataclasses.replace(loop.lay, slots=width))
+    hold = loop.hold
+    return loop, dict(st, seq=hold(take(st["seq"])), cache=jax.tree.map(hold, cache), logits=hold(take(st["logits"])))
+
+
+def _rollout(st: dict, ids_NP, mask_NP):
     """The loop state's outputs as a Rollout (row r = sequence r of the whole call) and the stats."""
     Z, Rb, M = st["tokens"].shape
     R = Z * Rb
@@ -170,7 +217,7 @@ def _rollout(st: dict, ids_NP, mask_NP, lay: EngineLayout):
     rollout = Rollout(tokens=st["tokens"].reshape(R, M), logprobs=st["logprobs"].reshape(R, M), mask=mask_RM,
                       lengths=lengths_R, truncated=st["truncated"].reshape(R), prompt_ids=ids_NP,
                       prompt_mask=mask_NP)
-    stats = {"steps": st["steps"], "slot_steps": st["steps"] * lay.total_slots, "useful_slot_steps": st["useful"],
+    stats = {"steps": st["steps"], "slot_steps": st["slot_steps"], "useful_slot_steps": st["useful"],
              "prefill_rows": jnp.int32(ids_NP.shape[0])}
     return rollout, stats
 
@@ -254,4 +301,5 @@ def engine_step(loop: _Loop, st: dict) -> dict:
                 next=st["next"] + fill_ZJ.sum(axis=1, dtype=jnp.int32),
                 done=st["done"] + finished_ZJ.sum(axis=1, dtype=jnp.int32),
                 tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
-                steps=st["steps"] + 1, useful=st["useful"] + active_ZJ.sum(dtype=jnp.int32))
+                steps=st["steps"] + 1, useful=st["useful"] + active_ZJ.sum(dtype=jnp.int32),
+                slot_steps=st["slot_steps"] + active_ZJ.size)

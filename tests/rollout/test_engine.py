@@ -120,8 +120,11 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
         # Every slot-step that drew a token drew one of a sequence's tokens, and only those.
         assert int(stats["useful_slot_steps"]) == lengths.sum()
         width = slots or len(lengths)
-        assert int(stats["slot_steps"]) == int(stats["steps"]) * width >= lengths.sum()
         assert int(stats["steps"]) >= -(-lengths.sum() // width)
+        if slots == 8:  # the drain ran on 4, then 2 slots once the queue was empty (engine.compact)
+            assert lengths.sum() <= int(stats["slot_steps"]) < int(stats["steps"]) * width
+        else:
+            assert int(stats["slot_steps"]) == int(stats["steps"]) * width
     assert len(set(runs[2]["lengths"].tolist())) >= 4 and runs[2]["truncated"].any()
     for slots in (3, 8, 0):
         for key in ("tokens", "mask", "lengths", "truncated"):
