@@ -1,7 +1,8 @@
 """One decode step of each rollout engine at equal rows and attended length (issue 27): the static
 engine's `Transformer.decode_step` in chunk c against the continuous engine's `slot_decode_step` in
 phase c (slots = rows, slot j decoding from prompt j // G, every slot at the same step), C steps
-inside one jit each on a cache built before the timer starts (and donated); the minimum of 3 calls after a warm-up. Every
+inside one jit each on a cache built before the timer starts (donated, and returned so it is
+updated in place); the minimum of 3 calls after a warm-up. Every
 generated chunk of both caches holds random keys and values (`noisy`): a chunk the loop never
 writes would otherwise stay zeros, which XLA folds into one shared broadcast that sits in the CPU's
 cache (before 2026-12-02 the static engine's earlier chunks did, and its later phases looked 2x
@@ -55,7 +56,7 @@ def main(config_path, overrides):
         def body(i, carry):
             logits, cache = model.decode_step(carry[0], carry[1], chunk=c, weights=weights)
             return jnp.argmax(logits, -1).astype(jnp.int32), cache
-        return jax.lax.fori_loop(0, cache.chunk_size, body, (jnp.zeros((cache.rows,), jnp.int32), cache))[0]
+        return jax.lax.fori_loop(0, cache.chunk_size, body, (jnp.zeros((cache.rows,), jnp.int32), cache))
 
     @jax.jit
     def slot_cache(state, ids, mask, c):
@@ -72,7 +73,7 @@ def main(config_path, overrides):
         def body(i, carry):
             logits, cache = slot_decode_step(model, carry[0], carry[1], phase=c, weights=weights)
             return jnp.argmax(logits, -1).astype(jnp.int32), cache
-        return jax.lax.fori_loop(0, cache.chunk_size, body, (jnp.zeros((1, R), jnp.int32), cache))[0]
+        return jax.lax.fori_loop(0, cache.chunk_size, body, (jnp.zeros((1, R), jnp.int32), cache))
 
     def seconds(make, run, c):
         """The fastest of 3 timed calls of `run` (after a warm-up), each on a fresh cache from `make`."""

@@ -121,7 +121,7 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
         assert int(stats["useful_slot_steps"]) == lengths.sum()
         width = slots or len(lengths)
         assert int(stats["steps"]) >= -(-lengths.sum() // width)
-        if slots == 8:  # the drain ran on 4, then 2 slots once the queue was empty (engine.compact)
+        if slots == 8:  # the drain ran on 4 slots once the queue was empty (engine.compact)
             assert lengths.sum() <= int(stats["slot_steps"]) < int(stats["steps"]) * width
         else:
             assert int(stats["slot_steps"]) == int(stats["steps"]) * width
