@@ -75,7 +75,8 @@ def test_the_package_exports_the_main_api_lazily():
     import grpo_jax
 
     expected = {"from_pretrained", "save_pretrained", "generate", "SamplingConfig", "group_advantages", "gae",
-                "policy_loss", "get_reward_fn", "RunConfig", "load_config", "train", "mesh_device_grid"}
+                "policy_loss", "get_reward_fn", "RunConfig", "load_config", "train", "mesh_device_grid",
+                "Environment", "EnvStep"}
     assert set(grpo_jax.__all__) == expected and expected <= set(dir(grpo_jax))
     from grpo_jax import config, models
     from grpo_jax.learner import grpo
@@ -86,6 +87,9 @@ def test_the_package_exports_the_main_api_lazily():
     assert grpo_jax.generate is sampling.generate and grpo_jax.group_advantages is grpo.group_advantages
     assert grpo_jax.SamplingConfig is config.SamplingConfig and grpo_jax.RunConfig is config.RunConfig
     assert grpo_jax.load_config is config.load_config and grpo_jax.train is trainer.train
+    from grpo_jax import env
+    assert grpo_jax.Environment is env.Environment and grpo_jax.EnvStep is env.EnvStep
+    assert grpo_jax.EnvStep(messages=[], reward=None, done=True).done
     from grpo_jax import rewards
     from grpo_jax.learner import ppo
 

@@ -56,15 +56,21 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 def _import_reward(name: str) -> RewardFn:
+    return import_user_object(name, what="reward")
+
+
+def import_user_object(name: str, *, what: str, member: str = "function"):
+    """The object `name` points at: `module:attr` (the working directory importable, as with
+    `python -m`) or `path/to/file.py:attr`; ValueError naming `what` and saying what went wrong."""
     where, _, attr = name.rpartition(":")
     if not where or not attr.isidentifier():
-        raise ValueError(f"reward {name!r}: write user rewards as module:function or path/to/file.py:function")
+        raise ValueError(f"{what} {name!r}: write user {what}s as module:{member} or path/to/file.py:{member}")
     try:
         if where.endswith(".py"):
             path = Path(where)
             if not path.is_file():
-                raise ValueError(f"reward {name!r}: no file {str(path.resolve())!r}")
-            spec = importlib.util.spec_from_file_location(f"grpo_jax_user_reward_{path.stem}", path)
+                raise ValueError(f"{what} {name!r}: no file {str(path.resolve())!r}")
+            spec = importlib.util.spec_from_file_location(f"grpo_jax_user_{what}_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
@@ -74,15 +80,15 @@ def _import_reward(name: str) -> RewardFn:
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - any import error is the user's code; say which and why
-        raise ValueError(f"reward {name!r}: importing {where!r} failed: {type(e).__name__}: {e}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
+        raise ValueError(f"{what} {name!r}: importing {where!r} failed: {type(e).__name__}: {e}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"reward {name!r}: {where!r} has no {attr!r}{did_you_mean(attr, public)}; "
-                         f"its functions: {', '.join(public) or 'none'}")
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: {attr!r} in {where!r} is a {type(fn).__name__}, not a function")
-    return fn
+        raise ValueError(f"{what} {name!r}: {where!r} has no {attr!r}{did_you_mean(attr, public)}; "
+                         f"its {member}s and classes: {', '.join(public) or 'none'}")
+    if not callable(obj):
+        raise ValueError(f"{what} {name!r}: {attr!r} in {where!r} is a {type(obj).__name__}, not a {member}")
+    return obj
 
 
 def unwrapped(fn) -> tuple[Any, dict]:

@@ -171,3 +171,23 @@ def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_
     assert theirs
     ours_logits = np.asarray(tuned(jnp.asarray([ids + theirs[:-1]])))[0, len(ids) - 1:]
     assert ours_logits.argmax(-1).tolist() == theirs
+
+
+def test_smollm2s_template_extends_a_conversation_with_a_tool_answer(loaded):
+    """Issue 28's extension property on SmolLM2's own template and tokenizer (the env transcript
+    tests use character tokenizers): after a model turn that ended with its stop token or at a
+    tool call's closing tag, the environment's tokens are exactly the difference of the renders,
+    and prompt + sampled + environment tokens decode to the fresh render of the conversation."""
+    from grpo_jax.env.transcript import extension, render
+
+    _, tokenizer, *_ = loaded
+    content = "I will use the tool: <calculator>12 + 35</calculator>"
+    tool = [{"role": "tool", "content": "47"}]
+    for sampled in (content + "<|im_end|>", content):
+        ext = extension(tokenizer, QUESTION, sampled, content, tool)
+        assert ext.exact, sampled
+        sampled_ids = tokenizer(sampled, add_special_tokens=False)["input_ids"]
+        text = tokenizer.decode(chat_ids(tokenizer) + sampled_ids + ext.ids)
+        assert text == render(tokenizer, [*QUESTION, {"role": "assistant", "content": content}, *tool],
+                              generation_prompt=True)
+        assert ext.text.endswith("<|im_start|>tool\n47<|im_end|>\n<|im_start|>assistant\n")

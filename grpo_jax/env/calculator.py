@@ -1,0 +1,136 @@
+"""The `calculator` environment: the model writes an arithmetic expression in a tool call,
+`<calculator>12345 * 678</calculator>`, and the environment answers (role "tool") with its value or
+an error; a model turn without a tool call is the final answer, which the run's `rewards` score.
+
+The evaluator (`calculate`) parses with `ast` and walks an allow-list: numbers, + - * / // % **,
+unary + and -, parentheses. Everything else (names, attributes, calls, subscripts, strings,
+comparisons) is refused, and so are inputs over 200 characters, exponents whose result would pass
+10^100, and results past 10^300; nothing is ever `eval`-ed. Values are exact (fractions) and
+printed as integers or as decimals of up to 10 places.
+"""
+
+from __future__ import annotations
+
+import ast
+import decimal
+import math
+import operator
+from fractions import Fraction
+
+from grpo_jax.env.protocol import EnvStep
+from grpo_jax.rewards.format import tag_blocks
+
+MAX_EXPRESSION_CHARS = 200
+MAX_RESULT_DIGITS = 300
+MAX_POWER_DIGITS = 100
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator refuses or cannot compute (the message says why)."""
+
+
+def _digits(x: Fraction) -> float:
+    """log10 of |x| (0 for 0), computed without building a float of a huge number."""
+    if x == 0:
+        return 0.0
+    return math.log10(abs(x.numerator)) - math.log10(x.denominator)
+
+
+def _power(base: Fraction, exponent: Fraction) -> Fraction:
+    if exponent.denominator != 1:
+        raise CalculatorError("only whole-number exponents are supported")
+    if base == 0 and exponent < 0:
+        raise CalculatorError("division by zero")
+    if abs(exponent) * max(abs(_digits(base)), 0.0) > MAX_POWER_DIGITS or abs(exponent) > 10_000:
+        raise CalculatorError(f"the result of ** would have more than {MAX_POWER_DIGITS} digits")
+    return base ** int(exponent)
+
+
+def _value(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if type(node.value) is float and not math.isfinite(node.value):
+            raise CalculatorError("the number is too large")
+        value = Fraction(str(node.value)) if type(node.value) is float else Fraction(node.value)
+        if _digits(value) > MAX_RESULT_DIGITS:
+            raise CalculatorError(f"a number has more than {MAX_RESULT_DIGITS} digits")
+        return value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_value(node.operand))
+    if isinstance(node, ast.BinOp) and (type(node.op) in _BINARY or isinstance(node.op, ast.Pow)):
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Pow):
+            result = _power(left, right)
+        elif right == 0 and type(node.op) in (ast.Div, ast.FloorDiv, ast.Mod):
+            raise CalculatorError("division by zero")
+        else:
+            result = Fraction(_BINARY[type(node.op)](left, right))
+        if _digits(result) > MAX_RESULT_DIGITS:
+            raise CalculatorError(f"the result has more than {MAX_RESULT_DIGITS} digits")
+        return result
+    raise CalculatorError(f"{type(node).__name__} is not allowed: numbers, + - * / // % ** and parentheses only")
+
+
+def format_value(x: Fraction) -> str:
+    """An integer as is; otherwise a decimal rounded to 10 places, trailing zeros dropped."""
+    if x.denominator == 1:
+        return str(x.numerator)
+    with decimal.localcontext() as ctx:
+        ctx.prec = MAX_RESULT_DIGITS + 20
+        text = format((decimal.Decimal(x.numerator) / x.denominator).quantize(decimal.Decimal("1e-10")), "f")
+    return text.rstrip("0").rstrip(".")
+
+
+def calculate(expression: str) -> str:
+    """The value of an arithmetic expression as text; CalculatorError (a ValueError) saying why not."""
+    if not isinstance(expression, str):
+        raise CalculatorError("the expression must be text")
+    expression = expression.strip()
+    if not expression:
+        raise CalculatorError("empty expression")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+    except (SyntaxError, ValueError) as e:
+        raise CalculatorError(f"not an arithmetic expression ({e.msg if isinstance(e, SyntaxError) else e})") from None
+    try:
+        return format_value(_value(tree.body))
+    except RecursionError:
+        raise CalculatorError("the expression is nested too deeply") from None
+
+
+class Calculator:
+    """One episode with the calculator tool (see the module docstring). `tag`: the tool call's tag;
+    `tool_call_end` (its closing tag) ends a model turn like a stop token."""
+
+    def __init__(self, tag: str = "calculator"):
+        if not tag.isidentifier():
+            raise ValueError(f"calculator: tag must be a plain name, got {tag!r}")
+        self.tag = tag
+        self.tool_call_end = f"</{tag}>"
+
+    def reset(self, example: dict) -> list[dict]:
+        return opening_messages(example)
+
+    def step(self, completion: str) -> EnvStep:
+        blocks = tag_blocks(completion, self.tag)
+        if not blocks:
+            return EnvStep(messages=[], done=True)  # no tool call: the final answer
+        try:
+            answer = calculate(blocks[-1][2])
+        except CalculatorError as e:
+            answer = f"error: {e}"
+        return EnvStep(messages=[{"role": "tool", "content": answer}])
+
+
+def opening_messages(example: dict) -> list[dict]:
+    """The messages that open an episode of a dataset row: its chat messages when the data has them
+    (`prompt_messages`), else one user message with the rendered prompt (`prompt`)."""
+    if example.get("prompt_messages"):
+        return [dict(m) for m in example["prompt_messages"]]
+    if isinstance(example.get("prompt"), str):
+        return [{"role": "user", "content": example["prompt"]}]
+    raise ValueError(f"the example has neither prompt_messages nor a prompt text: fields {sorted(example)}")

@@ -1,0 +1,164 @@
+"""One multi-turn episode on the host: the environment's calls (each on its own thread, with a
+time limit), the trajectory they build, and the limits that end it.
+
+The trajectory after the opening prompt is one token sequence: each model turn's tokens as sampled
+(`loss_mask` 1, with their sampler log-probs) and, between turns, the environment's tokens
+(`loss_mask` 0, log-prob 0) from grpo_jax.env.transcript. An environment that raises, returns
+something malformed or takes longer than `timeout_s` ends its episode with `error` set: the episode
+is dropped (and counted as `env/errors`), its batch-mates are not. A timed-out call's thread is a
+daemon thread left to finish on its own (Python cannot stop a thread); its result is ignored.
+
+Limits (each ends the episode as truncated): `max_turns` model turns, `max_env_tokens` environment
+tokens after one turn, `max_model_tokens` sampled tokens over all turns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+from grpo_jax.env.protocol import OPENING_ROLES, check_messages, check_step
+from grpo_jax.env.transcript import encode, extension, render
+
+
+class EnvTimeout(TimeoutError):
+    """An environment call that did not return within `timeout_s`."""
+
+
+class EnvCall:
+    """`fn(*args)` running on its own daemon thread, started now."""
+
+    def __init__(self, fn, *args):
+        self.started = time.monotonic()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn, args), daemon=True).start()
+
+    def _run(self, fn, args):
+        try:
+            self.value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - anything an environment raises ends only its episode
+            self.error = e
+        finally:
+            self.seconds = time.monotonic() - self.started
+            self._done.set()
+
+    def ready(self, timeout_s: float) -> bool:
+        """Returned, raised, or past its time limit (does not wait)."""
+        return self._done.is_set() or time.monotonic() - self.started > timeout_s
+
+    def result(self, timeout_s: float):
+        """The call's value, waiting up to what is left of `timeout_s`; its exception, or EnvTimeout."""
+        if not self._done.wait(max(0.0, self.started + timeout_s - time.monotonic())):
+            raise EnvTimeout(f"took longer than {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_env_tokens: int = 256
+    max_model_tokens: int = 256
+    timeout_s: float = 30.0
+
+
+class Episode:
+    """The host's side of one episode (see the module docstring). `make_env()` builds its
+    environment; `example`: the dataset row's fields (given to `reset`)."""
+
+    def __init__(self, make_env, example: dict, tokenizer, limits: EpisodeLimits, *, name: str = "environment"):
+        self.make_env, self.example, self.tokenizer, self.limits, self.name = make_env, example, tokenizer, limits, name
+        self.env = None
+        self.history: list[dict] = []  # the conversation: opening messages, then turns
+        self.transcript: list[dict] = []  # per turn: {"model": text, "env": text, "reward": r}
+        self.prompt_ids: list[int] = []
+        self.ids: list[int] = []  # after the prompt: sampled and environment tokens
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turns = self.tool_calls = self.model_tokens = self.env_tokens = 0
+        self.env_reward: float | None = None
+        self.env_seconds = 0.0
+        self.done = self.truncated = False
+        self.error: str | None = None
+        self.exact = True  # every extension was the template's own (no fallback)
+
+    def open(self) -> list[int] | None:
+        """Build the environment and render its opening messages -> the prompt's tokens (None: the
+        episode failed, see `error`)."""
+        call = EnvCall(self._reset)
+        try:
+            self.history = call.result(self.limits.timeout_s)
+        except BaseException as e:  # noqa: BLE001
+            return self.fail(e, "reset")
+        finally:
+            self.env_seconds += time.monotonic() - call.started
+        self.prompt_ids = encode(self.tokenizer, render(self.tokenizer, self.history, generation_prompt=True))
+        return self.prompt_ids
+
+    def _reset(self) -> list[dict]:
+        self.env = self.make_env()
+        return check_messages(self.env.reset(self.example), roles=OPENING_ROLES, who=f"{self.name}.reset")
+
+    def add_turn(self, ids: list[int], logprobs: list[float], *, stopped: bool) -> EnvCall | None:
+        """Record a model turn as sampled (`stopped`: it ended with a stop token, the last of `ids`;
+        else at the environment's tool-call end, or cut by the token budget) and start the
+        environment's step on it -> the call, or None when the budget ended the episode."""
+        self.ids += list(ids)
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += [float(x) for x in logprobs]
+        self.model_tokens += len(ids)
+        self.turns += 1
+        self._sampled = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        self._content = self.tokenizer.decode(list(ids[:-1]) if stopped else list(ids), skip_special_tokens=False)
+        if self.model_tokens >= self.limits.max_model_tokens and not stopped:
+            self.done = self.truncated = True  # cut mid-turn: nothing for the environment to answer
+            self.transcript.append({"model": self._content, "env": "", "reward": None})
+            return None
+        return EnvCall(self.env.step, self._content)
+
+    def respond(self, call: EnvCall) -> list[int] | None:
+        """The environment's answer to the last turn as the tokens to feed before the next one (they
+        are appended to the trajectory); None when the episode is over (done, a limit, an error)."""
+        try:
+            step = check_step(call.result(self.limits.timeout_s), who=self.name)
+        except BaseException as e:  # noqa: BLE001
+            return self.fail(e, "step")
+        finally:
+            self.env_seconds += time.monotonic() - call.started
+        if step.reward is not None:
+            self.env_reward = (self.env_reward or 0.0) + step.reward
+        self.tool_calls += any(m["role"] == "tool" for m in step.messages)
+        turn = {"model": self._content, "env": "", "reward": step.reward}
+        self.transcript.append(turn)
+        if step.done:
+            self.done = True
+            return None
+        if self.turns >= self.limits.max_turns or self.model_tokens >= self.limits.max_model_tokens:
+            self.done = self.truncated = True
+            return None
+        try:
+            ext = extension(self.tokenizer, self.history, self._sampled, self._content, step.messages)
+        except ValueError as e:
+            return self.fail(e, "step")
+        if len(ext.ids) > self.limits.max_env_tokens:
+            self.done = self.truncated = True
+            return None
+        turn["env"] = ext.text
+        self.exact &= ext.exact
+        self.history += [{"role": "assistant", "content": self._content}, *step.messages]
+        self.ids += ext.ids
+        self.loss_mask += [0] * len(ext.ids)
+        self.logprobs += [0.0] * len(ext.ids)
+        self.env_tokens += len(ext.ids)
+        return ext.ids
+
+    def fail(self, error: BaseException, where: str) -> None:
+        """End the episode as failed (it will be dropped and counted)."""
+        self.error = f"{self.name}.{where}: {type(error).__name__}: {error}"
+        self.done = True
+        return None

@@ -1,0 +1,72 @@
+"""The environment protocol (pinned in DESIGN.md).
+
+    class MyEnv:                                  # one instance per episode: MyEnv(**kwargs)
+        def reset(self, example: dict) -> list[dict]: ...   # the chat messages that open the episode
+        def step(self, completion: str) -> EnvStep: ...     # called after each model turn
+
+`EnvStep.messages` are what the environment answers (role "tool" or "user"), appended before the
+next model turn; `reward` is added to the episode's reward (None: nothing); `done` ends the
+episode after this turn. An environment that raises, answers with something that is not an
+EnvStep of well-formed messages, or exceeds `environment.timeout_s` ends its episode, which is
+dropped and counted (`env/errors`); the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol, runtime_checkable
+
+ENV_ROLES = ("tool", "user")  # who may answer a model turn
+OPENING_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvStep:
+    """What an environment returns after a model turn."""
+
+    messages: list[dict[str, Any]]
+    reward: float | None = None
+    done: bool = False
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Any class with these two methods; the run makes one instance per episode."""
+
+    def reset(self, example: dict) -> list[dict]: ...
+
+    def step(self, completion: str) -> EnvStep: ...
+
+
+def check_messages(messages: Any, *, roles: tuple[str, ...], who: str) -> list[dict[str, str]]:
+    """`messages` as a list of {"role", "content"} dicts with string content and a role in
+    `roles`, or ValueError naming `who` and what is wrong (an environment's malformed answer)."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{who} must return a list of messages, got {type(messages).__name__}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+            raise ValueError(f"{who}: message {i} must be a dict with a 'role' and a string 'content', got {m!r:.200}")
+        if m["role"] not in roles:
+            raise ValueError(f"{who}: message {i} has role {m['role']!r}; expected one of {', '.join(roles)}")
+        out.append(dict(m))
+    return out
+
+
+def check_step(result: Any, *, who: str) -> EnvStep:
+    """An environment's `step` result, checked: an EnvStep of well-formed "tool"/"user" messages, a
+    finite reward or None, a bool `done`; ValueError otherwise."""
+    if not isinstance(result, EnvStep):
+        raise ValueError(f"{who}.step must return an EnvStep, got {type(result).__name__}")
+    messages = check_messages(result.messages, roles=ENV_ROLES, who=f"{who}.step")
+    reward = result.reward
+    if reward is not None:
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ValueError(f"{who}.step: reward must be a finite number or None, got {reward!r}")
+        reward = float(reward)
+    if not isinstance(result.done, bool):
+        raise ValueError(f"{who}.step: done must be a bool, got {result.done!r}")
+    if not messages and not result.done:
+        raise ValueError(f"{who}.step: an episode that goes on needs at least one message for the next turn")
+    return EnvStep(messages=messages, reward=reward, done=result.done)

@@ -1,0 +1,31 @@
+"""Environments by name: a built-in (`BUILT_IN`), `module:Class` or `path/to/file.py:Class`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from grpo_jax.env.calculator import Calculator
+from grpo_jax.rewards.registry import import_user_object
+
+BUILT_IN: dict[str, type] = {"calculator": Calculator}
+
+
+def environment_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Any]:
+    """A callable that makes one environment per episode, `cls(**kwargs)`; ValueError when `name`
+    names no class with `reset` and `step`, or `kwargs` do not fit its constructor."""
+    kwargs = dict(kwargs or {})
+    cls = BUILT_IN.get(name) or import_user_object(name, what="environment", member="class")
+    if not inspect.isclass(cls):
+        raise ValueError(f"environment {name!r} is a {type(cls).__name__}; expected a class with reset() and step()")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment {name!r} ({cls.__name__}) has no {' or '.join(missing)} method; "
+                         "an environment needs reset(example) -> messages and step(completion) -> EnvStep")
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"environment {name!r}: environment.kwargs do not fit {cls.__name__}(): {e}") from None
+    return functools.partial(cls, **kwargs)

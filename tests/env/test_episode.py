@@ -1,0 +1,154 @@
+"""One episode on the host (grpo_jax.env.episode) with scripted environments: the trajectory keeps
+the sampled tokens, `loss_mask` is 1 exactly on them, the limits end episodes as truncated, and an
+environment that raises, hangs or answers malformed ends only its own episode. Also the built-in
+calculator (its evaluator refuses what is not arithmetic) and environments by name."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from grpo_jax import EnvStep, Environment
+from grpo_jax.data.tokenizer import char_tokenizer
+from grpo_jax.env.calculator import Calculator, CalculatorError, calculate
+from grpo_jax.env.episode import EnvCall, Episode, EpisodeLimits
+from grpo_jax.env.registry import environment_factory
+from grpo_jax.env.transcript import render
+
+TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
+TOK = char_tokenizer(add_bos=True, chat_template=TEMPLATE)
+EXAMPLE = {"prompt": "What is 123 * 45?", "answer": "5535"}
+
+
+class Scripted:
+    """Answers each model turn with the next of `replies` (EnvStep, or an exception to raise)."""
+
+    def __init__(self, replies=(), delay_s: float = 0.0):
+        self.replies, self.delay_s, self.seen = list(replies), delay_s, []
+
+    def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, completion):
+        self.seen.append(completion)
+        time.sleep(self.delay_s)
+        reply = self.replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+def ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def episode(env, **limits) -> Episode:
+    ep = Episode(lambda: env, EXAMPLE, TOK, EpisodeLimits(**{"max_model_tokens": 64, "timeout_s": 5.0, **limits}))
+    assert ep.open() == ids("[user]What is 123 * 45?<eos>\n[assistant]")
+    return ep
+
+
+def turn(ep: Episode, text: str, stopped: bool):
+    sampled = ids(text)
+    return ep.respond(ep.add_turn(sampled, [-0.5] * len(sampled), stopped=stopped))
+
+
+def test_a_tool_turn_then_an_answer_keep_the_sampled_tokens_and_mask_only_them():
+    env = Scripted([EnvStep([{"role": "tool", "content": "5535"}]), EnvStep([], reward=1.0, done=True)])
+    assert isinstance(env, Environment) and isinstance(Calculator(), Environment)
+    ep = episode(env)
+    fed = turn(ep, "<calc>123*45</calc>", stopped=False)  # ended at the tool call's closing tag
+    assert TOK.decode(fed) == "<eos>\n[tool]5535<eos>\n[assistant]"  # the template closes the turn
+    assert turn(ep, "5535<eos>", stopped=True) is None
+    assert env.seen == ["<calc>123*45</calc>", "5535"]  # the stop token is not the content
+    assert ep.done and not ep.truncated and ep.error is None and ep.env_reward == 1.0 and ep.exact
+    assert (ep.turns, ep.tool_calls, ep.model_tokens, ep.env_tokens) == (2, 1, 24, len(fed))
+    # The trajectory is the template's render of the conversation, and the mask marks what the
+    # model sampled: every character of its two turns, nothing the environment wrote.
+    conversation = [{"role": "user", "content": EXAMPLE["prompt"]}, {"role": "assistant", "content": "<calc>123*45</calc>"},
+                    {"role": "tool", "content": "5535"}, {"role": "assistant", "content": "5535"}]
+    assert TOK.decode(ep.prompt_ids + ep.ids) == render(TOK, conversation, generation_prompt=False)[:-1]
+    sampled = [i for i, m in enumerate(ep.loss_mask) if m]
+    assert TOK.decode([ep.ids[i] for i in sampled]) == "<calc>123*45</calc>5535<eos>"
+    assert ep.logprobs == [-0.5 if m else 0.0 for m in ep.loss_mask]
+    assert [t["env"] for t in ep.transcript] == ["<eos>\n[tool]5535<eos>\n[assistant]", ""]
+
+
+@pytest.mark.parametrize("limit, expect_turns", [({"max_turns": 1}, 1), ({"max_env_tokens": 5}, 1),
+                                                 ({"max_model_tokens": 12}, 2)])
+def test_each_limit_ends_the_episode_as_truncated(limit, expect_turns):
+    env = Scripted([EnvStep([{"role": "user", "content": "again"}])] * 3)
+    ep = episode(env, **limit)
+    texts = iter(["first try<eos>", "second<eos>", "third<eos>"])
+    while not ep.done:
+        turn(ep, next(texts), stopped=True)
+    assert ep.truncated and ep.error is None and ep.turns == expect_turns
+
+
+def test_a_turn_cut_by_the_token_budget_ends_without_asking_the_environment():
+    env = Scripted()
+    ep = episode(env, max_model_tokens=4)
+    assert ep.add_turn(ids("abcd"), [0.0] * 4, stopped=False) is None
+    assert ep.truncated and env.seen == []
+
+
+@pytest.mark.parametrize("reply, message", [
+    (RuntimeError("tool crashed"), "RuntimeError: tool crashed"),
+    ({"role": "tool", "content": "x"}, "must return an EnvStep"),
+    (EnvStep([{"role": "system", "content": "x"}]), "role 'system'"),
+    (EnvStep([{"role": "tool", "content": 5}]), "string 'content'"),
+    (EnvStep([], reward=float("nan"), done=True), "finite number"),
+    (EnvStep([]), "needs at least one message"),
+])
+def test_an_environment_that_raises_or_answers_malformed_ends_only_its_episode(reply, message):
+    ep = episode(Scripted([reply]))
+    assert turn(ep, "hmm<eos>", stopped=True) is None
+    assert ep.done and message in ep.error and ep.error.startswith("environment.step")
+
+
+def test_a_hanging_environment_times_out_and_slow_ones_run_side_by_side():
+    ep = episode(Scripted([EnvStep([], done=True)], delay_s=5.0), timeout_s=0.2)
+    start = time.monotonic()
+    assert turn(ep, "hmm<eos>", stopped=True) is None
+    assert "EnvTimeout" in ep.error and time.monotonic() - start < 2.0
+    # Four calls that sleep 0.4 s each, started together, are all back in about 0.4 s, not 1.6 s.
+    start = time.monotonic()
+    calls = [EnvCall(time.sleep, 0.4) for _ in range(4)]
+    for call in calls:
+        call.result(5.0)
+    assert time.monotonic() - start < 1.2
+    bad = Episode(Scripted, {"question": "no prompt field"}, TOK, EpisodeLimits())
+    assert bad.open() is None and bad.error == "environment.reset: KeyError: 'prompt'"
+
+
+def test_the_calculator_computes_arithmetic_and_refuses_the_rest():
+    assert calculate("123456 * 789") == "97406784" and calculate("2 ** 10 - 1/4") == "1023.75"
+    assert calculate("-(3 + 4) * 2") == "-14" and calculate("1/3") == "0.3333333333"
+    for expression, why in [("__import__('os').system('ls')", "Call"), ("x + 1", "Name"), ("(1).real", "Attribute"),
+                            ("9 ** 9 ** 9", "digits"), ("10 ** 101", "digits"), ("1" * 201, "longer than 200"),
+                            ("2 ** 0.5", "whole-number"), ("1 / 0", "division by zero"), ("'a' * 3", "Constant"),
+                            ("1e400", "too large"), ("[1, 2]", "List"), ("1 < 2", "Compare"), ("", "empty")]:
+        with pytest.raises(CalculatorError, match=why):
+            calculate(expression)
+    env = Calculator()
+    assert env.step("<calculator>6 * 7</calculator>") == EnvStep([{"role": "tool", "content": "42"}])
+    assert env.step("<calculator>os</calculator>").messages[0]["content"].startswith("error: Name is not allowed")
+    assert env.step("The answer is 42.") == EnvStep([], done=True)
+
+
+def test_environments_by_name(tmp_path):
+    assert isinstance(environment_factory("calculator", {"tag": "calc"})(), Calculator)
+    path = tmp_path / "my_env.py"
+    path.write_text("class Guess:\n    def __init__(self, secret=7):\n        self.secret = secret\n"
+                    "    def reset(self, example):\n        return [{'role': 'user', 'content': 'guess'}]\n"
+                    "    def step(self, completion):\n        return None\n"
+                    "class NoStep:\n    def reset(self, example):\n        return []\n")
+    assert environment_factory(f"{path}:Guess", {"secret": 3})().secret == 3
+    with pytest.raises(ValueError, match="do not fit Guess"):
+        environment_factory(f"{path}:Guess", {"seed": 3})
+    with pytest.raises(ValueError, match="has no step method"):
+        environment_factory(f"{path}:NoStep")
+    with pytest.raises(ValueError, match="has no 'Gues'"):
+        environment_factory(f"{path}:Gues")
