@@ -40,7 +40,7 @@ from flax import nnx
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import replicated_key
 from grpo_jax.models.transformer import Transformer
-from grpo_jax.rollout.draw import Rollout
+from grpo_jax.rollout.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
 from grpo_jax.rollout.engine import continuous_program
 from grpo_jax.rollout.lockstep import lockstep_decode
 from grpo_jax.runtime.sharding import batch_sharding, replicated, shard_rows
