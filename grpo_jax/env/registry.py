@@ -8,9 +8,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo_jax.env.calculator import Calculator
+from grpo_jax.env.countdown import CountdownFeedback
+from grpo_jax.env.python_tool import PythonTool
 from grpo_jax.rewards.registry import import_user_object
 
-BUILT_IN: dict[str, type] = {"calculator": Calculator}
+BUILT_IN: dict[str, type] = {"calculator": Calculator, "countdown": CountdownFeedback, "python": PythonTool}
 
 
 def environment_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Any]:

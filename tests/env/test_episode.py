@@ -152,3 +152,35 @@ def test_environments_by_name(tmp_path):
         environment_factory(f"{path}:NoStep")
     with pytest.raises(ValueError, match="has no 'Gues'"):
         environment_factory(f"{path}:Gues")
+
+
+def test_the_countdown_environment_explains_a_wrong_try_and_rewards_the_solving_one():
+    env = environment_factory("countdown")()
+    opening = env.reset({"prompt": "Reach 24 with 3, 8, 1.", "numbers": [3, 8, 1], "target": 24})
+    assert opening == [{"role": "user", "content": "Reach 24 with 3, 8, 1."}]
+    tries = [("<answer>3 * 8 - 1</answer>", "it evaluates to 23, not 24."),
+             ("<answer>3 * 8 * 8</answer>", "it uses 8 more often than given"),
+             ("<answer>three times eight</answer>", "is not an expression"),
+             ("I give up.", "it evaluates to"),  # the last line is read as the expression: not one
+             ("no tags\n", "is not an expression")]
+    for completion, why in tries[:3]:
+        step = env.step(completion)
+        assert not step.done and step.reward == 0.0 and step.messages[0]["role"] == "user"
+        assert why in step.messages[0]["content"], step.messages
+    assert env.step("<answer>3 * 8 * 1</answer>") == EnvStep([], reward=1.0, done=True)
+    every = environment_factory("countdown", {"use_all_numbers": True})()
+    every.reset({"prompt": "p", "numbers": [3, 8, 1], "target": 24})
+    assert "exactly once" in every.step("<answer>3 * 8</answer>").messages[0]["content"]
+
+
+def test_the_python_environment_runs_the_models_code_in_the_sandbox():
+    env = environment_factory("python", {"timeout_s": 2.0, "max_output_chars": 200})()
+    step = env.step("Let me compute. <python>print(sum(range(10 ** 4)))</python>")
+    assert step == EnvStep([{"role": "tool", "content": "49995000"}])
+    failed = env.step("<python>print('partial')\n1 / 0</python>").messages[0]["content"]
+    assert failed.startswith("partial\n[error") and "ZeroDivisionError" in failed
+    slow = env.step("<python>while True: pass</python>").messages[0]["content"]
+    assert slow.startswith("[timeout")
+    long = env.step("<python>print('x' * 10000)</python>").messages[0]["content"]
+    assert len(long) <= 200 and long.endswith("[... cut ...]")
+    assert env.step("The answer is 49995000.") == EnvStep([], done=True)
