@@ -253,7 +253,7 @@ def sequence_uniforms(rng: jax.Array, rows: jax.Array, max_new_tokens: int) -> j
     return draw(rows.reshape(-1)).reshape(*rows.shape, max_new_tokens)
 
 
-def _draw(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
+def draw_next(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
     """Every slot's next token and its log-prob [Z, J]: a sequence's token t takes the t-th of its
     own uniforms (`sequence_uniforms`, drawn once per call: no random program runs per step)."""
     config = loop.config
@@ -276,11 +276,11 @@ def _draw(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
 
 def engine_step(loop: _Loop, st: dict) -> dict:
     """One engine step: draw, record, decode the continuing slots, refill the free ones."""
-    config, hold, Rb, G = loop.config, loop.hold, loop.lay.sequences, loop.config.group_size
+    config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
     seq_ZJ, cache = st["seq"], st["cache"]
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
     active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t  # slot_t: the index of the token drawn now
-    tok_ZJ, logp_ZJ = _draw(loop, st)
+    tok_ZJ, logp_ZJ = draw_next(loop, st)
     at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)  # an empty slot's writes fall outside and are dropped
     tokens = st["tokens"].at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
     logprobs = st["logprobs"].at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
@@ -296,17 +296,25 @@ def engine_step(loop: _Loop, st: dict) -> dict:
     phase = jnp.max(jnp.where(going_ZJ, t_ZJ, 0)) // loop.phase_size
     logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
 
-    # Refill every free slot, in slot order, with its shard's next waiting sequences.
-    free_ZJ = finished_ZJ | ~active_ZJ
+    st, _ = refill(loop, st, seq_ZJ, cache, logits_ZJV, finished_ZJ)
+    return dict(st, tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
+                steps=st["steps"] + 1, useful=st["useful"] + active_ZJ.sum(dtype=jnp.int32),
+                slot_steps=st["slot_steps"] + active_ZJ.size)
+
+
+def refill(loop: _Loop, st: dict, seq_ZJ, cache: SlotCache, logits_ZJV, finished_ZJ) -> tuple[dict, jax.Array]:
+    """The loop state with the sequences in `finished_ZJ` counted done and every free slot (theirs
+    and the empty ones), in slot order, refilled with its shard's next waiting sequence: its
+    prompt's logits draw its first token, its generated block starts at 0."""
+    hold, Rb, G = loop.hold, loop.lay.sequences, loop.config.group_size
+    free_ZJ = finished_ZJ | (seq_ZJ < 0)
     new_ZJ = st["next"][:, None] + jnp.cumsum(free_ZJ, axis=1, dtype=jnp.int32) - 1
     fill_ZJ = free_ZJ & (new_ZJ < Rb)
     seq_ZJ = jnp.where(fill_ZJ, new_ZJ, jnp.where(finished_ZJ, -1, seq_ZJ))
     prompt_ZJ = jnp.where(fill_ZJ, new_ZJ // G, cache.slot_prompt)
     cache = cache.replace(slot_prompt=prompt_ZJ, slot_t=jnp.where(fill_ZJ, 0, cache.slot_t))
     logits_ZJV = jnp.where(fill_ZJ[..., None], _prompt_logits(st, prompt_ZJ), logits_ZJV)
-    return dict(st, seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
-                next=st["next"] + fill_ZJ.sum(axis=1, dtype=jnp.int32),
-                done=st["done"] + finished_ZJ.sum(axis=1, dtype=jnp.int32),
-                tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
-                steps=st["steps"] + 1, useful=st["useful"] + active_ZJ.sum(dtype=jnp.int32),
-                slot_steps=st["slot_steps"] + active_ZJ.size)
+    st = dict(st, seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
+              next=st["next"] + fill_ZJ.sum(axis=1, dtype=jnp.int32),
+              done=st["done"] + finished_ZJ.sum(axis=1, dtype=jnp.int32))
+    return st, fill_ZJ

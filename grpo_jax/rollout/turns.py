@@ -1,0 +1,144 @@
+"""Multi-turn episodes in the continuous engine's slots (issue 28): a slot's sequence is an
+episode's trajectory, model turns and environment tokens in one generated block, and the host's
+environment answers are fed through the same decode steps as sampled tokens, so earlier turns are
+never recomputed.
+
+Per slot, besides the engine's state (grpo_jax.rollout.engine), a mode:
+- 0, sampling: the slot draws the model's next token (its own uniforms, as the engine's);
+- 1, forcing: the slot feeds the next of the environment tokens the host gave it (`forced`), records
+  it with log-prob 0 and marks it an environment position (`env`); after the last one the slot
+  samples again, from the logits that last token produced;
+- 2, paused: the model's turn ended (a stop token, or the episode's model-token budget); the turn's
+  last token is fed like any other (the environment tokens that follow attend it), then the slot
+  waits, its generated block untouched, until the host answers (`host_update`).
+The host also ends episodes (`release`: the environment said done, failed, or a limit was hit; the
+slot is refilled with the next waiting episode) and cuts a turn short at a tool call's closing tag
+(`rewind`: the slot's position goes back to just after the tag; what the model drew beyond it is
+overwritten by the environment's tokens). Trajectory capacity: the engine's max_new_tokens is the
+whole trajectory (`capacity`, model and environment tokens); `budget`: model tokens per episode.
+
+Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Rb episodes per shard, E the
+most environment tokens one answer may have, T the trajectory capacity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.rollout.engine import draw_next, engine_layout, engine_loop, refill, start_engine
+
+SAMPLING, FORCING, PAUSED = 0, 1, 2
+
+
+def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh, capacity: int, env_tokens: int):
+    """Prefill the prompts and fill the slots (`start_engine` with a trajectory of `capacity`
+    tokens) -> (the loop's constants, the loop state with the multi-turn fields)."""
+    loop, st = start_engine(model, ids_NP, mask_NP, rng, config=dataclasses.replace(config, max_new_tokens=capacity),
+                            mesh=mesh)
+    Z, J = st["seq"].shape
+    hold, zeros = loop.hold, functools.partial(jnp.zeros, dtype=jnp.int32)
+    st.update(mode=hold(zeros((Z, J))), forced=hold(zeros((Z, J, env_tokens))), forced_n=hold(zeros((Z, J))),
+              forced_i=hold(zeros((Z, J))), model_tokens=hold(zeros((Z, J))),
+              release=hold(jnp.zeros((Z, J), jnp.bool_)), env=hold(jnp.zeros(st["tokens"].shape, jnp.bool_)))
+    return loop, st
+
+
+def turn_step(loop, budget: int, st: dict) -> dict:
+    """One engine step of episodes: draw or force, record, end turns, feed, refill freed slots."""
+    config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
+    seq_ZJ, cache, mode_ZJ = st["seq"], st["cache"], st["mode"]
+    z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t
+    sampling_ZJ, forcing_ZJ = active_ZJ & (mode_ZJ == SAMPLING), active_ZJ & (mode_ZJ == FORCING)
+    drawn_ZJ, logp_ZJ = draw_next(loop, st)
+    i_ZJ = jnp.minimum(st["forced_i"], st["forced"].shape[-1] - 1)
+    tok_ZJ = jnp.where(forcing_ZJ, jnp.take_along_axis(st["forced"], i_ZJ[..., None], axis=2)[..., 0], drawn_ZJ)
+    logp_ZJ = jnp.where(forcing_ZJ, 0.0, logp_ZJ)
+    emitting_ZJ = sampling_ZJ | forcing_ZJ
+    at_ZJ = jnp.where(emitting_ZJ, seq_ZJ, Rb)  # writes of paused and empty slots are dropped
+    tokens = st["tokens"].at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
+    logprobs = st["logprobs"].at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
+    env = st["env"].at[z_Z1, at_ZJ, t_ZJ].set(forcing_ZJ, mode="drop")
+    lengths = st["lengths"].at[z_Z1, at_ZJ].set(t_ZJ + 1, mode="drop")
+
+    model_tokens_ZJ = st["model_tokens"] + sampling_ZJ
+    stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
+    turn_end_ZJ = sampling_ZJ & (stopped_ZJ | (model_tokens_ZJ >= budget))
+    full_ZJ = emitting_ZJ & (t_ZJ + 1 >= config.max_new_tokens)  # the trajectory's capacity
+    ended_ZJ = full_ZJ | (active_ZJ & st["release"])
+    truncated = st["truncated"].at[z_Z1, jnp.where(full_ZJ, seq_ZJ, Rb)].set(True, mode="drop")
+    forced_i_ZJ = st["forced_i"] + forcing_ZJ
+    mode_ZJ = jnp.where(turn_end_ZJ, PAUSED, jnp.where(forcing_ZJ & (forced_i_ZJ >= st["forced_n"]), SAMPLING, mode_ZJ))
+
+    # Feed every emitted token (a turn's last one too); other slots write past their block (dropped).
+    feeding_ZJ = emitting_ZJ & ~ended_ZJ
+    capacity = cache.capacity
+    cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ, capacity))
+    phase = jnp.max(jnp.where(feeding_ZJ, t_ZJ, 0)) // loop.phase_size
+    logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
+    cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ + 1, t_ZJ))
+    logits_ZJV = jnp.where(feeding_ZJ[..., None], logits_ZJV, st["logits"])
+
+    st = dict(st, mode=mode_ZJ, forced_i=forced_i_ZJ, model_tokens=model_tokens_ZJ)
+    st, fill_ZJ = refill(loop, st, seq_ZJ, cache, logits_ZJV, ended_ZJ)
+    reset_ZJ = fill_ZJ | ended_ZJ
+    return dict(st, tokens=hold(tokens), logprobs=hold(logprobs), env=hold(env), lengths=hold(lengths),
+                truncated=hold(truncated), mode=hold(jnp.where(reset_ZJ, SAMPLING, st["mode"])),
+                model_tokens=hold(jnp.where(reset_ZJ, 0, st["model_tokens"])),
+                forced_n=hold(jnp.where(reset_ZJ, 0, st["forced_n"])), forced_i=hold(jnp.where(reset_ZJ, 0, st["forced_i"])),
+                release=hold(st["release"] & ~ended_ZJ), steps=st["steps"] + 1,
+                useful=st["useful"] + emitting_ZJ.sum(dtype=jnp.int32), slot_steps=st["slot_steps"] + active_ZJ.size)
+
+
+def host_update(st: dict, release_ZJ, forced_ZJE, forced_n_ZJ, rewind_ZJ) -> dict:
+    """The host's answers, applied between segments: `release` (bool) ends those slots' episodes at
+    the next step; `rewind` (int, -1 = no) moves a sampling slot's position back to that many fed
+    tokens and pauses it (a turn cut at a tool call's closing tag; the tokens drawn past it are
+    overwritten later and `lengths` follows); `forced_n` > 0 gives a paused slot the first
+    forced_n of `forced` [Z, J, E] to feed."""
+    cache = st["cache"]
+    rewound_ZJ = rewind_ZJ >= 0
+    t_ZJ = jnp.where(rewound_ZJ, rewind_ZJ, cache.slot_t)
+    model_tokens_ZJ = st["model_tokens"] - (cache.slot_t - t_ZJ)  # what was drawn past the cut
+    inject_ZJ = forced_n_ZJ > 0
+    mode_ZJ = jnp.where(inject_ZJ, FORCING, jnp.where(rewound_ZJ, PAUSED, st["mode"]))
+    z_Z1 = jnp.arange(t_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    at_ZJ = jnp.where(rewound_ZJ, st["seq"], st["tokens"].shape[1])
+    return dict(st, cache=cache.replace(slot_t=t_ZJ), mode=mode_ZJ, release=st["release"] | release_ZJ,
+                model_tokens=model_tokens_ZJ,
+                forced=jnp.where(inject_ZJ[..., None], forced_ZJE, st["forced"]),
+                forced_n=jnp.where(inject_ZJ, forced_n_ZJ, st["forced_n"]),
+                forced_i=jnp.where(inject_ZJ, 0, st["forced_i"]),
+                lengths=st["lengths"].at[z_Z1, at_ZJ].set(t_ZJ, mode="drop"))
+
+
+@functools.lru_cache(maxsize=16)
+def turn_programs(graphdef, config: SamplingConfig, mesh, capacity: int, env_tokens: int):
+    """(start, advance, update), jitted: start(state, ids, mask, key) -> loop state; advance(state,
+    loop state, steps) -> after up to `steps` steps (fewer once every episode is done or every
+    occupied slot waits for the host); update(loop state, release, forced, forced_n, rewind)."""
+    budget = config.max_new_tokens
+    big = dataclasses.replace(config, max_new_tokens=capacity)
+
+    def start(state, ids, mask, rng):
+        return start_turns(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh, capacity=capacity,
+                           env_tokens=env_tokens)[1]
+
+    def advance(state, st, steps):
+        lay = engine_layout(st["last"].shape[0] * st["last"].shape[1], big, mesh)
+        loop = engine_loop(nnx.merge(graphdef, state), big, mesh, lay, st["cache"].chunk_size)
+        end = st["steps"] + steps
+
+        def going(s):
+            busy = (s["seq"] >= 0) & (s["mode"] != PAUSED)
+            waiting = jnp.any((s["seq"] < 0)) & jnp.any(s["next"] < lay.sequences)
+            return jnp.any(s["done"] < lay.sequences) & (s["steps"] < end) & (jnp.any(busy) | waiting | jnp.any(s["release"]))
+        return jax.lax.while_loop(going, functools.partial(turn_step, loop, budget), st)
+
+    return jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(host_update, donate_argnums=0)
