@@ -1,0 +1,133 @@
+"""Multi-turn episodes end to end on a tiny model (grpo_jax.rollout.episodes): scripted
+environments answer through the engine's slots, the engine's trajectory is the host's (sampled
+tokens as sampled, environment tokens between turns), its sampled log-probs equal a teacher-forced
+pass, a tool call's closing tag ends a turn, an environment that raises costs only its own
+episodes, and slow tools run while the other slots decode."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax import EnvStep
+from grpo_jax.config import SamplingConfig
+from grpo_jax.data.tokenizer import char_tokenizer
+from grpo_jax.env.episode import EpisodeLimits
+from grpo_jax.models import Transformer
+from grpo_jax.models.presets import tiny
+from grpo_jax.rollout.episodes import run_episodes
+
+TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
+TOK = char_tokenizer(add_bos=True, chat_template=TEMPLATE)
+STOPS = tuple(TOK.convert_tokens_to_ids(list("0123456789"))) + (TOK.eos_token_id,)
+EXAMPLES = [{"prompt": "Add 2 and 3."}, {"prompt": "Multiply 4 by 5."}, {"prompt": "Halve 8."}]
+
+
+class Scripted:
+    """A tool answer after the first turn, done after the second; `fail_on` prompts raise; `delay_s`
+    per step; `tool_call_end`: a closing tag that ends a turn."""
+
+    tool_call_end = None
+
+    def __init__(self, fail_on: str = "", delay_s: float = 0.0, tag: str | None = None):
+        self.fail_on, self.delay_s, self.turns = fail_on, delay_s, 0
+        if tag:
+            self.tool_call_end = tag
+
+    def reset(self, example):
+        self.prompt = example["prompt"]
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, completion):
+        time.sleep(self.delay_s)
+        if self.fail_on and self.fail_on in self.prompt:
+            raise RuntimeError("the tool is down")
+        self.turns += 1
+        if self.turns == 1:
+            return EnvStep([{"role": "tool", "content": "ok"}])
+        return EnvStep([], reward=1.0, done=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(tiny("qwen3", vocab_size=len(TOK)), rngs=nnx.Rngs(0))
+
+
+def config(**kw):
+    return SamplingConfig(**{"group_size": 2, "max_new_tokens": 24, "temperature": 1.0, "stop_token_ids": STOPS,
+                             "prompt_buckets": (40,), "pad_token_id": 0, "engine": "continuous", "slots": 4, **kw})
+
+
+LIMITS = EpisodeLimits(max_turns=3, max_env_tokens=40, max_model_tokens=24, timeout_s=10.0)
+
+
+def run(model, make_env, seed=0, **kw):
+    return run_episodes(model, EXAMPLES, TOK, make_env, config(**kw), LIMITS, jax.random.key(seed), segment_steps=4)
+
+
+def teacher_forced(model, batch) -> np.ndarray:
+    G = 2
+    p_ids, p_mask = np.repeat(batch.prompt_ids, G, axis=0), np.repeat(batch.prompt_mask, G, axis=0)
+    live = np.arange(batch.tokens.shape[1])[None] < batch.lengths[:, None]
+    tokens = np.where(live, batch.tokens, 0)
+    logits = np.asarray(model(np.concatenate([p_ids, tokens], 1),
+                              attention_mask=np.concatenate([p_mask, np.ones_like(tokens)], 1)), np.float64)
+    pred = logits[:, p_ids.shape[1] - 1:-1]
+    logp = pred - pred.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+def test_episodes_run_through_the_engine_token_exact(model):
+    batch = run(model, Scripted)
+    logp = teacher_forced(model, batch)
+    finished = 0
+    for r, ep in enumerate(batch.episodes):
+        assert ep.error is None and ep.done, (r, ep.error)
+        if ep.truncated:  # the model-token budget ran out before the second turn ended
+            assert ep.model_tokens == LIMITS.max_model_tokens and ep.env_reward != 1.0
+        else:
+            assert ep.env_reward == 1.0 and ep.turns == 2 and ep.tool_calls == 1
+            finished += 1
+        n = int(batch.lengths[r])
+        assert batch.tokens[r, :n].tolist() == ep.ids  # the engine's trajectory is the host's
+        assert (~batch.env[r, :n]).astype(int).tolist() == ep.loss_mask
+        if ep.turns == 2:
+            assert "[tool]ok<eos>\n[assistant]" + ep.transcript[1]["model"] in TOK.decode(ep.prompt_ids + ep.ids)
+        sampled = np.array(ep.loss_mask, bool)
+        np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
+    assert finished >= 4
+
+
+def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(model):
+    batch = run(model, lambda: Scripted(fail_on="Multiply"), seed=1)
+    errors = [ep.error for ep in batch.episodes]
+    assert errors[2:4] == ["environment.step: RuntimeError: the tool is down"] * 2
+    assert all(e is None for i, e in enumerate(errors) if i not in (2, 3))
+    tagged = run(model, lambda: Scripted(tag="5"), seed=2, stop_token_ids=(TOK.eos_token_id,))
+    firsts = [ep.transcript[0]["model"] for ep in tagged.episodes]
+    assert all(turn.endswith("5") and "5" not in turn[:-1] for turn in firsts if "5" in turn)
+    # A turn the tag ended mid-way (the slot rewound: the model had drawn on past the tag).
+    assert any(turn.endswith("5") and len(turn) < LIMITS.max_model_tokens for turn in firsts)
+    logp = teacher_forced(model, tagged)
+    for r, ep in enumerate(tagged.episodes):
+        n, sampled = int(tagged.lengths[r]), np.array(ep.loss_mask, bool)
+        assert tagged.tokens[r, :n].tolist() == ep.ids
+        np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
+
+
+def test_slow_environment_steps_overlap_with_decoding(model):
+    run(model, Scripted)  # compiled
+    start = time.monotonic()
+    run(model, Scripted)
+    fast = time.monotonic() - start
+    start = time.monotonic()
+    run(model, lambda: Scripted(delay_s=0.3))
+    slow = time.monotonic() - start
+    # 6 episodes x 2 steps of 0.3 s: 3.6 s one after another; side by side, about two waits.
+    assert slow - fast < 2.0, (fast, slow)
