@@ -42,6 +42,34 @@ class EpisodeBatch:
     prompt_mask: np.ndarray
     segments: int
 
+    def rows(self, pad_id: int) -> dict[str, np.ndarray]:
+        """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
+        loss), `mask` = the loss mask (1 exactly on model-sampled tokens of every turn), `lengths`
+        (the whole trajectory), `truncated` (a limit ended the episode), `failed` (an environment
+        error: the episode is dropped)."""
+        live = np.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
+        loss = live & ~self.env
+        return {"tokens": np.where(live, self.tokens, pad_id).astype(np.int32),
+                "logprobs": np.where(loss, self.logprobs, 0.0).astype(np.float32),
+                "mask": loss.astype(np.int32), "lengths": self.lengths.astype(np.int32),
+                "truncated": np.array([ep.truncated for ep in self.episodes]),
+                "failed": np.array([ep.error is not None for ep in self.episodes])}
+
+    def final_turns(self) -> list[str]:
+        """Each episode's last model turn (what the run's `rewards` score)."""
+        return [ep.transcript[-1]["model"] if ep.transcript else "" for ep in self.episodes]
+
+    def metrics(self) -> dict[str, float]:
+        """env/turns_mean, env/tool_calls_mean, env/errors (episodes), env/time_s (environment
+        seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean."""
+        eps = self.episodes
+        return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
+                "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
+                "env/errors": float(sum(ep.error is not None for ep in eps)),
+                "env/time_s": float(sum(ep.env_seconds for ep in eps)),
+                "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),
+                "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps]))}
+
 
 def trajectory_capacity(limits: EpisodeLimits) -> int:
     """Token positions a trajectory can need: every model token and the environment's answers
