@@ -118,6 +118,7 @@ def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(mo
     errors = [ep.error for ep in batch.episodes]
     assert errors[2:4] == ["environment.step: RuntimeError: the tool is down"] * 2
     assert all(e is None for i, e in enumerate(errors) if i not in (2, 3))
+    assert batch.metrics()["env/errors"] == 2 and batch.rows(0)["failed"].tolist() == [i in (2, 3) for i in range(6)]
     tagged = run(model, lambda: Scripted(tag="5"), seed=2, stop_token_ids=(TOK.eos_token_id,))
     firsts = [ep.transcript[0]["model"] for ep in tagged.episodes]
     assert all(turn.endswith("5") and "5" not in turn[:-1] for turn in firsts if "5" in turn)
