@@ -31,8 +31,8 @@ _EXPORTS = {
     "load_config": "grpo_jax.config",
     "train": "grpo_jax.trainer.loop",
     "mesh_device_grid": "grpo_jax.runtime.sharding",
-    "Environment": "grpo_jax.env",
-    "EnvStep": "grpo_jax.env",
+    "Environment": "grpo_jax.rollout.env",
+    "EnvStep": "grpo_jax.rollout.env",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -87,7 +87,7 @@ def test_the_package_exports_the_main_api_lazily():
     assert grpo_jax.generate is sampling.generate and grpo_jax.group_advantages is grpo.group_advantages
     assert grpo_jax.SamplingConfig is config.SamplingConfig and grpo_jax.RunConfig is config.RunConfig
     assert grpo_jax.load_config is config.load_config and grpo_jax.train is trainer.train
-    from grpo_jax import env
+    from grpo_jax.rollout import env
     assert grpo_jax.Environment is env.Environment and grpo_jax.EnvStep is env.EnvStep
     assert grpo_jax.EnvStep(messages=[], reward=None, done=True).done
     from grpo_jax import rewards

@@ -1,4 +1,4 @@
-"""Run multi-turn episodes: the host's side (grpo_jax.env.episode: environments, the trajectory's
+"""Run multi-turn episodes: the host's side (grpo_jax.rollout.env.episode: environments, the trajectory's
 environment tokens, limits, errors) driving the engine's slots (grpo_jax.rollout.turns).
 
 The host advances the engine `segment_steps` decode steps at a time. Between segments it
@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.env.episode import Episode, EpisodeLimits
+from grpo_jax.rollout.env.episode import Episode, EpisodeLimits
 from grpo_jax.rollout.sampling import pad_prompts
 from grpo_jax.rollout.turns import PAUSED, turn_programs
 

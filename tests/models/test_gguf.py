@@ -178,7 +178,7 @@ def test_smollm2s_template_extends_a_conversation_with_a_tool_answer(loaded):
     tests use character tokenizers): after a model turn that ended with its stop token or at a
     tool call's closing tag, the environment's tokens are exactly the difference of the renders,
     and prompt + sampled + environment tokens decode to the fresh render of the conversation."""
-    from grpo_jax.env.transcript import extension, render
+    from grpo_jax.rollout.env.transcript import extension, render
 
     _, tokenizer, *_ = loaded
     content = "I will use the tool: <calculator>12 + 35</calculator>"

@@ -16,9 +16,9 @@ from flax import nnx
 from grpo_jax import EnvStep
 from grpo_jax.config import SamplingConfig
 from grpo_jax.data.tokenizer import char_tokenizer
-from grpo_jax.env.episode import EpisodeLimits
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
+from grpo_jax.rollout.env.episode import EpisodeLimits
 from grpo_jax.rollout.episodes import run_episodes
 
 TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\\n' }}{% endfor %}"

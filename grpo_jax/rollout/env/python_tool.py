@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 
-from grpo_jax.env.calculator import opening_messages
-from grpo_jax.env.protocol import EnvStep
 from grpo_jax.rewards.code import check_isolation
 from grpo_jax.rewards.format import tag_blocks
+from grpo_jax.rollout.env.calculator import opening_messages
+from grpo_jax.rollout.env.protocol import EnvStep
 from grpo_jax.sandbox import run_sandboxed
 
 

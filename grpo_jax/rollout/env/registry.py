@@ -7,10 +7,10 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from grpo_jax.env.calculator import Calculator
-from grpo_jax.env.countdown import CountdownFeedback
-from grpo_jax.env.python_tool import PythonTool
 from grpo_jax.rewards.registry import import_user_object
+from grpo_jax.rollout.env.calculator import Calculator
+from grpo_jax.rollout.env.countdown import CountdownFeedback
+from grpo_jax.rollout.env.python_tool import PythonTool
 
 BUILT_IN: dict[str, type] = {"calculator": Calculator, "countdown": CountdownFeedback, "python": PythonTool}
 

@@ -17,8 +17,8 @@ import math
 import operator
 from fractions import Fraction
 
-from grpo_jax.env.protocol import EnvStep
 from grpo_jax.rewards.format import tag_blocks
+from grpo_jax.rollout.env.protocol import EnvStep
 
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 300
