@@ -227,7 +227,8 @@ def _eval(args: argparse.Namespace) -> int:
                                   param_dtype=JNP_DTYPES[config.model.param_dtype])
     place_model(model, prepared.mesh)  # evaluated on the run's mesh, as the trainer evaluates
     result = evaluate(model, prepared.eval_examples, reward=prepared.eval_reward, sampling=prepared.eval_sampling,
-                      tokenizer=prepared.tokenizer, rng=jax.random.key(config.train.seed + 1), mesh=prepared.mesh)
+                      tokenizer=prepared.tokenizer, rng=jax.random.key(config.train.seed + 1), mesh=prepared.mesh,
+                      episodes=prepared.episodes)
     result = {"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, **result}
     print(json.dumps(result))
     if args.output:

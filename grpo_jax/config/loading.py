@@ -22,7 +22,7 @@ import yaml
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
 from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
 from grpo_jax.config.model import LoRAConfig, ModelConfig
-from grpo_jax.config.rollout import DataConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.rollout import DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, SamplingConfig
 from grpo_jax.config.schema import RunConfig
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
@@ -30,7 +30,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
     "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig,
-    "lora": LoRAConfig,
+    "lora": LoRAConfig, "environment": EnvironmentConfig,
 }
 # A float in exponent notation without a dot (1e-4, 3E+2), which PyYAML leaves a string.
 _YAML11_FLOAT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
@@ -157,7 +157,7 @@ def _from_dict(raw: Mapping[str, Any], cls: type, sections: Mapping[str, type], 
     lists = lists or {}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
-        if key == "model" and value is None:
+        if key in ("model", "environment") and value is None:
             continue
         if key in sections:
             kwargs[key] = _build(sections[key], value or {}, key)

@@ -115,6 +115,30 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvironmentConfig:
+    """Multi-turn episodes (grpo_jax.rollout.env): the environment by `name` (a built-in:
+    calculator, countdown, python; or module:Class, path/to/file.py:Class) made with `kwargs` once
+    per episode. `max_turns` model turns, `max_env_tokens` environment tokens after one turn,
+    `timeout_s` per environment call; sampling.max_new_tokens counts the model's tokens over all
+    turns. Hitting a limit ends the episode as truncated; an environment that raises or times out
+    drops its episode (`env/errors`)."""
+
+    name: str
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    max_turns: int = 4
+    max_env_tokens: int = 256
+    timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if not self.name:
+            raise ValueError("environment.name must name an environment (calculator, countdown, python, "
+                             "module:Class or path/to/file.py:Class)")
+        positive("environment", "max_turns", self.max_turns)
+        positive("environment", "max_env_tokens", self.max_env_tokens)
+        positive("environment", "timeout_s", self.timeout_s)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Held-out evaluation every `every` steps (0 = only before the first and after the last step):
     `k` samples for each of `num_prompts` prompts; accuracy = mean correctness of all samples,

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
 from grpo_jax.config.checks import check_micro_batches, choice_in
 from grpo_jax.config.model import LoRAConfig, ModelConfig
-from grpo_jax.config.rollout import DataConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.rollout import DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, SamplingConfig
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
 Parallelism = Literal["jit", "pmap"]
@@ -45,6 +45,8 @@ class RunConfig:
     # spurious-reward control); the true rewards are still logged (reward/*) and evaluated.
     reward_control: RewardControl = "none"
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+    # Multi-turn episodes with an environment (None: one completion per sample).
+    environment: EnvironmentConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rewards", tuple(self.rewards))
@@ -83,5 +85,23 @@ class RunConfig:
             raise ValueError(f"rewards: each function may appear once, got {names}")
         if self.eval.reward is not None and self.eval.reward not in names:
             raise ValueError(f"eval.reward={self.eval.reward!r} is not a configured reward; configured: {names}")
+        if self.environment is not None:
+            self._check_environment()
         check_micro_batches(self.data.prompts_per_step * self.sampling.group_size, self.train.micro_batches,
                             "data.prompts_per_step x sampling.group_size")
+
+    def _check_environment(self) -> None:
+        """What multi-turn runs support today; each refusal says what to change."""
+        refused = []
+        if self.algorithm != "grpo":
+            refused.append(f"algorithm: {self.algorithm} (multi-turn runs use algorithm: grpo)")
+        if self.sampling.engine != "continuous":
+            refused.append("sampling.engine: static (episodes run in the continuous engine's slots: set continuous)")
+        if self.parallelism != "jit":
+            refused.append("parallelism: pmap (use jit)")
+        if self.train.dynamic_sampling:
+            refused.append("train.dynamic_sampling (not with episodes yet)")
+        if self.reward_control != "none":
+            refused.append(f"reward_control: {self.reward_control}")
+        if refused:
+            raise ValueError("environment: not supported with " + "; ".join(refused))

@@ -36,6 +36,8 @@ class Round:
     # What the update learns from [N_h*G]: rewards.total, unless a control replaces it
     # (reward_control: random); reward statistics always describe `rewards`.
     scores: np.ndarray | None = None
+    # Multi-turn episodes [N_h*G]: each episode's turns ({"model", "env", "reward"}), for samples.jsonl.
+    turns: list | None = None
 
     def __post_init__(self):
         if self.scores is None:
@@ -120,11 +122,13 @@ def reward_metrics(result: RewardResult, group_size: int) -> dict[str, float]:
 
 
 def sample_records(rnd: Round, group_size: int, count: int) -> list[dict]:
-    """The first sample of each of the round's first `count` prompts, with its rewards (samples.jsonl)."""
+    """The first sample of each of the round's first `count` prompts, with its rewards (samples.jsonl),
+    and an episode's turns."""
     rows = []
     for r in range(0, min(count * group_size, len(rnd.texts)), group_size):
         rows.append({"prompt": rnd.examples[r // group_size].prompt_text, "completion": rnd.texts[r],
                      "reward": float(rnd.rewards.total[r]),
-                     **{f"reward/{k}": float(v[r]) for k, v in rnd.rewards.per_fn.items()}})
+                     **{f"reward/{k}": float(v[r]) for k, v in rnd.rewards.per_fn.items()},
+                     **({"turns": rnd.turns[r]} if rnd.turns is not None else {})})
     return rows
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -69,6 +70,31 @@ class EpisodeBatch:
                 "env/time_s": float(sum(ep.env_seconds for ep in eps)),
                 "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),
                 "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps]))}
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRunner:
+    """A run's environment (`make_env`, by `name`), limits and tokenizer: `run` plays the episodes
+    of data examples (grpo_jax.data's Example: the environment's `reset` gets the row's fields with
+    `prompt`, the prompt template's text before any chat template, and `prompt_messages`)."""
+
+    make_env: Any
+    limits: EpisodeLimits
+    name: str
+    tokenizer: Any
+    segment_steps: int = 16
+
+    def run(self, model, examples, sampling: SamplingConfig, rng: jax.Array) -> EpisodeBatch:
+        rows = [{**ex.fields, "prompt": _user_text(ex)} for ex in examples]
+        return run_episodes(model, rows, self.tokenizer, self.make_env, sampling, self.limits, rng,
+                            segment_steps=self.segment_steps, name=self.name)
+
+
+def _user_text(example) -> str:
+    """The prompt as the user wrote it: the last message's content when the data has chat messages
+    (the prompt text is then the chat template's render), else the prompt text."""
+    messages = example.fields.get("prompt_messages")
+    return messages[-1]["content"] if messages else example.prompt_text
 
 
 def trajectory_capacity(limits: EpisodeLimits) -> int:

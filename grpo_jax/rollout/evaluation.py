@@ -40,13 +40,17 @@ def prompts_per_call(num_prompts: int, mesh=None, chunk: int = 64) -> int:
 
 
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
-             rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None) -> dict[str, float]:
+             rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None,
+             episodes=None) -> dict[str, float]:
     """`eval/accuracy` (the share of samples `reward` scores above 0.5), `eval/pass@k` (with k =
     sampling.group_size), `eval/reward_mean` (its mean score) and bookkeeping over `examples`.
 
     verifier: a second judge of the same samples: `eval/verifier_accuracy`, and
     `health/verifier_disagreement`, the share of the samples both judged on which one says correct
-    and the other not (a training reward that can be satisfied without being right shows here)."""
+    and the other not (a training reward that can be satisfied without being right shows here).
+
+    episodes: a run's grpo_jax.rollout.episodes.EpisodeRunner: each sample is an episode, judged on
+    its last model turn (an episode its environment failed is not judged)."""
     judges = [reward] if verifier is None else [reward, verifier]  # each scored on its own
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
@@ -60,13 +64,13 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         part = list(examples[start:start + chunk])
         real = len(part)
         part += [part[0]] * (chunk - real)
-        rollout = generate(model, [ex.prompt_ids for ex in part], sampling, jax.random.fold_in(rng, start), mesh=mesh)
-        tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
+        texts_, failed = _sample(model, part, sampling, jax.random.fold_in(rng, start), mesh, share, tokenizer,
+                                 episodes)
         own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
         n_own = own.stop - own.start
         scores = np.full((share.size, len(judges)), np.nan, np.float32)
         if n_own:
-            texts = decode_completions(tokenizer, tokens[:n_own], lengths[:n_own])
+            texts = texts_[:n_own]
             prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)][own]
             fields = {key: values[own] for key, values in repeat_fields(part[:real], k).items()}
             for j, judge in enumerate(judges):
@@ -74,7 +78,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
                 # samples without learning from them.
                 fn = judge.fn.without_updates() if isinstance(judge.fn, StatefulReward) else judge.fn
                 result = combine_rewards([dataclasses.replace(judge, fn=fn, weight=1.0)], prompts, texts, fields)
-                scores[:n_own, j] = result.per_fn[judge.name]
+                scores[:n_own, j] = np.where(failed[:n_own], np.nan, result.per_fn[judge.name])
         scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))
     scores_ = np.concatenate(scored)
     judged_ = ~np.isnan(scores_)
@@ -95,3 +99,14 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         out["health/verifier_disagreement"] = (float((correct_[..., 0] != correct_[..., 1])[both].mean())
                                                if both.any() else float("nan"))
     return out
+
+
+def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, episodes):
+    """This host's rows of one chunk's samples -> (completion texts, failed bool): one `generate`
+    call, or the chunk's episodes (their last model turns)."""
+    if episodes is not None:
+        batch = episodes.run(model, part, sampling, rng)
+        return batch.final_turns(), batch.rows(sampling.pad_id)["failed"]
+    rollout = generate(model, [ex.prompt_ids for ex in part], sampling, rng, mesh=mesh)
+    tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
+    return decode_completions(tokenizer, tokens, lengths), np.zeros(len(lengths), bool)

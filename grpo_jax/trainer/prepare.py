@@ -26,6 +26,9 @@ from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.lora import add_adapters
 from grpo_jax.rewards import RewardSpec, build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
+from grpo_jax.rollout.env.episode import EpisodeLimits
+from grpo_jax.rollout.env.registry import environment_factory
+from grpo_jax.rollout.episodes import EpisodeRunner
 from grpo_jax.runtime.devices import check_devices, run_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import init_on_host, rows_per_shard
@@ -48,6 +51,7 @@ class Prepared:
     share: RowShare  # this host's block of the prompts_per_step prompts of a step
     sft_stream: PromptStream | None = None  # the warm start's own stream (its own share of sft.batch_size)
     notes: tuple[str, ...] = ()  # lines a run logs at start: the code sandbox's isolation, a short eval split
+    episodes: Any = None  # with config.environment: its grpo_jax.rollout.episodes.EpisodeRunner
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -170,7 +174,29 @@ def prepare(config: RunConfig) -> Prepared:
     notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards, eval_reward=eval_reward,
-                    eval_verifier=eval_verifier, mesh=mesh, notes=tuple(notes), **streams)
+                    eval_verifier=eval_verifier, mesh=mesh, notes=tuple(notes),
+                    episodes=episode_runner(config, tokenizer, mesh), **streams)
+
+
+def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | None:
+    """The run's environment, checked before anything is sampled (a bad name or kwargs fail here)."""
+    env = config.environment
+    if env is None:
+        return None
+    if mesh.size > 1 or jax.process_count() > 1:
+        raise ConfigError(f"environment: episodes run on one device for now; this run's mesh has {mesh.size} "
+                          f"devices over {jax.process_count()} processes (set mesh: {{data: 1, fsdp: 1, tensor: 1}})")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("environment: the tokenizer has no chat template to render the environment's messages "
+                          "with; use a model whose tokenizer has one (model.tokenizer: a directory with a template)")
+    try:
+        make_env = environment_factory(env.name, env.kwargs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    limits = EpisodeLimits(max_turns=env.max_turns, max_env_tokens=env.max_env_tokens,
+                           max_model_tokens=config.sampling.max_new_tokens, timeout_s=env.timeout_s)
+    return EpisodeRunner(make_env=make_env, limits=limits, name=env.name, tokenizer=tokenizer,
+                         segment_steps=config.sampling.segment_steps)
 
 
 def _model_inputs(cfg: ModelConfig) -> tuple[Any, TransformerConfig]:

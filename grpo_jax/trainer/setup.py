@@ -23,6 +23,7 @@ from grpo_jax.trainer.warm_start import warm_start
 from grpo_jax.learner.train_step import TrainState, init_state, split_trainable
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.rewards import StatefulReward
+from grpo_jax.rollout.episode_source import EpisodeSampler
 from grpo_jax.rollout.source import SyncSampler
 from grpo_jax.runtime.sharding import place_model
 from grpo_jax.trainer import lora_base
@@ -82,7 +83,10 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     learner = Learner(parallel, num_iterations=cfg.grpo.num_iterations, beta=cfg.grpo.beta,
                       max_consecutive_skips=cfg.train.max_consecutive_skips, reference=reference)
     t = cfg.train
-    source = SyncSampler(prepared, model, seed=t.seed, shared_prompt=t.shared_prompt,
-                         dynamic_sampling=t.dynamic_sampling, max_resample_rounds=t.max_resample_rounds,
-                         reward_control=cfg.reward_control)
+    options = dict(seed=t.seed, shared_prompt=t.shared_prompt, dynamic_sampling=t.dynamic_sampling,
+                   max_resample_rounds=t.max_resample_rounds, reward_control=cfg.reward_control)
+    if prepared.episodes is None:
+        source = SyncSampler(prepared, model, **options)
+    else:
+        source = EpisodeSampler(prepared, model, log=log, **options)
     return Built(model=model, learner=learner, state=state, source=source, base=base)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from grpo_jax import EnvStep
-from grpo_jax.config import SamplingConfig
+from grpo_jax.config import GRPOConfig, SamplingConfig
+from grpo_jax.learner.grpo import policy_loss
 from grpo_jax.data.tokenizer import char_tokenizer
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
@@ -111,6 +113,12 @@ def test_episodes_run_through_the_engine_token_exact(model):
     m = batch.metrics()
     assert m["env/errors"] == 0 and m["env/tool_calls_mean"] == np.mean([ep.tool_calls for ep in eps])
     assert m["completion/env_tokens_mean"] * len(eps) == (batch.env & live).sum()
+    # The GRPO loss over these rows has no gradient at environment positions, and one at sampled ones.
+    lp, adv = jnp.asarray(rows["logprobs"]), jnp.linspace(-1.0, 1.0, len(eps))
+    grad = np.asarray(jax.grad(lambda x: policy_loss(x, lp, adv, rows["mask"], GRPOConfig(beta=0.04),
+                                                     ref_logprobs=lp - 0.1)[0])(lp + 0.05))
+    env_positions = live & batch.env
+    assert env_positions.sum() > 0 and (grad[env_positions] == 0).all() and (grad[rows["mask"] == 1] != 0).all()
 
 
 def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(model):

@@ -1,0 +1,75 @@
+"""Multi-turn episodes as a rollout source: the step's prompts each open G episodes with the run's
+environment (grpo_jax.rollout.episodes), and the finished trajectories are the batch.
+
+Per episode: the trajectory after the prompt is the completion (model turns and environment
+tokens in one sequence; `completion_mask` = the loss mask, 1 exactly on sampled tokens), the old
+log-probs are the sampler's (0 on environment tokens), and the reward is the environment's rewards
+plus the run's weighted `rewards` on the last model turn (the example's fields carry the
+`transcript`: every turn's model text, environment text and reward). An episode whose environment
+failed has a NaN reward: it is dropped from the loss and counted (`env/errors`); the first error
+of a step is logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from grpo_jax.rewards import combine_rewards
+from grpo_jax.rollout.collect import Collected, Round, collect, step_key
+from grpo_jax.rollout.evaluation import repeat_fields
+from grpo_jax.rollout.source import ROLLOUT_FIELDS, SyncSampler, Trajectories
+from grpo_jax.runtime.hosts import sum_over_shares, to_global
+
+
+class EpisodeSampler(SyncSampler):
+    """A SyncSampler whose samples are episodes (`prepared.episodes`, one device). `log(line)`
+    reports a step's first environment error."""
+
+    def __init__(self, prepared, model, *, log=print, **kw):
+        super().__init__(prepared, model, **kw)
+        self.episodes, self.log = prepared.episodes, log
+        self.batch = None
+
+    def next(self, step: int) -> Trajectories:
+        G = self.sampling.group_size
+        c: Collected = collect(lambda i: self._round(step, i), num_groups=self.share.size, group_size=G)
+        batch = self.batch
+        rows = dict(prompt_ids=np.repeat(batch.prompt_ids, G, axis=0),
+                    prompt_mask=np.repeat(batch.prompt_mask, G, axis=0), completion_ids=c.rows["tokens"],
+                    completion_mask=c.rows["mask"], rewards=c.rewards, truncated=c.rows["truncated"],
+                    old_logprobs=c.rows["logprobs"])
+        prompt_tokens = batch.prompt_mask.sum() * (1 if self.shared_prompt else G)
+        tokens = sum_over_shares({"t": prompt_tokens + rows["completion_mask"].sum()}, self.share)["t"]
+        metrics, pass_rates = self._metrics(c)
+        metrics.update(batch.metrics())
+        return Trajectories(**to_global(rows, self.mesh, self.rows), group_size=G, tokens=int(tokens),
+                            metrics=metrics, first=c.first, pass_rates=pass_rates)
+
+    def _round(self, step: int, round_index: int) -> Round:
+        examples = self.prepared.train_stream.next_batch(self.share.size)
+        t0 = time.perf_counter()
+        self.batch = batch = self.episodes.run(self.model, examples, self.sampling, step_key(self.rng, step, round_index))
+        sample_s = time.perf_counter() - t0
+        rows = batch.rows(self.sampling.pad_id)
+        failed = rows.pop("failed")
+        errors = [ep.error for ep in batch.episodes if ep.error]
+        if errors:
+            self.log(f"step {step}: the environment failed {len(errors)} of {len(failed)} episodes "
+                     f"(dropped): {errors[0]}")
+        t1 = time.perf_counter()
+        G, texts = self.sampling.group_size, batch.final_turns()
+        fields = {**repeat_fields(examples, G), "completion_tokens": [ep.model_tokens for ep in batch.episodes],
+                  "transcript": [ep.transcript for ep in batch.episodes]}
+        result = combine_rewards(self.prepared.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts,
+                                 fields)
+        env_reward = np.array([ep.env_reward or 0.0 for ep in batch.episodes], np.float32)
+        total = np.where(failed, np.nan, result.total + env_reward).astype(np.float32)
+        result = dataclasses.replace(result, total=total)
+        # `lengths`: the model's tokens (what completion/* and health describe), not the trajectory's.
+        rows["lengths"] = np.array([ep.model_tokens for ep in batch.episodes], np.int32)
+        return Round(examples=examples, rows={k: rows[k] for k in ROLLOUT_FIELDS}, texts=texts, rewards=result,
+                     sample_s=sample_s, reward_s=time.perf_counter() - t1,
+                     turns=[ep.transcript for ep in batch.episodes])

@@ -1,0 +1,96 @@
+"""A GRPO run over multi-turn episodes (`environment:` in the config): a scripted environment
+answers each first turn with a tool message, the update trains on every model token of every turn
+and on no environment token, and the sampler-vs-trainer log-prob check stays at fp32 rounding,
+the proof that no token moved between sampling and training."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+from runs import CONFIG, write_config
+
+from grpo_jax.config import ConfigError, load_config
+from grpo_jax.data.tokenizer import char_tokenizer
+from grpo_jax.observe.writers import read_metrics
+from grpo_jax.trainer.loop import train
+
+TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
+ENV = '''
+from grpo_jax import EnvStep
+
+class OneTool:
+    """A tool answer after the first turn; the episode ends after the second, worth 0.5."""
+    def __init__(self, answer="ok"):
+        self.answer, self.turns = answer, 0
+    def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+    def step(self, completion):
+        self.turns += 1
+        if self.turns == 1:
+            return EnvStep([{"role": "tool", "content": self.answer}])
+        return EnvStep([], reward=0.5, done=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def episode_config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("episodes")
+    tok = char_tokenizer(add_bos=True, chat_template=TEMPLATE)
+    tok.save_pretrained(root / "tokenizer")
+    (root / "one_tool.py").write_text(ENV)
+    cfg = copy.deepcopy(CONFIG)
+    cfg["model"]["tokenizer"] = str(root / "tokenizer")
+    cfg["data"].update(prompts_per_step=4, max_prompt_tokens=32)
+    # Turns end at a digit or <eos> (about 1 draw in 9 of the untrained model): most episodes reach
+    # a second turn after the tool's answer.
+    stops = [tok.convert_tokens_to_ids(c) for c in "0123456789"] + [tok.eos_token_id]
+    cfg["sampling"].update(group_size=4, max_new_tokens=16, prompt_buckets=[32], engine="continuous", slots=8,
+                           stop_token_ids=stops)
+    cfg["sft"] = {"steps": 0}
+    cfg["train"].update(steps=2, samples_every=1)
+    cfg["eval"] = {"every": 0, "num_prompts": 4, "k": 2}
+    cfg["checkpoint"] = {"every": 0}
+    cfg["environment"] = {"name": f"{root / 'one_tool.py'}:OneTool", "kwargs": {"answer": "42"}, "max_turns": 2,
+                          "max_env_tokens": 40, "timeout_s": 10.0}
+    return root, cfg
+
+
+def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_config, tmp_path):
+    root, cfg = episode_config
+    run_dir = tmp_path / "run"
+    train(load_config(write_config(tmp_path, cfg)), run_dir=str(run_dir))
+    rows = read_metrics(run_dir)
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["env/errors"] == 0 and 1 <= m["env/turns_mean"] <= 2 and m["env/tool_calls_mean"] >= 0.5
+        assert m["completion/env_tokens_mean"] > 0 and m["completion/model_tokens_mean"] > 0
+        # The trainer's log-probs of the sampled tokens, recomputed over trajectories that hold the
+        # environment's tokens between turns, equal the sampler's.
+        assert m["health/sampler_train_logprob_diff"] < 1e-5
+        assert np.isfinite(m["train/loss"]) and np.isfinite(m["kl/k3"])
+        assert m["completion/len_max"] <= 16  # the model's tokens, not the trajectory's
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    turns = [s["turns"] for s in samples]
+    assert turns and any(len(t) == 2 and "[tool]42" in t[0]["env"] for t in turns)
+
+
+def test_an_environment_the_run_cannot_use_is_refused_before_sampling(episode_config, tmp_path):
+    root, cfg = episode_config
+    for change, message in [({"name": f"{root / 'one_tool.py'}:OneTol"}, "has no 'OneTol'"),
+                            ({"kwargs": {"answr": 1}}, "do not fit OneTool"),
+                            ({"max_turns": 0}, "max_turns must be > 0")]:
+        bad = copy.deepcopy(cfg)
+        bad["environment"].update(change)
+        with pytest.raises((ConfigError, ValueError), match=message):
+            train(load_config(write_config(tmp_path, bad)), run_dir=str(tmp_path / "bad"))
+    static = copy.deepcopy(cfg)
+    static["sampling"]["engine"] = "static"
+    with pytest.raises(ConfigError, match="episodes run in the continuous engine"):
+        load_config(write_config(tmp_path, static))
