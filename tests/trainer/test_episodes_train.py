@@ -1,16 +1,18 @@
 """A GRPO run over multi-turn episodes (`environment:` in the config): a scripted environment
 answers each first turn with a tool message, the update trains on every model token of every turn
 and on no environment token, and the sampler-vs-trainer log-prob check stays at fp32 rounding,
-the proof that no token moved between sampling and training."""
+the proof that no token moved between sampling and training. A resumed run equals the
+uninterrupted one."""
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import numpy as np
 import pytest
-from runs import CONFIG, write_config
+from runs import CONFIG, assert_same_run, write_config
 
 from grpo_jax.config import ConfigError, load_config
 from grpo_jax.data.tokenizer import char_tokenizer
@@ -51,21 +53,28 @@ def episode_config(tmp_path_factory):
     cfg["sampling"].update(group_size=4, max_new_tokens=16, prompt_buckets=[32], engine="continuous", slots=8,
                            stop_token_ids=stops)
     cfg["sft"] = {"steps": 0}
-    cfg["train"].update(steps=2, samples_every=1)
+    cfg["train"].update(steps=4, samples_every=1)
     cfg["eval"] = {"every": 0, "num_prompts": 4, "k": 2}
-    cfg["checkpoint"] = {"every": 0}
+    cfg["checkpoint"] = {"every": 2}
     cfg["environment"] = {"name": f"{root / 'one_tool.py'}:OneTool", "kwargs": {"answer": "42"}, "max_turns": 2,
                           "max_env_tokens": 40, "timeout_s": 10.0}
     return root, cfg
 
 
-def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_config, tmp_path):
+@pytest.fixture(scope="module")
+def episode_run(episode_config, tmp_path_factory):
     root, cfg = episode_config
-    run_dir = tmp_path / "run"
-    train(load_config(write_config(tmp_path, cfg)), run_dir=str(run_dir))
+    run_dir = tmp_path_factory.mktemp("episode_run") / "run"
+    path = write_config(run_dir.parent, cfg)
+    train(load_config(path), run_dir=str(run_dir))
+    return path, run_dir
+
+
+def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_run):
+    _, run_dir = episode_run
     rows = read_metrics(run_dir)
     steps = [r for r in rows if "train/loss" in r]
-    assert len(steps) == 2
+    assert len(steps) == 4
     for m in steps:
         assert m["env/errors"] == 0 and 1 <= m["env/turns_mean"] <= 2 and m["env/tool_calls_mean"] >= 0.5
         assert m["completion/env_tokens_mean"] > 0 and m["completion/model_tokens_mean"] > 0
@@ -79,6 +88,19 @@ def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_config
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     turns = [s["turns"] for s in samples]
     assert turns and any(len(t) == 2 and "[tool]42" in t[0]["env"] for t in turns)
+
+
+def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(episode_run, tmp_path):
+    """Stopped after step 3 (its logs written), newest checkpoint at step 2: the rerun plays the
+    episodes of steps 3 and 4 again and ends where the uninterrupted run ended."""
+    path, run_dir = episode_run
+    copy = tmp_path / "stopped"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / "4")
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= 3))
+    train(load_config(path), run_dir=str(copy))
+    assert_same_run(run_dir, copy)
 
 
 def test_an_environment_the_run_cannot_use_is_refused_before_sampling(episode_config, tmp_path):
