@@ -258,6 +258,9 @@ _PLOTS = (
     ("Sampler vs trainer log-probs", [("health/sampler_train_logprob_diff", "mean |diff|"),
                                       ("health/sampler_train_logprob_diff_max", "max |diff|")]),
     ("Critic (PPO)", [("value/explained_variance", "explained variance"), ("value/loss", "value loss")]),
+    ("Episodes: turns and tool calls", [("env/turns_mean", "model turns"), ("env/tool_calls_mean", "tool calls"),
+                                        ("env/errors", "environment errors")]),
+    ("Episode tokens", [("completion/model_tokens_mean", "model"), ("completion/env_tokens_mean", "environment")]),
 )
 
 

@@ -16,6 +16,7 @@ from runs import CONFIG, assert_same_run, write_config
 
 from grpo_jax.config import ConfigError, load_config
 from grpo_jax.data.tokenizer import char_tokenizer
+from grpo_jax.observe.report import write_report
 from grpo_jax.observe.writers import read_metrics
 from grpo_jax.trainer.loop import train
 
@@ -88,6 +89,8 @@ def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_run):
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     turns = [s["turns"] for s in samples]
     assert turns and any(len(t) == 2 and "[tool]42" in t[0]["env"] for t in turns)
+    html = write_report(run_dir)[0].read_text()
+    assert "Episodes: turns and tool calls" in html and "Episode tokens" in html
 
 
 def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(episode_run, tmp_path):
