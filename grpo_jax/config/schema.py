@@ -103,5 +103,7 @@ class RunConfig:
             refused.append("train.dynamic_sampling (not with episodes yet)")
         if self.reward_control != "none":
             refused.append(f"reward_control: {self.reward_control}")
+        if self.data.chat_template == "never":
+            refused.append("data.chat_template: never (episodes are rendered with the tokenizer's chat template)")
         if refused:
             raise ValueError("environment: not supported with " + "; ".join(refused))

@@ -62,14 +62,18 @@ class EpisodeBatch:
 
     def metrics(self) -> dict[str, float]:
         """env/turns_mean, env/tool_calls_mean, env/errors (episodes), env/time_s (environment
-        seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean."""
+        seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean,
+        env/template_fallbacks (episodes)."""
         eps = self.episodes
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
                 "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
                 "env/errors": float(sum(ep.error is not None for ep in eps)),
                 "env/time_s": float(sum(ep.env_seconds for ep in eps)),
                 "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),
-                "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps]))}
+                "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps])),
+                # Episodes whose chat template broke the extension property at some turn (the
+                # new messages were rendered alone: grpo_jax.rollout.env.transcript).
+                "env/template_fallbacks": float(sum(not ep.exact for ep in eps))}
 
 
 @dataclasses.dataclass(frozen=True)

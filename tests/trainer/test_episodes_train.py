@@ -78,6 +78,7 @@ def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_run):
     assert len(steps) == 4
     for m in steps:
         assert m["env/errors"] == 0 and 1 <= m["env/turns_mean"] <= 2 and m["env/tool_calls_mean"] >= 0.5
+        assert m["env/template_fallbacks"] == 0  # this template extends every conversation
         assert m["completion/env_tokens_mean"] > 0 and m["completion/model_tokens_mean"] > 0
         # The trainer's log-probs of the sampled tokens, recomputed over trajectories that hold the
         # environment's tokens between turns, equal the sampler's.
@@ -117,5 +118,6 @@ def test_an_environment_the_run_cannot_use_is_refused_before_sampling(episode_co
             train(load_config(write_config(tmp_path, bad)), run_dir=str(tmp_path / "bad"))
     static = copy.deepcopy(cfg)
     static["sampling"]["engine"] = "static"
-    with pytest.raises(ConfigError, match="episodes run in the continuous engine"):
+    static["data"]["chat_template"] = "never"
+    with pytest.raises(ConfigError, match="episodes run in the continuous engine.*chat_template: never"):
         load_config(write_config(tmp_path, static))
