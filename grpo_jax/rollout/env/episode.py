@@ -114,7 +114,10 @@ class Episode:
         self.model_tokens += len(ids)
         self.turns += 1
         self._sampled = self.tokenizer.decode(list(ids), skip_special_tokens=False)
-        self._content = self.tokenizer.decode(list(ids[:-1]) if stopped else list(ids), skip_special_tokens=False)
+        # The message's content: the turn without its stop token when that is a special token the
+        # template writes itself (<|im_end|>, <eos>); a stop on plain text (a digit) stays in it.
+        marker = stopped and len(ids) > 0 and int(ids[-1]) in set(self.tokenizer.all_special_ids)
+        self._content = self.tokenizer.decode(list(ids[:-1]) if marker else list(ids), skip_special_tokens=False)
         if self.model_tokens >= self.limits.max_model_tokens and not stopped:
             self.done = self.truncated = True  # cut mid-turn: nothing for the environment to answer
             self.transcript.append({"model": self._content, "env": "", "reward": None})

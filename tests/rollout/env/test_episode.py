@@ -184,3 +184,11 @@ def test_the_python_environment_runs_the_models_code_in_the_sandbox():
     long = env.step("<python>print('x' * 10000)</python>").messages[0]["content"]
     assert len(long) <= 200 and long.endswith("[... cut ...]")
     assert env.step("The answer is 49995000.") == EnvStep([], done=True)
+
+
+def test_a_stop_on_plain_text_stays_in_the_turns_content_and_the_extension_is_exact():
+    env = Scripted([EnvStep([{"role": "tool", "content": "ok"}])])
+    ep = episode(env)
+    fed = turn(ep, "5535", stopped=True)  # the run stops on digits: "5" ended the turn, and is the answer's
+    assert env.seen == ["5535"] and ep.exact
+    assert TOK.decode(fed) == "<eos>\n[tool]ok<eos>\n[assistant]"
