@@ -51,7 +51,8 @@ class EpisodeSampler(SyncSampler):
     def _round(self, step: int, round_index: int) -> Round:
         examples = self.prepared.train_stream.next_batch(self.share.size)
         t0 = time.perf_counter()
-        self.batch = batch = self.episodes.run(self.model, examples, self.sampling, step_key(self.rng, step, round_index))
+        key = step_key(self.rng, step, round_index)
+        self.batch = batch = self.episodes.run(self.model, examples, self.sampling, key)
         sample_s = time.perf_counter() - t0
         rows = batch.rows(self.sampling.pad_id)
         failed = rows.pop("failed")

@@ -91,7 +91,8 @@ def turn_step(loop, budget: int, st: dict) -> dict:
     return dict(st, tokens=hold(tokens), logprobs=hold(logprobs), env=hold(env), lengths=hold(lengths),
                 truncated=hold(truncated), mode=hold(jnp.where(reset_ZJ, SAMPLING, st["mode"])),
                 model_tokens=hold(jnp.where(reset_ZJ, 0, st["model_tokens"])),
-                forced_n=hold(jnp.where(reset_ZJ, 0, st["forced_n"])), forced_i=hold(jnp.where(reset_ZJ, 0, st["forced_i"])),
+                forced_n=hold(jnp.where(reset_ZJ, 0, st["forced_n"])),
+                forced_i=hold(jnp.where(reset_ZJ, 0, st["forced_i"])),
                 release=hold(st["release"] & ~ended_ZJ), steps=st["steps"] + 1,
                 useful=st["useful"] + emitting_ZJ.sum(dtype=jnp.int32), slot_steps=st["slot_steps"] + active_ZJ.size)
 
@@ -138,7 +139,8 @@ def turn_programs(graphdef, config: SamplingConfig, mesh, capacity: int, env_tok
         def going(s):
             busy = (s["seq"] >= 0) & (s["mode"] != PAUSED)
             waiting = jnp.any((s["seq"] < 0)) & jnp.any(s["next"] < lay.sequences)
-            return jnp.any(s["done"] < lay.sequences) & (s["steps"] < end) & (jnp.any(busy) | waiting | jnp.any(s["release"]))
+            progress = jnp.any(busy) | waiting | jnp.any(s["release"])
+            return jnp.any(s["done"] < lay.sequences) & (s["steps"] < end) & progress
         return jax.lax.while_loop(going, functools.partial(turn_step, loop, budget), st)
 
     return jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(host_update, donate_argnums=0)

@@ -3,7 +3,8 @@ refilled mid-loop, and still every sequence is what it would be alone.
 
 - greedy: every sequence equals the static engine's (ragged prompts, G = 1 and 4, stops at
   different steps, sequences that reach max_new_tokens);
-- sampled: the same rollout with 2, 3 and 8 slots and with one slot per sequence (the lock-step loop), log-probs equal to a teacher-forced pass, the
+- sampled: the same rollout with 2, 3 and 8 slots and with one slot per sequence (the lock-step
+  loop), log-probs equal to a teacher-forced pass, the
   prompts prefilled once each, every slot-step that drew a token counted as useful;
 - sharded: slots split over a (2, 2, 2) mesh give the one-device rollout.
 """
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from teacher_forcing import teacher_forced
 
 from grpo_jax.config import MeshConfig, SamplingConfig
 from grpo_jax.models import Transformer
@@ -76,19 +78,12 @@ def test_sliding_window_layers_in_slots_equal_the_static_engine():
             np.testing.assert_allclose(got["logprobs"], static["logprobs"], atol=1e-5)
         else:  # its own draws: compare with a teacher-forced pass of gemma itself
             m = got["mask"].astype(bool)
-            np.testing.assert_allclose(got["logprobs"][m], teacher_forced(gemma, rollout, 1.0)[m], atol=1e-5)
+            np.testing.assert_allclose(got["logprobs"][m], teacher_forced_rollout(gemma, rollout, 1.0)[m], atol=1e-5)
 
 
-def teacher_forced(model, rollout, temperature: float = 0.8) -> np.ndarray:
-    G = rollout.group_size
-    p_ids, p_mask = (np.repeat(np.asarray(x), G, axis=0) for x in (rollout.prompt_ids, rollout.prompt_mask))
-    tokens = np.asarray(rollout.tokens)
-    logits = np.asarray(model(np.concatenate([p_ids, tokens], 1),
-                              attention_mask=np.concatenate([p_mask, np.ones_like(tokens)], 1)), np.float64)
-    pred = logits[:, p_ids.shape[1] - 1:-1] / temperature
-    logp = pred - pred.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    return np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+def teacher_forced_rollout(model, rollout, temperature: float = 0.8) -> np.ndarray:
+    return teacher_forced(model, rollout.prompt_ids, rollout.prompt_mask, rollout.tokens,
+                          group_size=rollout.group_size, temperature=temperature)
 
 
 def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exact(model, monkeypatch):
@@ -131,7 +126,7 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
             np.testing.assert_array_equal(runs[slots][key], runs[2][key], err_msg=f"{key}, {slots} slots")
         np.testing.assert_allclose(runs[slots]["logprobs"], runs[2]["logprobs"], atol=1e-6)
     m = runs[2]["mask"].astype(bool)
-    np.testing.assert_allclose(runs[2]["logprobs"][m], teacher_forced(model, rollout)[m], atol=1e-5)
+    np.testing.assert_allclose(runs[2]["logprobs"][m], teacher_forced_rollout(model, rollout)[m], atol=1e-5)
     assert (runs[2]["tokens"][~m] == 0).all() and (runs[2]["logprobs"][~m] == 0).all()
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from teacher_forcing import teacher_forced
 
 from grpo_jax import EnvStep
 from grpo_jax.config import GRPOConfig, SamplingConfig
@@ -72,22 +73,14 @@ def run(model, make_env, seed=0, **kw):
     return run_episodes(model, EXAMPLES, TOK, make_env, config(**kw), LIMITS, jax.random.key(seed), segment_steps=4)
 
 
-def teacher_forced(model, batch) -> np.ndarray:
-    G = 2
-    p_ids, p_mask = np.repeat(batch.prompt_ids, G, axis=0), np.repeat(batch.prompt_mask, G, axis=0)
+def teacher_forced_batch(model, batch) -> np.ndarray:
     live = np.arange(batch.tokens.shape[1])[None] < batch.lengths[:, None]
-    tokens = np.where(live, batch.tokens, 0)
-    logits = np.asarray(model(np.concatenate([p_ids, tokens], 1),
-                              attention_mask=np.concatenate([p_mask, np.ones_like(tokens)], 1)), np.float64)
-    pred = logits[:, p_ids.shape[1] - 1:-1]
-    logp = pred - pred.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    return np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    return teacher_forced(model, batch.prompt_ids, batch.prompt_mask, np.where(live, batch.tokens, 0), group_size=2)
 
 
 def test_episodes_run_through_the_engine_token_exact(model):
     batch = run(model, Scripted)
-    logp = teacher_forced(model, batch)
+    logp = teacher_forced_batch(model, batch)
     finished = 0
     for r, ep in enumerate(batch.episodes):
         assert ep.error is None and ep.done, (r, ep.error)
@@ -132,7 +125,7 @@ def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(mo
     assert all(turn.endswith("5") and "5" not in turn[:-1] for turn in firsts if "5" in turn)
     # A turn the tag ended mid-way (the slot rewound: the model had drawn on past the tag).
     assert any(turn.endswith("5") and len(turn) < LIMITS.max_model_tokens for turn in firsts)
-    logp = teacher_forced(model, tagged)
+    logp = teacher_forced_batch(model, tagged)
     for r, ep in enumerate(tagged.episodes):
         n, sampled = int(tagged.lengths[r]), np.array(ep.loss_mask, bool)
         assert tagged.tokens[r, :n].tolist() == ep.ids

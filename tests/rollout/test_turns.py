@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from teacher_forcing import teacher_forced
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import Transformer
@@ -64,16 +65,6 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
     return out, ids, mask, done_turns
 
 
-def teacher_forced(model, ids, mask, tokens) -> np.ndarray:
-    p_ids, p_mask = np.repeat(ids, 2, axis=0), np.repeat(mask, 2, axis=0)
-    logits = np.asarray(model(np.concatenate([p_ids, tokens], 1),
-                              attention_mask=np.concatenate([p_mask, np.ones_like(tokens)], 1)), np.float64)
-    pred = logits[:, p_ids.shape[1] - 1:-1]
-    logp = pred - pred.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    return np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
-
-
 def check_trajectories(model, out, ids, mask):
     lengths, env = out["lengths"], out["env"]
     live = np.arange(CAPACITY)[None] < lengths[:, None]
@@ -83,7 +74,8 @@ def check_trajectories(model, out, ids, mask):
         first = np.flatnonzero(env_pos[r])
         assert (np.diff(first) == 1).all() and first[0] > 0 and model_pos[r, first[-1] + 1:lengths[r]].all()
     tokens = np.where(live, out["tokens"], 0)
-    np.testing.assert_allclose(out["logprobs"][model_pos], teacher_forced(model, ids, mask, tokens)[model_pos],
+    reference = teacher_forced(model, ids, mask, tokens, group_size=2)
+    np.testing.assert_allclose(out["logprobs"][model_pos], reference[model_pos],
                                atol=1e-5)
     assert (out["logprobs"][env_pos] == 0).all()
 

@@ -44,7 +44,8 @@ class CountdownFeedback:
             return "no expression found (write it in <answer></answer>)."
         evaluated = evaluate_expression(expression.split("=")[0])
         if evaluated is None:
-            return f"{expression.split('=')[0].strip()!r} is not an expression of integers with + - * / and parentheses."
+            left = expression.split("=")[0].strip()
+            return f"{left!r} is not an expression of integers with + - * / and parentheses."
         value, used = evaluated
         given, counts = Counter(self.numbers), Counter(used)
         extra = sorted(n for n in counts if counts[n] > given[n])

@@ -62,7 +62,8 @@ def extension(tokenizer, history: list[dict], sampled_text: str, content: str, n
         extended = render(tokenizer, [*history, turn, *new_messages], generation_prompt=True)
     except TemplateRefused:
         extended = ""
-    if extended and closed.startswith(before) and closed[len(before):].startswith(sampled_text) and extended.startswith(closed):
+    turn_text = closed[len(before):] if closed.startswith(before) else None
+    if extended and turn_text is not None and turn_text.startswith(sampled_text) and extended.startswith(closed):
         text = closed[len(before) + len(sampled_text):] + extended[len(closed):]
         return Extension(ids=encode(tokenizer, text), text=text, exact=True)
     text = closing(tokenizer, sampled_text) + new_only(tokenizer, new_messages)
