@@ -103,6 +103,8 @@ class RunConfig:
             refused.append("train.dynamic_sampling (not with episodes yet)")
         if self.reward_control != "none":
             refused.append(f"reward_control: {self.reward_control}")
+        if self.sampling.min_new_tokens:
+            refused.append("sampling.min_new_tokens (it counts trajectory positions, not a turn's tokens)")
         if self.data.chat_template == "never":
             refused.append("data.chat_template: never (episodes are rendered with the tokenizer's chat template)")
         if refused:

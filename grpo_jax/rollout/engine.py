@@ -174,9 +174,10 @@ def drain_widths(slots: int) -> tuple[int, ...]:
     slots up, at most `DRAIN_HALVINGS` times) half as many, rounded up, once every queue is empty
     and no shard has more sequences in flight than that (`compact`): the drain at the end of a
     call, when the last long sequences run nearly alone, does not pay for the idle slots. Each
-    width compiles its own decode step, so one halving only: a second one took utilisation on the
-    long-tailed benchmark from ~91% to 95% but SmolLM2's compile from 14 s to 55 s; below 8 slots
-    the drain is too short to pay for a compile."""
+    width compiles its own decode step (SmolLM2's compile: 14 s without the drain, 28 s with one
+    halving), so one halving only: a second one took utilisation on the long-tailed benchmark from
+    91.5% to 94.9% but SmolLM2's compile to 55 s; below 8 slots the drain is too short to pay for a
+    compile (benchmarks/RESULTS.md)."""
     widths = [slots]
     while slots >= DRAIN_MIN_SLOTS and len(widths) <= DRAIN_HALVINGS:
         widths.append(-(-widths[-1] // 2))

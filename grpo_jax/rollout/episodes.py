@@ -41,7 +41,6 @@ class EpisodeBatch:
     lengths: np.ndarray
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
-    segments: int
 
     def rows(self, pad_id: int) -> dict[str, np.ndarray]:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
@@ -109,7 +108,9 @@ def trajectory_capacity(limits: EpisodeLimits) -> int:
 
 def run_episodes(model, examples: list[dict], tokenizer, make_env, config: SamplingConfig, limits: EpisodeLimits,
                  rng: jax.Array, *, segment_steps: int = 16, name: str = "environment") -> EpisodeBatch:
-    """Run `config.group_size` episodes of each example to their end (see the module docstring)."""
+    """Run `config.group_size` episodes of each example to their end (see the module docstring).
+    The model-token budget per episode is `limits.max_model_tokens` (it replaces
+    `config.max_new_tokens`)."""
     G = config.group_size
     episodes = [Episode(make_env, ex, tokenizer, limits, name=name) for ex in examples for _ in range(G)]
     prompts = _open(episodes, G)
@@ -120,10 +121,8 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     start, advance, update = turn_programs(graphdef, cfg, None, T, E)
     st = start(state, ids, mask, rng)
     host = _Host(episodes, tokenizer, set(config.stop_token_ids), E)
-    segments = 0
     while int(np.asarray(st["done"]).min()) < len(episodes):
         st = advance(state, st, segment_steps)
-        segments += 1
         answers = host.answer(st)
         if not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.calls:
             time.sleep(0.002)  # every busy slot waits for an environment: let its thread run
@@ -132,7 +131,7 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     for ep in episodes:
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
-    return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, segments=segments, **out)
+    return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, **out)
 
 
 def _open(episodes: list[Episode], G: int) -> list[list[int]]:
@@ -190,11 +189,12 @@ class _Host:
             end = self._turn_end(r, int(t[j]), mode[j] == PAUSED, tokens[r])
             if end is None:
                 continue
-            if end < t[j]:
+            cut = end < t[j]  # at the tool call's closing tag, not at a stop token
+            if cut:
                 rewind[0, j] = end
             turn = tokens[r, self.turn_start[r]:end]
             call = ep.add_turn(turn.tolist(), logprobs[r, self.turn_start[r]:end].tolist(),
-                               stopped=bool(turn.size) and int(turn[-1]) in self.stop_ids)
+                               stopped=not cut and bool(turn.size) and int(turn[-1]) in self.stop_ids)
             if call is None:
                 release[0, j] = True
             else:

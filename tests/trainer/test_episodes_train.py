@@ -119,5 +119,6 @@ def test_an_environment_the_run_cannot_use_is_refused_before_sampling(episode_co
     static = copy.deepcopy(cfg)
     static["sampling"]["engine"] = "static"
     static["data"]["chat_template"] = "never"
-    with pytest.raises(ConfigError, match="episodes run in the continuous engine.*chat_template: never"):
+    static["sampling"]["min_new_tokens"] = 2
+    with pytest.raises(ConfigError, match="continuous engine.*min_new_tokens.*chat_template: never"):
         load_config(write_config(tmp_path, static))
