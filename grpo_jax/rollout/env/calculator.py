@@ -1,5 +1,5 @@
 """The `calculator` environment: the model writes an arithmetic expression in a tool call,
-`<calculator>12345 * 678</calculator>`, and the environment answers (role "tool") with its value or
+`<calculator>12345 * 678</calculator>` (or the chat template's JSON format: grpo_jax.rollout.env.tool_calls), and the environment answers (role "tool") with its value or
 an error; a model turn without a tool call is the final answer, which the run's `rewards` score.
 
 The evaluator (`calculate`) parses with `ast` and walks an allow-list: numbers, + - * / // % **,
@@ -17,8 +17,8 @@ import math
 import operator
 from fractions import Fraction
 
-from grpo_jax.rewards.format import tag_blocks
 from grpo_jax.rollout.env.protocol import EnvStep
+from grpo_jax.rollout.env.tool_calls import ToolCallError, ToolSpec
 
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 300
@@ -103,25 +103,29 @@ def calculate(expression: str) -> str:
 
 
 class Calculator:
-    """One episode with the calculator tool (see the module docstring). `tag`: the tool call's tag;
-    `tool_call_end` (its closing tag) ends a model turn like a stop token."""
+    """One episode with the calculator tool (see the module docstring). `tag`: the tool call's tag
+    (the function's name in the json format); `tool_format`: `tags` or `json`
+    (grpo_jax.rollout.env.tool_calls). `tool_call_end` ends a model turn like a stop token; `tools`
+    (json format) is the function's schema, which the chat template describes in the prompt."""
 
-    def __init__(self, tag: str = "calculator"):
+    def __init__(self, tag: str = "calculator", tool_format: str = "tags"):
         if not tag.isidentifier():
             raise ValueError(f"calculator: tag must be a plain name, got {tag!r}")
         self.tag = tag
-        self.tool_call_end = f"</{tag}>"
+        self.tool = ToolSpec(tag, "expression", "Evaluate an arithmetic expression exactly: numbers, "
+                             "+ - * / // % ** and parentheses.", tool_format)
+        self.tool_call_end, self.tools = self.tool.tool_call_end, self.tool.schemas
 
     def reset(self, example: dict) -> list[dict]:
         return opening_messages(example)
 
     def step(self, completion: str) -> EnvStep:
-        blocks = tag_blocks(completion, self.tag)
-        if not blocks:
-            return EnvStep(messages=[], done=True)  # no tool call: the final answer
         try:
-            answer = calculate(blocks[-1][2])
-        except CalculatorError as e:
+            expression = self.tool.argument_of(completion)
+            if expression is None:
+                return EnvStep(messages=[], done=True)  # no tool call: the final answer
+            answer = calculate(expression)
+        except (CalculatorError, ToolCallError) as e:
             answer = f"error: {e}"
         return EnvStep(messages=[{"role": "tool", "content": answer}])
 

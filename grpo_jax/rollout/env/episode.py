@@ -74,6 +74,7 @@ class Episode:
     def __init__(self, make_env, example: dict, tokenizer, limits: EpisodeLimits, *, name: str = "environment"):
         self.make_env, self.example, self.tokenizer, self.limits, self.name = make_env, example, tokenizer, limits, name
         self.env = None
+        self.tools: list[dict] | None = None
         self.history: list[dict] = []  # the conversation: opening messages, then turns
         self.transcript: list[dict] = []  # per turn: {"model": text, "env": text, "reward": r}
         self.prompt_ids: list[int] = []
@@ -97,7 +98,10 @@ class Episode:
             return self.fail(e, "reset")
         finally:
             self.env_seconds += time.monotonic() - call.started
-        self.prompt_ids = encode(self.tokenizer, render(self.tokenizer, self.history, generation_prompt=True))
+        # An environment may declare `tools` (JSON schemas): every render describes them.
+        self.tools = getattr(self.env, "tools", None) or None
+        self.prompt_ids = encode(self.tokenizer, render(self.tokenizer, self.history, generation_prompt=True,
+                                                        tools=self.tools))
         return self.prompt_ids
 
     def _reset(self) -> list[dict]:
@@ -145,7 +149,7 @@ class Episode:
             self.done = self.truncated = True
             return None
         try:
-            ext = extension(self.tokenizer, self.history, self._sampled, self._content, step.messages)
+            ext = extension(self.tokenizer, self.history, self._sampled, self._content, step.messages, tools=self.tools)
         except ValueError as e:
             return self.fail(e, "step")
         if len(ext.ids) > self.limits.max_env_tokens:

@@ -1,5 +1,5 @@
 """The `python` environment: the model writes a program in a tool call, `<python>print(3 ** 20)
-</python>`, and the environment runs it in the project's sandbox (grpo_jax.sandbox: its own user,
+</python>` (or the chat template's JSON format: grpo_jax.rollout.env.tool_calls), and the environment runs it in the project's sandbox (grpo_jax.sandbox: its own user,
 mount and PID namespaces, time, memory, process and output limits) and answers (role "tool") with
 what it printed, its stderr's end and how it ended (an exception's traceback, a timeout, a limit),
 cut to `max_output_chars`. A model turn without a tool call is the final answer, which the run's
@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 
 from grpo_jax.rewards.code import check_isolation
-from grpo_jax.rewards.format import tag_blocks
 from grpo_jax.rollout.env.calculator import opening_messages
 from grpo_jax.rollout.env.protocol import EnvStep
+from grpo_jax.rollout.env.tool_calls import ToolCallError, ToolSpec
 from grpo_jax.sandbox import run_sandboxed
 
 
@@ -27,23 +27,28 @@ class PythonTool:
     """One episode with the Python tool (see the module docstring)."""
 
     def __init__(self, tag: str = "python", timeout_s: float = 5.0, memory_mb: int = 512,
-                 max_output_chars: int = 1000, allow_weak_isolation: bool = False):
+                 max_output_chars: int = 1000, allow_weak_isolation: bool = False, tool_format: str = "tags"):
         if not tag.isidentifier():
             raise ValueError(f"python: tag must be a plain name, got {tag!r}")
         if timeout_s <= 0 or memory_mb <= 0 or max_output_chars <= 0:
             raise ValueError("python: timeout_s, memory_mb and max_output_chars must be positive")
         _isolation(bool(allow_weak_isolation))
-        self.tag, self.tool_call_end = tag, f"</{tag}>"
+        self.tag = tag
+        self.tool = ToolSpec(tag, "code", "Run a Python program and return what it prints.", tool_format)
+        self.tool_call_end, self.tools = self.tool.tool_call_end, self.tool.schemas
         self.timeout_s, self.memory_mb, self.max_output_chars = float(timeout_s), int(memory_mb), int(max_output_chars)
 
     def reset(self, example: dict) -> list[dict]:
         return opening_messages(example)
 
     def step(self, completion: str) -> EnvStep:
-        blocks = tag_blocks(completion, self.tag)
-        if not blocks:
+        try:
+            code = self.tool.argument_of(completion)
+        except ToolCallError as e:
+            return EnvStep(messages=[{"role": "tool", "content": f"error: {e}"}])
+        if code is None:
             return EnvStep(messages=[], done=True)
-        result = run_sandboxed(blocks[-1][2], timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+        result = run_sandboxed(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                                max_output_bytes=4 * self.max_output_chars)
         return EnvStep(messages=[{"role": "tool", "content": self.report(result)}])
 

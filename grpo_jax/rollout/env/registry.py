@@ -11,15 +11,21 @@ from grpo_jax.rewards.registry import import_user_object
 from grpo_jax.rollout.env.calculator import Calculator
 from grpo_jax.rollout.env.countdown import CountdownFeedback
 from grpo_jax.rollout.env.python_tool import PythonTool
+from grpo_jax.rollout.env.tool_calls import template_tool_format
 
 BUILT_IN: dict[str, type] = {"calculator": Calculator, "countdown": CountdownFeedback, "python": PythonTool}
 
 
-def environment_factory(name: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[], Any]:
+def environment_factory(name: str, kwargs: Mapping[str, Any] | None = None, tokenizer=None) -> Callable[[], Any]:
     """A callable that makes one environment per episode, `cls(**kwargs)`; ValueError when `name`
-    names no class with `reset` and `step`, or `kwargs` do not fit its constructor."""
+    names no class with `reset` and `step`, or `kwargs` do not fit its constructor. A built-in tool
+    environment's `tool_format` (unset or `auto`) follows `tokenizer`'s chat template
+    (grpo_jax.rollout.env.tool_calls)."""
     kwargs = dict(kwargs or {})
     cls = BUILT_IN.get(name) or import_user_object(name, what="environment", member="class")
+    if name in BUILT_IN and "tool_format" in inspect.signature(cls).parameters \
+            and kwargs.get("tool_format", "auto") == "auto":
+        kwargs["tool_format"] = template_tool_format(tokenizer) if tokenizer is not None else "tags"
     if not inspect.isclass(cls):
         raise ValueError(f"environment {name!r} is a {type(cls).__name__}; expected a class with reset() and step()")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

@@ -192,3 +192,44 @@ def test_a_stop_on_plain_text_stays_in_the_turns_content_and_the_extension_is_ex
     fed = turn(ep, "5535", stopped=True)  # the run stops on digits: "5" ended the turn, and is the answer's
     assert env.seen == ["5535"] and ep.exact
     assert TOK.decode(fed) == "<eos>\n[tool]ok<eos>\n[assistant]"
+
+
+# A Hermes-style template (Qwen2.5/Qwen3 write tools this way): given `tools`, a system block lists
+# them and asks for <tool_call> JSON; a tool's answer is a user turn wrapped in <tool_response>.
+HERMES = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+          "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+          "{% for m in messages %}{% if m.role == 'tool' %}"
+          "<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+          "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_a_tool_format_gets_json_calls_and_describes_the_tool():
+    """tool_format auto: a template that declares <tool_call> gets the JSON format, with the
+    function's schema rendered into every prompt (the trajectory is still the fresh render of the
+    whole conversation); one without keeps the tags. A botched call is answered, not an error."""
+    tok = char_tokenizer(add_bos=True, chat_template=HERMES)
+    make = environment_factory("calculator", {}, tok)
+    assert make().tool_call_end == "</tool_call>" and environment_factory("calculator", {}, TOK)().tools is None
+    assert environment_factory("calculator", {"tool_format": "tags"}, tok)().tool_call_end == "</calculator>"
+    ep = Episode(make, EXAMPLE, tok, EpisodeLimits(max_model_tokens=200, max_env_tokens=100))
+    prompt = tok.decode(ep.open())
+    assert '"name": "calculator"' in prompt and '"expression"' in prompt and prompt.endswith("assistant\n")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}</tool_call>'
+    sampled = tok(call, add_special_tokens=False)["input_ids"]
+    fed = ep.respond(ep.add_turn(sampled, [0.0] * len(sampled), stopped=False))
+    assert tok.decode(fed) == "<|im_end|>\n<|im_start|>user\n<tool_response>5535</tool_response><|im_end|>\n" \
+                              "<|im_start|>assistant\n" and ep.exact and ep.tool_calls == 1
+    conversation = [{"role": "user", "content": EXAMPLE["prompt"]}, {"role": "assistant", "content": call},
+                    {"role": "tool", "content": "5535"}]
+    assert tok.decode(ep.prompt_ids + ep.ids) == render(tok, conversation, generation_prompt=True, tools=make().tools)
+    env = make()
+    for botched, error in [("<tool_call>{calculator}</tool_call>", "not JSON"),
+                           ('<tool_call>{"name": "python", "arguments": {}}</tool_call>', "unknown tool 'python'"),
+                           ('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>', "takes")]:
+        assert error in env.step(botched).messages[0]["content"]
+    assert env.step('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"}</tool_call>'
+                    ).messages == [{"role": "tool", "content": "42"}]
+    assert env.step("It is 5535.") == EnvStep([], done=True)
+    with pytest.raises(ValueError, match="tool_format must be one of"):
+        Calculator(tool_format="auto")
