@@ -12,7 +12,10 @@ Per slot, besides the engine's state (grpo_jax.rollout.engine), a mode:
   last token is fed like any other (the environment tokens that follow attend it), then the slot
   waits, its generated block untouched, until the host answers (`host_update`).
 The host also ends episodes (`release`: the environment said done, failed, or a limit was hit; the
-slot is refilled with the next waiting episode) and cuts a turn short at a tool call's closing tag
+slot is refilled with the next waiting episode), moves an episode whose environment is slow out of
+its slot while others wait (`move_slots`: its block of the cache goes to a parking spot and the
+slot takes the next waiting episode; the environment's answer later loads it back into a free
+slot, its cache as it was, so nothing is recomputed), and cuts a turn short at a tool call's closing tag
 (`rewind`: the slot's position goes back to just after the tag; what the model drew beyond it is
 overwritten by the environment's tokens). Trajectory capacity: the engine's max_new_tokens is the
 whole trajectory (`capacity`, model and environment tokens); `budget`: model tokens per episode.
@@ -46,6 +49,11 @@ def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh, ca
     st.update(mode=hold(zeros((Z, J))), forced=hold(zeros((Z, J, env_tokens))), forced_n=hold(zeros((Z, J))),
               forced_i=hold(zeros((Z, J))), model_tokens=hold(zeros((Z, J))),
               release=hold(jnp.zeros((Z, J), jnp.bool_)), env=hold(jnp.zeros(st["tokens"].shape, jnp.bool_)))
+    # Parking: one spot per slot, each a slot's block of the cache and what the slot knew of its episode.
+    cache = st["cache"]
+    st["park"] = dict(keys=jax.tree.map(jnp.zeros_like, cache.keys), values=jax.tree.map(jnp.zeros_like, cache.values),
+                      seq=hold(jnp.full((Z, J), -1, jnp.int32)), t=hold(zeros((Z, J))), prompt=hold(zeros((Z, J))),
+                      model_tokens=hold(zeros((Z, J))))
     return loop, st
 
 
@@ -119,11 +127,52 @@ def host_update(st: dict, release_ZJ, forced_ZJE, forced_n_ZJ, rewind_ZJ) -> dic
                 lengths=st["lengths"].at[z_Z1, at_ZJ].set(t_ZJ, mode="drop"))
 
 
+def move_slots(st: dict, park_to_ZJ, load_from_ZJ, ended_Z) -> dict:
+    """Park and load, between segments: slot j with `park_to[j]` = p >= 0 moves its episode to
+    parking spot p (its cache block, position, prompt and model-token count) and is left free for
+    the next waiting episode; a free slot with `load_from[j]` = p >= 0 takes the episode parked at
+    p, exactly as it left (the host then gives it the environment's tokens, `host_update`).
+    `ended_Z`: parked episodes the host ended without loading them (counted done). A spot is never
+    parked into and loaded from in one call."""
+    cache, park = st["cache"], st["park"]
+    Z, J = st["seq"].shape
+    z_Z1, j_1J = jnp.arange(Z, dtype=jnp.int32)[:, None], jnp.arange(J, dtype=jnp.int32)[None]
+    parking_ZJ, loading_ZJ = park_to_ZJ >= 0, load_from_ZJ >= 0
+    to_X = jnp.where(parking_ZJ, z_Z1 * J + park_to_ZJ, Z * J).reshape(-1)  # out of range: dropped
+    from_X = (z_Z1 * J + jnp.maximum(load_from_ZJ, 0)).reshape(-1)
+    into_X = jnp.where(loading_ZJ, z_Z1 * J + j_1J, Z * J).reshape(-1)
+
+    def park_block(spots, block):
+        return spots.at[to_X].set(block, mode="drop")
+
+    keys = jax.tree.map(park_block, park["keys"], cache.keys)
+    values = jax.tree.map(park_block, park["values"], cache.values)
+    spot_ZJ = jnp.where(parking_ZJ, park_to_ZJ, J)
+    row = dict(seq=st["seq"], t=cache.slot_t, prompt=cache.slot_prompt, model_tokens=st["model_tokens"])
+    parked = {k: park[k].at[z_Z1, spot_ZJ].set(v, mode="drop") for k, v in row.items()}
+
+    def load_block(block, spots):
+        return block.at[into_X].set(spots[from_X], mode="drop")
+
+    back = {k: jnp.take_along_axis(v, jnp.maximum(load_from_ZJ, 0), axis=1) for k, v in parked.items()}
+    freed_ZJ = jnp.zeros((Z, J), jnp.bool_).at[z_Z1, jnp.where(loading_ZJ, load_from_ZJ, J)].set(True, mode="drop")
+    parked["seq"] = jnp.where(freed_ZJ, -1, parked["seq"])
+    cache = cache.replace(keys=jax.tree.map(load_block, cache.keys, keys),
+                          values=jax.tree.map(load_block, cache.values, values),
+                          slot_t=jnp.where(loading_ZJ, back["t"], cache.slot_t),
+                          slot_prompt=jnp.where(loading_ZJ, back["prompt"], cache.slot_prompt))
+    seq_ZJ = jnp.where(loading_ZJ, back["seq"], jnp.where(parking_ZJ, -1, st["seq"]))
+    return dict(st, cache=cache, seq=seq_ZJ, park=dict(parked, keys=keys, values=values),
+                model_tokens=jnp.where(loading_ZJ, back["model_tokens"], st["model_tokens"]),
+                mode=jnp.where(loading_ZJ | parking_ZJ, PAUSED, st["mode"]), done=st["done"] + ended_Z)
+
+
 @functools.lru_cache(maxsize=16)
 def turn_programs(graphdef, config: SamplingConfig, mesh, capacity: int, env_tokens: int):
-    """(start, advance, update), jitted: start(state, ids, mask, key) -> loop state; advance(state,
-    loop state, steps) -> after up to `steps` steps (fewer once every episode is done or every
-    occupied slot waits for the host); update(loop state, release, forced, forced_n, rewind)."""
+    """(start, advance, update, move), jitted: start(state, ids, mask, key) -> loop state;
+    advance(state, loop state, steps) -> after up to `steps` steps (fewer once every episode is done
+    or every occupied slot waits for the host); update(loop state, release, forced, forced_n,
+    rewind); move(loop state, park_to, load_from, ended) (`move_slots`)."""
     budget = config.max_new_tokens
     big = dataclasses.replace(config, max_new_tokens=capacity)
 
@@ -143,4 +192,5 @@ def turn_programs(graphdef, config: SamplingConfig, mesh, capacity: int, env_tok
             return jnp.any(s["done"] < lay.sequences) & (s["steps"] < end) & progress
         return jax.lax.while_loop(going, functools.partial(turn_step, loop, budget), st)
 
-    return jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(host_update, donate_argnums=0)
+    return (jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(host_update, donate_argnums=0),
+            jax.jit(move_slots, donate_argnums=0))

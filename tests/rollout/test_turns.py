@@ -34,7 +34,7 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
     cfg = SamplingConfig(group_size=2, max_new_tokens=BUDGET, temperature=1.0, stop_token_ids=tuple(range(3, 60)),
                          prompt_buckets=(8,), pad_token_id=0, engine="continuous", slots=slots)
     graphdef, state = nnx.split(model)
-    start, advance, update = turn_programs(graphdef, cfg, None, CAPACITY, ENV_TOKENS)
+    start, advance, update, _ = turn_programs(graphdef, cfg, None, CAPACITY, ENV_TOKENS)
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     st = start(state, ids, mask, jax.random.key(4))
     done_turns, turn_start = {}, {}
