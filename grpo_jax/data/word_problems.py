@@ -4,12 +4,14 @@ GSM8K itself needs its four jsonl files (or a network); these problems need noth
 model can be trained and evaluated on them offline. Each problem is one of a fixed set of
 story templates with one, two or three operations over small numbers; every intermediate result
 is a non-negative integer and divisions are exact. `answer` is the result; `solution` is a
-GSM8K-style worked answer ending in `#### <result>` (for a supervised warm start).
+GSM8K-style worked answer ending in `#### <result>` (for a supervised warm start); `expression` is
+the whole computation as one arithmetic expression (for a warm start that calls a calculator).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -120,6 +122,17 @@ def draw_problem(config: WordProblemsConfig, rng: StableRandom) -> tuple[int, di
     raise ValueError(f"word_problems config {config.name!r}: no valid problem in {_MAX_TRIES} draws ({config.params()})")
 
 
+def expression_text(steps: list[tuple[str, int]]) -> str:
+    """The whole computation as one arithmetic expression: in each step, the earlier result becomes
+    the expression that computed it, in parentheses ("(3 * 4) + 5")."""
+    expression, value = steps[0]
+    for text, result in steps[1:]:
+        earlier = f"({expression})"
+        expression = re.sub(rf"(?<!\d){value}(?!\d)", lambda _: earlier, text, count=1)
+        value = result
+    return expression
+
+
 def solution_text(steps: list[tuple[str, int]]) -> str:
     """GSM8K's answer style: one line per step, then `#### result`."""
     lines = [f"{expr} = {value}" for expr, value in steps]
@@ -141,8 +154,13 @@ class WordProblems(SyntheticBuilder, skip_registration=True):
     ]
     DEFAULT_BUILDER_CONFIG_NAME = "easy"
 
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release.",
+                     "1.1.0": "`expression`: the computation as one expression (for tool-use warm starts)."}
+
     def _features(self):
-        return {"question": tfds.features.Text(), "answer": tfds.features.Text(), "solution": tfds.features.Text()}
+        return {"question": tfds.features.Text(), "answer": tfds.features.Text(), "solution": tfds.features.Text(),
+                "expression": tfds.features.Text()}
 
     def _draw(self, rng: StableRandom) -> tuple[Any, dict[str, Any]]:
         index, numbers, steps = draw_problem(self.builder_config, rng)
@@ -150,4 +168,5 @@ class WordProblems(SyntheticBuilder, skip_registration=True):
         question = TEMPLATES[index].text.format(name=name, item=item, **numbers)
         # The key ignores the name and item: the same numbers in the same story are one problem.
         key = (index, *sorted(numbers.items()))
-        return key, {"question": question, "answer": str(steps[-1][1]), "solution": solution_text(steps)}
+        return key, {"question": question, "answer": str(steps[-1][1]), "solution": solution_text(steps),
+                     "expression": expression_text(steps)}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from grpo_jax.data import ArithmeticConfig, load_source
+from grpo_jax.rollout.env.calculator import calculate
 
 SMALL = {"num_train": 60, "num_test": 20}
 
@@ -270,6 +271,7 @@ def test_word_problems_worked_answers_are_right_and_splits_disjoint(config, step
             assert all(n in numbers or n in results or (n == 2 and "sibling" in row["question"]) for n in used), row
             results.append(int(value))
         assert results[-1] == int(row["answer"])
+        assert calculate(row["expression"]) == row["answer"], row  # the whole computation in one expression
     assert seen_steps == steps
     train_keys, test_keys = {_word_problem_key(r["question"]) for r in train}, {_word_problem_key(r["question"]) for r in test}
     assert len(train_keys) == len(train) and not train_keys & test_keys
