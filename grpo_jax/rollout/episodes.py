@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from flax import nnx
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.rollout.env.episode import Episode, EpisodeLimits
+from grpo_jax.rollout.env.transcript import encode
 from grpo_jax.rollout.sampling import pad_prompts
 from grpo_jax.rollout.turns import PAUSED, turn_programs
 
@@ -41,6 +43,7 @@ class EpisodeBatch:
     lengths: np.ndarray
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
+    parks: int = 0  # times an episode left its slot while its environment worked
 
     def rows(self, pad_id: int) -> dict[str, np.ndarray]:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
@@ -62,7 +65,8 @@ class EpisodeBatch:
     def metrics(self) -> dict[str, float]:
         """env/turns_mean, env/tool_calls_mean, env/errors (episodes), env/time_s (environment
         seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean,
-        env/template_fallbacks (episodes)."""
+        env/template_fallbacks (episodes), env/parks (episodes moved out of their slot while their
+        environment worked, counted per move)."""
         eps = self.episodes
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
                 "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
@@ -72,7 +76,8 @@ class EpisodeBatch:
                 "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps])),
                 # Episodes whose chat template broke the extension property at some turn (the
                 # new messages were rendered alone: grpo_jax.rollout.env.transcript).
-                "env/template_fallbacks": float(sum(not ep.exact for ep in eps))}
+                "env/template_fallbacks": float(sum(not ep.exact for ep in eps)),
+                "env/parks": float(self.parks)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +92,11 @@ class EpisodeRunner:
     tokenizer: Any
     segment_steps: int = 16
 
-    def run(self, model, examples, sampling: SamplingConfig, rng: jax.Array) -> EpisodeBatch:
+    def run(self, model, examples, sampling: SamplingConfig, rng: jax.Array, padding: int = 0) -> EpisodeBatch:
+        """`padding`: the last examples only fill the batch's shape (see `run_episodes`)."""
         rows = [{**ex.fields, "prompt": _user_text(ex)} for ex in examples]
         return run_episodes(model, rows, self.tokenizer, self.make_env, sampling, self.limits, rng,
-                            segment_steps=self.segment_steps, name=self.name)
+                            segment_steps=self.segment_steps, name=self.name, padding=padding)
 
 
 def _user_text(example) -> str:
@@ -107,38 +113,48 @@ def trajectory_capacity(limits: EpisodeLimits) -> int:
 
 
 def run_episodes(model, examples: list[dict], tokenizer, make_env, config: SamplingConfig, limits: EpisodeLimits,
-                 rng: jax.Array, *, segment_steps: int = 16, name: str = "environment") -> EpisodeBatch:
+                 rng: jax.Array, *, segment_steps: int = 16, name: str = "environment", park: bool = True,
+                 padding: int = 0) -> EpisodeBatch:
     """Run `config.group_size` episodes of each example to their end (see the module docstring).
     The model-token budget per episode is `limits.max_model_tokens` (it replaces
-    `config.max_new_tokens`)."""
+    `config.max_new_tokens`). `park`: an episode whose environment is still working one segment
+    after its turn ended leaves its slot while other episodes wait for one (`turns.move_slots`);
+    the trajectories are the same either way. `padding`: the last examples only fill a fixed shape;
+    their episodes are failed without opening: no environment call, and their slots are freed at the
+    host's first look (at most one segment of decoding)."""
     G = config.group_size
     episodes = [Episode(make_env, ex, tokenizer, limits, name=name) for ex in examples for _ in range(G)]
+    for ep in episodes[len(episodes) - padding * G:]:
+        ep.fail(ValueError("a padding example (no episode is played)"), "reset")
     prompts = _open(episodes, G)
     ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_id)
     T, E = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    start, advance, update = turn_programs(graphdef, cfg, None, T, E)
+    start, advance, update, move = turn_programs(graphdef, cfg, None, T, E)
     st = start(state, ids, mask, rng)
-    host = _Host(episodes, tokenizer, set(config.stop_token_ids), E)
+    host = _Host(episodes, tokenizer, set(config.stop_token_ids), E, park=park)
     while int(np.asarray(st["done"]).min()) < len(episodes):
         st = advance(state, st, segment_steps)
-        answers = host.answer(st)
-        if not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.calls:
+        answers, moves = host.answer(st)
+        if moves is not None:
+            st = move(st, *moves)
+        elif not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.calls:
             time.sleep(0.002)  # every busy slot waits for an environment: let its thread run
         st = update(st, *answers)
     out = {k: np.asarray(st[k])[0] for k in ("tokens", "logprobs", "env", "lengths")}
     for ep in episodes:
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
-    return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, **out)
+    return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, parks=host.parks, **out)
 
 
 def _open(episodes: list[Episode], G: int) -> list[list[int]]:
     """Open every episode -> each example's prompt ids (its first episode that opened; an example
     whose every episode failed gets a one-token placeholder, and its rows are released at once)."""
     for ep in episodes:
-        ep.open()
+        if ep.error is None:
+            ep.open()
     prompts = []
     for i in range(0, len(episodes), G):
         group = episodes[i:i + G]
@@ -153,26 +169,37 @@ def _open(episodes: list[Episode], G: int) -> list[list[int]]:
 
 
 class _Host:
-    """The host's bookkeeping between segments: per episode, where its current turn starts and the
-    environment call in flight."""
+    """The host's bookkeeping between segments: per episode, where its current turn starts, the
+    environment call in flight, and (parked episodes) its parking spot and its answer waiting for
+    a slot."""
 
-    def __init__(self, episodes, tokenizer, stop_ids, env_tokens):
+    def __init__(self, episodes, tokenizer, stop_ids, env_tokens, park: bool = True):
         self.episodes, self.tokenizer, self.stop_ids, self.E = episodes, tokenizer, stop_ids, env_tokens
         self.turn_start = [0] * len(episodes)
-        self.calls = {}
+        self.calls, self.since = {}, {}  # episode -> its environment call, the poll it started at
+        self.park, self.parks, self.polls = park, 0, 0
+        self.parked, self.parked_t, self.ready = {}, {}, {}  # episode -> spot, position, tokens to feed
 
     def answer(self, st):
-        """The update arrays for `turns.host_update` after a segment."""
+        """(the arrays for `turns.host_update`, those for `turns.move_slots` or None) after a segment."""
+        self.polls += 1
         seq, mode, t = (np.array(x)[0] for x in (st["seq"], st["mode"], st["cache"].slot_t))
         tokens = logprobs = None
         J = seq.shape[0]
         release, forced = np.zeros((1, J), bool), np.zeros((1, J, self.E), np.int32)
         n, rewind = np.zeros((1, J), np.int32), np.full((1, J), -1, np.int32)
+        park_to, load_from, ended = np.full((1, J), -1, np.int32), np.full((1, J), -1, np.int32), np.zeros(1, np.int32)
+        ended[0] = self._poll_parked()
+        waiting = int(np.asarray(st["next"])[0]) < st["tokens"].shape[1] or bool(self.ready)
+        spots = sorted(set(range(J)) - set(self.parked.values()))
         for j in np.flatnonzero(seq >= 0):
             r = int(seq[j])
             ep = self.episodes[r]
             if r in self.calls:
                 if not self.calls[r].ready(ep.limits.timeout_s):
+                    if self.park and waiting and spots and self.since[r] < self.polls:
+                        park_to[0, j] = self.parked[r] = spots.pop(0)
+                        self.parked_t[r], self.parks = int(t[j]), self.parks + 1
                     continue
                 fed = ep.respond(self.calls.pop(r))
                 if fed is None:
@@ -198,8 +225,34 @@ class _Host:
             if call is None:
                 release[0, j] = True
             else:
-                self.calls[r] = call
-        return release, forced, n, rewind
+                self.calls[r], self.since[r] = call, self.polls
+        # Answered parked episodes go back into the free slots and those just vacated.
+        for j in [*np.flatnonzero(seq < 0), *np.flatnonzero(park_to[0] >= 0)]:
+            if not self.ready:
+                break
+            r = next(iter(self.ready))  # the longest waiting first
+            fed = self.ready.pop(r)
+            load_from[0, j] = self.parked.pop(r)
+            forced[0, j, :len(fed)], n[0, j] = fed, len(fed)
+            self.turn_start[r] = self.parked_t.pop(r) + len(fed)
+        moved = (park_to >= 0).any() or (load_from >= 0).any() or ended.any()
+        return (release, forced, n, rewind), ((park_to, load_from, ended) if moved else None)
+
+    def _poll_parked(self) -> int:
+        """Answer the parked episodes whose environment is done -> how many of them ended (their
+        spots are free again; the others' tokens wait in `ready` for a slot)."""
+        ended = 0
+        for r in [r for r in self.parked if r in self.calls]:
+            ep = self.episodes[r]
+            if not self.calls[r].ready(ep.limits.timeout_s):
+                continue
+            fed = ep.respond(self.calls.pop(r))
+            if fed is None:
+                del self.parked[r], self.parked_t[r]
+                ended += 1
+            else:
+                self.ready[r] = fed
+        return ended
 
     def _turn_end(self, r: int, t: int, paused: bool, tokens) -> int | None:
         """Where episode r's current turn ends: at the environment's tool-call closing tag if the
@@ -214,3 +267,44 @@ class _Host:
                     if tag in self.tokenizer.decode(tokens[start:start + k].tolist(), skip_special_tokens=False):
                         return start + k
         return t if paused else None
+
+
+def worked_episodes(runner: EpisodeRunner, examples, turns: Sequence[str], stop_ids: Sequence[int]) -> list[Episode]:
+    """Episodes of `examples` played with scripted model turns, the worked transcripts of a
+    supervised warm start: model turn k is `turns[k]` formatted with the row's fields. A turn that
+    ends with the environment's `tool_call_end` ends there, as the engine cuts it; any other ends
+    with `stop_ids[0]`. The environment answers each turn for real, so the trajectory (`prompt_ids`,
+    `ids`, `loss_mask`) is token for token what a sampled episode with these turns would hold.
+    An episode whose template fails, whose turn the sampler would have ended earlier (a stop token
+    or the tool tag inside it), that hits a limit, or that the environment has not ended after the
+    last scripted turn is failed (`error` says why)."""
+    played = []
+    for ex in examples:
+        row = {**ex.fields, "prompt": _user_text(ex)}
+        ep = Episode(runner.make_env, row, runner.tokenizer, runner.limits, name=runner.name)
+        played.append(ep)
+        if ep.open() is None:
+            continue
+        for template in turns:
+            try:
+                text = template.format(**row)
+            except (KeyError, IndexError, ValueError) as e:
+                ep.fail(ValueError(f"sft.turns template {template!r}: {type(e).__name__}: {e} "
+                                   f"(the row has {sorted(row)})"), "worked turn")
+                break
+            end = getattr(ep.env, "tool_call_end", None)
+            cut = bool(end) and text.endswith(end)
+            ids = encode(runner.tokenizer, text) + ([] if cut else [stop_ids[0]])
+            early = set(ids[:-1]) & set(stop_ids) or (end and end in (text[:-len(end)] if cut else text))
+            if early:
+                ep.fail(ValueError(f"sft.turns turn {text!r} would end before its end when sampled (a stop "
+                                   "token or the tool call's closing tag inside it)"), "worked turn")
+                break
+            call = ep.add_turn(ids, [0.0] * len(ids), stopped=not cut)
+            if call is None or ep.respond(call) is None:
+                break
+        if ep.error is None and (ep.truncated or not ep.done):
+            why = "hit a limit (environment.max_turns, max_env_tokens or sampling.max_new_tokens)" if ep.truncated \
+                else f"was not over after the {len(turns)} turns of sft.turns"
+            ep.fail(ValueError(f"the worked episode {why}"), "worked turn")
+    return played

@@ -65,7 +65,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         real = len(part)
         part += [part[0]] * (chunk - real)
         texts_, failed = _sample(model, part, sampling, jax.random.fold_in(rng, start), mesh, share, tokenizer,
-                                 episodes)
+                                 episodes, padding=chunk - real)
         own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
         n_own = own.stop - own.start
         scores = np.full((share.size, len(judges)), np.nan, np.float32)
@@ -101,11 +101,12 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     return out
 
 
-def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, episodes):
+def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, episodes, padding: int):
     """This host's rows of one chunk's samples -> (completion texts, failed bool): one `generate`
-    call, or the chunk's episodes (their last model turns)."""
+    call, or the chunk's episodes (their last model turns; the `padding` prompts that fill the
+    chunk's shape play none)."""
     if episodes is not None:
-        batch = episodes.run(model, part, sampling, rng)
+        batch = episodes.run(model, part, sampling, rng, padding=padding)
         return batch.final_turns(), batch.rows(sampling.pad_id)["failed"]
     rollout = generate(model, [ex.prompt_ids for ex in part], sampling, rng, mesh=mesh)
     tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)

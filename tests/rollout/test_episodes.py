@@ -69,8 +69,9 @@ def config(**kw):
 LIMITS = EpisodeLimits(max_turns=3, max_env_tokens=40, max_model_tokens=24, timeout_s=10.0)
 
 
-def run(model, make_env, seed=0, **kw):
-    return run_episodes(model, EXAMPLES, TOK, make_env, config(**kw), LIMITS, jax.random.key(seed), segment_steps=4)
+def run(model, make_env, seed=0, park=True, padding=0, **kw):
+    return run_episodes(model, EXAMPLES, TOK, make_env, config(**kw), LIMITS, jax.random.key(seed), segment_steps=4,
+                        park=park, padding=padding)
 
 
 def teacher_forced_batch(model, batch) -> np.ndarray:
@@ -132,13 +133,43 @@ def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(mo
         np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
 
 
-def test_slow_environment_steps_overlap_with_decoding(model):
+def test_slow_environment_steps_overlap_with_decoding_and_free_their_slots(model):
+    """A slow environment neither stalls the other slots nor holds its own: the episode leaves its
+    slot to a waiting one and comes back to its cache as it was (the same trajectories as when it
+    keeps the slot, and the teacher-forced log-probs)."""
     run(model, Scripted)  # compiled
     start = time.monotonic()
     run(model, Scripted)
     fast = time.monotonic() - start
     start = time.monotonic()
-    run(model, lambda: Scripted(delay_s=0.3))
+    moved = run(model, lambda: Scripted(delay_s=0.3))
     slow = time.monotonic() - start
     # 6 episodes x 2 steps of 0.3 s: 3.6 s one after another; side by side, about two waits.
     assert slow - fast < 2.0, (fast, slow)
+    kept = run(model, lambda: Scripted(delay_s=0.3), park=False)
+    assert moved.parks >= 2 and kept.parks == 0 and moved.metrics()["env/parks"] == moved.parks
+    for name in ("tokens", "lengths", "env"):
+        np.testing.assert_array_equal(getattr(moved, name), getattr(kept, name), err_msg=name)
+    np.testing.assert_allclose(moved.logprobs, kept.logprobs, atol=1e-6)
+    logp = teacher_forced_batch(model, moved)
+    for r, ep in enumerate(moved.episodes):
+        n, sampled = int(moved.lengths[r]), np.array(ep.loss_mask, bool)
+        assert ep.error is None and moved.tokens[r, :n].tolist() == ep.ids
+        np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
+
+
+def test_padding_examples_play_no_episode(model):
+    """Evaluation fills its last chunk with copies of a prompt: those episodes never open an
+    environment and leave their slot at the host's first look (one segment), and the real ones are
+    the same as without the padding."""
+    made = []
+
+    def counted():
+        made.append(1)
+        return Scripted()
+
+    padded, plain = run(model, counted, padding=1), run(model, Scripted)
+    assert len(made) == 4 and [ep.error is not None for ep in padded.episodes] == [False] * 4 + [True] * 2
+    assert all(ep.turns == 0 and "padding" in ep.error for ep in padded.episodes[4:])
+    np.testing.assert_array_equal(padded.tokens[:4], plain.tokens[:4])
+    assert (padded.lengths[4:] <= 4).all()  # segment_steps
