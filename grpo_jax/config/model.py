@@ -23,12 +23,15 @@ class ModelConfig:
     `architecture` (TransformerConfig fields; vocab_size defaults to the tokenizer's) for demos.
 
     tokenizer: a directory with tokenizer files (default: `path`), or "char" for the built-in
-    character-level tokenizer.
+    character-level tokenizer. chat_template: a Jinja chat template (the text, or a path to a
+    `.jinja` file) that replaces the tokenizer's own, or gives one to a tokenizer without it (the
+    char tokenizer, for multi-turn demos); it is saved with exported models.
     """
 
     path: str | None = None
     architecture: Mapping[str, Any] | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None
     dtype: DType = "float32"  # compute dtype
     param_dtype: DType = "float32"  # master weights
     # true: the training and reference passes and the prefill run the layers in one lax.scan

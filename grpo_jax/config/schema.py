@@ -87,6 +87,9 @@ class RunConfig:
             raise ValueError(f"eval.reward={self.eval.reward!r} is not a configured reward; configured: {names}")
         if self.environment is not None:
             self._check_environment()
+        elif self.sft.turns:
+            raise ValueError("sft.turns are the model's turns of worked episodes: set an environment, or use "
+                             "sft.answer_template for single answers")
         check_micro_batches(self.data.prompts_per_step * self.sampling.group_size, self.train.micro_batches,
                             "data.prompts_per_step x sampling.group_size")
 
@@ -109,3 +112,6 @@ class RunConfig:
             refused.append("data.chat_template: never (episodes are rendered with the tokenizer's chat template)")
         if refused:
             raise ValueError("environment: not supported with " + "; ".join(refused))
+        if self.sft.steps and not self.sft.turns:
+            raise ValueError("sft.steps > 0 with an environment needs sft.turns: the model's turns of a worked "
+                             "episode (templates over the row's fields), which the environment answers")

@@ -63,18 +63,28 @@ class TrainConfig:
 class SFTConfig:
     """A supervised warm start run by the same command before GRPO (steps 0 = none): cross-entropy on
     the dataset's `answer_template` completions, with AdamW at `learning_rate` and the train
-    section's `adam_b1`, `adam_b2`, `adam_eps`."""
+    section's `adam_b1`, `adam_b2`, `adam_eps`.
+
+    With an `environment` the warm start learns from worked episodes instead: `turns` are the model's
+    turns (str.format templates over the row's fields, e.g. `["<calculator>{a}*{b}</calculator>",
+    "{answer}"]`), and the environment answers each one for real, so the trajectory is token for token
+    what an episode would sample; the loss covers the model's turns only (grpo_jax.rollout.episodes
+    `worked_episodes`)."""
 
     steps: int = 0
     learning_rate: float = 1e-3
     batch_size: int = 32
     answer_template: str = "{answer}"
+    turns: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.steps < 0:
             raise ValueError(f"sft.steps must be >= 0, got {self.steps}")
         positive("sft", "learning_rate", self.learning_rate)
         positive("sft", "batch_size", self.batch_size)
+        object.__setattr__(self, "turns", tuple(self.turns))
+        if not all(isinstance(t, str) and t for t in self.turns):
+            raise ValueError(f"sft.turns must be non-empty template strings, got {list(self.turns)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

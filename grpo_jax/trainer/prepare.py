@@ -56,12 +56,27 @@ class Prepared:
 
 def build_tokenizer(cfg: ModelConfig):
     if cfg.tokenizer == "char":
-        return data.char_tokenizer(add_bos=True)  # a BOS token gives attention a place to rest
-    path = cfg.tokenizer or cfg.path
-    if not is_gguf(path) and not is_remote(path) and not Path(path).exists():
-        raise FileNotFoundError(f"model.tokenizer: {str(path)!r} does not exist; pass a directory with "
-                                "tokenizer files (tokenizer.json ...) or \"char\"")
-    return load_tokenizer(path)
+        tokenizer = data.char_tokenizer(add_bos=True)  # a BOS token gives attention a place to rest
+    else:
+        path = cfg.tokenizer or cfg.path
+        if not is_gguf(path) and not is_remote(path) and not Path(path).exists():
+            raise FileNotFoundError(f"model.tokenizer: {str(path)!r} does not exist; pass a directory with "
+                                    "tokenizer files (tokenizer.json ...) or \"char\"")
+        tokenizer = load_tokenizer(path)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(cfg.chat_template)
+    return tokenizer
+
+
+def chat_template_text(value: str) -> str:
+    """`model.chat_template`: Jinja text, or the path of a `.jinja` file holding it."""
+    if value.endswith(".jinja"):
+        if not Path(value).is_file():
+            raise FileNotFoundError(f"model.chat_template: {value!r} does not exist")
+        return Path(value).read_text()
+    if "{{" not in value and "{%" not in value:
+        raise ConfigError(f"model.chat_template: {value[:60]!r} is neither Jinja (no {{{{ or {{%) nor a .jinja file")
+    return value
 
 
 def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
@@ -190,7 +205,7 @@ def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | 
         raise ConfigError("environment: the tokenizer has no chat template to render the environment's messages "
                           "with; use a model whose tokenizer has one (model.tokenizer: a directory with a template)")
     try:
-        make_env = environment_factory(env.name, env.kwargs)
+        make_env = environment_factory(env.name, env.kwargs, tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     limits = EpisodeLimits(max_turns=env.max_turns, max_env_tokens=env.max_env_tokens,

@@ -222,3 +222,24 @@ def test_a_ppo_section_without_algorithm_ppo_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="applies only with algorithm: ppo"):
         load_config(write(tmp_path, BASE), ["ppo.lam=0.9"])
     assert load_config(write(tmp_path, BASE), ["ppo.lam=0.9", "algorithm=ppo"]).ppo.lam == 0.9
+
+
+def test_model_chat_template_gives_the_tokenizer_a_template_from_text_or_a_file(tmp_path):
+    """model.chat_template: Jinja text or a .jinja file, set on the tokenizer (the char tokenizer
+    has none of its own) and saved with it; anything else is refused by name."""
+    from grpo_jax.trainer.prepare import build_tokenizer
+
+    text = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    (tmp_path / "t.jinja").write_text(text.replace("<", "["))
+    messages = [{"role": "user", "content": "1+2"}]
+    for value, rendered in [(text, "<user>1+2>"), (str(tmp_path / "t.jinja"), "[user>1+2>")]:
+        raw = {**BASE, "model": {**BASE["model"], "chat_template": value}}
+        tok = build_tokenizer(load_config(write(tmp_path, raw)).model)
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    tok.save_pretrained(tmp_path / "saved")
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == text.replace("<", "[")
+    for value, message in [("user: {content}", "neither Jinja"), (str(tmp_path / "missing.jinja"), "does not exist")]:
+        raw = {**BASE, "model": {**BASE["model"], "chat_template": value}}
+        with pytest.raises((ConfigError, FileNotFoundError), match=message):
+            build_tokenizer(load_config(write(tmp_path, raw)).model)

@@ -122,3 +122,58 @@ def test_an_environment_the_run_cannot_use_is_refused_before_sampling(episode_co
     static["sampling"]["min_new_tokens"] = 2
     with pytest.raises(ConfigError, match="continuous engine.*min_new_tokens.*chat_template: never"):
         load_config(write_config(tmp_path, static))
+
+
+def test_the_warm_start_learns_from_worked_episodes_the_environment_answers(episode_config, tmp_path):
+    """sft.turns: each worked episode is the trajectory a sampled one with these turns would hold
+    (the whole conversation as the chat template renders it), the loss only on the model's turns; a
+    turn the sampler would have cut earlier, or turns that leave the episode open, are refused."""
+    from grpo_jax.trainer.prepare import build_model, prepare
+    from grpo_jax.trainer.warm_start import warm_start, worked_batch
+
+    _, cfg = episode_config
+    cfg = copy.deepcopy(cfg)
+    cfg["sft"] = {"steps": 3, "batch_size": 8, "learning_rate": 0.003, "turns": ["call {answer}!", "it is {answer}"]}
+    cfg["sampling"]["stop_token_ids"] = [2]  # <eos> only (the fixture's digits would end these turns early)
+    prepared = prepare(load_config(write_config(tmp_path, cfg)))
+    tok = prepared.tokenizer
+    examples = prepared.sft_stream.next_batch(8)
+    counts = {"failed": 0, "first": None}
+    prompts, ids, masks, width = worked_batch(prepared, examples, counts)
+    assert counts["failed"] == 0 and width == 16 + 40  # the trajectory's capacity
+    for ex, p, c, m in zip(examples, prompts, ids, masks):
+        a, q = ex.fields["answer"], ex.fields["prompt_messages"][-1]["content"]
+        conversation = [{"role": "user", "content": q}, {"role": "assistant", "content": f"call {a}!"},
+                        {"role": "tool", "content": "42"}, {"role": "assistant", "content": f"it is {a}"}]
+        # The template closes the last turn with a newline after <eos>, where the model stops.
+        assert tok.decode(p + c) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
+        model_text = tok.decode([t for t, k in zip(c, m) if k])
+        assert model_text == f"call {a}!<eos>it is {a}<eos>"  # the env's tokens have mask 0
+    model = build_model(prepared.config.model, prepared.model_config, 0)
+    losses = warm_start(prepared, model, log=lambda line: None)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+    for turns, message in [(["call {answer}"], "was not over after the 1 turns"),
+                           (["{nope}", "x"], "KeyError: 'nope'")]:
+        bad = copy.deepcopy(cfg)
+        bad["sft"]["turns"] = turns
+        with pytest.raises(ConfigError, match=message):
+            worked_batch(prepare(load_config(write_config(tmp_path, bad))), examples, dict(counts))
+    bad = copy.deepcopy(cfg)
+    bad["sampling"]["stop_token_ids"] = [tok.convert_tokens_to_ids("!"), tok.eos_token_id]
+    with pytest.raises(ConfigError, match="would end before its end when sampled"):
+        worked_batch(prepare(load_config(write_config(tmp_path, bad))), examples, dict(counts))
+
+
+def test_sft_turns_need_an_environment_and_an_environment_warm_start_needs_turns(episode_config, tmp_path):
+    _, cfg = episode_config
+    no_turns = copy.deepcopy(cfg)
+    no_turns["sft"] = {"steps": 2}
+    with pytest.raises(ConfigError, match="needs sft.turns"):
+        load_config(write_config(tmp_path, no_turns))
+    no_env = copy.deepcopy(cfg)
+    no_env.pop("environment")
+    no_env["sampling"]["engine"] = "static"
+    no_env["sft"] = {"steps": 2, "turns": ["{answer}"]}
+    with pytest.raises(ConfigError, match="sft.turns are the model's turns of worked episodes"):
+        load_config(write_config(tmp_path, no_env))
