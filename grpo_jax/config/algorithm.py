@@ -49,6 +49,13 @@ class GRPOConfig:
     # the trainer's and sampler's probabilities of the sampled token. None = off. The difference is
     # measured on every run either way (health/sampler_train_logprob_diff).
     sampler_is_cap: float | None = None
+    # Masked importance sampling: [low, high]; a token whose weight falls outside is dropped from the
+    # policy term (weight 0; the loss's normaliser is unchanged), the others keep their weight
+    # (capped by sampler_is_cap when set). None = off.
+    sampler_is_mask: tuple[float, float] | None = None
+    # token: each token's weight is its own ratio; sequence: every token of a row takes the geometric
+    # mean of the row's token ratios, so the cap and the mask act on whole sequences.
+    sampler_is_level: RatioLevel = "token"
 
     def __post_init__(self):
         choice_in("grpo", "ratio_level", self.ratio_level, RATIO_LEVELS)
@@ -74,6 +81,13 @@ class GRPOConfig:
             raise ValueError(f"grpo.num_iterations must be >= 1, got {self.num_iterations}")
         if self.sampler_is_cap is not None and self.sampler_is_cap < 1:
             raise ValueError(f"grpo.sampler_is_cap must be >= 1 (or null = off), got {self.sampler_is_cap}")
+        if self.sampler_is_mask is not None:
+            bounds = tuple(self.sampler_is_mask)
+            if len(bounds) != 2 or not 0 <= bounds[0] <= 1 <= bounds[1]:
+                raise ValueError(f"grpo.sampler_is_mask must be [low, high] with 0 <= low <= 1 <= high (or null = "
+                                 f"off), got {list(bounds)}")
+            object.__setattr__(self, "sampler_is_mask", (float(bounds[0]), float(bounds[1])))
+        choice_in("grpo", "sampler_is_level", self.sampler_is_level, RATIO_LEVELS)
         if self.ratio_level == "sequence" and max(self.epsilon_low, self.epsilon_high) >= 0.01:
             warnings.warn(
                 f"GSPO (ratio_level=sequence) with epsilon {self.epsilon_low}/{self.epsilon_high}: sequence "

@@ -76,7 +76,8 @@ class RunConfig:
         if self.algorithm == "ppo" and self.grpo.num_iterations > 1:
             raise ValueError("algorithm: ppo with grpo.num_iterations > 1 is not supported yet: its old values would "
                              "need a separate value pass before the updates; use num_iterations: 1")
-        if self.grpo.sampler_is_cap is not None and self.grpo.num_iterations > 1:
+        if (self.grpo.sampler_is_cap is not None or self.grpo.sampler_is_mask is not None) \
+                and self.grpo.num_iterations > 1:
             raise ValueError(
                 "grpo.sampler_is_cap with grpo.num_iterations > 1 is not supported: the ratio's old policy would be "
                 "the sampler's, not the trainer's; use num_iterations: 1 with the correction, or turn it off")

@@ -181,9 +181,9 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     batch) is given when this is one micro-batch of a larger batch.
 
     sampler_logprobs: the sampler's own log-probs of the tokens. Their distance to `logprobs` is
-    summed (`health/sampler_train_logprob_diff`, and its max), and with `config.sampler_is_cap`
-    each token's surrogate is weighted by min(exp(logprobs - sampler_logprobs), cap) (truncated
-    importance sampling, without gradient through the weight).
+    summed (`health/sampler_train_logprob_diff`, and its max), and with `config.sampler_is_cap` or
+    `config.sampler_is_mask` each token's surrogate is weighted by `sampler_weights` (truncated or
+    masked importance sampling, per token or per sequence, without gradient through the weight).
     """
     chex.assert_equal_shape([logprobs, old_logprobs, mask])
     if advantages.ndim == 2:
@@ -219,10 +219,13 @@ def _regularised(per_token_RM, logp_RM, mask_RM, config, *, ref_logprobs, entrop
         log_w = jax.lax.stop_gradient(logp_RM) - sampler_logprobs
         sums["health/sampler_train_logprob_diff"] = jnp.sum(jnp.abs(log_w) * mask_RM)
         sums["health/sampler_train_logprob_diff_max"] = jnp.max(jnp.where(mask_RM > 0, jnp.abs(log_w), 0.0))
-        if config.sampler_is_cap is not None:
-            per_token_RM = per_token_RM * jnp.minimum(jnp.exp(log_w), config.sampler_is_cap)
-    elif config.sampler_is_cap is not None:
-        raise ValueError("grpo.sampler_is_cap needs the sampler's log-probs")
+        weight_RM = sampler_weights(log_w, mask_RM, config)
+        if weight_RM is not None:
+            per_token_RM = per_token_RM * weight_RM
+            sums["rollout/is_weight_mean"] = jnp.sum(weight_RM * mask_RM)
+            sums["rollout/is_masked_frac"] = jnp.sum((weight_RM == 0) * mask_RM)
+    elif config.sampler_is_cap is not None or config.sampler_is_mask is not None:
+        raise ValueError("grpo.sampler_is_cap and grpo.sampler_is_mask need the sampler's log-probs")
     if config.beta > 0:
         if ref_logprobs is None:
             raise ValueError("grpo.beta > 0 needs reference log-probs")
@@ -236,6 +239,27 @@ def _regularised(per_token_RM, logp_RM, mask_RM, config, *, ref_logprobs, entrop
     if entropy is not None:
         sums["policy/entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask_RM)
     return per_token_RM, sums
+
+
+def sampler_weights(log_w_RM: jax.Array, mask_RM: jax.Array, config) -> jax.Array | None:
+    """Importance weights [R, M] of the trainer's policy against the sampler's, from the log-ratio
+    of each sampled token (`log_w` = trainer - sampler), or None when neither correction is on.
+
+    The weight is the token's ratio exp(log_w) (`sampler_is_level: token`) or, for every token of a
+    row, the geometric mean of its tokens' ratios exp(mean of log_w over the row's loss tokens)
+    (`sequence`); `sampler_is_cap` truncates it, min(w, cap); `sampler_is_mask` [low, high] sets it
+    to 0 where the uncapped w falls outside (a whole row at sequence level)."""
+    cap, bounds = config.sampler_is_cap, config.sampler_is_mask
+    if cap is None and bounds is None:
+        return None
+    if config.sampler_is_level == "sequence":
+        n_R1 = jnp.maximum(mask_RM.sum(axis=1, keepdims=True), 1.0)
+        log_w_RM = jnp.broadcast_to((log_w_RM * mask_RM).sum(axis=1, keepdims=True) / n_R1, log_w_RM.shape)
+    w_RM = jnp.exp(log_w_RM)
+    weight_RM = w_RM if cap is None else jnp.minimum(w_RM, cap)
+    if bounds is not None:
+        weight_RM = jnp.where((w_RM >= bounds[0]) & (w_RM <= bounds[1]), weight_RM, 0.0)
+    return jax.lax.stop_gradient(weight_RM)
 
 
 MAX_SUMS = ("policy/ratio_max", "health/sampler_train_logprob_diff_max")  # maxima, not sums

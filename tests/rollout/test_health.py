@@ -14,7 +14,7 @@ from flax import nnx
 from batches import M, R, fresh, make_batch, one_device_step
 
 from grpo_jax.config import GRPOConfig
-from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
+from grpo_jax.learner.grpo import effective_mask, loss_metrics, loss_weights, policy_loss
 from grpo_jax.rollout.health import distinct_answers, expected_zero_std_fraction, random_control, rollout_health
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.rewards import RewardResult, RewardSpec, format_reward
@@ -114,6 +114,49 @@ def test_sampler_drift_sums_and_truncated_importance_weights():
     with pytest.raises(ValueError, match="sampler's log-probs"):
         policy_loss(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask),
                     GRPOConfig(sampler_is_cap=2.0))
+
+
+def numpy_sampler_weights(logp, sampler, mask, cap, bounds, level):
+    """The importance weights written out: per token, or the geometric mean of a row's ratios."""
+    log_w = logp - sampler
+    if level == "sequence":
+        per_row = np.array([log_w[r][mask[r] > 0].mean() if mask[r].any() else 0.0 for r in range(len(mask))])
+        log_w = np.repeat(per_row[:, None], mask.shape[1], axis=1)
+    w = np.exp(log_w.astype(np.float64))
+    weight = w if cap is None else np.minimum(w, cap)
+    if bounds is not None:
+        weight = np.where((w >= bounds[0]) & (w <= bounds[1]), weight, 0.0)
+    return weight
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("cap, bounds", [(None, (0.95, 1.05)), (1.02, (0.9, 1.1)), (2.0, None)])
+def test_masked_and_sequence_level_importance_weights_against_numpy(level, cap, bounds):
+    """grpo.sampler_is_mask drops the tokens (sequence level: the rows) whose ratio to the sampler
+    falls outside [low, high] and keeps the others' weight; the loss, is_weight_mean and
+    is_masked_frac agree with the NumPy reference, and the KL term is not weighted."""
+    rng = np.random.default_rng(3)
+    logp = rng.normal(-2, 0.5, (R, M)).astype(np.float32)
+    sampler = (logp + rng.normal(0, 0.25, (R, M))).astype(np.float32)
+    mask = (np.arange(M)[None] < rng.integers(1, M + 1, R)[:, None]).astype(np.float32)
+    adv = rng.normal(size=R).astype(np.float32)
+    cfg = GRPOConfig(sampler_is_cap=cap, sampler_is_mask=bounds, sampler_is_level=level, beta=0.1)
+    ref = logp - 0.2
+    loss, sums = policy_loss(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask), cfg,
+                             ref_logprobs=jnp.asarray(ref), sampler_logprobs=jnp.asarray(sampler))
+    weight = numpy_sampler_weights(logp, sampler, mask, cap, bounds, level)
+    k3 = np.exp(ref - logp) - (ref - logp) - 1
+    want = np.sum((-adv[:, None] * weight + 0.1 * k3) * mask) / mask.sum()  # mu = 1: the ratio is 1
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-7)
+    metrics = loss_metrics(sums)
+    np.testing.assert_allclose(float(metrics["rollout/is_weight_mean"]), (weight * mask).sum() / mask.sum(), rtol=1e-5)
+    masked = ((weight == 0) * mask).sum() / mask.sum()
+    assert float(metrics["rollout/is_masked_frac"]) == pytest.approx(masked, abs=1e-6)
+    if bounds is not None:
+        assert 0 < masked < 1  # the draw puts some tokens (rows) on each side
+        if level == "sequence":  # whole rows: a row's loss tokens are all kept or all dropped
+            kept = [set((weight[r] > 0)[mask[r] > 0]) for r in range(R)]
+            assert all(len(k) == 1 for k in kept)
 
 
 def test_rollout_health_counts_what_it_says():
