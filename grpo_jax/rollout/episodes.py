@@ -27,7 +27,8 @@ from grpo_jax.config import SamplingConfig
 from grpo_jax.rollout.env.episode import Episode, EpisodeLimits
 from grpo_jax.rollout.env.transcript import encode
 from grpo_jax.rollout.sampling import pad_prompts
-from grpo_jax.rollout.turns import PAUSED, turn_programs
+from grpo_jax.rollout.episode_host import EpisodeHost
+from grpo_jax.rollout.turns import turn_programs
 
 
 @dataclasses.dataclass
@@ -91,12 +92,13 @@ class EpisodeRunner:
     name: str
     tokenizer: Any
     segment_steps: int = 16
+    mesh: Any = None  # the engine's slots split over its row shards (one host)
 
     def run(self, model, examples, sampling: SamplingConfig, rng: jax.Array, padding: int = 0) -> EpisodeBatch:
         """`padding`: the last examples only fill the batch's shape (see `run_episodes`)."""
         rows = [{**ex.fields, "prompt": _user_text(ex)} for ex in examples]
         return run_episodes(model, rows, self.tokenizer, self.make_env, sampling, self.limits, rng,
-                            segment_steps=self.segment_steps, name=self.name, padding=padding)
+                            segment_steps=self.segment_steps, name=self.name, padding=padding, mesh=self.mesh)
 
 
 def _user_text(example) -> str:
@@ -114,14 +116,15 @@ def trajectory_capacity(limits: EpisodeLimits) -> int:
 
 def run_episodes(model, examples: list[dict], tokenizer, make_env, config: SamplingConfig, limits: EpisodeLimits,
                  rng: jax.Array, *, segment_steps: int = 16, name: str = "environment", park: bool = True,
-                 padding: int = 0) -> EpisodeBatch:
+                 padding: int = 0, mesh=None) -> EpisodeBatch:
     """Run `config.group_size` episodes of each example to their end (see the module docstring).
     The model-token budget per episode is `limits.max_model_tokens` (it replaces
     `config.max_new_tokens`). `park`: an episode whose environment is still working one segment
     after its turn ended leaves its slot while other episodes wait for one (`turns.move_slots`);
     the trajectories are the same either way. `padding`: the last examples only fill a fixed shape;
     their episodes are failed without opening: no environment call, and their slots are freed at the
-    host's first look (at most one segment of decoding)."""
+    host's first look (at most one segment of decoding). `mesh`: the engine's slots split over its
+    row shards (data x fsdp; the model placed on it), on one host."""
     G = config.group_size
     episodes = [Episode(make_env, ex, tokenizer, limits, name=name) for ex in examples for _ in range(G)]
     for ep in episodes[len(episodes) - padding * G:]:
@@ -131,18 +134,19 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     T, E = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    start, advance, update, move = turn_programs(graphdef, cfg, None, T, E)
+    start, advance, update, move = turn_programs(graphdef, cfg, mesh, T, E)
     st = start(state, ids, mask, rng)
-    host = _Host(episodes, tokenizer, set(config.stop_token_ids), E, park=park)
-    while int(np.asarray(st["done"]).min()) < len(episodes):
+    shards = st["seq"].shape[0]
+    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, E, shards=shards, park=park)
+    while int(np.asarray(st["done"]).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
         answers, moves = host.answer(st)
         if moves is not None:
             st = move(st, *moves)
-        elif not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.calls:
+        elif not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.waiting_on_environments():
             time.sleep(0.002)  # every busy slot waits for an environment: let its thread run
         st = update(st, *answers)
-    out = {k: np.asarray(st[k])[0] for k in ("tokens", "logprobs", "env", "lengths")}
+    out = {k: np.asarray(st[k]).reshape(len(episodes), *st[k].shape[2:]) for k in ("tokens", "logprobs", "env", "lengths")}
     for ep in episodes:
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
@@ -166,107 +170,6 @@ def _open(episodes: list[Episode], G: int) -> list[list[int]]:
                                    "they share one prefill (put per-episode randomness in step)"), "reset")
         prompts.append(prompt)
     return prompts
-
-
-class _Host:
-    """The host's bookkeeping between segments: per episode, where its current turn starts, the
-    environment call in flight, and (parked episodes) its parking spot and its answer waiting for
-    a slot."""
-
-    def __init__(self, episodes, tokenizer, stop_ids, env_tokens, park: bool = True):
-        self.episodes, self.tokenizer, self.stop_ids, self.E = episodes, tokenizer, stop_ids, env_tokens
-        self.turn_start = [0] * len(episodes)
-        self.calls, self.since = {}, {}  # episode -> its environment call, the poll it started at
-        self.park, self.parks, self.polls = park, 0, 0
-        self.parked, self.parked_t, self.ready = {}, {}, {}  # episode -> spot, position, tokens to feed
-
-    def answer(self, st):
-        """(the arrays for `turns.host_update`, those for `turns.move_slots` or None) after a segment."""
-        self.polls += 1
-        seq, mode, t = (np.array(x)[0] for x in (st["seq"], st["mode"], st["cache"].slot_t))
-        tokens = logprobs = None
-        J = seq.shape[0]
-        release, forced = np.zeros((1, J), bool), np.zeros((1, J, self.E), np.int32)
-        n, rewind = np.zeros((1, J), np.int32), np.full((1, J), -1, np.int32)
-        park_to, load_from, ended = np.full((1, J), -1, np.int32), np.full((1, J), -1, np.int32), np.zeros(1, np.int32)
-        ended[0] = self._poll_parked()
-        waiting = int(np.asarray(st["next"])[0]) < st["tokens"].shape[1] or bool(self.ready)
-        spots = sorted(set(range(J)) - set(self.parked.values()))
-        for j in np.flatnonzero(seq >= 0):
-            r = int(seq[j])
-            ep = self.episodes[r]
-            if r in self.calls:
-                if not self.calls[r].ready(ep.limits.timeout_s):
-                    if self.park and waiting and spots and self.since[r] < self.polls:
-                        park_to[0, j] = self.parked[r] = spots.pop(0)
-                        self.parked_t[r], self.parks = int(t[j]), self.parks + 1
-                    continue
-                fed = ep.respond(self.calls.pop(r))
-                if fed is None:
-                    release[0, j] = True
-                else:
-                    forced[0, j, :len(fed)], n[0, j] = fed, len(fed)
-                    self.turn_start[r] = int(t[j]) + len(fed)
-                continue
-            if ep.error is not None:
-                release[0, j] = True
-                continue
-            if tokens is None:
-                tokens, logprobs = (np.asarray(st[k])[0] for k in ("tokens", "logprobs"))
-            end = self._turn_end(r, int(t[j]), mode[j] == PAUSED, tokens[r])
-            if end is None:
-                continue
-            cut = end < t[j]  # at the tool call's closing tag, not at a stop token
-            if cut:
-                rewind[0, j] = end
-            turn = tokens[r, self.turn_start[r]:end]
-            call = ep.add_turn(turn.tolist(), logprobs[r, self.turn_start[r]:end].tolist(),
-                               stopped=not cut and bool(turn.size) and int(turn[-1]) in self.stop_ids)
-            if call is None:
-                release[0, j] = True
-            else:
-                self.calls[r], self.since[r] = call, self.polls
-        # Answered parked episodes go back into the free slots and those just vacated.
-        for j in [*np.flatnonzero(seq < 0), *np.flatnonzero(park_to[0] >= 0)]:
-            if not self.ready:
-                break
-            r = next(iter(self.ready))  # the longest waiting first
-            fed = self.ready.pop(r)
-            load_from[0, j] = self.parked.pop(r)
-            forced[0, j, :len(fed)], n[0, j] = fed, len(fed)
-            self.turn_start[r] = self.parked_t.pop(r) + len(fed)
-        moved = (park_to >= 0).any() or (load_from >= 0).any() or ended.any()
-        return (release, forced, n, rewind), ((park_to, load_from, ended) if moved else None)
-
-    def _poll_parked(self) -> int:
-        """Answer the parked episodes whose environment is done -> how many of them ended (their
-        spots are free again; the others' tokens wait in `ready` for a slot)."""
-        ended = 0
-        for r in [r for r in self.parked if r in self.calls]:
-            ep = self.episodes[r]
-            if not self.calls[r].ready(ep.limits.timeout_s):
-                continue
-            fed = ep.respond(self.calls.pop(r))
-            if fed is None:
-                del self.parked[r], self.parked_t[r]
-                ended += 1
-            else:
-                self.ready[r] = fed
-        return ended
-
-    def _turn_end(self, r: int, t: int, paused: bool, tokens) -> int | None:
-        """Where episode r's current turn ends: at the environment's tool-call closing tag if the
-        model wrote one (the fewest tokens that contain it), else at `t` if the turn ended; None
-        while it goes on."""
-        tag = getattr(self.episodes[r].env, "tool_call_end", None)
-        start = self.turn_start[r]
-        if tag:
-            text = self.tokenizer.decode(tokens[start:t].tolist(), skip_special_tokens=False)
-            if tag in text:
-                for k in range(1, t - start + 1):
-                    if tag in self.tokenizer.decode(tokens[start:start + k].tolist(), skip_special_tokens=False):
-                        return start + k
-        return t if paused else None
 
 
 def worked_episodes(runner: EpisodeRunner, examples, turns: Sequence[str], stop_ids: Sequence[int]) -> list[Episode]:

@@ -198,9 +198,9 @@ def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | 
     env = config.environment
     if env is None:
         return None
-    if mesh.size > 1 or jax.process_count() > 1:
-        raise ConfigError(f"environment: episodes run on one device for now; this run's mesh has {mesh.size} "
-                          f"devices over {jax.process_count()} processes (set mesh: {{data: 1, fsdp: 1, tensor: 1}})")
+    if jax.process_count() > 1:
+        raise ConfigError(f"environment: episodes run on one host for now (the host steps every environment "
+                          f"and reads every slot); this run has {jax.process_count()} processes")
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("environment: the tokenizer has no chat template to render the environment's messages "
                           "with; use a model whose tokenizer has one (model.tokenizer: a directory with a template)")
@@ -211,7 +211,7 @@ def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | 
     limits = EpisodeLimits(max_turns=env.max_turns, max_env_tokens=env.max_env_tokens,
                            max_model_tokens=config.sampling.max_new_tokens, timeout_s=env.timeout_s)
     return EpisodeRunner(make_env=make_env, limits=limits, name=env.name, tokenizer=tokenizer,
-                         segment_steps=config.sampling.segment_steps)
+                         segment_steps=config.sampling.segment_steps, mesh=mesh)
 
 
 def _model_inputs(cfg: ModelConfig) -> tuple[Any, TransformerConfig]:

@@ -173,3 +173,28 @@ def test_padding_examples_play_no_episode(model):
     assert all(ep.turns == 0 and "padding" in ep.error for ep in padded.episodes[4:])
     np.testing.assert_array_equal(padded.tokens[:4], plain.tokens[:4])
     assert (padded.lengths[4:] <= 4).all()  # segment_steps
+
+
+def test_episodes_on_a_mesh_equal_one_device(model):
+    """Slots split over the mesh's row shards (each shard's episodes park and come back within
+    it) give the one-device trajectories: each sequence draws with its own uniforms."""
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.runtime.sharding import make_mesh, place_model
+
+    examples = [*EXAMPLES, {"prompt": "Subtract 1 from 9."}]
+    limits = EpisodeLimits(max_turns=2, max_env_tokens=40, max_model_tokens=16, timeout_s=10.0)
+
+    def go(m, mesh):
+        return run_episodes(m, examples, TOK, lambda: Scripted(delay_s=0.3), config(slots=4, max_new_tokens=16),
+                            limits, jax.random.key(5), segment_steps=4, mesh=mesh)
+
+    alone = go(model, None)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = Transformer(tiny("qwen3", vocab_size=len(TOK)), rngs=nnx.Rngs(0))
+    place_model(sharded, mesh)
+    split = go(sharded, mesh)
+    assert split.parks > 0  # one slot per shard: a slow environment's episode makes way for its shard-mate
+    for name in ("tokens", "lengths", "env"):
+        np.testing.assert_array_equal(getattr(split, name), getattr(alone, name), err_msg=name)
+    np.testing.assert_allclose(split.logprobs, alone.logprobs, atol=1e-5)
+    assert [ep.transcript for ep in split.episodes] == [ep.transcript for ep in alone.episodes]

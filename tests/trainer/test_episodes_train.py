@@ -57,6 +57,7 @@ def episode_config(tmp_path_factory):
     cfg["train"].update(steps=4, samples_every=1)
     cfg["eval"] = {"every": 0, "num_prompts": 4, "k": 2}
     cfg["checkpoint"] = {"every": 2}
+    cfg["mesh"] = {"data": 2, "fsdp": 1, "tensor": 1}  # the slots over two row shards, the batch over both
     cfg["environment"] = {"name": f"{root / 'one_tool.py'}:OneTool", "kwargs": {"answer": "42"}, "max_turns": 2,
                           "max_env_tokens": 40, "timeout_s": 10.0}
     return root, cfg
@@ -128,6 +129,7 @@ def test_the_warm_start_learns_from_worked_episodes_the_environment_answers(epis
     """sft.turns: each worked episode is the trajectory a sampled one with these turns would hold
     (the whole conversation as the chat template renders it), the loss only on the model's turns; a
     turn the sampler would have cut earlier, or turns that leave the episode open, are refused."""
+    from grpo_jax.runtime.sharding import place_model
     from grpo_jax.trainer.prepare import build_model, prepare
     from grpo_jax.trainer.warm_start import warm_start, worked_batch
 
@@ -149,7 +151,8 @@ def test_the_warm_start_learns_from_worked_episodes_the_environment_answers(epis
         assert tok.decode(p + c) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
         model_text = tok.decode([t for t, k in zip(c, m) if k])
         assert model_text == f"call {a}!<eos>it is {a}<eos>"  # the env's tokens have mask 0
-    model = build_model(prepared.config.model, prepared.model_config, 0)
+    model = build_model(prepared.config.model, prepared.model_config, 0, prepared.mesh)
+    place_model(model, prepared.mesh)
     losses = warm_start(prepared, model, log=lambda line: None)
     assert len(losses) == 3 and losses[-1] < losses[0]
 
