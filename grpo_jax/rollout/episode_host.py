@@ -51,8 +51,7 @@ class EpisodeHost:
     def answer(self, st):
         """(the arrays for `turns.host_update`, those for `turns.move_slots` or None) after a segment."""
         self.polls += 1
-        seq, mode, t, nxt = (np.asarray(st[k] if k != "t" else st["cache"].slot_t)
-                             for k in ("seq", "mode", "t", "next"))
+        seq, mode, t, nxt = (np.asarray(x) for x in (st["seq"], st["mode"], st["cache"].slot_t, st["next"]))
         Z, J = seq.shape
         out = _Answers(Z, J, self.E)
         out.ended[:] = self._poll_parked(Z)

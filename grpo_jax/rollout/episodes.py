@@ -146,7 +146,8 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         elif not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.waiting_on_environments():
             time.sleep(0.002)  # every busy slot waits for an environment: let its thread run
         st = update(st, *answers)
-    out = {k: np.asarray(st[k]).reshape(len(episodes), *st[k].shape[2:]) for k in ("tokens", "logprobs", "env", "lengths")}
+    out = {k: np.asarray(st[k]).reshape(len(episodes), *st[k].shape[2:])  # [Z, Rb, ...] -> episode rows
+           for k in ("tokens", "logprobs", "env", "lengths")}
     for ep in episodes:
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True

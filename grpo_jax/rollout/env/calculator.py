@@ -1,6 +1,7 @@
 """The `calculator` environment: the model writes an arithmetic expression in a tool call,
-`<calculator>12345 * 678</calculator>` (or the chat template's JSON format: grpo_jax.rollout.env.tool_calls), and the environment answers (role "tool") with its value or
-an error; a model turn without a tool call is the final answer, which the run's `rewards` score.
+`<calculator>12345 * 678</calculator>` (or the chat template's JSON format: grpo_jax.rollout.env.tool_calls),
+and the environment answers (role "tool") with its value or an error; a model turn without a tool
+call is the final answer, which the run's `rewards` score.
 
 The evaluator (`calculate`) parses with `ast` and walks an allow-list: numbers, + - * / // % **,
 unary + and -, parentheses. Everything else (names, attributes, calls, subscripts, strings,
