@@ -16,14 +16,15 @@ from grpo_jax.config.loading import (ConfigError, apply_overrides, config_from_d
                                      load_config, load_rm_config, unknown_key)
 from grpo_jax.config.model import DTYPES, LORA_TARGETS, REMATS, LoRAConfig, ModelConfig
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
-from grpo_jax.config.rollout import DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
+                                     SamplingConfig)
 from grpo_jax.config.schema import RunConfig
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
 __all__ = [
     "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "REMATS", "SCALES",
     "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EnvironmentConfig", "Estimator", "EvalConfig", "GRPOConfig",
-    "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RunConfig",
+    "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SamplingConfig", "Scale", "SFTConfig", "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict",
     "config_to_dict", "did_you_mean", "load_config", "load_rm_config", "unknown_key", "PreferenceDataConfig",
     "RMRunConfig", "RMTrainConfig",

@@ -22,7 +22,8 @@ import yaml
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
 from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
 from grpo_jax.config.model import LoRAConfig, ModelConfig
-from grpo_jax.config.rollout import DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
+                                     SamplingConfig)
 from grpo_jax.config.schema import RunConfig
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
@@ -30,7 +31,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
     "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig,
-    "lora": LoRAConfig, "environment": EnvironmentConfig,
+    "lora": LoRAConfig, "environment": EnvironmentConfig, "rollout": RolloutConfig,
 }
 # A float in exponent notation without a dot (1e-4, 3E+2), which PyYAML leaves a string.
 _YAML11_FLOAT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")

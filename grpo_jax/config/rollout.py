@@ -139,6 +139,33 @@ class EnvironmentConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Where and with which parameters rollouts are sampled (grpo_jax.rollout.pipeline).
+
+    staleness k: the batch the update of step t learns from was sampled with the parameters after
+    step t - 1 - k (k = 0: the synchronous loop, with the parameters the update starts from). The
+    first k + 1 steps learn from batches sampled with the starting parameters (their staleness
+    is t - 1). While the learner updates on step t's batch, the batch of step t + k is sampled.
+    sampler_devices N: the sampler runs on the first N devices (its own mesh, data-parallel, the
+    weights replicated) and the learner on the others, the learner's parameters copied device to
+    device after each update (perf/weight_sync_s); 0 = both on the run's mesh."""
+
+    staleness: int = 0
+    sampler_devices: int = 0
+
+    def __post_init__(self):
+        if self.staleness < 0:
+            raise ValueError(f"rollout.staleness must be >= 0, got {self.staleness}")
+        if self.sampler_devices < 0:
+            raise ValueError(f"rollout.sampler_devices must be >= 0 (0 = the learner's devices), got "
+                             f"{self.sampler_devices}")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.staleness > 0 or self.sampler_devices > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """Held-out evaluation every `every` steps (0 = only before the first and after the last step):
     `k` samples for each of `num_prompts` prompts; accuracy = mean correctness of all samples,

@@ -10,7 +10,8 @@ from typing import Literal, get_args
 from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
 from grpo_jax.config.checks import check_micro_batches, choice_in
 from grpo_jax.config.model import LoRAConfig, ModelConfig
-from grpo_jax.config.rollout import DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, SamplingConfig
+from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
+                                     SamplingConfig)
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
 Parallelism = Literal["jit", "pmap"]
@@ -47,6 +48,8 @@ class RunConfig:
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     # Multi-turn episodes with an environment (None: one completion per sample).
     environment: EnvironmentConfig | None = None
+    # Staleness and the sampler's own devices (a pipelined run).
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "rewards", tuple(self.rewards))
@@ -86,6 +89,8 @@ class RunConfig:
             raise ValueError(f"rewards: each function may appear once, got {names}")
         if self.eval.reward is not None and self.eval.reward not in names:
             raise ValueError(f"eval.reward={self.eval.reward!r} is not a configured reward; configured: {names}")
+        if self.rollout.pipelined:
+            self._check_pipeline()
         if self.environment is not None:
             self._check_environment()
         elif self.sft.turns:
@@ -93,6 +98,20 @@ class RunConfig:
                              "sft.answer_template for single answers")
         check_micro_batches(self.data.prompts_per_step * self.sampling.group_size, self.train.micro_batches,
                             "data.prompts_per_step x sampling.group_size")
+
+    def _check_pipeline(self) -> None:
+        """What a pipelined run (rollout.staleness or rollout.sampler_devices) supports today."""
+        refused = []
+        if self.parallelism != "jit":
+            refused.append("parallelism: pmap (use jit)")
+        if self.environment is not None:
+            refused.append("environment (multi-turn episodes sample on the learner's devices for now)")
+        if self.algorithm != "grpo":
+            refused.append(f"algorithm: {self.algorithm}")
+        if self.lora.enabled:
+            refused.append("lora (the adapters would have to be merged into the sampler's copy)")
+        if refused:
+            raise ValueError("rollout.staleness / rollout.sampler_devices: not supported with " + "; ".join(refused))
 
     def _check_environment(self) -> None:
         """What multi-turn runs support today; each refusal says what to change."""

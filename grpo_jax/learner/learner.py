@@ -71,17 +71,26 @@ class Learner:
         ref = jax.block_until_ready(self.parallel.ref_logprobs(reference, batch))
         return batch.replace(ref_logprobs=ref), time.perf_counter() - t0
 
-    def update(self, state: TrainState, trajectories) -> tuple[TrainState, dict[str, float]]:
-        """`grpo.num_iterations` updates on one step's trajectories -> (state, the update's metrics)."""
+    def update(self, state: TrainState, trajectories, while_waiting=None) -> tuple[TrainState, dict[str, float]]:
+        """`grpo.num_iterations` updates on one step's trajectories -> (state, the update's metrics).
+        `while_waiting()` runs after the updates are dispatched, before their results are read (a
+        pipelined source samples its next batch while the learner's programs run)."""
         batch, ref_s = self.complete(trajectories)
         t0 = time.perf_counter()
         for i in range(self.num_iterations):
             state, out = self.parallel.step(state, batch)
             if i == 0:  # sampler vs trainer: only the first update sees the sampler's policy
                 drift = {k: v for k, v in out.items() if k.startswith("health/sampler_train")}
+        ahead_s = 0.0
+        if while_waiting is not None:
+            t1 = time.perf_counter()
+            while_waiting()
+            ahead_s = time.perf_counter() - t1
         metrics = {k: float(v) for k, v in {**out, **drift}.items()}  # waits for the last update
-        train_s = time.perf_counter() - t0
+        train_s = time.perf_counter() - t0 - ahead_s  # the learner's own time, less the sampling beside it
         check_skips(metrics, self.max_consecutive_skips)
+        if while_waiting is not None:
+            metrics["perf/ahead_s"] = ahead_s  # sampling the next batch, during the update
         metrics.update({"perf/train_tokens_per_s": trajectories.tokens * self.num_iterations / max(train_s, 1e-9),
                         "perf/ref_s": ref_s, "perf/train_s": train_s,
                         "perf/prompt_len": float(batch.prompt_ids.shape[1])})

@@ -79,6 +79,8 @@ class SyncSampler:
                  max_resample_rounds: int, reward_control: str = "none"):
         self.prepared, self.model = prepared, model
         self.sampling, self.mesh, self.share = prepared.sampling, prepared.mesh, prepared.share
+        # Where it samples: the sampler's own mesh (rollout.sampler_devices), else the learner's.
+        self.sample_mesh = getattr(prepared, "sampler_mesh", None) or prepared.mesh
         self.rows = self.share.scaled(self.sampling.group_size)  # this host's rows of the rollout and batch
         self.seed, self.rng = seed, jax.random.key(seed)
         self.shared_prompt, self.reward_control = shared_prompt, reward_control
@@ -116,8 +118,8 @@ class SyncSampler:
         """One sampling round of this host's block of prompts: sampled on the mesh, scored here."""
         examples = self.prepared.train_stream.next_batch(self.share.size)
         t0 = time.perf_counter()
-        rollout = generate(self.model, to_global(self._prompt_arrays(examples), self.mesh, self.share), self.sampling,
-                           step_key(self.rng, step, round_index), mesh=self.mesh)
+        rollout = generate(self.model, to_global(self._prompt_arrays(examples), self.sample_mesh, self.share),
+                           self.sampling, step_key(self.rng, step, round_index), mesh=self.sample_mesh)
         rows = dict(zip(ROLLOUT_FIELDS, local_rows(tuple(getattr(rollout, k) for k in ROLLOUT_FIELDS), self.rows)))
         return self._score(step, round_index, examples, rows, sample_s=time.perf_counter() - t0)
 
@@ -137,9 +139,9 @@ class SyncSampler:
         def read(out: dict) -> dict:
             return dict(zip(out, local_rows(tuple(out.values()), rows_share)))
 
-        stream = EngineStream(self.model, to_global(self._prompt_arrays(examples), self.mesh, share), self.sampling,
-                              step_key(self.rng, step, 0), mesh=self.mesh, segment_steps=self.sampling.segment_steps,
-                              read=read)
+        stream = EngineStream(self.model, to_global(self._prompt_arrays(examples), self.sample_mesh, share),
+                              self.sampling, step_key(self.rng, step, 0), mesh=self.sample_mesh,
+                              segment_steps=self.sampling.segment_steps, read=read)
 
         def score(new: np.ndarray) -> Round:
             groups = [stream.group_rows(int(i)) for i in new]

@@ -22,16 +22,17 @@ def initialize_distributed(config: RunConfig) -> None:
 
 def check_devices(config: RunConfig) -> None:
     """The mesh fits the devices and the batch splits over it (before anything compiles)."""
+    pool = device_split(config)[1]  # the learner's devices
     if jax.process_count() > 1:
         if config.parallelism == "pmap":
             raise ConfigError(f"parallelism: pmap runs on one host; this run has {jax.process_count()} processes. "
                               "Use parallelism: jit with mesh.data: -1 for data parallelism across hosts")
         try:
-            used = len(mesh_devices(config.mesh))
+            used = len(mesh_devices(config.mesh, pool))
         except ValueError as e:
             raise ConfigError(f"mesh: {e}") from None
-        if used != jax.device_count():
-            raise ConfigError(f"mesh: a multi-host mesh must use all {jax.device_count()} devices of the "
+        if used != len(pool):
+            raise ConfigError(f"mesh: a multi-host mesh must use all {len(pool)} learner devices of the "
                               f"{jax.process_count()} processes, this one uses {used}; use -1 for one axis")
     if config.parallelism == "pmap":
         if config.mesh not in (MeshConfig(), MeshConfig(data=1, fsdp=1, tensor=1)):
@@ -41,10 +42,14 @@ def check_devices(config: RunConfig) -> None:
         ways = jax.local_device_count()
     else:
         try:
-            data, fsdp, _ = mesh_shape(config.mesh, len(mesh_devices(config.mesh)))
+            data, fsdp, _ = mesh_shape(config.mesh, len(mesh_devices(config.mesh, pool)))
         except ValueError as e:
             raise ConfigError(f"mesh: {e}") from None
         ways = data * fsdp
+        samplers = config.rollout.sampler_devices
+        if samplers and config.data.prompts_per_step % samplers:
+            raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} must be a multiple of "
+                              f"rollout.sampler_devices={samplers} (the sampler splits the prompts over its devices)")
     if config.data.prompts_per_step % ways:
         raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} must be a multiple of the "
                           f"{ways} ways the batch is split ({config.parallelism}: "
@@ -65,10 +70,36 @@ def check_devices(config: RunConfig) -> None:
                           "batch is split")
 
 
+def device_split(config: RunConfig) -> tuple[list, list]:
+    """(the sampler's devices, the learner's): with `rollout.sampler_devices` N, the first N / hosts
+    local devices of every host go to the sampler and the rest to the learner, so both meshes span
+    every host; without, the learner has every device and the sampler none of its own."""
+    n = config.rollout.sampler_devices
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if not n:
+        return [], jax.devices()
+    hosts = jax.process_count()
+    if n % hosts or n >= len(devices):
+        raise ConfigError(f"rollout.sampler_devices={n}: give the sampler the same number of devices on each of the "
+                          f"{hosts} hosts and leave the learner some of the {len(devices)}")
+    per_host = n // hosts
+    local = {p: [d for d in devices if d.process_index == p] for p in range(hosts)}
+    sampler = [d for p in range(hosts) for d in local[p][:per_host]]
+    return sampler, [d for p in range(hosts) for d in local[p][per_host:]]
+
+
 def run_mesh(config: RunConfig):
-    """The mesh a run samples and trains on: jit mode's (data, fsdp, tensor) mesh, or for pmap a
-    data-only mesh over the local devices (the sampler's; the update itself is pmapped)."""
+    """The mesh a run trains on (and samples on, without `rollout.sampler_devices`): jit mode's
+    (data, fsdp, tensor) mesh over the learner's devices, or for pmap a data-only mesh over the
+    local devices (the sampler's; the update itself is pmapped)."""
     if config.parallelism == "pmap":
         devices = jax.local_devices()
         return make_mesh(MeshConfig(data=len(devices)), devices)
-    return make_mesh(config.mesh, mesh_devices(config.mesh))
+    return make_mesh(config.mesh, mesh_devices(config.mesh, device_split(config)[1]))
+
+
+def sampler_mesh(config: RunConfig):
+    """The sampler's own mesh (`rollout.sampler_devices`: data-parallel over its devices, the
+    weights replicated), or None when it samples on the learner's mesh."""
+    devices = device_split(config)[0]
+    return make_mesh(MeshConfig(data=len(devices), fsdp=1, tensor=1), devices) if devices else None

@@ -63,11 +63,12 @@ def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def mesh_devices(config: MeshConfig) -> list[jax.Device]:
-    """The devices a mesh config asks for: all of them when a size is -1, else the first
-    data x fsdp x tensor (a (1, 1, 1) mesh on an 8-device host uses one device)."""
+def mesh_devices(config: MeshConfig, pool: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """The devices a mesh config asks for out of `pool` (default: every device): all of them when a
+    size is -1, else the first data x fsdp x tensor (a (1, 1, 1) mesh on an 8-device host uses one
+    device)."""
     sizes = (config.data, config.fsdp, config.tensor)
-    devices = jax.devices()
+    devices = list(jax.devices() if pool is None else pool)
     if -1 in sizes:
         return devices
     n = math.prod(sizes)

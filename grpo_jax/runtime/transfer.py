@@ -27,12 +27,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 def copy_to(tree, shardings, into=None):
     """`tree`'s arrays with `shardings` (a matching tree of NamedShardings on the target mesh).
-    `into`: the target's current arrays of the same shapes (needed with several processes)."""
+    `into`: the target's current arrays of the same shapes (with several processes; zeros are
+    made there when it is None or not on the target's devices yet)."""
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
-    if into is None:
-        raise ValueError("copy_to across processes needs the target's current arrays (`into`)")
-    return jax.tree.map(_stacked_copy, tree, shardings, into)
+
+    def one(x, target, old):
+        if old is None or old.sharding.device_set != target.device_set:
+            old = _zeros(x.shape, x.dtype, target)
+        return _stacked_copy(x, target, old)
+
+    return jax.tree.map(one, tree, shardings, tree if into is None else into)
+
+
+def _zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
 
 def _stacked_copy(x: jax.Array, target: NamedSharding, old: jax.Array) -> jax.Array:

@@ -65,27 +65,33 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any], reference=None) -> None:
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], reference=None, in_flight=None) -> None:
         """`reference`: the KL reference policy's params (grpo.beta > 0), saved so a resumed run
-        measures KL against the same policy."""
+        measures KL against the same policy; `in_flight`: a pipelined run's parameter copies that
+        sampled its batches in flight (grpo_jax.rollout.pipeline)."""
         rest = dataclasses.replace(state, params=None)
         items = dict(params=ocp.args.StandardSave(state.params), train_state=ocp.args.StandardSave(rest),
                      meta=ocp.args.JsonSave(meta))
         if reference is not None:
             items["reference"] = ocp.args.StandardSave(reference)
+        if in_flight:
+            items["in_flight"] = ocp.args.StandardSave(list(in_flight))
         self._manager.save(step, args=ocp.args.Composite(**items))
 
-    def restore(self, step: int, state: TrainState, reference=None):
-        """(state, reference params or None, meta) of a saved step, placed like `state` and
-        `reference` (arrays, or shape structs with shardings)."""
+    def restore(self, step: int, state: TrainState, reference=None, in_flight=None):
+        """(state, reference params or None, meta, in-flight parameters or None) of a saved step,
+        placed like `state`, `reference` and `in_flight` (arrays, or shape structs with shardings)."""
         rest = dataclasses.replace(state, params=None)
         items = dict(params=ocp.args.StandardRestore(_abstract(state.params)),
                      train_state=ocp.args.StandardRestore(_abstract(rest)), meta=ocp.args.JsonRestore())
         if reference is not None:
             items["reference"] = ocp.args.StandardRestore(_abstract(reference))
+        if in_flight:
+            items["in_flight"] = ocp.args.StandardRestore(list(in_flight))
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         restored = dataclasses.replace(out.train_state, params=out.params)
-        return restored, (out.reference if reference is not None else None), dict(out.meta)
+        return (restored, (out.reference if reference is not None else None), dict(out.meta),
+                (list(out.in_flight) if in_flight else None))
 
     def restore_meta(self, step: int) -> dict:
         """The `meta` item of a saved step alone (no arrays read)."""
@@ -267,22 +273,28 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
 
 
 def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
-              reference=None, base: dict | None = None, rewards: Sequence = ()) -> None:
+              reference=None, base: dict | None = None, rewards: Sequence = (), source=None) -> None:
     """Checkpoint `step` (collective: every process saves its shards): the state, the KL reference
     and every host's prompt-stream position (`stream.state_dict()`, gathered); a LoRA run's `base`
     record (`grpo_jax.trainer.lora_base.record`) goes into the metadata, and so does the state of every
-    reward that keeps one (`fn.state()`: a reward model's running normalisation), per host."""
-    streams = gather_json(stream.state_dict())  # each host's position in its share
+    reward that keeps one (`fn.state()`: a reward model's running normalisation), per host. A
+    pipelined `source` with batches in flight adds their parameters, and the stream and rewards are
+    saved as they were before the first of them (a resumed run samples them again)."""
+    flight = source.checkpoint() if hasattr(source, "checkpoint") else None
+    position = stream.state_dict() if flight is None else flight[2]["stream"]
+    streams = gather_json(position)  # each host's position in its share
     meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {}),
-            **({"base": base} if base is not None else {})}
+            **({"base": base} if base is not None else {}), **({"pipeline": flight[0]} if flight else {})}
     held = {spec.name: spec.fn.state() for spec in rewards if isinstance(spec.fn, StatefulReward)}
+    if flight is not None:
+        held = flight[2]["rewards"]
     if held:
         meta["rewards_by_process"] = gather_json(held)
-    checkpointer.save(step, state, meta, reference=reference)
+    checkpointer.save(step, state, meta, reference=reference, in_flight=flight[1] if flight else None)
 
 
 def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, base: dict | None,
-                    synced: Callable[[], None]) -> Callable[..., bool]:
+                    synced: Callable[[], None], source=None) -> Callable[..., bool]:
     """The loop's checkpoint hook (a `loop.StepHook`): saves the step (`save_step`, then `synced()`)
     every `checkpoint.every` steps, at the last step, and when `signals.check(step)` (a
     `preemption.StopSignals`, the same on every host) says a stop signal arrived or the clock made a
@@ -294,7 +306,7 @@ def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, b
         every = cfg.checkpoint.every
         if stop or due or every and step % every == 0 or step == cfg.train.steps:
             save_step(checkpointer, step, learner.unplace(state), stream=prepared.train_stream, seed=cfg.train.seed,
-                      reference=learner.reference, base=base, rewards=prepared.rewards)
+                      reference=learner.reference, base=base, rewards=prepared.rewards, source=source)
             synced()
             signals.saved()
         return stop
@@ -333,11 +345,19 @@ def _load_stream(meta: dict, step: int, stream) -> None:
 
 
 def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None,
-           rewards: Sequence = ()):
+           rewards: Sequence = (), source=None):
     """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
-    host's prompt stream moved to where it was and its rewards' states (`save_step`) restored. A
-    checkpoint of another number of hosts, or a stream with other settings, is a ConfigError."""
-    restored, saved_reference, meta = checkpointer.restore(step, state, reference)
+    host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
+    a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
+    stream with other settings, is a ConfigError."""
+    flight = checkpointer.restore_meta(step).get("pipeline")
+    if flight and not hasattr(source, "restore"):
+        raise ConfigError(f"checkpoint step {step} is of a run with rollout.staleness > 0 (batches in flight); "
+                          "resume it with the same rollout settings")
+    like = source.in_flight_like(len(flight["steps"])) if flight else None
+    restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
+    if hasattr(source, "restore"):
+        source.restore(flight or {"made_with": []}, in_flight or [])
     _load_stream(meta, step, stream)
     saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
     for spec in rewards:

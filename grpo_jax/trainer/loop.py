@@ -57,7 +57,7 @@ def run_steps(source: RolloutSource, learner, state, steps: range, hooks: Sequen
     for step in steps:
         t0 = time.perf_counter()
         trajectories = source.next(step)
-        state, metrics = learner.update(state, trajectories)
+        state, metrics = learner.update(state, trajectories, while_waiting=getattr(source, "ahead", None))
         source.sync(learner.params(state))
         metrics = {**metrics, **trajectories.metrics, "perf/step_s": time.perf_counter() - t0}
         stop = False
@@ -139,7 +139,8 @@ class Trainer:
         state, resume_from = b.state, None
         if candidates:
             state, resume_from = restore_state(checkpointer, candidates, b.learner.unplace(state), learner=b.learner,
-                                               prepared=self.prepared, where=str(self.storage), warn=self.log)
+                                               prepared=self.prepared, where=str(self.storage), warn=self.log,
+                                               source=b.source)
             state = b.learner.place(state)
             self.log(f"resumed from the checkpoint of step {resume_from} in {self.storage}"
                      + (f"; the run already reached train.steps={self.config.train.steps}, nothing left to train"
@@ -169,7 +170,7 @@ class Trainer:
 
         hooks = [lambda step, _, t, m: watch.check(step, m, t.first.rewards.messages), self._evaluate_hook,
                  self._publish, checkpoint_hook(checkpointer, signals, learner=b.learner, prepared=self.prepared,
-                                                base=b.base, synced=self.sync)]
+                                                base=b.base, synced=self.sync, source=b.source)]
         try:
             state, stopped_at = run_steps(b.source, b.learner, state, range(first, cfg.train.steps + 1), hooks)
             signals.stage = "finish"
@@ -211,8 +212,8 @@ class Trainer:
     def _evaluate(self, step: int) -> dict:
         p = self.prepared
         ev = evaluate(self.built.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
-                      sampling=p.eval_sampling, tokenizer=p.tokenizer, mesh=p.mesh, episodes=p.episodes,
-                      rng=jax.random.key(self.config.train.seed + 1))
+                      sampling=p.eval_sampling, tokenizer=p.tokenizer, mesh=p.sampler_mesh or p.mesh,
+                      episodes=p.episodes, rng=jax.random.key(self.config.train.seed + 1))
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
                  f"{ev['eval/pass@k']:.3f}")
         return ev

@@ -29,7 +29,7 @@ from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.rollout.env.episode import EpisodeLimits
 from grpo_jax.rollout.env.registry import environment_factory
 from grpo_jax.rollout.episodes import EpisodeRunner
-from grpo_jax.runtime.devices import check_devices, run_mesh
+from grpo_jax.runtime.devices import check_devices, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import init_on_host, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
@@ -52,6 +52,7 @@ class Prepared:
     sft_stream: PromptStream | None = None  # the warm start's own stream (its own share of sft.batch_size)
     notes: tuple[str, ...] = ()  # lines a run logs at start: the code sandbox's isolation, a short eval split
     episodes: Any = None  # with config.environment: its grpo_jax.rollout.episodes.EpisodeRunner
+    sampler_mesh: Mesh | None = None  # rollout.sampler_devices: the sampler's own mesh (else it samples on `mesh`)
 
 
 def build_tokenizer(cfg: ModelConfig):
@@ -190,7 +191,7 @@ def prepare(config: RunConfig) -> Prepared:
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     eval_sampling=eval_sampling, rewards=rewards, eval_reward=eval_reward,
                     eval_verifier=eval_verifier, mesh=mesh, notes=tuple(notes),
-                    episodes=episode_runner(config, tokenizer, mesh), **streams)
+                    episodes=episode_runner(config, tokenizer, mesh), sampler_mesh=sampler_mesh(config), **streams)
 
 
 def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | None:

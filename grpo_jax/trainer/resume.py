@@ -46,13 +46,13 @@ def resumable_steps(checkpointer: Checkpointer, steps: list[int], *, prepared, r
 
 
 def restore_state(checkpointer: Checkpointer, candidates: list[int], state, *, learner, prepared, where: str,
-                  warn: Callable[[str], None]) -> tuple[Any, int]:
+                  warn: Callable[[str], None], source=None) -> tuple[Any, int]:
     """(state, step) from the newest candidate that restores completely, with the learner's KL
     reference, the prompt stream and the rewards' states; damaged newer steps are set aside
     (`Checkpointer.set_aside`) so the resumed run can save those steps again."""
     def attempt(step: int):
         return resume(checkpointer, step, state, stream=prepared.train_stream, reference=learner.reference,
-                      rewards=prepared.rewards)
+                      rewards=prepared.rewards, source=source)
 
     skipped = [s for s in checkpointer.all_steps() if s > candidates[0]]  # found damaged by `resumable_steps`
     try:

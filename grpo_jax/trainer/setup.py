@@ -24,6 +24,7 @@ from grpo_jax.learner.train_step import TrainState, init_state, split_trainable
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.episode_source import EpisodeSampler
+from grpo_jax.rollout.pipeline import PipelinedSource
 from grpo_jax.rollout.source import SyncSampler
 from grpo_jax.runtime.sharding import place_model
 from grpo_jax.trainer import lora_base
@@ -35,7 +36,7 @@ class Built:
     model: nnx.Module  # the policy the sampler reads (its parameters follow the learner's)
     learner: Learner
     state: TrainState  # placed where the learner's update wants it, fresh (a resumed run restores into it)
-    source: SyncSampler
+    source: SyncSampler | PipelinedSource
     base: dict | None  # a LoRA run's base record (grpo_jax.trainer.lora_base), in checkpoint metadata
 
 
@@ -89,4 +90,7 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
         source = SyncSampler(prepared, model, **options)
     else:
         source = EpisodeSampler(prepared, model, log=log, **options)
+    if cfg.rollout.pipelined:  # staleness, or the sampler on its own devices
+        source = PipelinedSource(source, staleness=cfg.rollout.staleness, last_step=cfg.train.steps,
+                                 sampler_mesh=prepared.sampler_mesh)
     return Built(model=model, learner=learner, state=state, source=source, base=base)

@@ -39,7 +39,10 @@ MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 # The continuous engine's 64 slots (16 per row shard) for the 256 rows of a step: refills happen.
 ENGINE = ["sampling.engine=continuous", "sampling.slots=64"]
 # name: (devices per process, processes, overrides)
-RUNS = {"mesh": (8, 1, MESH), "multi": (4, 2, MESH), "cmesh": (8, 1, MESH + ENGINE), "cmulti": (4, 2, MESH + ENGINE)}
+# The sampler on 4 of the devices (2 per process), the learner on the other 4, one step stale.
+SPLIT = ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "rollout.sampler_devices=4", "rollout.staleness=1"]
+RUNS = {"mesh": (8, 1, MESH), "multi": (4, 2, MESH), "cmesh": (8, 1, MESH + ENGINE), "cmulti": (4, 2, MESH + ENGINE),
+        "smesh": (8, 1, SPLIT), "smulti": (4, 2, SPLIT)}
 
 
 def overrides(tfds_dir: Path) -> list[str]:
@@ -115,6 +118,7 @@ def runs(tmp_path_factory):
     out = {name: load(tmp / f"out_{name}" / "process0.npz") for name in RUNS}
     out["multi1"] = load(tmp / "out_multi" / "process1.npz")
     out["cmulti1"] = load(tmp / "out_cmulti" / "process1.npz")
+    out["smulti1"] = load(tmp / "out_smulti" / "process1.npz")
     out["dirs"] = {name: tmp / name for name in RUNS}
     return out
 
@@ -164,6 +168,18 @@ def test_the_continuous_engine_on_two_processes_ends_where_one_process_ends(runs
         assert_same_metrics(runs[name]["metrics"], runs["cmesh"]["metrics"], name)
     # The engines draw differently (per sequence, per step), so the runs did not sample alike.
     assert max_diff(params(runs["cmesh"], "final"), params(runs["mesh"], "final")) > 1e-6
+
+
+def test_split_meshes_with_staleness_on_two_processes_end_where_one_process_ends(runs):
+    """Sampler and learner on their own devices of both hosts, the parameters copied between them
+    device to device (no Pathways) and the batches one step stale: as on one process."""
+    p0, p1 = params(runs["smulti"], "final"), params(runs["smulti1"], "final")
+    assert max_diff(p0, p1) == 0.0
+    assert max_diff(p0, params(runs["smesh"], "final")) <= 1e-5
+    for name in ("smulti", "smulti1"):
+        assert_same_metrics(runs[name]["metrics"], runs["smesh"]["metrics"], name)
+    assert [m["rollout/staleness"] for m in runs["smesh"]["metrics"]] == [0.0, 1.0]
+    assert all(m["perf/weight_sync_s"] > 0 for m in runs["smulti"]["metrics"])
 
 
 def test_a_model_is_placed_over_both_hosts_without_gathering_it(runs):

@@ -1,0 +1,136 @@
+"""A pipelined rollout source: exact, bounded staleness, and the sampler on its own devices
+(`rollout.staleness`, `rollout.sampler_devices`; grpo_jax.config.RolloutConfig).
+
+With staleness k the batch of step t is sampled with the parameters after step t - 1 - k: the
+source keeps up to k finished batches ahead of the learner. The loop asks for step t's batch
+(`next`), the learner dispatches its update and, while its programs run, asks the source for the
+batch of step t + k (`ahead`, sampled with the parameters the sampler holds: those after step
+t - 1); then the new parameters come back (`sync`). One thread dispatches everything in that order
+on every host, so the programs of the two meshes interleave the same way everywhere (multi-
+controller collectives cannot deadlock), and JAX's asynchronous dispatch lets the sampler's
+programs run beside the learner's on disjoint devices. The first batches (steps 1 .. k+1) are all
+sampled with the starting parameters: their staleness is t - 1 (`rollout/staleness` says so).
+
+A checkpoint of step s holds what the batches in flight (steps s+1 .. s+k) need to be sampled
+again exactly: the parameters each was sampled with, and the prompt stream's and the rewards'
+states from before the first of them (`checkpoint`); a resumed run samples them again with those
+parameters (`restore`) and then goes on as the uninterrupted run did.
+
+The sampler's parameters are its own copy: on its own mesh (`runtime.transfer.copy_to`, device
+to device, timed as `perf/weight_sync_s`), or with staleness on the learner's devices a copy there
+(the learner donates its buffers to each update while the sampler still reads the older ones).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.rewards import StatefulReward
+from grpo_jax.rollout.source import Trajectories
+from grpo_jax.runtime.sharding import param_shardings
+from grpo_jax.runtime.transfer import copy_to
+
+
+class PipelinedSource:
+    """`inner`: a SyncSampler whose model the sampler reads (on `sampler_mesh` when given, which
+    `inner` samples on); `staleness`: k; `last_step`: the run's last step (no batch is sampled
+    beyond it)."""
+
+    def __init__(self, inner, *, staleness: int, last_step: int, sampler_mesh=None):
+        self.inner, self.k, self.sampler_mesh, self.last_step = inner, staleness, sampler_mesh, last_step
+        self.queue: dict[int, Trajectories] = {}
+        self.made_with: dict[int, int] = {}  # step -> the step whose parameters sampled its batch
+        self.to_make: int | None = None  # the next step whose batch is to be sampled
+        self.params_step: int | None = None  # the step whose parameters the sampler holds
+        self.sync_s = 0.0
+        self.params_of: dict[int, nnx.State] = {}  # step -> the parameters its batch was sampled with
+        self.rewind: dict[int, dict] = {}  # step -> stream and reward states before its batch was sampled
+        self.restored: list[tuple[int, nnx.State]] = []  # a resumed run's batches to sample again first
+        self.shardings = None
+        if sampler_mesh is not None:
+            self.shardings = param_shardings(nnx.state(inner.model, nnx.Param), sampler_mesh).shardings
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    def next(self, step: int) -> Trajectories:
+        if self.to_make is None:  # the run's first step (or its first after a resume)
+            self.to_make, self.params_step = step, step - 1
+            self._make_restored()
+            while self.to_make < min(step + self.k, self.last_step + 1):
+                self._make()
+        if step not in self.queue:  # staleness 0: sampled now, with the latest parameters
+            self._make()
+        t = self.queue.pop(step)
+        self.params_of.pop(step, None)
+        self.rewind.pop(step, None)
+        t.metrics.update({"rollout/staleness": float(step - 1 - self.made_with.pop(step)),
+                          "perf/weight_sync_s": self.sync_s})
+        return t
+
+    def ahead(self) -> None:
+        """While the learner updates on step t's batch: sample the batch of step t + k."""
+        if self.k and self.to_make is not None and self.to_make <= self.last_step:
+            self._make()
+
+    def _make(self, params_step: int | None = None) -> None:
+        step = self.to_make
+        p = self.inner.prepared
+        self.rewind[step] = {"stream": p.train_stream.state_dict(),
+                             "rewards": {s.name: s.fn.state() for s in p.rewards if isinstance(s.fn, StatefulReward)}}
+        self.params_of[step] = self._params()
+        self.queue[step] = self.inner.next(step)
+        self.made_with[step] = self.params_step if params_step is None else params_step
+        self.to_make += 1
+
+    def _make_restored(self) -> None:
+        """A resumed run's batches in flight, sampled again with the parameters they had."""
+        if not self.restored:
+            return
+        current = self._params()
+        for params_step, params in self.restored:
+            self.inner.sync(params)
+            self._make(params_step)
+        self.inner.sync(current)
+        self.restored = []
+
+    def _params(self) -> nnx.State:
+        """The sampler's parameters now: a snapshot (nnx.state's Variables follow later updates of
+        the model; the arrays themselves never change)."""
+        return jax.tree.map(lambda x: x, nnx.state(self.inner.model, nnx.Param))
+
+    def checkpoint(self) -> tuple[dict, list, dict] | None:
+        """(metadata, the in-flight batches' parameters, the stream and reward states to rewind
+        to) for a checkpoint taken now, or None when nothing is in flight."""
+        steps = sorted(self.queue)
+        if not steps:
+            return None
+        meta = {"steps": steps, "made_with": [self.made_with[u] for u in steps]}
+        return meta, [self.params_of[u] for u in steps], self.rewind[steps[0]]
+
+    def in_flight_like(self, count: int) -> list:
+        """Shapes and shardings of `count` parameter copies as the sampler holds them (to restore)."""
+        params = nnx.state(self.inner.model, nnx.Param)
+        shardings = self.shardings if self.shardings is not None else jax.tree.map(lambda x: x.sharding, params)
+        like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+        return [like] * count
+
+    def restore(self, meta: dict, params: list) -> None:
+        """A checkpoint's batches in flight (`checkpoint`), sampled again at the first `next`."""
+        self.restored = list(zip(meta["made_with"], params))
+
+    def sync(self, params: nnx.State) -> None:
+        t0 = time.perf_counter()
+        if self.sampler_mesh is not None:
+            params = copy_to(params, self.shardings, into=nnx.state(self.inner.model, nnx.Param))
+        elif self.k:
+            params = jax.tree.map(jnp.copy, params)
+        self.inner.sync(jax.block_until_ready(params))
+        self.sync_s = time.perf_counter() - t0
+        if self.params_step is not None:
+            self.params_step += 1
