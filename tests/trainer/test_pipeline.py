@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from runs import CONFIG, assert_same_run
 
 from grpo_jax.config import ConfigError, config_from_dict
