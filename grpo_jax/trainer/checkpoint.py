@@ -350,10 +350,8 @@ def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, 
     host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
     a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
     stream with other settings, is a ConfigError."""
-    flight = checkpointer.restore_meta(step).get("pipeline")
-    if flight and not hasattr(source, "restore"):
-        raise ConfigError(f"checkpoint step {step} is of a run with rollout.staleness > 0 (batches in flight); "
-                          "resume it with the same rollout settings")
+    flight = checkpointer.restore_meta(step).get("pipeline")  # refused without a pipeline by resumable_steps
+    flight = flight if hasattr(source, "restore") else None
     like = source.in_flight_like(len(flight["steps"])) if flight else None
     restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
     if hasattr(source, "restore"):

@@ -36,7 +36,11 @@ def resumable_steps(checkpointer: Checkpointer, steps: list[int], *, prepared, r
     base: a ConfigError) is found here, before the run directory is written."""
     def check(step: int) -> None:
         check_resumable(checkpointer, step, stream=prepared.train_stream, run_dir=run_dir, model_json=model_json)
-        check_base(prepared.config, checkpointer.restore_meta(step), run_dir, where)
+        meta = checkpointer.restore_meta(step)
+        check_base(prepared.config, meta, run_dir, where)
+        if meta.get("pipeline") and not prepared.config.rollout.pipelined:
+            raise ConfigError(f"{where}: checkpoint step {step} is of a run with rollout.staleness > 0 (it holds "
+                              "batches in flight); resume it with its rollout settings")
 
     try:
         step, _, _ = first_restorable(steps, check, where=where, warn=warn, agree=any_host)

@@ -113,3 +113,14 @@ def test_a_resumed_stale_run_equals_the_uninterrupted_one(stale_run, tmp_path):
     for a, b in zip(params_of(trainer.built.learner.params(trainer.state)), got):
         np.testing.assert_array_equal(a, b)
     assert_same_run(run_dir, stopped)
+
+
+def test_a_stale_checkpoint_is_not_resumed_by_a_synchronous_run(stale_run, tmp_path):
+    _, _, run_dir = stale_run
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(run_dir, copy_dir)
+    shutil.rmtree(copy_dir / "checkpoints" / str(STEPS))
+    config = (copy_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="rollout.staleness > 0"):
+        Trainer(pipeline_config(), copy_dir, log=lambda line: None).run()
+    assert (copy_dir / "config.yaml").read_text() == config  # refused before anything was written
