@@ -108,8 +108,6 @@ class RunConfig:
             refused.append("environment (multi-turn episodes sample on the learner's devices for now)")
         if self.algorithm != "grpo":
             refused.append(f"algorithm: {self.algorithm}")
-        if self.lora.enabled:
-            refused.append("lora (the adapters would have to be merged into the sampler's copy)")
         if refused:
             raise ValueError("rollout.staleness / rollout.sampler_devices: not supported with " + "; ".join(refused))
 

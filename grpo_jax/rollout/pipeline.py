@@ -16,6 +16,9 @@ again exactly: the parameters each was sampled with, and the prompt stream's and
 states from before the first of them (`checkpoint`); a resumed run samples them again with those
 parameters (`restore`) and then goes on as the uninterrupted run did.
 
+With LoRA only the adapters move after each update (`perf/weight_sync_bytes`); the frozen base
+goes to the sampler's devices once, and the sampler computes with the adapters, unmerged.
+
 The sampler's parameters are its own copy: on its own mesh (`runtime.transfer.copy_to`, device
 to device, timed as `perf/weight_sync_s`), or with staleness on the learner's devices a copy there
 (the learner donates its buffers to each update while the sampler still reads the older ones).
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.models.lora import LoRAParam, has_adapters
 from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.source import Trajectories
 from grpo_jax.runtime.sharding import param_shardings
@@ -50,9 +54,18 @@ class PipelinedSource:
         self.params_of: dict[int, nnx.State] = {}  # step -> the parameters its batch was sampled with
         self.rewind: dict[int, dict] = {}  # step -> stream and reward states before its batch was sampled
         self.restored: list[tuple[int, nnx.State]] = []  # a resumed run's batches to sample again first
+        # The sampler's own module: the learner's state (a LoRA run's frozen base among it) may
+        # hold the Variables of the model it was built from, which the sampler's updates must not move.
+        inner.model = nnx.clone(inner.model)
+        # What the learner trains and sends: every parameter, or with LoRA only the adapters (the
+        # frozen base goes to the sampler's devices once, here).
+        self.trainable = LoRAParam if has_adapters(inner.model) else nnx.Param
         self.shardings = None
+        self.sync_bytes = 0
         if sampler_mesh is not None:
-            self.shardings = param_shardings(nnx.state(inner.model, nnx.Param), sampler_mesh).shardings
+            whole = nnx.state(inner.model, nnx.Param)
+            nnx.update(inner.model, copy_to(whole, param_shardings(whole, sampler_mesh).shardings))
+            self.shardings = param_shardings(nnx.state(inner.model, self.trainable), sampler_mesh).shardings
 
     @property
     def model(self):
@@ -70,7 +83,7 @@ class PipelinedSource:
         self.params_of.pop(step, None)
         self.rewind.pop(step, None)
         t.metrics.update({"rollout/staleness": float(step - 1 - self.made_with.pop(step)),
-                          "perf/weight_sync_s": self.sync_s})
+                          "perf/weight_sync_s": self.sync_s, "perf/weight_sync_bytes": float(self.sync_bytes)})
         return t
 
     def ahead(self) -> None:
@@ -102,7 +115,7 @@ class PipelinedSource:
     def _params(self) -> nnx.State:
         """The sampler's parameters now: a snapshot (nnx.state's Variables follow later updates of
         the model; the arrays themselves never change)."""
-        return jax.tree.map(lambda x: x, nnx.state(self.inner.model, nnx.Param))
+        return jax.tree.map(lambda x: x, nnx.state(self.inner.model, self.trainable))
 
     def checkpoint(self) -> tuple[dict, list, dict] | None:
         """(metadata, the in-flight batches' parameters, the stream and reward states to rewind
@@ -115,7 +128,7 @@ class PipelinedSource:
 
     def in_flight_like(self, count: int) -> list:
         """Shapes and shardings of `count` parameter copies as the sampler holds them (to restore)."""
-        params = nnx.state(self.inner.model, nnx.Param)
+        params = nnx.state(self.inner.model, self.trainable)
         shardings = self.shardings if self.shardings is not None else jax.tree.map(lambda x: x.sharding, params)
         like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
         return [like] * count
@@ -127,10 +140,11 @@ class PipelinedSource:
     def sync(self, params: nnx.State) -> None:
         t0 = time.perf_counter()
         if self.sampler_mesh is not None:
-            params = copy_to(params, self.shardings, into=nnx.state(self.inner.model, nnx.Param))
+            params = copy_to(params, self.shardings, into=nnx.state(self.inner.model, self.trainable))
         elif self.k:
             params = jax.tree.map(jnp.copy, params)
         self.inner.sync(jax.block_until_ready(params))
+        self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         self.sync_s = time.perf_counter() - t0
         if self.params_step is not None:
             self.params_step += 1

@@ -211,7 +211,7 @@ class Trainer:
     # --- around the loop --------------------------------------------------------------------------
     def _evaluate(self, step: int) -> dict:
         p = self.prepared
-        ev = evaluate(self.built.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
+        ev = evaluate(self.built.source.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
                       sampling=p.eval_sampling, tokenizer=p.tokenizer, mesh=p.sampler_mesh or p.mesh,
                       episodes=p.episodes, rng=jax.random.key(self.config.train.seed + 1))
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "

@@ -23,8 +23,10 @@ from grpo_jax.trainer.setup import build
 STEPS = 3
 
 
-def pipeline_config(**rollout):
+def pipeline_config(lora=None, **rollout):
     cfg = copy.deepcopy(CONFIG)
+    if lora:
+        cfg["lora"] = lora
     cfg["data"].update(prompts_per_step=8)
     cfg["sft"] = {"steps": 20, "learning_rate": 0.003, "batch_size": 32}
     cfg["train"].update(steps=STEPS, samples_every=0)
@@ -39,8 +41,8 @@ def params_of(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def trained(tmp_path, name, **rollout):
-    trainer = Trainer(pipeline_config(**rollout), tmp_path / name, log=lambda line: None)
+def trained(tmp_path, name, lora=None, **rollout):
+    trainer = Trainer(pipeline_config(lora, **rollout), tmp_path / name, log=lambda line: None)
     trainer.run()
     rows = [r for r in map(dict, _metrics(tmp_path / name)) if "train/loss" in r]
     return params_of(trainer.built.learner.params(trainer.state)), rows
@@ -89,6 +91,24 @@ def test_the_sampler_on_its_own_devices_is_the_synchronous_run(tmp_path):
     assert all(r["rollout/staleness"] == 0.0 and r["perf/weight_sync_s"] > 0 for r in rows)
     for a, b in zip(split, shared):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_with_lora_only_the_adapters_go_to_the_sampler(tmp_path):
+    lora = {"rank": 4, "alpha": 8.0}
+    shared, _ = trained(tmp_path, "shared", lora=lora)
+    split, rows = trained(tmp_path, "split", lora=lora, sampler_devices=4, staleness=1)
+    adapters = sum(a.nbytes for a in split)  # what the learner trains: the adapters
+    assert all(r["perf/weight_sync_bytes"] == adapters for r in rows)
+    whole = sum(v.nbytes for v in jax.tree.leaves(CONFIG_PARAMS(tmp_path / "split")))
+    assert adapters < whole / 4
+    assert any(not np.array_equal(a, b) for a, b in zip(split, shared))  # one step stale: another run
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+
+
+def CONFIG_PARAMS(run_dir):
+    from grpo_jax.trainer.checkpoint import load_policy
+    from flax import nnx
+    return nnx.state(load_policy(run_dir)[0], nnx.Param)
 
 
 def test_a_pipeline_that_cannot_run_is_refused(tmp_path):
