@@ -17,7 +17,8 @@ states from before the first of them (`checkpoint`); a resumed run samples them 
 parameters (`restore`) and then goes on as the uninterrupted run did.
 
 With LoRA only the adapters move after each update (`perf/weight_sync_bytes`); the frozen base
-goes to the sampler's devices once, and the sampler computes with the adapters, unmerged.
+goes to the sampler's devices once, and there the adapters are merged into it (W + (alpha / r) A B,
+jitted): the sampler runs a plain model, without the adapters' extra matmuls.
 
 The sampler's parameters are its own copy: on its own mesh (`runtime.transfer.copy_to`, device
 to device, timed as `perf/weight_sync_s`), or with staleness on the learner's devices a copy there
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models.lora import LoRAParam, has_adapters
+from grpo_jax.models.lora import LoRAParam, has_adapters, merge_adapters, strip_adapters
 from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.source import Trajectories
 from grpo_jax.runtime.sharding import param_shardings
@@ -56,20 +57,41 @@ class PipelinedSource:
         self.restored: list[tuple[int, nnx.State]] = []  # a resumed run's batches to sample again first
         # The sampler's own module: the learner's state (a LoRA run's frozen base among it) may
         # hold the Variables of the model it was built from, which the sampler's updates must not move.
-        inner.model = nnx.clone(inner.model)
+        held = nnx.clone(inner.model)
         # What the learner trains and sends: every parameter, or with LoRA only the adapters (the
         # frozen base goes to the sampler's devices once, here).
-        self.trainable = LoRAParam if has_adapters(inner.model) else nnx.Param
+        lora = has_adapters(held)
+        self.trainable = LoRAParam if lora else nnx.Param
         self.shardings = None
         self.sync_bytes = 0
         if sampler_mesh is not None:
-            whole = nnx.state(inner.model, nnx.Param)
-            nnx.update(inner.model, copy_to(whole, param_shardings(whole, sampler_mesh).shardings))
-            self.shardings = param_shardings(nnx.state(inner.model, self.trainable), sampler_mesh).shardings
+            whole = nnx.state(held, nnx.Param)
+            nnx.update(held, copy_to(whole, param_shardings(whole, sampler_mesh).shardings))
+            self.shardings = param_shardings(nnx.state(held, self.trainable), sampler_mesh).shardings
+        # With LoRA the pipeline holds the adapted model and the sampler a plain one whose weights
+        # are the adapters merged into the base, W + (alpha / r) A B, after every update.
+        self.adapted = held if lora else None
+        inner.model = strip_adapters(held) if lora else held
+        if lora:
+            graphdef = nnx.graphdef(held)
+            self._merge = jax.jit(lambda state: nnx.state(merge_adapters(nnx.merge(graphdef, state)), nnx.Param))
+            self._load(nnx.state(held, LoRAParam))
 
     @property
     def model(self):
         return self.inner.model
+
+    def _held(self):
+        """The module whose trainable parameters the learner's updates replace."""
+        return self.adapted if self.adapted is not None else self.inner.model
+
+    def _load(self, params: nnx.State) -> None:
+        """The sampler takes `params` (the learner's trainable parameters, on its devices)."""
+        if self.adapted is None:
+            self.inner.sync(params)
+            return
+        nnx.update(self.adapted, params)
+        nnx.update(self.inner.model, self._merge(nnx.state(self.adapted)))
 
     def next(self, step: int) -> Trajectories:
         if self.to_make is None:  # the run's first step (or its first after a resume)
@@ -107,15 +129,15 @@ class PipelinedSource:
             return
         current = self._params()
         for params_step, params in self.restored:
-            self.inner.sync(params)
+            self._load(params)
             self._make(params_step)
-        self.inner.sync(current)
+        self._load(current)
         self.restored = []
 
     def _params(self) -> nnx.State:
         """The sampler's parameters now: a snapshot (nnx.state's Variables follow later updates of
         the model; the arrays themselves never change)."""
-        return jax.tree.map(lambda x: x, nnx.state(self.inner.model, self.trainable))
+        return jax.tree.map(lambda x: x, nnx.state(self._held(), self.trainable))
 
     def checkpoint(self) -> tuple[dict, list, dict] | None:
         """(metadata, the in-flight batches' parameters, the stream and reward states to rewind
@@ -128,7 +150,7 @@ class PipelinedSource:
 
     def in_flight_like(self, count: int) -> list:
         """Shapes and shardings of `count` parameter copies as the sampler holds them (to restore)."""
-        params = nnx.state(self.inner.model, self.trainable)
+        params = nnx.state(self._held(), self.trainable)
         shardings = self.shardings if self.shardings is not None else jax.tree.map(lambda x: x.sharding, params)
         like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
         return [like] * count
@@ -140,10 +162,11 @@ class PipelinedSource:
     def sync(self, params: nnx.State) -> None:
         t0 = time.perf_counter()
         if self.sampler_mesh is not None:
-            params = copy_to(params, self.shardings, into=nnx.state(self.inner.model, self.trainable))
+            params = copy_to(params, self.shardings, into=nnx.state(self._held(), self.trainable))
         elif self.k:
             params = jax.tree.map(jnp.copy, params)
-        self.inner.sync(jax.block_until_ready(params))
+        self._load(jax.block_until_ready(params))
+        jax.block_until_ready(nnx.state(self.inner.model))
         self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         self.sync_s = time.perf_counter() - t0
         if self.params_step is not None:

@@ -93,16 +93,17 @@ def test_the_sampler_on_its_own_devices_is_the_synchronous_run(tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_with_lora_only_the_adapters_go_to_the_sampler(tmp_path):
-    lora = {"rank": 4, "alpha": 8.0}
-    shared, _ = trained(tmp_path, "shared", lora=lora)
-    split, rows = trained(tmp_path, "split", lora=lora, sampler_devices=4, staleness=1)
+def test_with_lora_only_the_adapters_go_to_the_sampler_which_merges_them(tmp_path):
+    """The learner's adapters are all that moves after an update; on its own devices the sampler
+    folds them into its copy of the base and samples the learner's policy (the sampler-vs-trainer
+    log-prob check stays at float rounding)."""
+    split, rows = trained(tmp_path, "split", lora={"rank": 4, "alpha": 8.0}, sampler_devices=4)
     adapters = sum(a.nbytes for a in split)  # what the learner trains: the adapters
     assert all(r["perf/weight_sync_bytes"] == adapters for r in rows)
-    whole = sum(v.nbytes for v in jax.tree.leaves(CONFIG_PARAMS(tmp_path / "split")))
-    assert adapters < whole / 4
-    assert any(not np.array_equal(a, b) for a, b in zip(split, shared))  # one step stale: another run
-    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert adapters < sum(v.nbytes for v in jax.tree.leaves(CONFIG_PARAMS(tmp_path / "split"))) / 4
+    assert all(r["health/sampler_train_logprob_diff"] < 1e-5 for r in rows)
+    # The adapters moved the policy from the base (so a sampler left on the base would differ).
+    assert rows[-1]["kl/k3"] > 1e-6
 
 
 def CONFIG_PARAMS(run_dir):
