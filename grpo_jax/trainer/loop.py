@@ -6,8 +6,7 @@ over any rollout source and learner; `Trainer` builds a run's pieces and hooks a
 Where each part lives: inputs checked before any compile, `trainer.prepare`; the pieces (policy,
 warm start, LoRA base, learner, rollout source), `trainer.setup`; which checkpoint to resume,
 `trainer.resume`; checkpoints, `trainer.checkpoint`; SIGTERM/SIGINT, `trainer.preemption`; the
-rollout source, `rollout.source`; the learner, `learner.learner`; the reward watch,
-`rewards.watch`.
+rollout source, `rollout.source` (`rollout.pipeline`); the learner, `learner.learner`; rewards.watch.
 
 Files in the run directory: `config.yaml`, `model/` (architecture + tokenizer), `metrics.jsonl`,
 `samples.jsonl`, `tensorboard/`, `checkpoints/<step>/`, `metrics.png` (at the end).
@@ -53,7 +52,8 @@ class StepHook(Protocol):
 
 def run_steps(source: RolloutSource, learner, state, steps: range, hooks: Sequence[StepHook]):
     """The loop -> (state, the step it stopped after when a hook asked to stop early, else None).
-    `learner`: anything with `update(state, trajectories) -> (state, metrics)` and `params(state)`."""
+    `learner`: anything with `update(state, trajectories, while_waiting) -> (state, metrics)` and
+    `params(state)`; it calls `while_waiting()` (a pipelined source's `ahead`) once its update is dispatched."""
     for step in steps:
         t0 = time.perf_counter()
         trajectories = source.next(step)

@@ -34,7 +34,9 @@ class FakeSource:
 class FakeLearner:
     """state -> state + mean reward; its params are the state itself."""
 
-    def update(self, state, trajectories):
+    def update(self, state, trajectories, while_waiting=None):
+        if while_waiting is not None:  # a pipelined source samples ahead while the update runs
+            while_waiting()
         return state + float(trajectories.rewards.mean()) + 1.0, {"train/loss": -state}
 
     def params(self, state):
