@@ -5,7 +5,7 @@ The main API, importable from here:
 - `from_pretrained(path, dtype=..., param_dtype=...)`, `save_pretrained(model, path)`: Hugging Face
   checkpoints to and from our Flax NNX decoder (grpo_jax.models);
 - `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.rollout.sampling);
-- `group_advantages(rewards, group_size, *, scale, estimator)` (grpo_jax.learner.grpo);
+- `group_advantages(rewards, group_size, *, scale, estimator, ddof=0)` (grpo_jax.learner.grpo);
 - `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir)`
   (grpo_jax.trainer.loop);
 - `mesh_device_grid(mesh_config, devices)`: the host-aware device order of a run's mesh

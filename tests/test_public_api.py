@@ -123,6 +123,9 @@ def test_group_advantages_by_keyword():
     # RLOO: r_i minus the mean of the group's other rewards.
     np.testing.assert_allclose(np.asarray(out.advantages), [1.0, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0], rtol=1e-6)
     assert np.asarray(out.zero_std).tolist() == [False, True] and bool(np.asarray(out.valid).all())
+    bessel = group_advantages(rewards=rewards, group_size=4, scale="group", estimator="grpo", eps=0.0, ddof=1)
+    np.testing.assert_allclose(np.asarray(bessel.advantages)[:4], np.array([0.75, -0.25, -0.25, -0.25]) / 0.5,
+                               rtol=1e-6)  # the group's sample std (ddof 1) is 0.5
 
 
 def test_gae_by_keyword():

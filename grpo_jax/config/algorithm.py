@@ -14,11 +14,13 @@ Estimator = Literal["grpo", "rloo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 RatioLevel = Literal["token", "sequence"]
+PolicyLoss = Literal["clip", "cispo"]
 SCALES: tuple[str, ...] = get_args(Scale)
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
@@ -27,7 +29,16 @@ class GRPOConfig:
     ratio_level "token" is GRPO/DAPO's per-token importance ratio; "sequence" is GSPO's
     length-normalised sequence ratio (its clip range is ~1e-3, not ~0.2). loss_agg:
     "token_mean" (DAPO), "seq_mean_token_mean" (original GRPO), "seq_mean_token_sum_norm"
-    (Dr. GRPO: token sum divided by the constant max_completion_length).
+    (Dr. GRPO: the token sum divided by the constant rows x max_completion_length, every row of the
+    batch counted, those dropped or masked as truncated too).
+
+    policy_loss "clip" is PPO's clipped surrogate; "cispo" is MiniMax-M1's CISPO,
+    -stop_gradient(min(ratio, cispo_max_ratio)) * A * log pi per token (TRL's loss_type="cispo"
+    with epsilon_high as the bound), aggregated like the others. kl_importance_weighted multiplies
+    the KL term by the importance ratio pi / pi_old (TRL's use_bias_correction_kl). std_ddof 0
+    divides group (or batch) advantages by the population std, 1 by the Bessel-corrected one (TRL).
+    The entropy bonus (entropy_coef) is aggregated like the policy term (loss_agg), where TRL
+    always takes its token mean: the two agree for token_mean.
     """
 
     epsilon_low: float = 0.2
@@ -38,6 +49,10 @@ class GRPOConfig:
     max_completion_length: int | None = None  # required by seq_mean_token_sum_norm
     beta: float = 0.0  # KL coefficient; 0 = no reference model is held or run
     kl_estimator: KLEstimator = "k3"
+    policy_loss: PolicyLoss = "clip"
+    cispo_max_ratio: float = 5.0
+    kl_importance_weighted: bool = False
+    std_ddof: int = 0
     entropy_coef: float = 0.0
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss
     advantage_scale: Scale = "group"
@@ -59,6 +74,11 @@ class GRPOConfig:
 
     def __post_init__(self):
         choice_in("grpo", "ratio_level", self.ratio_level, RATIO_LEVELS)
+        choice_in("grpo", "policy_loss", self.policy_loss, POLICY_LOSSES)
+        if self.cispo_max_ratio < 1:
+            raise ValueError(f"grpo.cispo_max_ratio must be >= 1, got {self.cispo_max_ratio}")
+        if self.std_ddof not in (0, 1):
+            raise ValueError(f"grpo.std_ddof must be 0 (population std) or 1 (Bessel-corrected), got {self.std_ddof}")
         choice_in("grpo", "loss_agg", self.loss_agg, LOSS_AGGREGATIONS)
         choice_in("grpo", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         choice_in("grpo", "advantage_scale", self.advantage_scale, SCALES)
@@ -101,12 +121,16 @@ class GRPOConfig:
 class PPOConfig:
     """The critic baseline (`algorithm: ppo`): a linear value head on the policy's final hidden
     states (a shared trunk), trained with the policy by a clipped value loss weighted by
-    `value_coef`; per-token advantages by GAE(gamma, lam) with the sequence's reward on its last
-    token. The policy loss is GRPO's clipped surrogate with the `grpo` section's clip range,
+    `value_coef`; per-token advantages by GAE with the sequence's reward on its last token,
+    decoupled as in VAPO: the critic's targets with `lam_critic` (1.0: Monte Carlo returns), the
+    policy's advantages with `lam_policy`, or with `length_adaptive_alpha` a lambda per sequence of
+    l tokens, 1 - 1 / (alpha * l). The policy loss is GRPO's clipped surrogate with the `grpo` section's clip range,
     aggregation and KL term, so the two algorithms differ only in where advantages come from."""
 
     gamma: float = 1.0
-    lam: float = 0.95
+    lam_critic: float = 1.0
+    lam_policy: float = 0.95
+    length_adaptive_alpha: float | None = None  # VAPO: 0.05
     value_coef: float = 0.5
     value_clip: float = 0.2  # |V - V_old| beyond this is clipped in the value loss (PPO2)
     # The value head's own AdamW learning rate (constant); None = train.learning_rate and its
@@ -116,7 +140,9 @@ class PPOConfig:
     def __post_init__(self):
         if self.critic_learning_rate is not None:
             positive("ppo", "critic_learning_rate", self.critic_learning_rate)
-        for name in ("gamma", "lam"):
+        if self.length_adaptive_alpha is not None:
+            positive("ppo", "length_adaptive_alpha", self.length_adaptive_alpha)
+        for name in ("gamma", "lam_critic", "lam_policy"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"ppo.{name} must be in [0, 1], got {getattr(self, name)}")
         positive("ppo", "value_coef", self.value_coef)

@@ -36,16 +36,16 @@ def uniform_groups(rewards: jax.Array, group_size: int) -> jax.Array:
 
 
 def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "group",
-                     estimator: Estimator = "grpo", eps: float = 1e-6) -> GroupAdvantages:
+                     estimator: Estimator = "grpo", eps: float = 1e-6, ddof: int = 0) -> GroupAdvantages:
     """Advantages of each sample relative to its group.
 
     rewards: float [N*G], row i*G + j = sample j of prompt i, NaN = dropped. Pure jnp: under jit on
     a global (sharded) array, `scale="batch"` uses the std of the whole batch on every host.
     estimator: "grpo" centres on the group mean; "rloo" on the mean of the *other* valid samples of
     the group (leave-one-out), i.e. n/(n-1) times the grpo centring for n valid samples.
-    scale: "group" divides by the group's standard deviation (population std of its valid rewards,
-    ddof=0) plus eps, as in GRPO; "batch" by the std of all valid rewards in the batch plus eps;
-    "none" does not divide (Dr. GRPO).
+    scale: "group" divides by the group's standard deviation (of its valid rewards; `ddof` 0: the
+    population std, 1: Bessel-corrected, as TRL) plus eps, as in GRPO; "batch" by the std of all
+    valid rewards in the batch plus eps; "none" does not divide (Dr. GRPO).
     A group whose valid rewards are all equal gets advantage exactly 0 (not eps-sized noise), as
     does a group with fewer than 2 valid samples: it carries no signal.
     """
@@ -55,6 +55,8 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "gro
         raise ValueError(f"estimator={estimator!r}; choose one of {list(ESTIMATORS)}")
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
     chex.assert_rank(rewards, 1)
     R = rewards.shape[0]
     if R % group_size:
@@ -70,12 +72,12 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "gro
         centred_NG = centred_NG * (n_N1 / jnp.maximum(n_N1 - 1.0, 1.0))
     if scale == "group":
         std_N1 = jnp.sqrt(jnp.sum(jnp.where(valid_NG, (r_NG - mean_N1) ** 2, 0.0), axis=1, keepdims=True)
-                          / jnp.maximum(n_N1, 1.0))
+                          / jnp.maximum(n_N1 - ddof, 1.0))
         centred_NG = centred_NG / (std_N1 + eps)
     elif scale == "batch":
         n_all = jnp.maximum(valid_NG.sum(), 1)
         mean_all = r0_NG.sum() / n_all
-        std_all = jnp.sqrt(jnp.sum(jnp.where(valid_NG, (r_NG - mean_all) ** 2, 0.0)) / n_all)
+        std_all = jnp.sqrt(jnp.sum(jnp.where(valid_NG, (r_NG - mean_all) ** 2, 0.0)) / jnp.maximum(n_all - ddof, 1))
         centred_NG = centred_NG / (std_all + eps)
     adv_NG = jnp.where(zero_std_N[:, None] | ~valid_NG, 0.0, centred_NG)
     return GroupAdvantages(advantages=adv_NG.reshape(R), valid=valid_NG.reshape(R), zero_std=zero_std_N)
@@ -143,10 +145,11 @@ def loss_weights(mask: jax.Array, config) -> tuple[jax.Array, jax.Array]:
     mask = mask.astype(jnp.float32)
     if config.loss_agg == "token_mean":
         return mask, jnp.maximum(mask.sum(), 1.0)
-    rows_with_tokens = jnp.maximum(jnp.sum(mask.sum(axis=1) > 0), 1).astype(jnp.float32)
     if config.loss_agg == "seq_mean_token_mean":
+        rows_with_tokens = jnp.maximum(jnp.sum(mask.sum(axis=1) > 0), 1).astype(jnp.float32)
         return mask / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0), rows_with_tokens
-    return mask, rows_with_tokens * config.max_completion_length
+    # Dr. GRPO: a constant, every row of the batch (dropped and truncated ones too) x L_max.
+    return mask, jnp.float32(mask.shape[0] * config.max_completion_length)
 
 
 def effective_mask(mask: jax.Array, config, *, valid: jax.Array | None = None,
@@ -198,9 +201,13 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     else:  # one per row, the same for each of its tokens
         adv_R1 = jnp.where(mask_RM.sum(axis=1, keepdims=True) > 0, advantages.astype(jnp.float32)[:, None], 0.0)
         adv_RM = jnp.broadcast_to(adv_R1, mask_RM.shape)
-    per_token_RM = -_token_objective(ratio_RM, adv_RM, config)
+    if config.policy_loss == "cispo":  # REINFORCE with a clipped, stop-gradient importance weight
+        weight_RM = jax.lax.stop_gradient(jnp.minimum(ratio_RM, config.cispo_max_ratio))
+        per_token_RM = -weight_RM * adv_RM * logprobs
+    else:
+        per_token_RM = -_token_objective(ratio_RM, adv_RM, config)
     per_token_RM, sums = _regularised(per_token_RM, logprobs, mask_RM, config, ref_logprobs=ref_logprobs,
-                                      entropy=entropy, sampler_logprobs=sampler_logprobs)
+                                      entropy=entropy, sampler_logprobs=sampler_logprobs, ratio_RM=ratio_RM)
     weights, local_normaliser = loss_weights(mask_RM, config)
     loss = jnp.sum(per_token_RM * weights) / (local_normaliser if normaliser is None else normaliser)
     r = jax.lax.stop_gradient(ratio_RM)
@@ -210,7 +217,7 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     return loss, sums
 
 
-def _regularised(per_token_RM, logp_RM, mask_RM, config, *, ref_logprobs, entropy, sampler_logprobs):
+def _regularised(per_token_RM, logp_RM, mask_RM, config, *, ref_logprobs, entropy, sampler_logprobs, ratio_RM):
     """The surrogate with truncated importance sampling, the KL penalty and the entropy bonus
     applied -> (per-token loss [R, M], the statistics' sums so far)."""
     sums = {"tokens": mask_RM.sum()}
@@ -229,7 +236,10 @@ def _regularised(per_token_RM, logp_RM, mask_RM, config, *, ref_logprobs, entrop
     if config.beta > 0:
         if ref_logprobs is None:
             raise ValueError("grpo.beta > 0 needs reference log-probs")
-        per_token_RM = per_token_RM + config.beta * kl_estimate(logp_RM, ref_logprobs, config.kl_estimator)
+        kl_RM = kl_estimate(logp_RM, ref_logprobs, config.kl_estimator)
+        if config.kl_importance_weighted:  # TRL's use_bias_correction_kl
+            kl_RM = kl_RM * ratio_RM
+        per_token_RM = per_token_RM + config.beta * kl_RM
         for est in ("k1", "k3"):
             sums[f"kl/{est}"] = jnp.sum(jax.lax.stop_gradient(kl_estimate(logp_RM, ref_logprobs, est)) * mask_RM)
     if config.entropy_coef > 0:

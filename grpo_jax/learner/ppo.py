@@ -22,17 +22,22 @@ from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
 
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
-        lam: float = 0.95) -> tuple[jax.Array, jax.Array]:
+        lam: float | jax.Array = 0.95) -> tuple[jax.Array, jax.Array]:
     """(advantages [B, T], returns [B, T]) float32, both 0 where `mask` is 0.
 
     delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
     A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}, returns_t = A_t + V_t (Schulman et al., 2016),
-    computed right to left by one `lax.scan` over T (jit-friendly, no Python loop).
+    computed right to left by one `lax.scan` over T (jit-friendly, no Python loop). `lam`: one
+    value, or one per sequence [B] (VAPO's length-adaptive lambda, `length_adaptive_lambda`).
     """
     chex.assert_rank(rewards, 2)
     chex.assert_equal_shape([rewards, values, mask])
-    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+    scalar = isinstance(lam, (int, float))
+    if not 0.0 <= gamma <= 1.0 or (scalar and not 0.0 <= lam <= 1.0):
         raise ValueError(f"gae needs gamma and lam in [0, 1], got gamma={gamma}, lam={lam}")
+    if not scalar:
+        chex.assert_shape(lam, (rewards.shape[0],))
+    lam_B = jnp.broadcast_to(jnp.asarray(lam, jnp.float32), (rewards.shape[0],))
     m = mask.astype(jnp.float32)
     r = rewards.astype(jnp.float32) * m
     v = values.astype(jnp.float32) * m
@@ -43,12 +48,19 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1
 
     def back(carry_B, xs):
         delta_B, m_next_B, m_B = xs
-        adv_B = (delta_B + gamma * lam * m_next_B * carry_B) * m_B
+        adv_B = (delta_B + gamma * lam_B * m_next_B * carry_B) * m_B
         return adv_B, adv_B
 
     _, adv_TB = jax.lax.scan(back, jnp.zeros_like(r[:, 0]), (delta.T, m_next.T, m.T), reverse=True)
     advantages = adv_TB.T
     return advantages, (advantages + v) * m
+
+
+def length_adaptive_lambda(mask: jax.Array, alpha: float) -> jax.Array:
+    """VAPO's policy lambda per sequence [B]: 1 - 1 / (alpha * l) for a sequence of l tokens (in
+    [0, 1]): long sequences bootstrap less, so their early tokens see more of the final reward."""
+    length_B = jnp.maximum(mask.astype(jnp.float32).sum(axis=1), 1.0)
+    return jnp.clip(1.0 - 1.0 / (alpha * length_B), 0.0, 1.0)
 
 
 def init_critic(hidden_size: int) -> dict[str, jax.Array]:
@@ -101,7 +113,12 @@ def ppo_loss(critic: dict[str, jax.Array], hidden: jax.Array, logprobs: jax.Arra
     v_RM = values(critic, hidden)
     old_v = jax.lax.stop_gradient(v_RM)
     rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
-    adv_RM, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam)
+    # Decoupled GAE (VAPO): the critic's targets with lam_critic (1.0: Monte Carlo returns), the
+    # policy's advantages with lam_policy or, with length_adaptive_alpha, a lambda per sequence.
+    lam_policy = ppo.lam_policy if ppo.length_adaptive_alpha is None else \
+        length_adaptive_lambda(mb.completion_mask, ppo.length_adaptive_alpha)
+    adv_RM, _ = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, lam_policy)
+    _, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam_critic)
     loss, sums = policy_loss(logprobs, old_logprobs, adv_RM, mb.completion_mask, config, valid=mb.valid,
                              truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy,
                              normaliser=normaliser, sampler_logprobs=mb.old_logprobs)

@@ -307,7 +307,7 @@ def advantages_step(rewards: jax.Array, *, group_size: int, config: GRPOConfig) 
     Run under jit on the global array (`make_advantages_step`), so every statistic, the batch std of
     `advantage_scale: batch` included, is the whole batch's on every host."""
     return group_advantages(rewards, group_size, scale=config.advantage_scale,
-                            estimator=config.advantage_estimator, eps=config.advantage_eps)
+                            estimator=config.advantage_estimator, eps=config.advantage_eps, ddof=config.std_ddof)
 
 
 def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh: Mesh):

@@ -222,8 +222,8 @@ def test_exponent_notation_without_a_dot_is_a_number(tmp_path):
 def test_a_ppo_section_without_algorithm_ppo_is_refused(tmp_path):
     # Accepted and ignored would be worse: GRPO never reads the critic's settings.
     with pytest.raises(ConfigError, match="applies only with algorithm: ppo"):
-        load_config(write(tmp_path, BASE), ["ppo.lam=0.9"])
-    assert load_config(write(tmp_path, BASE), ["ppo.lam=0.9", "algorithm=ppo"]).ppo.lam == 0.9
+        load_config(write(tmp_path, BASE), ["ppo.lam_policy=0.9"])
+    assert load_config(write(tmp_path, BASE), ["ppo.lam_policy=0.9", "algorithm=ppo"]).ppo.lam_policy == 0.9
 
 
 def test_model_chat_template_gives_the_tokenizer_a_template_from_text_or_a_file(tmp_path):

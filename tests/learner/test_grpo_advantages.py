@@ -10,13 +10,13 @@ import pytest
 from grpo_jax.learner.grpo import group_advantages, kl_estimate, uniform_groups
 
 
-def reference_advantages(rewards, G, scale, estimator, eps=1e-6):
+def reference_advantages(rewards, G, scale, estimator, eps=1e-6, ddof=0):
     """Loop-by-loop NumPy reference: one group at a time, dropped (NaN) samples excluded."""
     r = np.asarray(rewards, np.float64).reshape(-1, G)
     out = np.zeros_like(r)
     valid_all = ~np.isnan(r)
     batch_vals = r[valid_all]
-    batch_std = batch_vals.std() if batch_vals.size else 0.0
+    batch_std = batch_vals.std(ddof=ddof) if batch_vals.size else 0.0
     zero = []
     for i, row in enumerate(r):
         idx = [j for j in range(G) if not np.isnan(row[j])]
@@ -32,16 +32,17 @@ def reference_advantages(rewards, G, scale, estimator, eps=1e-6):
                 others = [row[k] for k in idx if k != j]
                 a = row[j] - np.mean(others)
             if scale == "group":
-                a /= vals.std() + eps
+                a /= vals.std(ddof=ddof) + eps
             elif scale == "batch":
                 a /= batch_std + eps
             out[i, j] = a
     return out.reshape(-1), np.array(zero)
 
 
+@pytest.mark.parametrize("ddof", [0, 1])
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
-def test_matches_numpy_reference(scale, estimator):
+def test_matches_numpy_reference(scale, estimator, ddof):
     rng = np.random.default_rng(0)
     G = 4
     rewards = rng.normal(size=6 * G).astype(np.float32)
@@ -49,12 +50,18 @@ def test_matches_numpy_reference(scale, estimator):
     rewards[9] = np.nan  # a dropped sample
     rewards[12:15] = np.nan  # a group with one valid sample
     rewards[16:20] = [1, 0, 0, 0]  # binary rewards
-    out = group_advantages(jnp.asarray(rewards), G, scale=scale, estimator=estimator)
-    ref, zero = reference_advantages(rewards, G, scale, estimator)
+    out = group_advantages(jnp.asarray(rewards), G, scale=scale, estimator=estimator, ddof=ddof)
+    ref, zero = reference_advantages(rewards, G, scale, estimator, ddof=ddof)
     np.testing.assert_allclose(np.asarray(out.advantages), ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out.zero_std), zero)
     np.testing.assert_array_equal(np.asarray(out.valid), ~np.isnan(rewards))
     assert np.asarray(out.advantages)[9] == 0.0 and np.isfinite(np.asarray(out.advantages)).all()
+
+
+def test_bessel_corrected_advantages_are_trls_sqrt_of_three_quarters_at_group_size_four():
+    rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0])
+    ours, trl = (np.asarray(group_advantages(rewards, 4, ddof=d, eps=0.0).advantages) for d in (0, 1))
+    np.testing.assert_allclose(trl, ours * np.sqrt(3 / 4), rtol=1e-6)  # 0.866x, as TRL's torch.std
 
 
 def test_equal_rewards_give_exactly_zero():

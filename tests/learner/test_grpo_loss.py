@@ -33,18 +33,21 @@ def reference_loss(logp, old, ref, mask, adv, cfg):
         seq_ratio = np.exp(((logp[i] - old[i]) * mask[i]).sum() / max(n, 1))
         for t in range(logp.shape[1]):
             ratio = seq_ratio if cfg.ratio_level == "sequence" else np.exp(logp[i, t] - old[i, t])
-            obj = min(ratio * adv[i], np.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv[i])
+            if cfg.policy_loss == "cispo":  # the weight's value (its gradient is stopped)
+                obj = min(ratio, cfg.cispo_max_ratio) * adv[i] * logp[i, t]
+            else:
+                obj = min(ratio * adv[i], np.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv[i])
             if cfg.dual_clip is not None and adv[i] < 0:
                 obj = max(obj, cfg.dual_clip * adv[i])
             d = logp[i, t] - ref[i, t]
             kl = {"k1": d, "k2": d * d / 2, "k3": np.exp(-d) - 1 + d}[cfg.kl_estimator]
-            per[i, t] = -obj + cfg.beta * kl
+            per[i, t] = -obj + cfg.beta * kl * (ratio if cfg.kl_importance_weighted else 1.0)
     if cfg.loss_agg == "token_mean":
         return (per * mask).sum() / mask.sum()
     rows = [i for i in range(len(adv)) if mask[i].sum() > 0]
     if cfg.loss_agg == "seq_mean_token_mean":
         return np.mean([(per[i] * mask[i]).sum() / mask[i].sum() for i in rows])
-    return (per * mask).sum() / (len(rows) * cfg.max_completion_length)
+    return (per * mask).sum() / (len(adv) * cfg.max_completion_length)  # Dr. GRPO: every row x L_max
 
 
 CONFIGS = [
@@ -54,10 +57,16 @@ CONFIGS = [
     GRPOConfig(beta=0.04, kl_estimator="k3"),
     GRPOConfig(beta=0.1, kl_estimator="k1", loss_agg="seq_mean_token_mean"),
     GRPOConfig(beta=0.1, kl_estimator="k2", epsilon_low=0.1, epsilon_high=0.3, dual_clip=2.0),
+    GRPOConfig(policy_loss="cispo", cispo_max_ratio=1.2, beta=0.04),
+    GRPOConfig(policy_loss="cispo", cispo_max_ratio=1.5, loss_agg="seq_mean_token_mean"),
+    GRPOConfig(beta=0.1, kl_importance_weighted=True),
+    GRPOConfig(beta=0.1, kl_importance_weighted=True, kl_estimator="k1", loss_agg="seq_mean_token_sum_norm",
+               max_completion_length=100),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.loss_agg}-b{c.beta}-{c.kl_estimator}-dc{c.dual_clip}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.policy_loss}-{c.loss_agg}-b{c.beta}-{c.kl_estimator}-"
+                                                     f"dc{c.dual_clip}-iw{c.kl_importance_weighted}")
 def test_loss_matches_numpy_reference(cfg):
     logp, old, ref, mask, adv = batch()
     loss, sums = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg,
@@ -73,6 +82,30 @@ def test_loss_matches_numpy_reference(cfg):
         np.testing.assert_allclose(float(metrics["kl/k1"]), (logp - ref)[sel].mean(), rtol=1e-4)
         d = (logp - ref)[sel].astype(np.float64)
         np.testing.assert_allclose(float(metrics["kl/k3"]), (np.exp(-d) - 1 + d).mean(), rtol=1e-4)
+
+
+def test_cispo_gradient_is_reinforce_with_the_clipped_weight_held_fixed():
+    """d loss / d log pi = -min(ratio, bound) A / normaliser at every loss token: the weight passes
+    no gradient, and tokens past the bound still learn (unlike the clipped surrogate)."""
+    cfg = GRPOConfig(policy_loss="cispo", cispo_max_ratio=1.2)
+    logp, old, _, mask, adv = batch(4)
+    grad = np.asarray(jax.grad(lambda lp: policy_loss(lp, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask),
+                                                      cfg)[0])(jnp.asarray(logp)))
+    w = np.minimum(np.exp(logp - old), 1.2)
+    np.testing.assert_allclose(grad, -w * adv[:, None] * mask / mask.sum(), rtol=1e-5, atol=1e-9)
+    assert (np.exp(logp - old)[mask > 0] > 1.2).any() and (grad[(np.exp(logp - old) > 1.2) & (mask > 0)] != 0).all()
+
+
+def test_dr_grpo_normaliser_stays_constant_when_rows_are_masked():
+    """With mask_truncated and a dropped row, Dr. GRPO still divides by every row x L_max."""
+    logp, old, ref, mask, adv = batch(5)
+    cfg = GRPOConfig(loss_agg="seq_mean_token_sum_norm", max_completion_length=100, mask_truncated=True)
+    valid, truncated = jnp.array([True, False, True, True]), jnp.array([False, False, True, False])
+    loss, _ = policy_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg,
+                          valid=valid, truncated=truncated)
+    kept = mask * np.array([1, 0, 0, 1], np.float32)[:, None]
+    want = reference_loss(logp, old, ref, kept, adv, cfg)  # rows 1 and 2 add nothing, but still count
+    np.testing.assert_allclose(float(loss), want, rtol=2e-5)
 
 
 def test_gspo_matches_reference_and_gives_the_policy_gradient_at_ratio_one():
@@ -133,6 +166,9 @@ def test_dropped_and_truncated_rows_do_not_contribute():
     (dict(beta=-0.1), "beta must be >= 0"),
     (dict(num_iterations=0), "num_iterations"),
     (dict(advantage_scale="std"), "advantage_scale='std'"),
+    (dict(policy_loss="ppo"), "policy_loss='ppo'"),
+    (dict(cispo_max_ratio=0.5), "cispo_max_ratio must be >= 1"),
+    (dict(std_ddof=2), "std_ddof must be 0"),
 ])
 def test_config_validation(changes, match):
     with pytest.raises(ValueError, match=match):

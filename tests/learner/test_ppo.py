@@ -21,7 +21,9 @@ from batches import make_batch, one_device_step
 
 
 def gae_loop(rewards, values, mask, gamma, lam):
+    """`lam`: one value or one per row."""
     B, T = rewards.shape
+    lam_b = np.broadcast_to(np.asarray(lam, np.float64), (B,))
     adv = np.zeros((B, T))
     for b in range(B):
         n = int(mask[b].sum())  # real tokens are 0..n-1
@@ -29,7 +31,7 @@ def gae_loop(rewards, values, mask, gamma, lam):
         for t in reversed(range(n)):
             next_value = values[b, t + 1] if t + 1 < n else 0.0
             delta = rewards[b, t] + gamma * next_value - values[b, t]
-            running = delta + gamma * lam * running
+            running = delta + gamma * lam_b[b] * running
             adv[b, t] = running
     returns = (adv + values) * mask
     return adv, returns
@@ -53,6 +55,28 @@ def test_gae_equals_a_numpy_loop_on_ragged_rows(gamma, lam):
     np.testing.assert_allclose(np.asarray(adv), want_adv, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ret), want_ret, atol=1e-5)
     assert np.all(np.asarray(adv)[mask == 0] == 0)
+
+
+def test_decoupled_and_length_adaptive_gae_equal_a_numpy_loop():
+    """VAPO: the policy's advantages with lambda = 1 - 1 / (alpha * l) per sequence, the critic's
+    targets with lambda 1 (Monte Carlo returns), on ragged rows."""
+    from grpo_jax.learner.ppo import length_adaptive_lambda
+
+    rng = np.random.default_rng(1)
+    B, T = 4, 12
+    lengths = np.array([12, 3, 7, 1])
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    rewards = np.where(np.arange(T)[None] == (lengths - 1)[:, None], rng.choice([0.0, 1.0], (B, 1)), 0.0)
+    rewards = rewards.astype(np.float32)
+    values = (rng.normal(size=(B, T)) * mask).astype(np.float32)
+    lam_b = np.asarray(length_adaptive_lambda(jnp.asarray(mask), 0.2))
+    np.testing.assert_allclose(lam_b, np.clip(1 - 1 / (0.2 * lengths), 0, 1), rtol=1e-6)
+    assert lam_b[0] > lam_b[2] > 0 and lam_b[1] == lam_b[3] == 0  # longer rows bootstrap less
+    adv, _ = jax.jit(gae, static_argnames=("gamma",))(rewards, values, mask, gamma=1.0, lam=jnp.asarray(lam_b))
+    np.testing.assert_allclose(np.asarray(adv), gae_loop(rewards, values, mask, 1.0, lam_b)[0], atol=1e-5)
+    _, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    mc = np.cumsum(rewards[:, ::-1], axis=1)[:, ::-1] * mask  # lambda 1: the return to go, whatever V
+    np.testing.assert_allclose(np.asarray(ret), mc, atol=1e-5)
 
 
 def test_gae_with_lambda_one_and_zero_values_is_the_discounted_return():
@@ -104,7 +128,8 @@ def test_ppo_step_micro_batched_equals_whole_batch():
     for k in (1, 4):
         graphdef, state = _ppo_state(opt)
         step = one_device_step(graphdef, opt, GRPOConfig(), state, micro_batches=k, logprob_chunk=2,
-                               ppo_config=PPOConfig(gamma=0.9, lam=0.8))
+                               ppo_config=PPOConfig(gamma=0.9, lam_policy=0.8, lam_critic=0.9,
+                                                    length_adaptive_alpha=0.5))
         state, metrics = step(state, batch)
         out.append((jax.tree.leaves((state.params, state.critic)), {k_: float(v) for k_, v in metrics.items()}))
     (p1, m1), (p4, m4) = out
@@ -119,7 +144,7 @@ def test_ppo_steps_fit_the_value_head_to_the_returns():
     opt = pair_optimizer(optax.sgd(0.0), optax.adam(3e-2))
     graphdef, state = _ppo_state(opt)
     step = one_device_step(graphdef, opt, GRPOConfig(), state, logprob_chunk=2,
-                           ppo_config=PPOConfig(gamma=1.0, lam=1.0, value_clip=10.0))
+                           ppo_config=PPOConfig(gamma=1.0, lam_critic=1.0, lam_policy=1.0, value_clip=10.0))
     batch = make_batch(rewards=[1, 0, 0, 1, 0, 1, 0, 1])
     losses = []
     for _ in range(30):

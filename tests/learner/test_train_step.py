@@ -21,8 +21,12 @@ def test_micro_batches_give_the_same_update():
     # lr * g / (|g| + eps), turns float-rounding noise in near-zero gradients into lr-sized steps.)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
     batch = make_batch(rewards=[1, 0, 0, 1, 0, 0, 0, 1])
+    batch = batch.replace(ref_logprobs=batch.old_logprobs + 0.1)
     results = []
-    for cfg in (GRPOConfig(), GRPOConfig(loss_agg="seq_mean_token_mean")):
+    for cfg in (GRPOConfig(), GRPOConfig(loss_agg="seq_mean_token_mean"),
+                GRPOConfig(policy_loss="cispo", cispo_max_ratio=1.1, beta=0.04, kl_importance_weighted=True),
+                GRPOConfig(loss_agg="seq_mean_token_sum_norm", max_completion_length=5, mask_truncated=True,
+                           std_ddof=1)):
         for k in (1, 4):
             graphdef, state = fresh(opt)
             step = one_device_step(graphdef, opt, cfg, state, micro_batches=k, logprob_chunk=2)
