@@ -18,8 +18,7 @@ import math
 import operator
 from fractions import Fraction
 
-from grpo_jax.rollout.env.protocol import EnvStep
-from grpo_jax.rollout.env.tool_calls import ToolCallError, ToolSpec
+from grpo_jax.rollout.env.tool_calls import ToolEnvironment
 
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 300
@@ -103,39 +102,19 @@ def calculate(expression: str) -> str:
         raise CalculatorError("the expression is nested too deeply") from None
 
 
-class Calculator:
+class Calculator(ToolEnvironment):
     """One episode with the calculator tool (see the module docstring). `tag`: the tool call's tag
     (the function's name in the json format); `tool_format`: `tags` or `json`
-    (grpo_jax.rollout.env.tool_calls). `tool_call_end` ends a model turn like a stop token; `tools`
-    (json format) is the function's schema, which the chat template describes in the prompt."""
+    (grpo_jax.rollout.env.tool_calls)."""
+
+    argument = "expression"
+    description = "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses."
 
     def __init__(self, tag: str = "calculator", tool_format: str = "tags"):
-        if not tag.isidentifier():
-            raise ValueError(f"calculator: tag must be a plain name, got {tag!r}")
-        self.tag = tag
-        self.tool = ToolSpec(tag, "expression", "Evaluate an arithmetic expression exactly: numbers, "
-                             "+ - * / // % ** and parentheses.", tool_format)
-        self.tool_call_end, self.tools = self.tool.tool_call_end, self.tool.schemas
+        super().__init__(tag, tool_format, who="calculator")
 
-    def reset(self, example: dict) -> list[dict]:
-        return opening_messages(example)
-
-    def step(self, completion: str) -> EnvStep:
+    def run(self, expression: str) -> str:
         try:
-            expression = self.tool.argument_of(completion)
-            if expression is None:
-                return EnvStep(messages=[], done=True)  # no tool call: the final answer
-            answer = calculate(expression)
-        except (CalculatorError, ToolCallError) as e:
-            answer = f"error: {e}"
-        return EnvStep(messages=[{"role": "tool", "content": answer}])
-
-
-def opening_messages(example: dict) -> list[dict]:
-    """The messages that open an episode of a dataset row: its chat messages when the data has them
-    (`prompt_messages`), else one user message with the rendered prompt (`prompt`)."""
-    if example.get("prompt_messages"):
-        return [dict(m) for m in example["prompt_messages"]]
-    if isinstance(example.get("prompt"), str):
-        return [{"role": "user", "content": example["prompt"]}]
-    raise ValueError(f"the example has neither prompt_messages nor a prompt text: fields {sorted(example)}")
+            return calculate(expression)
+        except CalculatorError as e:
+            return f"error: {e}"

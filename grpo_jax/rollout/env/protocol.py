@@ -70,3 +70,13 @@ def check_step(result: Any, *, who: str) -> EnvStep:
     if not messages and not result.done:
         raise ValueError(f"{who}.step: an episode that goes on needs at least one message for the next turn")
     return EnvStep(messages=messages, reward=reward, done=result.done)
+
+
+def opening_messages(example: dict) -> list[dict]:
+    """The messages that open an episode of a dataset row: its chat messages when the data has them
+    (`prompt_messages`), else one user message with the rendered prompt (`prompt`)."""
+    if example.get("prompt_messages"):
+        return [dict(m) for m in example["prompt_messages"]]
+    if isinstance(example.get("prompt"), str):
+        return [{"role": "user", "content": example["prompt"]}]
+    raise ValueError(f"the example has neither prompt_messages nor a prompt text: fields {sorted(example)}")

@@ -12,9 +12,7 @@ from __future__ import annotations
 import functools
 
 from grpo_jax.rewards.code import check_isolation
-from grpo_jax.rollout.env.calculator import opening_messages
-from grpo_jax.rollout.env.protocol import EnvStep
-from grpo_jax.rollout.env.tool_calls import ToolCallError, ToolSpec
+from grpo_jax.rollout.env.tool_calls import ToolEnvironment
 from grpo_jax.sandbox import run_sandboxed
 
 
@@ -23,34 +21,24 @@ def _isolation(allow_weak_isolation: bool) -> str:
     return check_isolation(allow_weak_isolation=allow_weak_isolation)
 
 
-class PythonTool:
+class PythonTool(ToolEnvironment):
     """One episode with the Python tool (see the module docstring)."""
+
+    argument = "code"
+    description = "Run a Python program and return what it prints."
 
     def __init__(self, tag: str = "python", timeout_s: float = 5.0, memory_mb: int = 512,
                  max_output_chars: int = 1000, allow_weak_isolation: bool = False, tool_format: str = "tags"):
-        if not tag.isidentifier():
-            raise ValueError(f"python: tag must be a plain name, got {tag!r}")
         if timeout_s <= 0 or memory_mb <= 0 or max_output_chars <= 0:
             raise ValueError("python: timeout_s, memory_mb and max_output_chars must be positive")
+        super().__init__(tag, tool_format, who="python")
         _isolation(bool(allow_weak_isolation))
-        self.tag = tag
-        self.tool = ToolSpec(tag, "code", "Run a Python program and return what it prints.", tool_format)
-        self.tool_call_end, self.tools = self.tool.tool_call_end, self.tool.schemas
         self.timeout_s, self.memory_mb, self.max_output_chars = float(timeout_s), int(memory_mb), int(max_output_chars)
 
-    def reset(self, example: dict) -> list[dict]:
-        return opening_messages(example)
-
-    def step(self, completion: str) -> EnvStep:
-        try:
-            code = self.tool.argument_of(completion)
-        except ToolCallError as e:
-            return EnvStep(messages=[{"role": "tool", "content": f"error: {e}"}])
-        if code is None:
-            return EnvStep(messages=[], done=True)
+    def run(self, code: str) -> str:
         result = run_sandboxed(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                                max_output_bytes=4 * self.max_output_chars)
-        return EnvStep(messages=[{"role": "tool", "content": self.report(result)}])
+        return self.report(result)
 
     def report(self, result) -> str:
         """stdout, then (if it did not end well) how it ended and the end of stderr, within the limit."""

@@ -21,6 +21,7 @@ import dataclasses
 import json
 
 from grpo_jax.rewards.format import tag_blocks
+from grpo_jax.rollout.env.protocol import EnvStep, opening_messages
 
 TOOL_FORMATS = ("auto", "tags", "json")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -93,3 +94,36 @@ class ToolSpec:
         if not isinstance(arguments, dict) or not isinstance(arguments.get(self.argument), str):
             raise ToolCallError(f"{self.name} takes {{\"{self.argument}\": <string>}} as its arguments")
         return arguments[self.argument]
+
+
+class ToolEnvironment:
+    """A built-in environment with one tool. A model turn with a call gets the tool's answer (role
+    "tool": `run(argument)`, or the error of a botched call); a turn without one is the final
+    answer, which the run's `rewards` score. Subclasses set the tool's `argument` name and
+    `description`, and `run`. `tool_call_end` ends a model turn like a stop token; `tools` (json
+    format) is the function's schema, which the chat template describes in the prompt."""
+
+    argument = ""
+    description = ""
+
+    def __init__(self, tag: str, tool_format: str = "tags", *, who: str):
+        if not tag.isidentifier():
+            raise ValueError(f"{who}: tag must be a plain name, got {tag!r}")
+        self.tag = tag
+        self.tool = ToolSpec(tag, self.argument, self.description, tool_format)
+        self.tool_call_end, self.tools = self.tool.tool_call_end, self.tool.schemas
+
+    def reset(self, example: dict) -> list[dict]:
+        return opening_messages(example)
+
+    def step(self, completion: str) -> EnvStep:
+        try:
+            argument = self.tool.argument_of(completion)
+        except ToolCallError as e:
+            return EnvStep(messages=[{"role": "tool", "content": f"error: {e}"}])
+        if argument is None:
+            return EnvStep(messages=[], done=True)  # no tool call: the final answer
+        return EnvStep(messages=[{"role": "tool", "content": self.run(argument)}])
+
+    def run(self, argument: str) -> str:
+        raise NotImplementedError
