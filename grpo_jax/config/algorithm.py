@@ -108,6 +108,9 @@ class GRPOConfig:
                                  f"off), got {list(bounds)}")
             object.__setattr__(self, "sampler_is_mask", (float(bounds[0]), float(bounds[1])))
         choice_in("grpo", "sampler_is_level", self.sampler_is_level, RATIO_LEVELS)
+        if self.sampler_is_level != "token" and self.sampler_is_cap is None and self.sampler_is_mask is None:
+            raise ValueError("grpo.sampler_is_level: sequence sets the level of grpo.sampler_is_cap or "
+                             "grpo.sampler_is_mask; set one of them too")
         if self.ratio_level == "sequence" and max(self.epsilon_low, self.epsilon_high) >= 0.01:
             warnings.warn(
                 f"GSPO (ratio_level=sequence) with epsilon {self.epsilon_low}/{self.epsilon_high}: sequence "

@@ -16,6 +16,12 @@ def positive(section: str, name: str, value: float) -> None:
         raise ValueError(f"{section}.{name} must be > 0, got {value}")
 
 
+def non_negative(section: str, name: str, value: float) -> None:
+    """`section.name` must be >= 0."""
+    if not value >= 0:
+        raise ValueError(f"{section}.{name} must be >= 0, got {value}")
+
+
 def check_micro_batches(rows: int, micro_batches: int, what: str) -> None:
     """The one rule for micro-batching: the rows each device updates on split evenly into
     `train.micro_batches` (checked on the config, on each batch shard before compiling, and on

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
-from grpo_jax.config.checks import choice_in, positive
+from grpo_jax.config.checks import choice_in, non_negative, positive
 
 ChatTemplate = Literal["auto", "always", "never"]
 Overlong = Literal["skip", "truncate"]
@@ -146,19 +146,16 @@ class RolloutConfig:
     step t - 1 - k (k = 0: the synchronous loop, with the parameters the update starts from). The
     first k + 1 steps learn from batches sampled with the starting parameters (their staleness
     is t - 1). While the learner updates on step t's batch, the batch of step t + k is sampled.
-    sampler_devices N: the sampler runs on the first N devices (its own mesh, data-parallel, the
-    weights replicated) and the learner on the others, the learner's parameters copied device to
+    sampler_devices N: the sampler runs on N devices, N / hosts of each host (its own mesh,
+    data-parallel, the weights replicated), and the learner on the others, the learner's parameters copied device to
     device after each update (perf/weight_sync_s); 0 = both on the run's mesh."""
 
     staleness: int = 0
     sampler_devices: int = 0
 
     def __post_init__(self):
-        if self.staleness < 0:
-            raise ValueError(f"rollout.staleness must be >= 0, got {self.staleness}")
-        if self.sampler_devices < 0:
-            raise ValueError(f"rollout.sampler_devices must be >= 0 (0 = the learner's devices), got "
-                             f"{self.sampler_devices}")
+        non_negative("rollout", "staleness", self.staleness)
+        non_negative("rollout", "sampler_devices", self.sampler_devices)
 
     @property
     def pipelined(self) -> bool:
@@ -187,8 +184,7 @@ class EvalConfig:
     def __post_init__(self):
         if self.verifier_kwargs and self.verifier is None:
             raise ValueError("eval.verifier_kwargs is set but eval.verifier is not")
-        if self.every < 0:
-            raise ValueError(f"eval.every must be >= 0, got {self.every}")
+        non_negative("eval", "every", self.every)
         positive("eval", "num_prompts", self.num_prompts)
         positive("eval", "k", self.k)
         if self.temperature is not None and self.temperature < 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-from grpo_jax.config.checks import choice_in, positive
+from grpo_jax.config.checks import choice_in, non_negative, positive
 
 LRSchedule = Literal["constant", "cosine"]
 CPUCollectives = Literal["gloo", "mpi"]
@@ -78,8 +78,7 @@ class SFTConfig:
     turns: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.steps < 0:
-            raise ValueError(f"sft.steps must be >= 0, got {self.steps}")
+        non_negative("sft", "steps", self.steps)
         positive("sft", "learning_rate", self.learning_rate)
         positive("sft", "batch_size", self.batch_size)
         object.__setattr__(self, "turns", tuple(self.turns))
@@ -98,10 +97,8 @@ class CheckpointConfig:
     keep: int = 3
 
     def __post_init__(self):
-        if self.every < 0:
-            raise ValueError(f"checkpoint.every must be >= 0, got {self.every}")
-        if self.every_minutes < 0:
-            raise ValueError(f"checkpoint.every_minutes must be >= 0, got {self.every_minutes}")
+        non_negative("checkpoint", "every", self.every)
+        non_negative("checkpoint", "every_minutes", self.every_minutes)
         positive("checkpoint", "keep", self.keep)
 
 

@@ -181,6 +181,7 @@ def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
     ("model.remat=true", "model.remat must be one of ['none', 'block', 'dots'], got True"),
     ("grpo.sampler_is_mask=[1.2, 2.0]", "grpo.sampler_is_mask must be [low, high] with 0 <= low <= 1 <= high"),
     ("grpo.sampler_is_level=row", "grpo.sampler_is_level must be one of ['token', 'sequence'], got 'row'"),
+    ("grpo.sampler_is_level=sequence", "set one of them too"),
     ("train.shared_prompt=1", "train.shared_prompt must be true or false, got 1"),
     ("data.builder_kwargs=[1]", "data.builder_kwargs must be a mapping of keys to values, got a list [1]"),
     ("rewards=[{name: format, kwargs: {require_reasonin: false}}]",
