@@ -21,7 +21,6 @@ from grpo_jax.rewards import combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, step_key
 from grpo_jax.rollout.evaluation import repeat_fields
 from grpo_jax.rollout.source import ROLLOUT_FIELDS, SyncSampler, Trajectories
-from grpo_jax.runtime.hosts import sum_over_shares, to_global
 
 
 class EpisodeSampler(SyncSampler):
@@ -34,19 +33,10 @@ class EpisodeSampler(SyncSampler):
         self.batch = None
 
     def next(self, step: int) -> Trajectories:
-        G = self.sampling.group_size
-        c: Collected = collect(lambda i: self._round(step, i), num_groups=self.share.size, group_size=G)
-        batch = self.batch
-        rows = dict(prompt_ids=np.repeat(batch.prompt_ids, G, axis=0),
-                    prompt_mask=np.repeat(batch.prompt_mask, G, axis=0), completion_ids=c.rows["tokens"],
-                    completion_mask=c.rows["mask"], rewards=c.rewards, truncated=c.rows["truncated"],
-                    old_logprobs=c.rows["logprobs"])
-        prompt_tokens = batch.prompt_mask.sum() * (1 if self.shared_prompt else G)
-        tokens = sum_over_shares({"t": prompt_tokens + rows["completion_mask"].sum()}, self.share)["t"]
-        metrics, pass_rates = self._metrics(c)
-        metrics.update(batch.metrics())
-        return Trajectories(**to_global(rows, self.mesh, self.rows), group_size=G, tokens=int(tokens),
-                            metrics=metrics, first=c.first, pass_rates=pass_rates)
+        c: Collected = collect(lambda i: self._round(step, i), num_groups=self.share.size,
+                               group_size=self.sampling.group_size)
+        # The prompts as the episodes opened them (their environments' messages, through the template).
+        return self._trajectories(c, self.batch.prompt_ids, self.batch.prompt_mask, self.batch.metrics())
 
     def _round(self, step: int, round_index: int) -> Round:
         examples = self.prepared.train_stream.next_batch(self.share.size)
@@ -54,8 +44,7 @@ class EpisodeSampler(SyncSampler):
         key = step_key(self.rng, step, round_index)
         self.batch = batch = self.episodes.run(self.model, examples, self.sampling, key)
         sample_s = time.perf_counter() - t0
-        rows = batch.rows(self.sampling.pad_id)
-        failed = rows.pop("failed")
+        rows, failed = batch.rows(self.sampling.pad_id), batch.failed
         errors = [ep.error for ep in batch.episodes if ep.error]
         if errors:
             self.log(f"step {step}: the environment failed {len(errors)} of {len(failed)} episodes "

@@ -49,15 +49,18 @@ class EpisodeBatch:
     def rows(self, pad_id: int) -> dict[str, np.ndarray]:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
         loss), `mask` = the loss mask (1 exactly on model-sampled tokens of every turn), `lengths`
-        (the whole trajectory), `truncated` (a limit ended the episode), `failed` (an environment
-        error: the episode is dropped)."""
+        (the whole trajectory), `truncated` (a limit ended the episode)."""
         live = np.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
         loss = live & ~self.env
         return {"tokens": np.where(live, self.tokens, pad_id).astype(np.int32),
                 "logprobs": np.where(loss, self.logprobs, 0.0).astype(np.float32),
                 "mask": loss.astype(np.int32), "lengths": self.lengths.astype(np.int32),
-                "truncated": np.array([ep.truncated for ep in self.episodes]),
-                "failed": np.array([ep.error is not None for ep in self.episodes])}
+                "truncated": np.array([ep.truncated for ep in self.episodes])}
+
+    @property
+    def failed(self) -> np.ndarray:
+        """bool [R]: an environment error ended the episode (it is dropped)."""
+        return np.array([ep.error is not None for ep in self.episodes])
 
     def final_turns(self) -> list[str]:
         """Each episode's last model turn (what the run's `rewards` score)."""

@@ -107,7 +107,7 @@ def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, 
     chunk's shape play none)."""
     if episodes is not None:
         batch = episodes.run(model, part, sampling, rng, padding=padding)
-        return batch.final_turns(), batch.rows(sampling.pad_id)["failed"]
+        return batch.final_turns(), batch.failed
     rollout = generate(model, [ex.prompt_ids for ex in part], sampling, rng, mesh=mesh)
     tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
     return decode_completions(tokenizer, tokens, lengths), np.zeros(len(lengths), bool)

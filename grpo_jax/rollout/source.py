@@ -105,12 +105,19 @@ class SyncSampler:
         prompts = [ex.prompt_ids for ex in c.examples]
         prompt_ids, prompt_mask = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets),
                                               self.sampling.pad_id)
+        return self._trajectories(c, prompt_ids, prompt_mask)
+
+    def _trajectories(self, c: Collected, prompt_ids, prompt_mask, extra: dict | None = None) -> Trajectories:
+        """The collected groups on the mesh with their prompts (ids and mask [N, P], one row per
+        group), the token count an update reads, and the metrics (with `extra`)."""
+        G = self.sampling.group_size
         rows = dict(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
                     completion_ids=c.rows["tokens"], completion_mask=c.rows["mask"], rewards=c.rewards,
                     truncated=c.rows["truncated"], old_logprobs=c.rows["logprobs"])
         prompt_tokens = prompt_mask.sum() * (1 if self.shared_prompt else G)
         tokens = sum_over_shares({"t": prompt_tokens + rows["completion_mask"].sum()}, self.share)["t"]
         metrics, pass_rates = self._metrics(c)
+        metrics.update(extra or {})
         return Trajectories(**to_global(rows, self.mesh, self.rows), group_size=G, tokens=int(tokens),
                             metrics=metrics, first=c.first, pass_rates=pass_rates)
 

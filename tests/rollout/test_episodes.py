@@ -99,7 +99,7 @@ def test_episodes_run_through_the_engine_token_exact(model):
         np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
     assert finished >= 4
     rows, eps = batch.rows(pad_id=0), batch.episodes
-    assert rows["mask"].sum() == sum(ep.model_tokens for ep in eps) and not rows["failed"].any()
+    assert rows["mask"].sum() == sum(ep.model_tokens for ep in eps) and not batch.failed.any()
     live = np.arange(rows["tokens"].shape[1])[None] < rows["lengths"][:, None]
     assert (rows["tokens"][~live] == 0).all() and (rows["logprobs"][rows["mask"] == 0] == 0).all()
     assert rows["truncated"].tolist() == [ep.truncated for ep in eps]
@@ -120,7 +120,7 @@ def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(mo
     errors = [ep.error for ep in batch.episodes]
     assert errors[2:4] == ["environment.step: RuntimeError: the tool is down"] * 2
     assert all(e is None for i, e in enumerate(errors) if i not in (2, 3))
-    assert batch.metrics()["env/errors"] == 2 and batch.rows(0)["failed"].tolist() == [i in (2, 3) for i in range(6)]
+    assert batch.metrics()["env/errors"] == 2 and batch.failed.tolist() == [i in (2, 3) for i in range(6)]
     tagged = run(model, lambda: Scripted(tag="5"), seed=2, stop_token_ids=(TOK.eos_token_id,))
     firsts = [ep.transcript[0]["model"] for ep in tagged.episodes]
     assert all(turn.endswith("5") and "5" not in turn[:-1] for turn in firsts if "5" in turn)
