@@ -15,7 +15,7 @@ import numpy as np
 from grpo_jax.rollout.turns import PAUSED
 
 
-class _Answers:
+class Answers:
     """The arrays of one poll: for `host_update` and for `move_slots`."""
 
     def __init__(self, Z: int, J: int, E: int):
@@ -27,10 +27,19 @@ class _Answers:
     def feed(self, z: int, j: int, ids) -> None:
         self.forced[z, j, :len(ids)], self.n[z, j] = ids, len(ids)
 
-    def result(self):
+    @property
+    def update_args(self) -> tuple:
+        return self.release, self.forced, self.n, self.rewind
+
+    @property
+    def move_args(self) -> tuple | None:
         moved = (self.park_to >= 0).any() or (self.load_from >= 0).any() or self.ended.any()
-        return ((self.release, self.forced, self.n, self.rewind),
-                (self.park_to, self.load_from, self.ended) if moved else None)
+        return (self.park_to, self.load_from, self.ended) if moved else None
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing for the engine: no slot released, fed, rewound or moved."""
+        return not (self.release.any() or (self.n > 0).any() or (self.rewind >= 0).any()) and self.move_args is None
 
 
 class EpisodeHost:
@@ -48,12 +57,12 @@ class EpisodeHost:
         self.parked, self.parked_t = {}, {}
         self.ready = [{} for _ in range(shards)]  # per shard: episode -> the tokens to feed on loading
 
-    def answer(self, st):
-        """(the arrays for `turns.host_update`, those for `turns.move_slots` or None) after a segment."""
+    def answer(self, st) -> Answers:
+        """What the engine is told after a segment (`turns.host_update`, `turns.move_slots`)."""
         self.polls += 1
         seq, mode, t, nxt = (np.asarray(x) for x in (st["seq"], st["mode"], st["cache"].slot_t, st["next"]))
         Z, J = seq.shape
-        out = _Answers(Z, J, self.E)
+        out = Answers(Z, J, self.E)
         out.ended[:] = self._poll_parked(Z)
         trajectories = {}
 
@@ -81,9 +90,9 @@ class EpisodeHost:
                 out.load_from[z, j] = self.parked.pop(r)
                 out.feed(z, j, fed)
                 self.turn_start[r] = self.parked_t.pop(r) + len(fed)
-        return out.result()
+        return out
 
-    def _slot(self, out: _Answers, z: int, j: int, r: int, t: int, paused: bool, rows, spots: list) -> None:
+    def _slot(self, out: Answers, z: int, j: int, r: int, t: int, paused: bool, rows, spots: list) -> None:
         """One occupied slot: its environment's answer, its turn's end, or (slow environment) its move."""
         ep = self.episodes[r]
         if r in self.calls:

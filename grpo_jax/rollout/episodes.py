@@ -143,12 +143,12 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, E, shards=shards, park=park)
     while int(np.asarray(st["done"]).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
-        answers, moves = host.answer(st)
-        if moves is not None:
-            st = move(st, *moves)
-        elif not any(a.any() for a in (answers[0], answers[2], answers[3] >= 0)) and host.waiting_on_environments():
+        answers = host.answer(st)
+        if answers.quiet and host.waiting_on_environments():
             time.sleep(0.002)  # every busy slot waits for an environment: let its thread run
-        st = update(st, *answers)
+        if answers.move_args is not None:
+            st = move(st, *answers.move_args)
+        st = update(st, *answers.update_args)
     out = {k: np.asarray(st[k]).reshape(len(episodes), *st[k].shape[2:])  # [Z, Rb, ...] -> episode rows
            for k in ("tokens", "logprobs", "env", "lengths")}
     for ep in episodes:

@@ -41,7 +41,13 @@ def copy_to(tree, shardings, into=None):
 
 
 def _zeros(shape, dtype, sharding: NamedSharding) -> jax.Array:
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return _zeros_program(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_program(shape: tuple, dtype, sharding: NamedSharding):
+    """Zeros laid out by `sharding`, made on its devices (one compile per layout)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def _stacked_copy(x: jax.Array, target: NamedSharding, old: jax.Array) -> jax.Array:
