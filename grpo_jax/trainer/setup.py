@@ -33,10 +33,9 @@ from grpo_jax.trainer.prepare import Prepared, add_run_adapters, build_model
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-    model: nnx.Module  # the policy the sampler reads (its parameters follow the learner's)
     learner: Learner
     state: TrainState  # placed where the learner's update wants it, fresh (a resumed run restores into it)
-    source: SyncSampler | PipelinedSource
+    source: SyncSampler | PipelinedSource  # `source.model`: the policy the sampler (and evaluation) reads
     base: dict | None  # a LoRA run's base record (grpo_jax.trainer.lora_base), in checkpoint metadata
 
 
@@ -93,4 +92,4 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     if cfg.rollout.pipelined:  # staleness, or the sampler on its own devices
         source = PipelinedSource(source, staleness=cfg.rollout.staleness, last_step=cfg.train.steps,
                                  sampler_mesh=prepared.sampler_mesh)
-    return Built(model=model, learner=learner, state=state, source=source, base=base)
+    return Built(learner=learner, state=state, source=source, base=base)
