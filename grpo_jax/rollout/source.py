@@ -80,7 +80,7 @@ class SyncSampler:
         self.prepared, self.model = prepared, model
         self.sampling, self.mesh, self.share = prepared.sampling, prepared.mesh, prepared.share
         # Where it samples: the sampler's own mesh (rollout.sampler_devices), else the learner's.
-        self.sample_mesh = getattr(prepared, "sampler_mesh", None) or prepared.mesh
+        self.sample_mesh = prepared.sampler_mesh or prepared.mesh
         self.rows = self.share.scaled(self.sampling.group_size)  # this host's rows of the rollout and batch
         self.seed, self.rng = seed, jax.random.key(seed)
         self.shared_prompt, self.reward_control = shared_prompt, reward_control

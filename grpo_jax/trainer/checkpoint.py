@@ -350,12 +350,12 @@ def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, 
     host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
     a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
     stream with other settings, is a ConfigError."""
-    flight = checkpointer.restore_meta(step).get("pipeline")  # refused without a pipeline by resumable_steps
-    flight = flight if hasattr(source, "restore") else None
+    # A pipelined run's batches in flight (a synchronous run never gets here with them: resumable_steps).
+    flight = checkpointer.restore_meta(step).get("pipeline") if hasattr(source, "restore") else None
     like = source.in_flight_like(len(flight["steps"])) if flight else None
     restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
-    if hasattr(source, "restore"):
-        source.restore(flight or {"made_with": []}, in_flight or [])
+    if flight:
+        source.restore(flight, in_flight)
     _load_stream(meta, step, stream)
     saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
     for spec in rewards:
