@@ -50,7 +50,7 @@ class GRPOConfig:
     beta: float = 0.0  # KL coefficient; 0 = no reference model is held or run
     kl_estimator: KLEstimator = "k3"
     policy_loss: PolicyLoss = "clip"
-    cispo_max_ratio: float = 5.0
+    cispo_max_ratio: float | None = None  # CISPO's bound; None = 5.0 (TRL's suggested epsilon_high)
     kl_importance_weighted: bool = False
     std_ddof: int = 0
     entropy_coef: float = 0.0
@@ -72,11 +72,18 @@ class GRPOConfig:
     # mean of the row's token ratios, so the cap and the mask act on whole sequences.
     sampler_is_level: RatioLevel = "token"
 
+    @property
+    def cispo_bound(self) -> float:
+        return 5.0 if self.cispo_max_ratio is None else self.cispo_max_ratio
+
     def __post_init__(self):
         choice_in("grpo", "ratio_level", self.ratio_level, RATIO_LEVELS)
         choice_in("grpo", "policy_loss", self.policy_loss, POLICY_LOSSES)
-        if self.cispo_max_ratio < 1:
-            raise ValueError(f"grpo.cispo_max_ratio must be >= 1, got {self.cispo_max_ratio}")
+        if self.cispo_max_ratio is not None:
+            if self.policy_loss != "cispo":
+                raise ValueError("grpo.cispo_max_ratio bounds CISPO's weight: set grpo.policy_loss: cispo too")
+            if self.cispo_max_ratio < 1:
+                raise ValueError(f"grpo.cispo_max_ratio must be >= 1, got {self.cispo_max_ratio}")
         if self.std_ddof not in (0, 1):
             raise ValueError(f"grpo.std_ddof must be 0 (population std) or 1 (Bessel-corrected), got {self.std_ddof}")
         choice_in("grpo", "loss_agg", self.loss_agg, LOSS_AGGREGATIONS)

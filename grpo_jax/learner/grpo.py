@@ -202,7 +202,7 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         adv_R1 = jnp.where(mask_RM.sum(axis=1, keepdims=True) > 0, advantages.astype(jnp.float32)[:, None], 0.0)
         adv_RM = jnp.broadcast_to(adv_R1, mask_RM.shape)
     if config.policy_loss == "cispo":  # REINFORCE with a clipped, stop-gradient importance weight
-        weight_RM = jax.lax.stop_gradient(jnp.minimum(ratio_RM, config.cispo_max_ratio))
+        weight_RM = jax.lax.stop_gradient(jnp.minimum(ratio_RM, config.cispo_bound))
         per_token_RM = -weight_RM * adv_RM * logprobs
     else:
         per_token_RM = -_token_objective(ratio_RM, adv_RM, config)

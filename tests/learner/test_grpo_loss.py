@@ -34,7 +34,7 @@ def reference_loss(logp, old, ref, mask, adv, cfg):
         for t in range(logp.shape[1]):
             ratio = seq_ratio if cfg.ratio_level == "sequence" else np.exp(logp[i, t] - old[i, t])
             if cfg.policy_loss == "cispo":  # the weight's value (its gradient is stopped)
-                obj = min(ratio, cfg.cispo_max_ratio) * adv[i] * logp[i, t]
+                obj = min(ratio, cfg.cispo_bound) * adv[i] * logp[i, t]
             else:
                 obj = min(ratio * adv[i], np.clip(ratio, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high) * adv[i])
             if cfg.dual_clip is not None and adv[i] < 0:
@@ -167,7 +167,8 @@ def test_dropped_and_truncated_rows_do_not_contribute():
     (dict(num_iterations=0), "num_iterations"),
     (dict(advantage_scale="std"), "advantage_scale='std'"),
     (dict(policy_loss="ppo"), "policy_loss='ppo'"),
-    (dict(cispo_max_ratio=0.5), "cispo_max_ratio must be >= 1"),
+    (dict(policy_loss="cispo", cispo_max_ratio=0.5), "cispo_max_ratio must be >= 1"),
+    (dict(cispo_max_ratio=2.0), "set grpo.policy_loss: cispo too"),
     (dict(std_ddof=2), "std_ddof must be 0"),
 ])
 def test_config_validation(changes, match):
