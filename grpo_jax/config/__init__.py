@@ -10,7 +10,7 @@ overrides into a validated `RunConfig` and back.
 """
 
 from grpo_jax.config.algorithm import (ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, RATIO_LEVELS, SCALES, Estimator,
-                                       GRPOConfig, LossAggregation, PPOConfig, Scale)
+                                       DistillConfig, GRPOConfig, LossAggregation, PPOConfig, Scale)
 from grpo_jax.config.checks import check_micro_batches
 from grpo_jax.config.loading import (ConfigError, apply_overrides, config_from_dict, config_to_dict, did_you_mean,
                                      load_config, load_rm_config, unknown_key)
@@ -24,7 +24,7 @@ from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshCo
 __all__ = [
     "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "REMATS", "SCALES",
     "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EnvironmentConfig", "Estimator", "EvalConfig", "GRPOConfig",
-    "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
+    "DistillConfig", "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SamplingConfig", "Scale", "SFTConfig", "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict",
     "config_to_dict", "did_you_mean", "load_config", "load_rm_config", "unknown_key", "PreferenceDataConfig",
     "RMRunConfig", "RMTrainConfig",

@@ -7,7 +7,7 @@ import dataclasses
 import warnings
 from typing import Literal, get_args
 
-from grpo_jax.config.checks import choice_in, positive
+from grpo_jax.config.checks import choice_in, non_negative, positive
 
 Scale = Literal["group", "batch", "none"]
 Estimator = Literal["grpo", "rloo"]
@@ -15,12 +15,14 @@ KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 RatioLevel = Literal["token", "sequence"]
 PolicyLoss = Literal["clip", "cispo"]
+CriticKind = Literal["head", "model"]
 SCALES: tuple[str, ...] = get_args(Scale)
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 RATIO_LEVELS: tuple[str, ...] = get_args(RatioLevel)
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)
+CRITIC_KINDS: tuple[str, ...] = get_args(CriticKind)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
@@ -135,7 +137,15 @@ class PPOConfig:
     decoupled as in VAPO: the critic's targets with `lam_critic` (1.0: Monte Carlo returns), the
     policy's advantages with `lam_policy`, or with `length_adaptive_alpha` a lambda per sequence of
     l tokens, 1 - 1 / (alpha * l). The policy loss is GRPO's clipped surrogate with the `grpo` section's clip range,
-    aggregation and KL term, so the two algorithms differ only in where advantages come from."""
+    aggregation and KL term, so the two algorithms differ only in where advantages come from.
+
+    VAPO's other parts: `value_warmup_steps` (the first steps update the critic alone, on the
+    Monte-Carlo returns of the starting policy's rollouts; the policy and its optimizer do not move),
+    `positive_lm_coef` (a language-model loss on the rows with a positive reward, token mean over the
+    batch's positive tokens), and `critic: model` (the critic is a separate transformer with its own
+    optimizer state and a value head, initialised from `critic_path`, an HF directory, a causal LM or
+    a sequence-classification reward model whose score head becomes the value head, or, unset, from
+    the policy's starting weights; `critic: head` is the linear head on the policy's trunk)."""
 
     gamma: float = 1.0
     lam_critic: float = 1.0
@@ -146,8 +156,17 @@ class PPOConfig:
     # The value head's own AdamW learning rate (constant); None = train.learning_rate and its
     # schedule. Critics usually learn faster than policies (a freshly zeroed head must catch up).
     critic_learning_rate: float | None = None
+    value_warmup_steps: int = 0
+    positive_lm_coef: float = 0.0
+    critic: CriticKind = "head"
+    critic_path: str | None = None
 
     def __post_init__(self):
+        choice_in("ppo", "critic", self.critic, CRITIC_KINDS)
+        non_negative("ppo", "value_warmup_steps", self.value_warmup_steps)
+        non_negative("ppo", "positive_lm_coef", self.positive_lm_coef)
+        if self.critic_path is not None and self.critic != "model":
+            raise ValueError("ppo.critic_path initialises a separate critic model: set ppo.critic: model too")
         if self.critic_learning_rate is not None:
             positive("ppo", "critic_learning_rate", self.critic_learning_rate)
         if self.length_adaptive_alpha is not None:
@@ -157,3 +176,21 @@ class PPOConfig:
                 raise ValueError(f"ppo.{name} must be in [0, 1], got {getattr(self, name)}")
         positive("ppo", "value_coef", self.value_coef)
         positive("ppo", "value_clip", self.value_clip)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillConfig:
+    """On-policy distillation (`algorithm: distill`): the student (the policy) samples, the teacher
+    scores the same tokens, and each token's advantage is `coef` x (log pi_teacher - log pi_student)
+    at the sampled token (the negative reverse KL's per-token estimate), plus `reward_coef` x the
+    group advantage of the verifiable rewards (0: the rewards are logged, not trained on). The
+    policy loss is the `grpo` section's. `teacher`: an HF directory or a GGUF file, with the
+    student's tokenizer."""
+
+    teacher: str | None = None
+    coef: float = 1.0
+    reward_coef: float = 0.0
+
+    def __post_init__(self):
+        positive("distill", "coef", self.coef)
+        non_negative("distill", "reward_coef", self.reward_coef)

@@ -1,5 +1,5 @@
 """YAML to a validated RunConfig: sections map onto the schema's dataclasses (`model:`, `data:`,
-`rewards:`, `sampling:`, `grpo:`, `ppo:`, `lora:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
+`rewards:`, `sampling:`, `grpo:`, `ppo:`, `distill:`, `lora:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
 `distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown
 key fails with the valid keys of its section and the nearest match;
 `--set section.key=value` overrides are parsed as YAML scalars and go through the same checks.
@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
-from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
+from grpo_jax.config.algorithm import DistillConfig, GRPOConfig, PPOConfig
 from grpo_jax.config.model import LoRAConfig, ModelConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
@@ -30,7 +30,7 @@ from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshCo
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
-    "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig,
+    "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig, "distill": DistillConfig,
     "lora": LoRAConfig, "environment": EnvironmentConfig, "rollout": RolloutConfig,
 }
 # A float in exponent notation without a dot (1e-4, 3E+2), which PyYAML leaves a string.

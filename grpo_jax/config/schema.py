@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, get_args
 
-from grpo_jax.config.algorithm import GRPOConfig, PPOConfig
+from grpo_jax.config.algorithm import DistillConfig, GRPOConfig, PPOConfig
 from grpo_jax.config.checks import check_micro_batches, choice_in
 from grpo_jax.config.model import LoRAConfig, ModelConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
@@ -15,7 +15,7 @@ from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, 
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
 
 Parallelism = Literal["jit", "pmap"]
-Algorithm = Literal["grpo", "ppo"]
+Algorithm = Literal["grpo", "ppo", "distill"]
 RewardControl = Literal["none", "random"]
 PARALLELISMS: tuple[str, ...] = get_args(Parallelism)
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
@@ -39,9 +39,11 @@ class RunConfig:
     parallelism: Parallelism = "jit"
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     # grpo: group-relative advantages (GRPO, Dr. GRPO, RLOO by the grpo section's options); ppo: a
-    # critic and GAE (the ppo section). Same sampler, data, mesh and checkpoints.
+    # critic and GAE (the ppo section); distill: a teacher's per-token log-probs (the distill
+    # section). Same sampler, data, mesh and checkpoints.
     algorithm: Algorithm = "grpo"
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     # random: the update sees coin flips with the batch's mean reward instead of the rewards (the
     # spurious-reward control); the true rewards are still logged (reward/*) and evaluated.
     reward_control: RewardControl = "none"
@@ -76,6 +78,7 @@ class RunConfig:
         if self.algorithm != "ppo" and self.ppo != PPOConfig():
             raise ValueError(f"ppo: {self.ppo} is set, but the ppo section applies only with algorithm: ppo (this "
                              f"run's algorithm is {self.algorithm}); set algorithm: ppo or remove the ppo section")
+        self._check_distill()
         if self.algorithm == "ppo" and self.grpo.num_iterations > 1:
             raise ValueError("algorithm: ppo with grpo.num_iterations > 1 is not supported yet: its old values would "
                              "need a separate value pass before the updates; use num_iterations: 1")
@@ -98,6 +101,19 @@ class RunConfig:
                              "sft.answer_template for single answers")
         check_micro_batches(self.data.prompts_per_step * self.sampling.group_size, self.train.micro_batches,
                             "data.prompts_per_step x sampling.group_size")
+
+    def _check_distill(self) -> None:
+        if self.algorithm != "distill":
+            if self.distill != DistillConfig():
+                raise ValueError(f"distill: {self.distill} is set, but the distill section applies only with "
+                                 f"algorithm: distill (this run's algorithm is {self.algorithm})")
+            return
+        if self.distill.teacher is None:
+            raise ValueError("algorithm: distill needs distill.teacher: the teacher's HF directory or GGUF file")
+        if self.lora.enabled:
+            raise ValueError("algorithm: distill with lora is not supported yet: the student trains all its weights")
+        if self.parallelism != "jit":
+            raise ValueError("algorithm: distill with parallelism: pmap is not supported; use parallelism: jit")
 
     def _check_pipeline(self) -> None:
         """What a pipelined run (rollout.staleness or rollout.sampler_devices) supports today."""

@@ -56,20 +56,23 @@ class Learner:
                 "frozen_params_bytes": nbytes(self.frozen), "reference_params_bytes": nbytes(self.reference)}
 
     def complete(self, trajectories) -> tuple[Batch, float]:
-        """The train step's batch from a source's `Trajectories`: advantages of the whole batch and
-        (beta > 0) the reference's log-probs -> (batch, seconds the reference pass took)."""
+        """The train step's batch from a source's `Trajectories`: advantages of the whole batch,
+        (beta > 0) the reference's log-probs and (distillation) the teacher's -> (batch, seconds
+        the reference and teacher passes took, `perf/ref_s`)."""
         t = trajectories
         adv = self.parallel.advantages(t.rewards)
         batch = Batch(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
                       completion_mask=t.completion_mask, rewards=t.rewards, truncated=t.truncated,
                       old_logprobs=t.old_logprobs, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
-        if self.beta <= 0:
-            return batch, 0.0
         t0 = time.perf_counter()
-        reference = self.reference if self.frozen is None else self.frozen
-        # Waiting for it costs nothing (the update needs it next) and times it on its own.
-        ref = jax.block_until_ready(self.parallel.ref_logprobs(reference, batch))
-        return batch.replace(ref_logprobs=ref), time.perf_counter() - t0
+        if self.parallel.teacher is not None:  # on-policy distillation: the teacher scores the tokens
+            batch = batch.replace(teacher_logprobs=self.parallel.teacher_logprobs(batch))
+        if self.beta > 0:
+            reference = self.reference if self.frozen is None else self.frozen
+            batch = batch.replace(ref_logprobs=self.parallel.ref_logprobs(reference, batch))
+        # Waiting for them costs nothing (the update needs them next) and times them on their own.
+        jax.block_until_ready((batch.ref_logprobs, batch.teacher_logprobs))
+        return batch, time.perf_counter() - t0
 
     def update(self, state: TrainState, trajectories, while_waiting=None) -> tuple[TrainState, dict[str, float]]:
         """`grpo.num_iterations` updates on one step's trajectories -> (state, the update's metrics).

@@ -8,6 +8,7 @@ start (grpo_jax.trainer.warm_start) and reward-model training (grpo_jax.tools.re
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from grpo_jax.config import RunConfig
@@ -70,3 +71,13 @@ def pair_optimizer(policy: optax.GradientTransformation,
         return (jax.tree.map(lambda _: "policy", params), jax.tree.map(lambda _: "critic", head))
 
     return optax.multi_transform({"policy": policy, "critic": critic}, labels)
+
+
+def hold_policy_half(new_state, old_state, hold):
+    """A `pair_optimizer` state with its policy half taken from `old_state` where `hold` (traced
+    bool; PPO's value warm-up): the policy's moments and step count do not move while the critic's do,
+    so the policy's first real update is a fresh AdamW step (bias correction and schedule from 0)."""
+    inner = dict(new_state.inner_states)
+    inner["policy"] = jax.tree.map(lambda new, old: jnp.where(hold, old, new), inner["policy"],
+                                   old_state.inner_states["policy"])
+    return new_state._replace(inner_states=inner)

@@ -38,17 +38,26 @@ class Parallel(abc.ABC):
 
     def __init__(self, config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                  state: TrainState, *, temperature: float, frozen: nnx.State | None = None,
-                 ref_graphdef: nnx.GraphDef | None = None):
+                 ref_graphdef: nnx.GraphDef | None = None, critic_graphdef: nnx.GraphDef | None = None,
+                 teacher: nnx.Module | None = None):
         """`state`: the run's initial train state (its structure and the params' logical axes fix
         every sharding); `frozen`: the parameters that do not train (a LoRA run's base, placed
         with the model), else None; `ref_graphdef`: the KL reference's structure (a LoRA run's base
-        without its adapters: no adapter matmuls, no copy of the weights), else the policy's."""
+        without its adapters: no adapter matmuls, no copy of the weights), else the policy's;
+        `critic_graphdef`: a separate critic model's structure (`ppo.critic: model`); `teacher`:
+        on-policy distillation's teacher, placed on `mesh`."""
         self.mesh, self.frozen = mesh, frozen
         t = config.train
         self.step_kw = dict(micro_batches=t.micro_batches, logprob_chunk=t.logprob_chunk, temperature=temperature,
                             # rows that share one prompt pass
                             group_size=config.sampling.group_size if t.shared_prompt else 1,
-                            ppo_config=config.ppo if config.algorithm == "ppo" else None, seed=t.seed)
+                            ppo_config=config.ppo if config.algorithm == "ppo" else None, seed=t.seed,
+                            distill_config=config.distill if config.algorithm == "distill" else None,
+                            critic_graphdef=critic_graphdef)
+        self.teacher, self._teacher, self._teacher_graphdef = None, None, None
+        if teacher is not None:
+            self._teacher_graphdef, self.teacher = nnx.split(teacher, nnx.Param)
+            self._teacher = self.teacher_scorer(group_size=self.step_kw["group_size"], temperature=temperature)
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None
         if config.grpo.beta > 0:
@@ -67,6 +76,23 @@ class Parallel(abc.ABC):
     def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
         """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
         return self._ref_step()(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+
+    def teacher_scorer(self, *, group_size: int, temperature: float):
+        """`score(prompt_ids [R, P], prompt_mask [R, P], completion_ids [R, M]) -> the teacher's
+        log-probs [R, M]` at `temperature`, rows in groups of `group_size` sharing a prompt pass
+        (the training batch's, or held-out evaluation's k); None without a teacher."""
+        if self.teacher is None:
+            return None
+        step = make_ref_logprobs_step(self._teacher_graphdef, mesh=self.mesh, params_shardings=tree_shardings(
+            self.teacher), logprob_chunk=self.step_kw["logprob_chunk"], temperature=temperature, group_size=group_size)
+        return lambda prompt_ids, prompt_mask, completion_ids: step(self.teacher, prompt_ids, prompt_mask,
+                                                                    completion_ids)
+
+    def teacher_logprobs(self, batch: Batch) -> jax.Array:
+        """The distillation teacher's log-probs [R, M] of the batch's completions, on the mesh."""
+        if self._teacher is None:
+            raise ValueError("teacher log-probs are computed only with algorithm: distill")
+        return self._teacher(batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
 
     def lower_ref_logprobs(self, params, batch: Batch) -> jax.stages.Lowered:
         """`ref_logprobs`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs):
@@ -151,9 +177,11 @@ class PmapParallel(Parallel):
 
 def make_parallel(config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                   state: TrainState, *, temperature: float, frozen: nnx.State | None = None,
-                  ref_graphdef: nnx.GraphDef | None = None) -> Parallel:
+                  ref_graphdef: nnx.GraphDef | None = None, critic_graphdef: nnx.GraphDef | None = None,
+                  teacher: nnx.Module | None = None) -> Parallel:
     """The run's parallelism object (`config.parallelism`), over `mesh`
-    (grpo_jax.runtime.devices.run_mesh), for the initial train state `state`."""
+    (grpo_jax.runtime.devices.run_mesh), for the initial train state `state`; the keywords as
+    `Parallel`'s."""
     cls = {"jit": MeshParallel, "pmap": PmapParallel}[config.parallelism]
     return cls(config, mesh, graphdef, optimizer, state, temperature=temperature, frozen=frozen,
-               ref_graphdef=ref_graphdef)
+               ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)

@@ -7,8 +7,9 @@ estimate of the state before each token), mask [B, T] (1 on the completion's tok
 right-padded). A position after the last real token is terminal: its value is 0 and nothing
 flows back from it.
 
-The critic is a linear head on the policy's final hidden states (`init_critic`, `values`): one
-forward pass gives both the log-probs and the values, so PPO's update costs what GRPO's does.
+The critic (`critic_values`) is a linear head on the policy's final hidden states (`init_critic`,
+`values`): one forward pass gives both the log-probs and the values, so PPO's update costs what
+GRPO's does; or (`ppo.critic: model`) the head on a separate transformer's (grpo_jax.trainer.critic).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from grpo_jax.config import GRPOConfig, PPOConfig
 from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
+from grpo_jax.learner.logprobs import completion_states
 
 
 def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float = 1.0,
@@ -100,34 +103,66 @@ def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
     return jnp.where(var_ret > 1e-12, 1.0 - var_err / jnp.maximum(var_ret, 1e-12), jnp.nan)
 
 
-def ppo_loss(critic: dict[str, jax.Array], hidden: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array,
-             entropy: jax.Array, mb, config: GRPOConfig, ppo: PPOConfig,
-             normaliser: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The PPO objective of one micro-batch `mb` (a train_step.Batch slice) from the policy's hidden
-    states, log-probs (current and old) and entropies: GRPO's clipped surrogate on GAE's per-token
-    advantages (from the values of the rollout's policy: these, without gradient, at mu = 1), plus
-    `value_coef` x the clipped value loss, under the same token weights and normaliser. Returns
-    (loss, sums): `policy_loss`'s sums, `value/loss`, `value/mean` and the `value/_*` sums of
-    `explained_variance`."""
+def ppo_loss(v_RM: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array, entropy: jax.Array, mb,
+             config: GRPOConfig, ppo: PPOConfig, normaliser: jax.Array, *, warmup: jax.Array | bool = False,
+             positive_tokens: jax.Array | float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The PPO objective of one micro-batch `mb` (a train_step.Batch slice) from the critic's values
+    `v_RM` [R, M] (`critic_values`) and the policy's log-probs (current and old) and entropies:
+    GRPO's clipped surrogate on GAE's per-token advantages (from the values of the rollout's policy:
+    these, without gradient, at mu = 1), plus `value_coef` x the clipped value loss, under the same
+    token weights and normaliser, plus `positive_lm_coef` x the language-model loss of the rows with
+    a positive reward (their token sum over the whole batch's `positive_tokens`).
+
+    `warmup` (traced bool, VAPO's value pretraining): the value loss alone, on Monte-Carlo returns
+    (lambda 1); the policy terms are 0 (the caller keeps the policy's parameters as they were).
+
+    Returns (loss, sums): `policy_loss`'s sums, `value/loss`, `value/mean`, the `value/_*` sums of
+    `explained_variance` and `_train/positive_lm_loss` (already normalised)."""
     mask_RM = effective_mask(mb.completion_mask, config, valid=mb.valid, truncated=mb.truncated)
-    v_RM = values(critic, hidden)
     old_v = jax.lax.stop_gradient(v_RM)
     rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
+    rows = mb.completion_mask.shape[0]
     # Decoupled GAE (VAPO): the critic's targets with lam_critic (1.0: Monte Carlo returns), the
     # policy's advantages with lam_policy or, with length_adaptive_alpha, a lambda per sequence.
     lam_policy = ppo.lam_policy if ppo.length_adaptive_alpha is None else \
         length_adaptive_lambda(mb.completion_mask, ppo.length_adaptive_alpha)
+    lam_critic = jnp.where(warmup, 1.0, jnp.full((rows,), ppo.lam_critic, jnp.float32))
     adv_RM, _ = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, lam_policy)
-    _, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, ppo.lam_critic)
+    _, ret_RM = gae(rewards_RM, old_v, mb.completion_mask, ppo.gamma, lam_critic)
     loss, sums = policy_loss(logprobs, old_logprobs, adv_RM, mb.completion_mask, config, valid=mb.valid,
                              truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy,
                              normaliser=normaliser, sampler_logprobs=mb.old_logprobs)
+    lm = -jnp.sum(logprobs * positive_mask(mb)) / jnp.maximum(positive_tokens, 1.0)
+    policy_terms = loss + (ppo.positive_lm_coef * lm if ppo.positive_lm_coef else 0.0)
     weights, _ = loss_weights(mask_RM, config)
     v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
-    loss = loss + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
+    loss = jnp.where(warmup, 0.0, policy_terms) + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
     err = jax.lax.stop_gradient(ret_RM - v_RM)
     sums.update({"value/loss": jnp.sum(jax.lax.stop_gradient(v_loss_RM) * mask_RM),
                  "value/mean": jnp.sum(old_v * mask_RM), "value/_n": mask_RM.sum(),
                  "value/_ret": jnp.sum(ret_RM * mask_RM), "value/_ret2": jnp.sum(ret_RM**2 * mask_RM),
-                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM)})
+                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM),
+                 "_train/positive_lm_loss": jax.lax.stop_gradient(lm)})
     return loss, sums
+
+
+def positive_mask(batch) -> jax.Array:
+    """float32 [R, M]: the completion tokens of the valid rows with a reward > 0 (VAPO's positive
+    examples: a verifier's correct answers), which `ppo.positive_lm_coef`'s loss imitates."""
+    positive_R = batch.valid & (jnp.nan_to_num(batch.rewards, nan=0.0) > 0)
+    return batch.completion_mask.astype(jnp.float32) * positive_R[:, None]
+
+
+def critic_values(critic: dict, hidden: jax.Array, mb, *, critic_graphdef=None, warmup: jax.Array | bool = False,
+                  group_size: int = 1, row_sharding=None) -> jax.Array:
+    """float32 [R, M]: the critic's value of the state before each completion token of `mb`.
+    `critic_graphdef` None (`ppo.critic: head`): the head on the policy's hidden states `hidden`
+    [R, M, E], which during `warmup` get no gradient from it (the trunk is the policy's). Else
+    (`ppo.critic: model`): the head on the critic model's own hidden states of the same tokens
+    (`critic["model"]`, the parameters of the structure `critic_graphdef`)."""
+    if critic_graphdef is None:
+        return values(critic, jnp.where(warmup, jax.lax.stop_gradient(hidden), hidden))
+    model = nnx.merge(critic_graphdef, critic["model"])
+    own = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
+                            row_sharding=row_sharding)
+    return values(critic, own)

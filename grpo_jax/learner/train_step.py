@@ -25,12 +25,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax.config import GRPOConfig, PPOConfig, check_micro_batches
-from grpo_jax.learner.grpo import (MAX_SUMS, GroupAdvantages, effective_mask, group_advantages, loss_metrics, loss_weights,
-                                   policy_loss)
-from grpo_jax.learner.logprobs import chunked_logprobs, completion_logprobs, completion_states
+from grpo_jax.config import DistillConfig, GRPOConfig, PPOConfig, check_micro_batches
+from grpo_jax.learner.grpo import MAX_SUMS, GroupAdvantages, group_advantages, loss_metrics
+from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.micro_batches import accumulate, grad_noise_scale, sq_norm
-from grpo_jax.learner.ppo import explained_variance, ppo_loss
+from grpo_jax.learner.objectives import Objective, micro_loss_fn, policy_frozen, whole_batch
+from grpo_jax.learner.optimizer import hold_policy_half
+from grpo_jax.learner.ppo import explained_variance
 from grpo_jax.models.lora import LoRAParam, has_adapters
 from grpo_jax.runtime.sharding import batch_sharding, replicated, sharded_jit
 
@@ -51,6 +52,7 @@ class Batch:
     truncated: jax.Array  # bool [R]
     old_logprobs: jax.Array  # float32 [R, M]: the sampler's (used when num_iterations > 1)
     ref_logprobs: jax.Array | None = None  # float32 [R, M]: reference policy's (beta > 0 only)
+    teacher_logprobs: jax.Array | None = None  # float32 [R, M]: the teacher's (algorithm: distill only)
 
 
 # field -> (dims as names of R, N, P, M, dtype kind): "i" integer, "f" float, "b" bool.
@@ -58,7 +60,7 @@ _BATCH_FIELDS = {
     "prompt_ids": (("R", "P"), "i"), "prompt_mask": (("R", "P"), "i"), "completion_ids": (("R", "M"), "i"),
     "completion_mask": (("R", "M"), "i"), "rewards": (("R",), "f"), "advantages": (("R",), "f"),
     "valid": (("R",), "b"), "zero_std": (("N",), "b"), "truncated": (("R",), "b"), "old_logprobs": (("R", "M"), "f"),
-    "ref_logprobs": (("R", "M"), "f"),
+    "ref_logprobs": (("R", "M"), "f"), "teacher_logprobs": (("R", "M"), "f"),
 }
 
 
@@ -71,7 +73,7 @@ def check_batch(batch: Batch, *, micro_batches: int = 1) -> None:
     dims = {"R": R, "N": N, "P": P, "M": M}
     for name, (shape, kind) in _BATCH_FIELDS.items():
         x = getattr(batch, name)
-        if x is None and name == "ref_logprobs":
+        if x is None and name in ("ref_logprobs", "teacher_logprobs"):
             continue
         try:
             chex.assert_shape(x, tuple(dims[d] for d in shape))
@@ -142,10 +144,15 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
                config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
                temperature: float = 1.0, axis_name: str | None = None,
                group_size: int = 1, ppo_config: PPOConfig | None = None,
-               seed: int = 0, row_sharding=None) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`).
+               seed: int = 0, row_sharding=None, distill_config: DistillConfig | None = None,
+               critic_graphdef: nnx.GraphDef | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`;
+    `critic_graphdef`: a separate critic model's structure, `ppo.critic: model`; or on-policy
+    distillation's with `distill_config`, the batch holding the teacher's log-probs).
     `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
 
+    PPO's value warm-up (`ppo.value_warmup_steps`): while state.step is below it, only the critic
+    and its half of the optimizer state change; the policy's parameters and moments stay as they were.
     Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the rows: the loss
     normaliser and the batch metrics come from all devices' rows (gathered, they are small),
     gradients and loss sums are summed across devices, so every device applies the update the
@@ -164,15 +171,16 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     row_sharding: on a mesh, where the activations' rows live (`models.transformer.run_layers`)."""
     check_batch(batch, micro_batches=micro_batches)
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
-    ppo = state.critic is not None
-    if ppo and ppo_config is None:
-        raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
-    everyone, normaliser = _whole_batch(batch, config, axis_name)
+    objective = _objective(state, batch, ppo_config, distill_config, critic_graphdef)
+    ppo = objective.ppo is not None
+    whole = whole_batch(batch, config, axis_name)
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:
         step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
-    micro_loss = _micro_loss(graphdef, frozen, config, ppo_config if ppo else None, normaliser, group_size=group_size,
-                             logprob_chunk=logprob_chunk, temperature=temperature, row_sharding=row_sharding)
+    warmup = policy_frozen(state.step, objective)
+    micro_loss = micro_loss_fn(lambda params: merge_model(graphdef, params, frozen), config, objective, whole,
+                               group_size=group_size, logprob_chunk=logprob_chunk, temperature=temperature,
+                               row_sharding=row_sharding, warmup=warmup)
     trainable = (state.params, state.critic) if ppo else state.params
     loss, grads, sums, sq = accumulate(micro_loss, trainable, batch.replace(zero_std=None), step_key, micro_batches,
                                        unit=group_size)
@@ -184,65 +192,50 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
                 for k, v in sums.items()}
         pieces, rows = pieces * jax.lax.psum(1, axis_name), rows * jax.lax.psum(1, axis_name)
     noise_scale = grad_noise_scale(sq, sq_norm(grads), pieces=pieces, rows=rows)
-    ev = None
-    if ppo:
-        ev = explained_variance({k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
-    state, grad_norm = _apply(state, trainable, grads, loss, optimizer, ppo)
+    extra = _objective_metrics(sums, ppo, warmup)
+    state, grad_norm = _apply(state, trainable, grads, loss, optimizer, ppo, hold_policy=warmup)
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
                "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
-               "health/grad_noise_scale": noise_scale, **_batch_metrics(everyone)}
-    if ev is not None:
-        metrics["value/explained_variance"] = ev
+               "health/grad_noise_scale": noise_scale, **_batch_metrics(whole.batch), **extra}
     return state, metrics
 
 
-def _micro_loss(graphdef, frozen, config: GRPOConfig, ppo_config: PPOConfig | None, normaliser, *, group_size: int,
-                logprob_chunk: int, temperature: float, row_sharding=None):
-    """`loss(trainable, micro_batch, dropout_key) -> (loss, sums)`: GRPO's objective, or PPO's when
-    `ppo_config` is given (then `trainable` is the pair (params, critic))."""
-    def micro_loss(trainable, mb, key):
-        params, critic = trainable if ppo_config is not None else (trainable, None)
-        model = merge_model(graphdef, params, frozen)
-        # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
-        h_RME = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
-                                  dropout_key=key, row_sharding=row_sharding)
-        logp_RM, entropy_RM = chunked_logprobs(h_RME, mb.completion_ids, model.logits, chunk=logprob_chunk,
-                                               temperature=temperature)
-        # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
-        old_RM = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp_RM)
-        if ppo_config is not None:
-            return ppo_loss(critic, h_RME, logp_RM, old_RM, entropy_RM, mb, config, ppo_config, normaliser)
-        return policy_loss(logp_RM, old_RM, mb.advantages, mb.completion_mask, config, valid=mb.valid,
-                           truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy_RM,
-                           normaliser=normaliser, sampler_logprobs=mb.old_logprobs)
-
-    return micro_loss
+def _objective(state: TrainState, batch: Batch, ppo_config, distill_config, critic_graphdef) -> Objective:
+    if state.critic is not None and ppo_config is None:
+        raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
+    if distill_config is not None and batch.teacher_logprobs is None:
+        raise ValueError("algorithm: distill needs the teacher's log-probs in the batch (Batch.teacher_logprobs)")
+    return Objective(ppo=ppo_config if state.critic is not None else None, distill=distill_config,
+                     critic_graphdef=critic_graphdef)
 
 
-def _whole_batch(batch: Batch, config: GRPOConfig, axis_name: str | None) -> tuple[Batch, jax.Array]:
-    """(the whole batch's per-row fields, for its metrics; the loss normaliser of the whole batch):
-    under pmap gathered from every device's rows."""
-    mask_RM = effective_mask(batch.completion_mask, config, valid=batch.valid, truncated=batch.truncated)
-    if axis_name is None:
-        return batch, loss_weights(mask_RM, config)[1]
-
-    def gather(x):
-        return jax.lax.all_gather(x, axis_name, tiled=True)
-
-    everyone = batch.replace(**{f: gather(getattr(batch, f)) for f in (
-        "advantages", "valid", "truncated", "completion_mask")})
-    return everyone, loss_weights(gather(mask_RM), config)[1]
+def _objective_metrics(sums: dict, ppo: bool, warmup) -> dict[str, jax.Array]:
+    """The metrics the loss's sums hold beyond `loss_metrics`' per-token means, taken out of `sums`:
+    PPO's explained variance and warm-up flag, and the `_`-prefixed whole-batch figures."""
+    extra = {}
+    if ppo:
+        extra["value/explained_variance"] = explained_variance(
+            {k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
+        extra["value/warmup"] = jnp.asarray(warmup, jnp.float32)
+    extra.update({k[1:]: sums.pop(k) for k in list(sums) if k.startswith("_")})
+    return extra
 
 
-def _apply(state: TrainState, trainable, grads, loss, optimizer, ppo: bool) -> tuple[TrainState, jax.Array]:
+def _apply(state: TrainState, trainable, grads, loss, optimizer, ppo: bool,
+           hold_policy: jax.Array | bool = False) -> tuple[TrainState, jax.Array]:
     """The optimizer's update where loss and gradients are finite; else the state bit-identical
-    with the skip counted -> (state, the gradient's norm)."""
+    with the skip counted -> (state, the gradient's norm). `hold_policy` (PPO's value warm-up): the
+    policy's parameters and its half of the optimizer state kept as they were."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = optimizer.update(grads, state.opt_state, trainable)
     new_trainable = keep_if(finite, optax.apply_updates(trainable, updates), trainable)
     new_params, new_critic = new_trainable if ppo else (new_trainable, None)
-    return TrainState(step=state.step + 1, params=new_params, opt_state=keep_if(finite, new_opt, state.opt_state),
+    new_opt = keep_if(finite, new_opt, state.opt_state)
+    if ppo and hold_policy is not False:
+        new_params = keep_if(hold_policy, state.params, new_params)
+        new_opt = hold_policy_half(new_opt, state.opt_state, hold_policy)
+    return TrainState(step=state.step + 1, params=new_params, opt_state=new_opt,
                       skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
                       skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1), critic=new_critic), grad_norm
 
@@ -273,13 +266,15 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
 def bind_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
                     ppo_config: PPOConfig | None = None, seed: int = 0, axis_name: str | None = None,
-                    row_sharding=None):
+                    row_sharding=None, distill_config: DistillConfig | None = None,
+                    critic_graphdef: nnx.GraphDef | None = None):
     """`train_step` with its static parts bound: what `make_train_step` jits and the pmap mode
     (grpo_jax.learner.parallel) pmaps. See `train_step` for the arguments."""
     return functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
                              group_size=group_size, ppo_config=ppo_config, seed=seed, axis_name=axis_name,
-                             row_sharding=row_sharding)
+                             row_sharding=row_sharding, distill_config=distill_config,
+                             critic_graphdef=critic_graphdef)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *, mesh: Mesh,

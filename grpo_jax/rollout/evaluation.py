@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.config import SamplingConfig
@@ -41,7 +42,7 @@ def prompts_per_call(num_prompts: int, mesh=None, chunk: int = 64) -> int:
 
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
              rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None,
-             episodes=None) -> dict[str, float]:
+             episodes=None, teacher=None) -> dict[str, float]:
     """`eval/accuracy` (the share of samples `reward` scores above 0.5), `eval/pass@k` (with k =
     sampling.group_size), `eval/reward_mean` (its mean score) and bookkeeping over `examples`.
 
@@ -50,7 +51,11 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     and the other not (a training reward that can be satisfied without being right shows here).
 
     episodes: a run's grpo_jax.rollout.episodes.EpisodeRunner: each sample is an episode, judged on
-    its last model turn (an episode its environment failed is not judged)."""
+    its last model turn (an episode its environment failed is not judged).
+
+    teacher: on-policy distillation's teacher as `teacher(prompt_ids [R, P], prompt_mask [R, P],
+    completion_ids [R, M]) -> log-probs [R, M]` (at the evaluation's temperature and k): adds
+    `eval/distill_reverse_kl`, the held-out samples' per-token k1 estimate of KL(student || teacher)."""
     judges = [reward] if verifier is None else [reward, verifier]  # each scored on its own
     if not examples:
         raise ValueError("evaluation needs at least one prompt; check data.eval_split and eval.num_prompts")
@@ -60,12 +65,13 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     # put together on every host.
     share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)
     scored = []  # [prompts, k, judges] per chunk; NaN = not judged
+    kl = np.zeros(2)  # (sum over held-out tokens of log pi_student - log pi_teacher, tokens)
     for start in range(0, len(examples), chunk):
         part = list(examples[start:start + chunk])
         real = len(part)
         part += [part[0]] * (chunk - real)
-        texts_, failed = _sample(model, part, sampling, jax.random.fold_in(rng, start), mesh, share, tokenizer,
-                                 episodes, padding=chunk - real)
+        texts_, failed, kl_rows = _sample(model, part, sampling, jax.random.fold_in(rng, start), mesh, share,
+                                          tokenizer, episodes, padding=chunk - real, teacher=teacher)
         own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
         n_own = own.stop - own.start
         scores = np.full((share.size, len(judges)), np.nan, np.float32)
@@ -80,7 +86,15 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
                 result = combine_rewards([dataclasses.replace(judge, fn=fn, weight=1.0)], prompts, texts, fields)
                 scores[:n_own, j] = np.where(failed[:n_own], np.nan, result.per_fn[judge.name])
         scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))
-    scores_ = np.concatenate(scored)
+        if kl_rows is not None:
+            kl += gather_rows(kl_rows, share)[:real * k].sum(axis=0)
+    return _summary(np.concatenate(scored), k=k, prompts=len(examples), verifier=verifier is not None,
+                    kl=kl if teacher is not None else None)
+
+
+def _summary(scores_: np.ndarray, *, k: int, prompts: int, verifier: bool, kl) -> dict[str, float]:
+    """`evaluate`'s metrics from the scores [prompts, k, judges] (NaN = not judged) and, with a
+    teacher, the (reverse-KL sum, tokens) pair."""
     judged_ = ~np.isnan(scores_)
     correct_ = np.nan_to_num(scores_, nan=0.0) > 0.5
     n_judged = judged_.sum(axis=(0, 1))
@@ -88,12 +102,14 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
         "eval/accuracy": float(correct_[..., 0].sum() / n_judged[0]) if n_judged[0] else float("nan"),
         "eval/pass@k": float(correct_[..., 0].any(axis=1).mean()),
         "eval/k": float(k),
-        "eval/prompts": float(len(examples)),
+        "eval/prompts": float(prompts),
         "eval/unjudged": float(judged_[..., 0].size - n_judged[0]),
         # The judge's mean score: a reward model's held-out score, beside eval.verifier's accuracy.
         "eval/reward_mean": float(np.nanmean(scores_[..., 0])) if n_judged[0] else float("nan"),
     }
-    if verifier is not None:
+    if kl is not None:
+        out["eval/distill_reverse_kl"] = float(kl[0] / max(kl[1], 1.0))
+    if verifier:
         both = judged_[..., 0] & judged_[..., 1]
         out["eval/verifier_accuracy"] = float(correct_[..., 1].sum() / n_judged[1]) if n_judged[1] else float("nan")
         out["health/verifier_disagreement"] = (float((correct_[..., 0] != correct_[..., 1])[both].mean())
@@ -101,13 +117,22 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     return out
 
 
-def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, episodes, padding: int):
-    """This host's rows of one chunk's samples -> (completion texts, failed bool): one `generate`
-    call, or the chunk's episodes (their last model turns; the `padding` prompts that fill the
-    chunk's shape play none)."""
+def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, episodes, padding: int, teacher=None):
+    """This host's rows of one chunk's samples -> (completion texts, failed bool, with a `teacher`
+    float64 [rows, 2] (each row's sum of student - teacher log-probs, its tokens), else None): one
+    `generate` call, or the chunk's episodes (their last model turns; the `padding` prompts that
+    fill the chunk's shape play none)."""
     if episodes is not None:
         batch = episodes.run(model, part, sampling, rng, padding=padding)
-        return batch.final_turns(), batch.failed
+        return batch.final_turns(), batch.failed, None
     rollout = generate(model, [ex.prompt_ids for ex in part], sampling, rng, mesh=mesh)
     tokens, lengths = local_rows((rollout.tokens, rollout.lengths), share)
-    return decode_completions(tokenizer, tokens, lengths), np.zeros(len(lengths), bool)
+    kl_rows = None
+    if teacher is not None:
+        k = rollout.group_size
+        teacher_RM = teacher(jnp.repeat(rollout.prompt_ids, k, axis=0), jnp.repeat(rollout.prompt_mask, k, axis=0),
+                             rollout.tokens)
+        gap_R = jnp.sum((rollout.logprobs - teacher_RM) * rollout.mask, axis=1)
+        gap, n = local_rows((gap_R, rollout.mask.sum(axis=1)), share)
+        kl_rows = np.stack([gap, n], axis=1).astype(np.float64)
+    return decode_completions(tokenizer, tokens, lengths), np.zeros(len(lengths), bool), kl_rows

@@ -289,20 +289,36 @@ def train_state_shardings(state, mesh: Mesh, rules: Mapping[str, str | None] = R
     Reads shapes and logical axes only, so an abstract state (`jax.eval_shape`) works too.
     Returns (the shardings, a pytree like the state; the dimensions that had to be replicated)."""
     sharded = param_shardings(state.params, mesh, rules)
-    structure = jax.tree.structure(state.params)
     whole = replicated(mesh)
+    # PPO's critic: its head is small (replicated); a separate critic model (`ppo.critic: model`,
+    # an nnx.State under "model") is sharded by the same rules as the policy.
+    critic = jax.tree.map(lambda _: whole, state.critic)
+    models = [(state.params, sharded.shardings)]
+    left_whole = list(sharded.replicated)
+    if isinstance(state.critic, dict) and "model" in state.critic:
+        own = param_shardings(state.critic["model"], mesh, rules)
+        critic = {**critic, "model": own.shardings}
+        models.append((state.critic["model"], own.shardings))
+        left_whole += [f"critic {line}" for line in own.replicated]
+    layouts = [(_layout(params), shardings) for params, shardings in models]
 
     def opt_node(x):
-        # Optimizer moments are pytrees shaped like the params: shard them the same way.
-        if isinstance(x, nnx.State) and jax.tree.structure(x) == structure:
-            return sharded.shardings
+        # Optimizer moments are pytrees shaped like the params (or the critic model): shard them the same way.
+        if isinstance(x, nnx.State):
+            for layout, shardings in layouts:
+                if _layout(x) == layout:
+                    return shardings
         return jax.tree.map(lambda _: whole, x)
 
     opt_state = jax.tree.map(opt_node, state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
     shardings = state.replace(params=sharded.shardings, opt_state=opt_state, step=whole, skipped_total=whole,
-                              skipped_streak=whole,
-                              critic=jax.tree.map(lambda _: whole, state.critic))  # PPO's value head: small
-    return shardings, sharded.replicated
+                              skipped_streak=whole, critic=critic)
+    return shardings, left_whole
+
+
+def _layout(tree) -> tuple:
+    """A pytree's structure and leaf shapes: two trees with the same layout shard the same way."""
+    return jax.tree.structure(tree), tuple(tuple(x.shape) for x in jax.tree.leaves(tree))
 
 
 def place_train_state(state, mesh: Mesh, rules: Mapping[str, str | None] = RULES):

@@ -213,7 +213,7 @@ class Trainer:
         p = self.prepared
         ev = evaluate(self.built.source.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
                       sampling=p.eval_sampling, tokenizer=p.tokenizer, mesh=p.sampler_mesh or p.mesh,
-                      episodes=p.episodes, rng=jax.random.key(self.config.train.seed + 1))
+                      episodes=p.episodes, rng=jax.random.key(self.config.train.seed + 1), teacher=self.built.teacher)
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
                  f"{ev['eval/pass@k']:.3f}")
         return ev

@@ -33,6 +33,7 @@ from grpo_jax.runtime.devices import check_devices, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import init_on_host, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
+from grpo_jax.trainer.side_models import check_side_model
 
 
 @dataclasses.dataclass
@@ -176,6 +177,10 @@ def prepare(config: RunConfig) -> Prepared:
                           "GRPO needs sampling, use a temperature > 0")
     check_devices(config)
     tokenizer, model_config = _model_inputs(config.model)
+    if config.algorithm == "distill":
+        check_side_model(config.distill.teacher, "distill.teacher", tokenizer, model_config)
+    if config.algorithm == "ppo" and config.ppo.critic_path is not None:
+        check_side_model(config.ppo.critic_path, "ppo.critic_path", tokenizer, model_config)
     try:
         rewards, eval_reward, eval_verifier = build_rewards(config)
     except ConfigError:

@@ -18,7 +18,6 @@ from flax import nnx
 from grpo_jax.learner.learner import Learner
 from grpo_jax.learner.optimizer import run_optimizer
 from grpo_jax.learner.parallel import make_parallel
-from grpo_jax.learner.ppo import init_critic
 from grpo_jax.trainer.warm_start import warm_start
 from grpo_jax.learner.train_step import TrainState, init_state, split_trainable
 from grpo_jax.models.lora import strip_adapters
@@ -28,7 +27,8 @@ from grpo_jax.rollout.pipeline import PipelinedSource
 from grpo_jax.rollout.source import SyncSampler
 from grpo_jax.runtime.sharding import place_model
 from grpo_jax.trainer import lora_base
-from grpo_jax.trainer.prepare import Prepared, add_run_adapters, build_model
+from grpo_jax.trainer.prepare import Prepared, add_run_adapters, build_model, model_options
+from grpo_jax.trainer.side_models import build_critic, load_teacher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Built:
     state: TrainState  # placed where the learner's update wants it, fresh (a resumed run restores into it)
     source: SyncSampler | PipelinedSource  # `source.model`: the policy the sampler (and evaluation) reads
     base: dict | None  # a LoRA run's base record (grpo_jax.trainer.lora_base), in checkpoint metadata
+    teacher: Callable | None = None  # distillation: the teacher's scorer at evaluation's k and temperature
 
 
 def stateful_rewards(prepared: Prepared) -> list[StatefulReward]:
@@ -66,14 +67,18 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     add_run_adapters(model, cfg)  # after the warm start: a LoRA run adapts the warm-started base
     place_model(model, mesh)  # the adapters too
     optimizer = run_optimizer(cfg)
-    critic = init_critic(prepared.model_config.hidden_size) if cfg.algorithm == "ppo" else None
+    critic_graphdef, critic = None, None
+    if cfg.algorithm == "ppo":  # after the warm start: a critic copied from the policy copies the warm-started one
+        critic_graphdef, critic = build_critic(cfg, model, mesh, model_options(cfg.model))
     graphdef, state = init_state(model, optimizer, critic=critic)
     frozen = split_trainable(model)[2]
     # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
     # is its frozen base in the structure without adapters (no copy; the base is on disk, lora_base).
     ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
+    teacher = load_teacher(cfg, mesh, model_options(cfg.model)) if cfg.algorithm == "distill" else None
     parallel = make_parallel(cfg, mesh, graphdef, optimizer, state, temperature=prepared.sampling.temperature,
-                             frozen=frozen, ref_graphdef=ref_graphdef)
+                             frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef,
+                             teacher=teacher)
     state = parallel.place(state)
     for line in parallel.not_sharded:
         log(f"not sharded (its mesh axis does not divide it): {line}")
@@ -92,4 +97,6 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     if cfg.rollout.pipelined:  # staleness, or the sampler on its own devices
         source = PipelinedSource(source, staleness=cfg.rollout.staleness, last_step=cfg.train.steps,
                                  sampler_mesh=prepared.sampler_mesh)
-    return Built(learner=learner, state=state, source=source, base=base)
+    ev = prepared.eval_sampling
+    return Built(learner=learner, state=state, source=source, base=base,
+                 teacher=parallel.teacher_scorer(group_size=ev.group_size, temperature=ev.temperature))
