@@ -1,6 +1,9 @@
-"""Stability lab: GRPO, Dr. GRPO, RLOO and PPO on the CPU demo task, several seeds each.
+"""Stability lab: GRPO and its relatives (DAPO, Dr. GRPO, RLOO, CISPO) against critic-based PPO
+and VAPO on the CPU demo task, several seeds each.
 
-    python benchmarks/stability.py --output benchmarks/results/stability
+    python benchmarks/stability.py --output benchmarks/results/stability_v2   # the second edition
+    python benchmarks/stability.py --variants grpo dr_grpo rloo ppo grpo_random \
+        --output benchmarks/results/stability                                   # the first
 
 Each (variant, seed) is one `grpo-jax train --config configs/demo_cpu.yaml` run with the variant's
 `--set` overrides and `train.seed`. Every run samples the same prompts per step, G and
@@ -25,26 +28,44 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["train.micro_batches=4", "checkpoint.every=0", "train.progress=false"]
 VARIANTS = {
     "grpo": [],  # the demo: group mean and std, token-mean loss, clip-higher, beta 0.01
     "dr_grpo": ["grpo.advantage_scale=none", "grpo.loss_agg=seq_mean_token_sum_norm",
-                "grpo.max_completion_length=4"],
+                "grpo.max_completion_length={max_new_tokens}"],
     "rloo": ["grpo.advantage_estimator=rloo", "grpo.advantage_scale=none"],
     "ppo": ["algorithm=ppo", "ppo.critic_learning_rate=0.001"],
+    # DAPO: the demo's clip-higher and token mean, plus dynamic sampling (resampling groups whose
+    # rewards do not vary: it samples more tokens per step, see sampled_tokens and eval_at_tokens).
+    "dapo": ["train.dynamic_sampling=true"],
+    "cispo": ["grpo.policy_loss=cispo"],  # MiniMax-M1's clipped-weight REINFORCE, bound 5.0
+    # VAPO: a separate critic (the warm-started policy's copy with a zero head), 50 critic-only steps
+    # on Monte-Carlo returns, decoupled GAE (critic 1.0, policy length-adaptive), a positive-example
+    # LM loss. alpha 5, not VAPO's 0.05: completions here are 1-4 tokens, and 1 - 1/(0.05 l) < 0
+    # would make lambda 0 on every row; 5 gives 0.8 at 1 token and 0.95 at 4.
+    "vapo": ["algorithm=ppo", "ppo.critic=model", "ppo.value_warmup_steps={value_warmup}", "ppo.length_adaptive_alpha=5",
+             "ppo.positive_lm_coef=0.1", "ppo.critic_learning_rate=0.001"],
     # The spurious-reward control: GRPO learning from coin flips with the batch's mean reward.
     "grpo_random": ["reward_control=random"],
 }
 
 
-def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str) -> dict:
+SECOND_EDITION = ["grpo", "dapo", "dr_grpo", "cispo", "ppo", "vapo"]
+
+
+def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str, *, config: Path,
+            value_warmup: int = 50, extra: tuple[str, ...] = ()) -> dict:
     run_dir = out / f"{variant}_s{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    sets = [*COMMON, *VARIANTS[variant], f"train.seed={seed}"] + ([f"train.steps={steps}"] if steps else [])
-    cmd = [python, "-m", "grpo_jax", "train", "--config", str(ROOT / "configs/demo_cpu.yaml"), "--output", str(run_dir)]
+    fill = {"max_new_tokens": yaml.safe_load(config.read_text())["sampling"]["max_new_tokens"],
+            "value_warmup": value_warmup}
+    sets = [*COMMON, *(v.format(**fill) for v in VARIANTS[variant]), *extra, f"train.seed={seed}"]
+    sets += [f"train.steps={steps}"] if steps else []
+    cmd = [python, "-m", "grpo_jax", "train", "--config", str(config), "--output", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
@@ -91,8 +112,38 @@ def summarise(variant: str, seed: int, records: list[dict], wall_s: float) -> di
         "frac_zero_std_late": _mean(train, "groups/frac_zero_std", start=len(train) // 2),
         "entropy_late": _mean(train, "policy/entropy", start=len(train) // 2),
         "explained_variance_late": _mean(train, "value/explained_variance", start=len(train) // 2),
+        "explained_variance_curve": [(r["step"], r.get("value/explained_variance")) for r in train
+                                     if "value/explained_variance" in r],
+        # The critic after its value warm-up (VAPO): the mean over the warm-up's last 10 steps.
+        "explained_variance_warmup_end": _warmup_end(train),
+        # Held-out accuracy at equal sampled tokens: the last evaluation within the token budget of
+        # a run that samples each step's batch once (DAPO's resampling spends more per step).
+        "eval_tokens_curve": _eval_tokens(records),
         "train_s": float(sum(r.get("perf/step_s", 0.0) for r in train)),
     }
+
+
+def _warmup_end(train: list[dict]) -> float:
+    warm = [r["value/explained_variance"] for r in train if r.get("value/warmup") == 1.0]
+    return float(np.nanmean(warm[-10:])) if warm else float("nan")
+
+
+def _eval_tokens(records: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, sampled tokens so far, held-out accuracy) at each evaluation."""
+    tokens, out = 0.0, []
+    for r in records:
+        tokens += r.get("perf/sample_tokens", 0.0)
+        if "eval/accuracy" in r:
+            out.append((r["step"], tokens, r["eval/accuracy"]))
+    return out
+
+
+def at_equal_tokens(runs: list[dict]) -> None:
+    """Each run's `eval_at_tokens`: its accuracy at the last evaluation whose sampled tokens are
+    within the smallest final budget of all runs (+1%)."""
+    budget = 1.01 * min(r["sampled_tokens"] for r in runs)
+    for r in runs:
+        r["eval_at_tokens"] = [acc for _, t, acc in r["eval_tokens_curve"] if t <= budget][-1]
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -100,10 +151,10 @@ def aggregate(runs: list[dict]) -> dict:
     for variant in dict.fromkeys(r["variant"] for r in runs):
         rs = [r for r in runs if r["variant"] == variant]
         agg = {"seeds": [r["seed"] for r in rs]}
-        for key in ("eval_final", "pass_final", "grad_noise_scale", "frac_zero_std", "frac_zero_std_expected",
-                    "frac_zero_std_late", "entropy_late", "explained_variance_late", "sampled_tokens", "wall_s",
-                    "train_s"):
-            vals = np.asarray([r[key] for r in rs], float)
+        for key in ("eval_final", "eval_at_tokens", "pass_final", "grad_noise_scale", "frac_zero_std",
+                    "frac_zero_std_expected", "frac_zero_std_late", "entropy_late", "explained_variance_late",
+                    "explained_variance_warmup_end", "sampled_tokens", "wall_s", "train_s"):
+            vals = np.asarray([r.get(key, np.nan) for r in rs], float)
             agg[key] = {"mean": float(np.mean(vals)), "min": float(np.min(vals)), "max": float(np.max(vals)),
                         "std": float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0}
         out[variant] = agg
@@ -113,9 +164,10 @@ def aggregate(runs: list[dict]) -> dict:
 def plot(runs: list[dict], path: Path) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(14, 4.2), dpi=100, layout="constrained")
-    ax_acc, ax_noise, ax_dead = fig.subplots(1, 3)
-    colors = dict(zip(VARIANTS, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:gray")))
+    fig = Figure(figsize=(18, 4.2), dpi=100, layout="constrained")
+    ax_acc, ax_noise, ax_dead, ax_ev = fig.subplots(1, 4)
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:gray", "tab:purple", "tab:brown", "tab:olive")
+    colors = dict(zip(dict.fromkeys(r["variant"] for r in runs), palette))
     for r in runs:
         c = colors.get(r["variant"], "gray")
         label = r["variant"] if r["seed"] == min(x["seed"] for x in runs if x["variant"] == r["variant"]) else None
@@ -127,6 +179,12 @@ def plot(runs: list[dict], path: Path) -> None:
             k = 15  # a moving average: the per-step estimate is noisy
             smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
             ax_noise.plot(s[len(s) - len(smooth):], smooth, color=c, alpha=0.8, label=label)
+        ev = [(s, v) for s, v in r.get("explained_variance_curve", []) if v is not None and math.isfinite(v)]
+        if ev:
+            s, v = np.asarray(ev).T
+            k = 10
+            smooth = np.convolve(v, np.ones(k) / k, mode="valid") if len(v) >= k else v
+            ax_ev.plot(s[len(s) - len(smooth):], smooth, color=c, alpha=0.8, label=label)
     for i, (variant, c) in enumerate(colors.items()):
         rs = [r for r in runs if r["variant"] == variant]
         if rs:
@@ -138,7 +196,8 @@ def plot(runs: list[dict], path: Path) -> None:
     ax_acc.set(title="held-out accuracy (each seed)", xlabel="step")
     ax_noise.set(title="gradient noise scale B_simple (15-step mean)", xlabel="step", ylabel="rows", yscale="log")
     ax_dead.set(title="dead-group fraction (mean over steps)")
-    for ax in (ax_acc, ax_noise, ax_dead):
+    ax_ev.set(title="critic explained variance (10-step mean)", xlabel="step")
+    for ax in (ax_acc, ax_noise, ax_dead, ax_ev):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.savefig(path)
@@ -147,20 +206,26 @@ def plot(runs: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="benchmarks/results/stability")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=SECOND_EDITION, choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the demo's)")
+    parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the config's)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/demo_cpu.yaml")
+    parser.add_argument("--value-warmup", type=int, default=50, help="VAPO's ppo.value_warmup_steps")
+    parser.add_argument("--set", dest="extra", action="append", default=[], help="more overrides for every run")
     args = parser.parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in args.seeds:
         for variant in args.variants:
-            r = run_one(variant, seed, out, args.steps, sys.executable)
+            r = run_one(variant, seed, out, args.steps, sys.executable, config=args.config,
+                        value_warmup=args.value_warmup, extra=tuple(args.extra))
             print(f"{variant} seed {seed}: accuracy {r['eval_start']:.3f} -> {r['eval_final']:.3f}, noise scale "
                   f"{r['grad_noise_scale']:.0f}, dead groups {r['frac_zero_std']:.3f}, {r['wall_s']:.0f} s", flush=True)
             runs.append(r)
-            (out / "summary.json").write_text(json.dumps({"runs": runs, "variants": aggregate(runs)}, indent=1))
+            (out / "summary.json").write_text(json.dumps({"runs": runs}, indent=1))
+    at_equal_tokens(runs)
+    (out / "summary.json").write_text(json.dumps({"runs": runs, "variants": aggregate(runs)}, indent=1))
     plot(runs, out / "stability.png")
     print(json.dumps(aggregate(runs), indent=1))
     return 0

@@ -18,6 +18,7 @@ checkpoints), `sampler_params` the policy the sampler reads.
 from __future__ import annotations
 
 import abc
+import functools
 
 import jax
 import numpy as np
@@ -85,14 +86,19 @@ class Parallel(abc.ABC):
             return None
         step = make_ref_logprobs_step(self._teacher_graphdef, mesh=self.mesh, params_shardings=tree_shardings(
             self.teacher), logprob_chunk=self.step_kw["logprob_chunk"], temperature=temperature, group_size=group_size)
-        return lambda prompt_ids, prompt_mask, completion_ids: step(self.teacher, prompt_ids, prompt_mask,
-                                                                    completion_ids)
+        score = functools.partial(step, self.teacher)
+        score.lower = functools.partial(step.lower, self.teacher)  # `grpo-jax bench memory`
+        return score
 
     def teacher_logprobs(self, batch: Batch) -> jax.Array:
         """The distillation teacher's log-probs [R, M] of the batch's completions, on the mesh."""
         if self._teacher is None:
             raise ValueError("teacher log-probs are computed only with algorithm: distill")
         return self._teacher(batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+
+    def lower_teacher_logprobs(self, batch: Batch) -> jax.stages.Lowered:
+        """`teacher_logprobs`'s program lowered for these arguments (as `lower_ref_logprobs`)."""
+        return self._teacher.lower(batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
 
     def lower_ref_logprobs(self, params, batch: Batch) -> jax.stages.Lowered:
         """`ref_logprobs`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs):

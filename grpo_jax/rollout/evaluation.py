@@ -20,7 +20,7 @@ from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share, whole
 from grpo_jax.rewards import RewardSpec, StatefulReward, combine_rewards
 from grpo_jax.rollout.sampling import generate
-from grpo_jax.runtime.sharding import round_to_row_shards
+from grpo_jax.runtime.sharding import batch_sharding, round_to_row_shards
 
 
 def decode_completions(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
@@ -130,8 +130,10 @@ def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, 
     kl_rows = None
     if teacher is not None:
         k = rollout.group_size
-        teacher_RM = teacher(jnp.repeat(rollout.prompt_ids, k, axis=0), jnp.repeat(rollout.prompt_mask, k, axis=0),
-                             rollout.tokens)
+        # Each prompt's row for each of its k samples, the rows split over the mesh as the samples are.
+        repeat = jax.jit(lambda x: jnp.repeat(x, k, axis=0),
+                         out_shardings=None if mesh is None else batch_sharding(mesh, 2))
+        teacher_RM = teacher(repeat(rollout.prompt_ids), repeat(rollout.prompt_mask), rollout.tokens)
         gap_R = jnp.sum((rollout.logprobs - teacher_RM) * rollout.mask, axis=1)
         gap, n = local_rows((gap_R, rollout.mask.sum(axis=1)), share)
         kl_rows = np.stack([gap, n], axis=1).astype(np.float64)

@@ -177,17 +177,21 @@ def prepare(config: RunConfig) -> Prepared:
                           "GRPO needs sampling, use a temperature > 0")
     check_devices(config)
     tokenizer, model_config = _model_inputs(config.model)
-    if config.algorithm == "distill":
-        check_side_model(config.distill.teacher, "distill.teacher", tokenizer, model_config)
-    if config.algorithm == "ppo" and config.ppo.critic_path is not None:
-        check_side_model(config.ppo.critic_path, "ppo.critic_path", tokenizer, model_config)
+    side = {"distill.teacher": config.distill.teacher if config.algorithm == "distill" else None,
+            "ppo.critic_path": config.ppo.critic_path if config.algorithm == "ppo" else None}
+    side_notes = []
+    for what, path in side.items():
+        if path is not None:
+            c = check_side_model(path, what, tokenizer, model_config)
+            side_notes.append(f"{what}: {path} ({c.family}, {c.num_layers} layers, hidden {c.hidden_size}, "
+                              f"vocabulary {c.vocab_size}), the policy's tokenizer")
     try:
         rewards, eval_reward, eval_verifier = build_rewards(config)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"rewards: {e}") from None
-    notes = sandbox_notes(rewards)
+    notes = side_notes + sandbox_notes(rewards)
     mesh = run_mesh(config)
     streams = _streams(config, tokenizer, mesh, notes)
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)

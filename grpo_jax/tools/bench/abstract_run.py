@@ -7,9 +7,10 @@ loaded or placed, so a pod-sized model compiles on a laptop's host devices.
 
 What a run keeps on its devices between programs, per device, in parts (`AbstractRun.resident`):
 `params` (the trainable parameters: the policy's, or a LoRA run's adapters), `optimizer` (the rest
-of the train state: moments, counters, a PPO critic), `frozen` (a LoRA run's base), `reference`
-(the KL reference's copy of the parameters: grpo.beta > 0 without LoRA), `batch_ids` (the batch's
-token ids and prompt mask) and `batch_rest` (its other fields).
+of the train state: moments, counters, a PPO critic, head or model), `frozen` (a LoRA run's base),
+`reference` (the KL reference's copy of the parameters: grpo.beta > 0 without LoRA), `teacher`
+(distillation's), `batch_ids` (the batch's token ids and prompt mask) and `batch_rest` (its other
+fields).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from grpo_jax.rollout.sampling import sharded_generate
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.parity import preset_config
+from grpo_jax.trainer.side_models import is_classifier
 from grpo_jax.trainer.prepare import add_run_adapters, architecture, build_tokenizer, evaluation_sampling, model_options
 
 # The batch's fields that the reference pass takes (the rest stay where they are meanwhile).
@@ -70,13 +72,14 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "") -> AbstractRun:
     model = nnx.eval_shape(functools.partial(_policy, config, model_config))
     graphdef, params, frozen = split_trainable(model)
     optimizer = run_optimizer(config)
-    critic = model_config.hidden_size if config.algorithm == "ppo" else None
-    state = jax.eval_shape(functools.partial(_fresh_state, graphdef, optimizer, critic), params, frozen)
+    critic_graphdef, critic = _critic(config, model, model_config)
+    state = jax.eval_shape(functools.partial(_fresh_state, graphdef, optimizer), params, frozen, critic)
     if frozen is not None:  # placed with the model, by the rules
         frozen = with_shardings(frozen, param_shardings(frozen, mesh).shardings)
     ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
+    teacher = _teacher(config, mesh)
     parallel = make_parallel(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
-                             frozen=frozen, ref_graphdef=ref_graphdef)
+                             frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
     batch = abstract_batch(config)
     resident = _resident(config, parallel, state, frozen, batch, mesh)
     sampling = _sampling(config.sampling, model_config)
@@ -91,6 +94,8 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "") -> AbstractRun:
                                  ("reference" if frozen is None else "frozen", "batch_ids"))
     else:
         not_compiled["reference"] = "grpo.beta = 0: the run has no reference pass (--set grpo.beta=... to see one)"
+    if teacher is not None:
+        programs["teacher"] = (parallel.lower_teacher_logprobs(batch), ("teacher", "batch_ids"))
     programs["train_step"] = (parallel.lower_step(state, batch),
                               ("params", "optimizer", "frozen", "batch_ids", "batch_rest"))
     return AbstractRun(programs=programs, resident=resident, model=_model_summary(config, model_config, source, state,
@@ -104,9 +109,37 @@ def _policy(config: RunConfig, model_config: TransformerConfig) -> Transformer:
     return model
 
 
-def _fresh_state(graphdef, optimizer, critic_width: int | None, params, frozen):
-    critic = None if critic_width is None else init_critic(critic_width)
+def _fresh_state(graphdef, optimizer, params, frozen, critic):
     return init_state(merge_model(graphdef, params, frozen), optimizer, critic=critic)[1]
+
+
+def _critic(config: RunConfig, model, model_config: TransformerConfig):
+    """(the critic model's structure or None, PPO's critic as jax.ShapeDtypeStructs, or None):
+    `trainer.side_models.build_critic`'s shapes, nothing loaded."""
+    if config.algorithm != "ppo":
+        return None, None
+    ppo = config.ppo
+    if ppo.critic == "head":
+        return None, jax.eval_shape(lambda: init_critic(model_config.hidden_size))
+    if ppo.critic_path is None:
+        trunk = strip_adapters(model)
+    else:
+        critic_config = load_model_config(ppo.critic_path)
+        if is_classifier(ppo.critic_path):  # a reward model's backbone: no LM head
+            critic_config = dataclasses.replace(critic_config, tie_word_embeddings=True)
+        trunk = nnx.eval_shape(lambda: Transformer(critic_config, rngs=nnx.Rngs(0), **model_options(config.model)))
+    graphdef, params = nnx.split(trunk, nnx.Param)
+    return graphdef, {**jax.eval_shape(lambda: init_critic(trunk.config.hidden_size)), "model": params}
+
+
+def _teacher(config: RunConfig, mesh):
+    """Distillation's teacher as an abstract module placed by the rules, or None."""
+    if config.algorithm != "distill":
+        return None
+    teacher_config = load_model_config(config.distill.teacher)
+    teacher = nnx.eval_shape(lambda: Transformer(teacher_config, rngs=nnx.Rngs(0), **model_options(config.model)))
+    graphdef, state = nnx.split(teacher)
+    return nnx.merge(graphdef, with_shardings(state, param_shardings(state, mesh).shardings))
 
 
 def with_shardings(tree, shardings):
@@ -132,7 +165,8 @@ def abstract_batch(config: RunConfig) -> Batch:
                  completion_ids=sds((R, M), jnp.int32), completion_mask=sds((R, M), jnp.int32),
                  rewards=sds((R,), jnp.float32), advantages=sds((R,), jnp.float32), valid=sds((R,), jnp.bool_),
                  zero_std=sds((N,), jnp.bool_), truncated=sds((R,), jnp.bool_), old_logprobs=sds((R, M), jnp.float32),
-                 ref_logprobs=sds((R, M), jnp.float32) if config.grpo.beta > 0 else None)
+                 ref_logprobs=sds((R, M), jnp.float32) if config.grpo.beta > 0 else None,
+                 teacher_logprobs=sds((R, M), jnp.float32) if config.algorithm == "distill" else None)
 
 
 def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch, mesh) -> dict[str, int]:
@@ -143,6 +177,7 @@ def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch
     return {"params": params, "optimizer": device_bytes(placed) - params,
             "frozen": 0 if frozen is None else device_bytes(frozen),
             "reference": params if config.grpo.beta > 0 and frozen is None else 0,
+            "teacher": 0 if parallel.teacher is None else device_bytes(parallel.teacher),
             "batch_ids": sum(v for k, v in rows.items() if k in _IDS),
             "batch_rest": sum(v for k, v in rows.items() if k not in _IDS)}
 
