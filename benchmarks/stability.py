@@ -48,6 +48,12 @@ VARIANTS = {
     # would make lambda 0 on every row; 5 gives 0.8 at 1 token and 0.95 at 4.
     "vapo": ["algorithm=ppo", "ppo.critic=model", "ppo.value_warmup_steps={value_warmup}", "ppo.length_adaptive_alpha=5",
              "ppo.positive_lm_coef=0.1", "ppo.critic_learning_rate=0.001"],
+    # VAPO as its paper runs it: the critic initialised from a trained reward model (--critic-path,
+    # e.g. `grpo-jax train-rm --config configs/rm_demo_cpu.yaml`'s hf/ directory: 4 layers, its score
+    # head as the value head), then the same warm-up and losses.
+    "vapo_rm": ["algorithm=ppo", "ppo.critic=model", "ppo.critic_path={critic_path}",
+                "ppo.value_warmup_steps={value_warmup}", "ppo.length_adaptive_alpha=5", "ppo.positive_lm_coef=0.1",
+                "ppo.critic_learning_rate=0.001"],
     # The spurious-reward control: GRPO learning from coin flips with the batch's mean reward.
     "grpo_random": ["reward_control=random"],
 }
@@ -57,12 +63,14 @@ SECOND_EDITION = ["grpo", "dapo", "dr_grpo", "cispo", "ppo", "vapo"]
 
 
 def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str, *, config: Path,
-            value_warmup: int = 50, extra: tuple[str, ...] = ()) -> dict:
+            value_warmup: int = 50, critic_path: str | None = None, extra: tuple[str, ...] = ()) -> dict:
     run_dir = out / f"{variant}_s{seed}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     fill = {"max_new_tokens": yaml.safe_load(config.read_text())["sampling"]["max_new_tokens"],
-            "value_warmup": value_warmup}
+            "value_warmup": value_warmup, "critic_path": critic_path}
+    if "{critic_path}" in " ".join(VARIANTS[variant]) and critic_path is None:
+        raise SystemExit(f"{variant} needs --critic-path (a reward model's HF directory)")
     sets = [*COMMON, *(v.format(**fill) for v in VARIANTS[variant]), *extra, f"train.seed={seed}"]
     sets += [f"train.steps={steps}"] if steps else []
     cmd = [python, "-m", "grpo_jax", "train", "--config", str(config), "--output", str(run_dir)]
@@ -120,6 +128,13 @@ def summarise(variant: str, seed: int, records: list[dict], wall_s: float) -> di
         # a run that samples each step's batch once (DAPO's resampling spends more per step).
         "eval_tokens_curve": _eval_tokens(records),
         "train_s": float(sum(r.get("perf/step_s", 0.0) for r in train)),
+        # Instability, if any: the largest fall of held-out accuracy from one evaluation to any
+        # later one, the largest KL to the reference and gradient norm of a step, skipped updates.
+        "eval_max_drop": max([a["eval/accuracy"] - b["eval/accuracy"] for i, a in enumerate(evals)
+                              for b in evals[i + 1:]] + [0.0]),
+        "kl_max": max([r.get("kl/k3", 0.0) for r in train] + [0.0]),
+        "grad_norm_max": max([r.get("train/grad_norm", 0.0) for r in train] + [0.0]),
+        "skipped_steps": max([r.get("train/skipped_steps", 0.0) for r in train] + [0.0]),
     }
 
 
@@ -153,7 +168,8 @@ def aggregate(runs: list[dict]) -> dict:
         agg = {"seeds": [r["seed"] for r in rs]}
         for key in ("eval_final", "eval_at_tokens", "pass_final", "grad_noise_scale", "frac_zero_std",
                     "frac_zero_std_expected", "frac_zero_std_late", "entropy_late", "explained_variance_late",
-                    "explained_variance_warmup_end", "sampled_tokens", "wall_s", "train_s"):
+                    "explained_variance_warmup_end", "sampled_tokens", "wall_s", "train_s", "eval_max_drop",
+                    "kl_max", "grad_norm_max", "skipped_steps"):
             vals = np.asarray([r.get(key, np.nan) for r in rs], float)
             agg[key] = {"mean": float(np.mean(vals)), "min": float(np.min(vals)), "max": float(np.max(vals)),
                         "std": float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0}
@@ -196,7 +212,7 @@ def plot(runs: list[dict], path: Path) -> None:
     ax_acc.set(title="held-out accuracy (each seed)", xlabel="step")
     ax_noise.set(title="gradient noise scale B_simple (15-step mean)", xlabel="step", ylabel="rows", yscale="log")
     ax_dead.set(title="dead-group fraction (mean over steps)")
-    ax_ev.set(title="critic explained variance (10-step mean)", xlabel="step")
+    ax_ev.set(title="critic explained variance (10-step mean)", xlabel="step", ylim=(-0.3, 0.4))
     for ax in (ax_acc, ax_noise, ax_dead, ax_ev):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -211,24 +227,43 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the config's)")
     parser.add_argument("--config", type=Path, default=ROOT / "configs/demo_cpu.yaml")
     parser.add_argument("--value-warmup", type=int, default=50, help="VAPO's ppo.value_warmup_steps")
+    parser.add_argument("--summarise-only", action="store_true", help="summarise the runs already in --output")
+    parser.add_argument("--append", action="store_true", help="keep the other variants' runs in summary.json")
+    parser.add_argument("--critic-path", default=None, help="vapo_rm's critic: a reward model's HF directory")
     parser.add_argument("--set", dest="extra", action="append", default=[], help="more overrides for every run")
     args = parser.parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    if args.summarise_only:  # the committed runs' metrics summarised again (wall times as measured)
+        old = json.loads((out / "summary.json").read_text())["runs"]
+        runs = [summarise(r["variant"], r["seed"], read_run(out / f"{r['variant']}_s{r['seed']}"), r["wall_s"])
+                for r in old]
+        return finish(runs, out)
     runs = []
+    if args.append and (out / "summary.json").exists():  # more variants beside an earlier invocation's
+        runs = [r for r in json.loads((out / "summary.json").read_text())["runs"] if r["variant"] not in args.variants]
     for seed in args.seeds:
         for variant in args.variants:
             r = run_one(variant, seed, out, args.steps, sys.executable, config=args.config,
-                        value_warmup=args.value_warmup, extra=tuple(args.extra))
+                        value_warmup=args.value_warmup, critic_path=args.critic_path, extra=tuple(args.extra))
             print(f"{variant} seed {seed}: accuracy {r['eval_start']:.3f} -> {r['eval_final']:.3f}, noise scale "
                   f"{r['grad_noise_scale']:.0f}, dead groups {r['frac_zero_std']:.3f}, {r['wall_s']:.0f} s", flush=True)
             runs.append(r)
             (out / "summary.json").write_text(json.dumps({"runs": runs}, indent=1))
+    return finish(runs, out)
+
+
+def finish(runs: list[dict], out: Path) -> int:
     at_equal_tokens(runs)
     (out / "summary.json").write_text(json.dumps({"runs": runs, "variants": aggregate(runs)}, indent=1))
     plot(runs, out / "stability.png")
     print(json.dumps(aggregate(runs), indent=1))
     return 0
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    with gzip.open(run_dir / "metrics.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 if __name__ == "__main__":

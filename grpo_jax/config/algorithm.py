@@ -156,6 +156,10 @@ class PPOConfig:
     # The value head's own AdamW learning rate (constant); None = train.learning_rate and its
     # schedule. Critics usually learn faster than policies (a freshly zeroed head must catch up).
     critic_learning_rate: float | None = None
+    # critic: model: the learning rate of its transformer (the value head keeps critic_learning_rate);
+    # None = critic_learning_rate. A head initialised at 0 (or a reward model's, on another scale)
+    # must move fast; a pretrained trunk moved as fast forgets what it knew.
+    critic_trunk_learning_rate: float | None = None
     value_warmup_steps: int = 0
     positive_lm_coef: float = 0.0
     critic: CriticKind = "head"
@@ -165,6 +169,10 @@ class PPOConfig:
         choice_in("ppo", "critic", self.critic, CRITIC_KINDS)
         non_negative("ppo", "value_warmup_steps", self.value_warmup_steps)
         non_negative("ppo", "positive_lm_coef", self.positive_lm_coef)
+        if self.critic_trunk_learning_rate is not None:
+            positive("ppo", "critic_trunk_learning_rate", self.critic_trunk_learning_rate)
+            if self.critic != "model":
+                raise ValueError("ppo.critic_trunk_learning_rate is the critic model's: set ppo.critic: model too")
         if self.critic_path is not None and self.critic != "model":
             raise ValueError("ppo.critic_path initialises a separate critic model: set ppo.critic: model too")
         if self.critic_learning_rate is not None:

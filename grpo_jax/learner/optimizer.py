@@ -42,14 +42,20 @@ def learning_rate(config: RunConfig):
 
 def run_optimizer(config: RunConfig) -> optax.GradientTransformation:
     """The run's optimizer: `make_optimizer` with the train section's settings; for `algorithm:
-    ppo` paired with the value head's own (`ppo.critic_learning_rate`, default the policy's)."""
+    ppo` paired with the critic's own (`ppo.critic_learning_rate`, default the policy's; a critic
+    model's transformer at `ppo.critic_trunk_learning_rate` when set, each with its own clipping)."""
     t = config.train
     adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
                 eps=t.adam_eps)
     optimizer = make_optimizer(learning_rate(config), **adam)
     if config.algorithm != "ppo":
         return optimizer
-    return pair_optimizer(optimizer, make_optimizer(config.ppo.critic_learning_rate or learning_rate(config), **adam))
+    ppo = config.ppo
+    critic = make_optimizer(ppo.critic_learning_rate or learning_rate(config), **adam)
+    if ppo.critic == "model" and ppo.critic_trunk_learning_rate is not None:
+        trunk = make_optimizer(ppo.critic_trunk_learning_rate, **adam)
+        critic = optax.multi_transform({"head": critic, "trunk": trunk}, _critic_labels)
+    return pair_optimizer(optimizer, critic)
 
 
 def warm_start_optimizer(config: RunConfig) -> optax.GradientTransformation:
@@ -71,6 +77,14 @@ def pair_optimizer(policy: optax.GradientTransformation,
         return (jax.tree.map(lambda _: "policy", params), jax.tree.map(lambda _: "critic", head))
 
     return optax.multi_transform({"policy": policy, "critic": critic}, labels)
+
+
+def _critic_labels(pair):
+    """A critic model's parts (inside `pair_optimizer`'s critic half, which sees the whole pair with
+    the policy's leaves masked out): its transformer ("model") is "trunk", the value head "head"."""
+    params, critic = pair
+    return (jax.tree.map(lambda _: "head", params),
+            {k: jax.tree.map(lambda _: "trunk" if k == "model" else "head", v) for k, v in critic.items()})
 
 
 def hold_policy_half(new_state, old_state, hold):

@@ -183,6 +183,13 @@ def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
     ("grpo.sampler_is_level=row", "grpo.sampler_is_level must be one of ['token', 'sequence'], got 'row'"),
     ("grpo.sampler_is_level=sequence", "set one of them too"),
     ("train.shared_prompt=1", "train.shared_prompt must be true or false, got 1"),
+    ("algorithm=distill", "algorithm: distill needs distill.teacher"),
+    ("distill.teacher=x", "the distill section applies only with algorithm: distill"),
+    ("ppo.critic=value", "ppo.critic must be one of ['head', 'model'], got 'value'"),
+    ("ppo.critic=model", "the ppo section applies only with algorithm: ppo"),
+    ("ppo={critic_path: x, critic: head}", "ppo.critic_path initialises a separate critic model: set ppo.critic: "
+     "model too"),
+    ("ppo.value_warmup_steps=-1", "ppo.value_warmup_steps must be >= 0, got -1"),
     ("data.builder_kwargs=[1]", "data.builder_kwargs must be a mapping of keys to values, got a list [1]"),
     ("rewards=[{name: format, kwargs: {require_reasonin: false}}]",
      "rewards[0].kwargs: 'require_reasonin' is not an option of reward format_reward (did you mean "

@@ -208,3 +208,25 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages():
     assert m["train/grad_norm"] < 1e-5
     for a, b in zip(jax.tree.leaves(params0), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(a, np.asarray(b), atol=1e-6)
+
+
+def test_a_critic_models_trunk_and_head_take_their_own_learning_rates():
+    """ppo.critic_trunk_learning_rate moves the critic's transformer; ppo.critic_learning_rate its
+    head (AdamW's first step moves every parameter by about its learning rate)."""
+    from runs import CONFIG
+
+    from grpo_jax.config import config_from_dict
+    from grpo_jax.learner.optimizer import run_optimizer
+
+    ppo = {"critic": "model", "critic_learning_rate": 0.5, "critic_trunk_learning_rate": 1e-7}
+    config = config_from_dict({**CONFIG, "algorithm": "ppo", "ppo": ppo,
+                               "train": {**CONFIG["train"], "learning_rate": 1e-7, "warmup_steps": 0}})
+    opt = run_optimizer(config)
+    graphdef, state, critic_graphdef = ppo_state(opt, "model")
+    before = copy(state.critic)
+    step = one_device_step(graphdef, opt, GRPOConfig(), state, critic_graphdef=critic_graphdef, ppo_config=config.ppo)
+    state, _ = step(state, make_batch(rewards=REWARDS))
+    moved = {k: max(float(np.abs(a - np.asarray(b)).max()) for a, b in
+                    zip(jax.tree.leaves(before[k]), jax.tree.leaves(state.critic[k]))) for k in before}
+    assert 0.4 < moved["w"] <= 0.51 and 0.4 < moved["b"] <= 0.51, moved
+    assert 0 < moved["model"] <= 2.5e-7, moved  # 1e-7 and float32 rounding of weights near 1
