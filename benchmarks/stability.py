@@ -42,6 +42,10 @@ VARIANTS = {
     # rewards do not vary: it samples more tokens per step, see sampled_tokens and eval_at_tokens).
     "dapo": ["train.dynamic_sampling=true"],
     "cispo": ["grpo.policy_loss=cispo"],  # MiniMax-M1's clipped-weight REINFORCE, bound 5.0
+    # At mu = 1 every ratio is 1: CISPO's gradient is GRPO's. Two updates per batch (mu = 2) are
+    # where the two differ (the second update's ratios move off 1, clipped by GRPO, not by CISPO).
+    "grpo_mu2": ["grpo.num_iterations=2"],
+    "cispo_mu2": ["grpo.policy_loss=cispo", "grpo.num_iterations=2"],
     # VAPO: a separate critic (the warm-started policy's copy with a zero head), 50 critic-only steps
     # on Monte-Carlo returns, decoupled GAE (critic 1.0, policy length-adaptive), a positive-example
     # LM loss. alpha 5, not VAPO's 0.05: completions here are 1-4 tokens, and 1 - 1/(0.05 l) < 0

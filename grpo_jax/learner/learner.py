@@ -53,7 +53,9 @@ class Learner:
             return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
 
         return {"trainable_params_bytes": nbytes(state.params), "optimizer_state_bytes": nbytes(state.opt_state),
-                "frozen_params_bytes": nbytes(self.frozen), "reference_params_bytes": nbytes(self.reference)}
+                "critic_params_bytes": nbytes(state.critic),
+                "frozen_params_bytes": nbytes(self.frozen), "reference_params_bytes": nbytes(self.reference),
+                "teacher_params_bytes": nbytes(self.parallel.teacher)}
 
     def complete(self, trajectories) -> tuple[Batch, float]:
         """The train step's batch from a source's `Trajectories`: advantages of the whole batch,

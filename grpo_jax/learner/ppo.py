@@ -9,7 +9,7 @@ flows back from it.
 
 The critic (`critic_values`) is a linear head on the policy's final hidden states (`init_critic`,
 `values`): one forward pass gives both the log-probs and the values, so PPO's update costs what
-GRPO's does; or (`ppo.critic: model`) the head on a separate transformer's (grpo_jax.trainer.critic).
+GRPO's does; or (`ppo.critic: model`) the head on a separate transformer's (grpo_jax.trainer.side_models).
 """
 
 from __future__ import annotations
