@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", type=Path, default=ROOT / "configs/demo_cpu.yaml")
     parser.add_argument("--value-warmup", type=int, default=50, help="VAPO's ppo.value_warmup_steps")
     parser.add_argument("--summarise-only", action="store_true", help="summarise the runs already in --output")
-    parser.add_argument("--append", action="store_true", help="keep the other variants' runs in summary.json")
+    parser.add_argument("--append", action="store_true", help="keep the other runs in summary.json")
     parser.add_argument("--critic-path", default=None, help="vapo_rm's critic: a reward model's HF directory")
     parser.add_argument("--set", dest="extra", action="append", default=[], help="more overrides for every run")
     args = parser.parse_args(argv)
@@ -245,7 +245,8 @@ def main(argv=None) -> int:
         return finish(runs, out)
     runs = []
     if args.append and (out / "summary.json").exists():  # more variants beside an earlier invocation's
-        runs = [r for r in json.loads((out / "summary.json").read_text())["runs"] if r["variant"] not in args.variants]
+        runs = [r for r in json.loads((out / "summary.json").read_text())["runs"]
+                if not (r["variant"] in args.variants and r["seed"] in args.seeds)]
     for seed in args.seeds:
         for variant in args.variants:
             r = run_one(variant, seed, out, args.steps, sys.executable, config=args.config,
