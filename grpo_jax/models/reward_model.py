@@ -81,6 +81,17 @@ def last_token_index(input_ids: jax.Array, pad_token_id: int) -> jax.Array:
     return jnp.argmax(jnp.arange(T, dtype=jnp.int32) * (input_ids != pad_token_id), axis=-1).astype(jnp.int32)
 
 
+def is_sequence_classifier(path: str | os.PathLike) -> bool:
+    """Whether a model path (an HF directory, a GGUF file's conversion) holds a
+    `*ForSequenceClassification` checkpoint: a reward model, not a causal LM."""
+    cfg = model_dir(path) / "config.json"
+    return cfg.exists() and _classifies(json.loads(cfg.read_text()))
+
+
+def _classifies(hf: dict) -> bool:
+    return any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or [])
+
+
 def _hf_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.exists():
@@ -97,9 +108,9 @@ def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jn
     does."""
     path = model_dir(path)
     hf = _hf_config(path)
-    archs = hf.get("architectures") or []
-    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"{path} is not a sequence-classification checkpoint (architectures: {archs}); a reward "
+    if not _classifies(hf):
+        raise ValueError(f"{path} is not a sequence-classification checkpoint (architectures: "
+                         f"{hf.get('architectures') or []}); a reward "
                          "model is a *ForSequenceClassification directory with a score head")
     if hf.get("pad_token_id") is None:
         raise ValueError(f"{path}/config.json has no pad_token_id: transformers' sequence classifiers find each "

@@ -39,7 +39,7 @@ from grpo_jax.config import ConfigError, RMRunConfig
 from grpo_jax.config.loading import config_to_dict
 from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.models import from_pretrained
-from grpo_jax.models.reward_model import RewardModel, load_reward_model, save_reward_model
+from grpo_jax.models.reward_model import RewardModel, is_sequence_classifier, load_reward_model, save_reward_model
 from grpo_jax.rewards.reward_model import rm_input
 from grpo_jax.learner.logprobs import chunked_logprobs
 from grpo_jax.learner.optimizer import make_optimizer, schedule
@@ -151,8 +151,7 @@ def build_reward_model(config: RMRunConfig, tokenizer, mesh: Mesh | None = None)
         model = on_host(lambda: RewardModel(architecture(m.architecture, tokenizer), pad_token_id=pad,
                                             rngs=nnx.Rngs(config.train.seed), **options))
     else:
-        hf = json.loads((Path(m.path) / "config.json").read_text()) if (Path(m.path) / "config.json").exists() else {}
-        if any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or []):
+        if is_sequence_classifier(m.path):
             return load_reward_model(m.path, **options, mesh=mesh)
         causal = from_pretrained(m.path, **options, on_host=mesh is not None)
         model = on_host(lambda: RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed),

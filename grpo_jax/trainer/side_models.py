@@ -6,7 +6,6 @@ anything is compiled. Both are placed on the run's mesh by the policy's sharding
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import jax
@@ -16,20 +15,11 @@ from flax import nnx
 from grpo_jax.config import ConfigError, RunConfig
 from grpo_jax.learner.ppo import init_critic
 from grpo_jax.models import TransformerConfig, from_pretrained, load_config, load_tokenizer
-from grpo_jax.models.hf import model_dir
 from grpo_jax.models.lora import has_adapters, strip_adapters
-from grpo_jax.models.reward_model import load_reward_model
-from grpo_jax.runtime.sharding import place_model
+from grpo_jax.models.reward_model import is_sequence_classifier, load_reward_model
 
 # Text that tells tokenizers apart: digits, spacing, punctuation, non-ASCII and markup.
 _PROBE = "Q: 12 + 7 = ?\n  A: 19. <answer>x*y</answer> [tool] {\"a\": 1} café ünïcode ✓ — end"
-
-
-def is_classifier(path: str) -> bool:
-    """Whether a model path is a `*ForSequenceClassification` directory (a reward model)."""
-    cfg = model_dir(path) / "config.json"
-    archs = json.loads(cfg.read_text()).get("architectures") or [] if cfg.exists() else []
-    return any(str(a).endswith("ForSequenceClassification") for a in archs)
 
 
 def check_side_model(path: str, what: str, tokenizer, model_config: TransformerConfig) -> TransformerConfig:
@@ -83,14 +73,13 @@ def build_critic(config: RunConfig, policy: nnx.Module, mesh,
         graphdef, params = nnx.split(trunk, nnx.Param)
         params = jax.tree.map(jnp.copy, params)  # its own buffers: the policy's are donated by each step
         return graphdef, {**init_critic(policy.config.hidden_size), "model": params}
-    if is_classifier(path):
+    if is_sequence_classifier(path):
         rm = load_reward_model(path, **options, mesh=mesh)
         if rm.num_labels != 1:
             raise ConfigError(f"ppo.critic_path: {path} scores {rm.num_labels} labels; a critic's head gives one value")
         graphdef, params = nnx.split(rm.backbone, nnx.Param)
         head = {"w": jnp.asarray(rm.score[...][:, 0], jnp.float32), "b": jnp.zeros((), jnp.float32)}
         return graphdef, {**head, "model": params}
-    trunk = from_pretrained(path, **options, mesh=mesh)
-    place_model(trunk, mesh)
+    trunk = from_pretrained(path, **options, mesh=mesh)  # placed by the rules already
     graphdef, params = nnx.split(trunk, nnx.Param)
     return graphdef, {**init_critic(trunk.config.hidden_size), "model": params}

@@ -31,12 +31,12 @@ from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_tr
 from grpo_jax.models import Transformer, TransformerConfig
 from grpo_jax.models import load_config as load_model_config
 from grpo_jax.models.lora import strip_adapters
+from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
 from grpo_jax.rollout.sampling import sharded_generate
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.parity import preset_config
-from grpo_jax.trainer.side_models import is_classifier
 from grpo_jax.trainer.prepare import add_run_adapters, architecture, build_tokenizer, evaluation_sampling, model_options
 
 # The batch's fields that the reference pass takes (the rest stay where they are meanwhile).
@@ -125,7 +125,7 @@ def _critic(config: RunConfig, model, model_config: TransformerConfig):
         trunk = strip_adapters(model)
     else:
         critic_config = load_model_config(ppo.critic_path)
-        if is_classifier(ppo.critic_path):  # a reward model's backbone: no LM head
+        if is_sequence_classifier(ppo.critic_path):  # a reward model's backbone: no LM head
             critic_config = dataclasses.replace(critic_config, tie_word_embeddings=True)
         trunk = nnx.eval_shape(lambda: Transformer(critic_config, rngs=nnx.Rngs(0), **model_options(config.model)))
     graphdef, params = nnx.split(trunk, nnx.Param)
