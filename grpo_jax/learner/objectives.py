@@ -37,20 +37,22 @@ class WholeBatch:
 
     batch: object  # a train_step.Batch with the gathered fields
     normaliser: jax.Array  # the policy term's (`loss_weights` of the whole batch)
-    positive_tokens: jax.Array  # tokens of rows with a reward > 0 (`ppo.positive_lm_coef`'s loss)
+    positive_tokens: jax.Array  # tokens of rows with a reward > 0 (`ppo.positive_lm_coef`'s loss; else 1)
 
 
-def whole_batch(batch, config: GRPOConfig, axis_name: str | None) -> WholeBatch:
-    """`WholeBatch` of `batch` (a train_step.Batch): under pmap from every device's rows."""
+def whole_batch(batch, config: GRPOConfig, objective: Objective, axis_name: str | None) -> WholeBatch:
+    """`WholeBatch` of `batch` (a train_step.Batch): under pmap from every device's rows. The
+    positive tokens are counted only for a loss that reads them (`ppo.positive_lm_coef`)."""
+    positive = objective.ppo is not None and objective.ppo.positive_lm_coef > 0
     if axis_name is not None:
         def gather(x):
             return jax.lax.all_gather(x, axis_name, tiled=True)
 
         batch = batch.replace(**{f: gather(getattr(batch, f)) for f in (
-            "advantages", "valid", "truncated", "completion_mask", "rewards")})
+            "advantages", "valid", "truncated", "completion_mask", *(("rewards",) if positive else ()))})
     mask_RM = effective_mask(batch.completion_mask, config, valid=batch.valid, truncated=batch.truncated)
     return WholeBatch(batch=batch, normaliser=loss_weights(mask_RM, config)[1],
-                      positive_tokens=positive_mask(batch).sum())
+                      positive_tokens=positive_mask(batch).sum() if positive else jnp.float32(1.0))
 
 
 def micro_loss_fn(merge, config: GRPOConfig, objective: Objective, whole: WholeBatch, *,

@@ -117,7 +117,7 @@ def ppo_loss(v_RM: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array, entr
     (lambda 1); the policy terms are 0 (the caller keeps the policy's parameters as they were).
 
     Returns (loss, sums): `policy_loss`'s sums, `value/loss`, `value/mean`, the `value/_*` sums of
-    `explained_variance` and `_train/positive_lm_loss` (already normalised)."""
+    `explained_variance` and, with positive_lm_coef, `_train/positive_lm_loss` (already normalised)."""
     mask_RM = effective_mask(mb.completion_mask, config, valid=mb.valid, truncated=mb.truncated)
     old_v = jax.lax.stop_gradient(v_RM)
     rewards_RM = terminal_rewards(jnp.where(mb.valid, mb.rewards, 0.0), mb.completion_mask)
@@ -132,8 +132,10 @@ def ppo_loss(v_RM: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array, entr
     loss, sums = policy_loss(logprobs, old_logprobs, adv_RM, mb.completion_mask, config, valid=mb.valid,
                              truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy,
                              normaliser=normaliser, sampler_logprobs=mb.old_logprobs)
-    lm = -jnp.sum(logprobs * positive_mask(mb)) / jnp.maximum(positive_tokens, 1.0)
-    policy_terms = loss + (ppo.positive_lm_coef * lm if ppo.positive_lm_coef else 0.0)
+    policy_terms, extra = loss, {}
+    if ppo.positive_lm_coef:
+        lm = -jnp.sum(logprobs * positive_mask(mb)) / jnp.maximum(positive_tokens, 1.0)
+        policy_terms, extra = loss + ppo.positive_lm_coef * lm, {"_train/positive_lm_loss": jax.lax.stop_gradient(lm)}
     weights, _ = loss_weights(mask_RM, config)
     v_loss_RM = value_loss(v_RM, old_v, ret_RM, ppo.value_clip)
     loss = jnp.where(warmup, 0.0, policy_terms) + ppo.value_coef * jnp.sum(v_loss_RM * weights) / normaliser
@@ -141,8 +143,7 @@ def ppo_loss(v_RM: jax.Array, logprobs: jax.Array, old_logprobs: jax.Array, entr
     sums.update({"value/loss": jnp.sum(jax.lax.stop_gradient(v_loss_RM) * mask_RM),
                  "value/mean": jnp.sum(old_v * mask_RM), "value/_n": mask_RM.sum(),
                  "value/_ret": jnp.sum(ret_RM * mask_RM), "value/_ret2": jnp.sum(ret_RM**2 * mask_RM),
-                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM),
-                 "_train/positive_lm_loss": jax.lax.stop_gradient(lm)})
+                 "value/_err": jnp.sum(err * mask_RM), "value/_err2": jnp.sum(err**2 * mask_RM), **extra})
     return loss, sums
 
 
@@ -161,7 +162,9 @@ def critic_values(critic: dict, hidden: jax.Array, mb, *, critic_graphdef=None, 
     (`ppo.critic: model`): the head on the critic model's own hidden states of the same tokens
     (`critic["model"]`, the parameters of the structure `critic_graphdef`)."""
     if critic_graphdef is None:
-        return values(critic, jnp.where(warmup, jax.lax.stop_gradient(hidden), hidden))
+        if warmup is not False:  # traced: a run with a value warm-up
+            hidden = jnp.where(warmup, jax.lax.stop_gradient(hidden), hidden)
+        return values(critic, hidden)
     model = nnx.merge(critic_graphdef, critic["model"])
     own = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
                             row_sharding=row_sharding)

@@ -173,7 +173,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
     objective = _objective(state, batch, ppo_config, distill_config, critic_graphdef)
     ppo = objective.ppo is not None
-    whole = whole_batch(batch, config, axis_name)
+    whole = whole_batch(batch, config, objective, axis_name)
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
     if axis_name is not None:
         step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))

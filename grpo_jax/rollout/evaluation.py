@@ -10,6 +10,7 @@ their k (the unbiased estimator with n = k).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -130,11 +131,16 @@ def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, 
     kl_rows = None
     if teacher is not None:
         k = rollout.group_size
-        # Each prompt's row for each of its k samples, the rows split over the mesh as the samples are.
-        repeat = jax.jit(lambda x: jnp.repeat(x, k, axis=0),
-                         out_shardings=None if mesh is None else batch_sharding(mesh, 2))
+        repeat = _repeat_rows(k, mesh)
         teacher_RM = teacher(repeat(rollout.prompt_ids), repeat(rollout.prompt_mask), rollout.tokens)
         gap_R = jnp.sum((rollout.logprobs - teacher_RM) * rollout.mask, axis=1)
         gap, n = local_rows((gap_R, rollout.mask.sum(axis=1)), share)
         kl_rows = np.stack([gap, n], axis=1).astype(np.float64)
     return decode_completions(tokenizer, tokens, lengths), np.zeros(len(lengths), bool), kl_rows
+
+
+@functools.lru_cache(maxsize=8)
+def _repeat_rows(k: int, mesh):
+    """Each prompt's row for each of its k samples, jitted once per (k, mesh), the rows split over
+    the mesh as the samples are."""
+    return jax.jit(lambda x: jnp.repeat(x, k, axis=0), out_shardings=None if mesh is None else batch_sharding(mesh, 2))
