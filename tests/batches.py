@@ -77,3 +77,26 @@ def one_device_ref_step(graphdef, params, **kw):
 
     mesh = one_device_mesh()
     return make_ref_logprobs_step(graphdef, mesh=mesh, params_shardings=replicated(mesh), **kw)
+
+
+def policy(seed=0):
+    """A tiny policy whose every sharded dimension divides the (2, 2, 2) mesh's axes."""
+    return Transformer(tiny("qwen3", hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2),
+                       rngs=nnx.Rngs(seed))
+
+
+def ppo_state(optimizer, kind: str = "head", seed=0, model=None):
+    """(graphdef, PPO state, the critic model's graphdef or None) for `model` (default `policy(seed)`)
+    with a `kind` critic: "head" (a random head on the policy's trunk) or "model" (a separate
+    transformer of another seed, with the head)."""
+    from grpo_jax.learner.ppo import init_critic
+
+    model = policy(seed) if model is None else model
+    head = init_critic(model.config.hidden_size)
+    head["w"] = jnp.asarray(np.random.default_rng(seed).normal(0, 0.1, head["w"].shape), jnp.float32)
+    critic_graphdef = None
+    if kind == "model":
+        critic_graphdef, trunk = nnx.split(policy(seed + 1), nnx.Param)
+        head = {**head, "model": trunk}
+    graphdef, state = init_state(model, optimizer, critic=head)
+    return graphdef, state, critic_graphdef

@@ -14,10 +14,9 @@ from flax import nnx
 from grpo_jax.config import GRPOConfig, PPOConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.learner.ppo import explained_variance, gae, init_critic, terminal_rewards, value_loss
+from grpo_jax.learner.ppo import explained_variance, gae, terminal_rewards, value_loss
 from grpo_jax.learner.optimizer import pair_optimizer
-from grpo_jax.learner.train_step import init_state
-from batches import make_batch, one_device_step
+from batches import make_batch, one_device_step, ppo_state
 
 
 def gae_loop(rewards, values, mask, gamma, lam):
@@ -114,28 +113,31 @@ def test_value_loss_and_explained_variance_against_numpy():
 
 
 def _ppo_state(optimizer, seed=0):
-    model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(seed))
-    head = init_critic(model.config.hidden_size)
-    head["w"] = jnp.asarray(np.random.default_rng(seed).normal(0, 0.1, head["w"].shape), jnp.float32)
-    return init_state(model, optimizer, critic=head)
+    return ppo_state(optimizer, "head", seed, model=Transformer(tiny("qwen3"), rngs=nnx.Rngs(seed)))[:2]
 
 
-def test_ppo_step_micro_batched_equals_whole_batch():
+@pytest.mark.parametrize("kind, ppo", [
+    ("head", PPOConfig(gamma=0.9, lam_policy=0.8, lam_critic=0.9, length_adaptive_alpha=0.5)),
+    # A separate critic model (issue 30) with the positive-example loss and its whole-batch normaliser.
+    ("model", PPOConfig(critic="model", positive_lm_coef=0.2, lam_policy=0.9, length_adaptive_alpha=0.5)),
+])
+def test_ppo_step_micro_batched_equals_whole_batch(kind, ppo):
     # SGD with lr 1: the parameter difference is the gradient difference, for the trunk and the head.
     opt = pair_optimizer(optax.sgd(1.0), optax.sgd(1.0))
     batch = make_batch(rewards=[1, 0, 0, 1, 0, 0, 0, 1])
     out = []
     for k in (1, 4):
-        graphdef, state = _ppo_state(opt)
+        graphdef, state, critic_graphdef = (*_ppo_state(opt), None) if kind == "head" else ppo_state(opt, "model")
         step = one_device_step(graphdef, opt, GRPOConfig(), state, micro_batches=k, logprob_chunk=2,
-                               ppo_config=PPOConfig(gamma=0.9, lam_policy=0.8, lam_critic=0.9,
-                                                    length_adaptive_alpha=0.5))
+                               critic_graphdef=critic_graphdef, ppo_config=ppo)
         state, metrics = step(state, batch)
         out.append((jax.tree.leaves((state.params, state.critic)), {k_: float(v) for k_, v in metrics.items()}))
     (p1, m1), (p4, m4) = out
     for a, b in zip(p1, p4):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
-    for key in ("train/loss", "value/loss", "value/explained_variance"):
+    keys = ("train/loss", "value/loss", "value/explained_variance") + (
+        ("train/positive_lm_loss",) if ppo.positive_lm_coef else ())
+    for key in keys:
         assert m1[key] == pytest.approx(m4[key], abs=1e-5), key
     assert np.isfinite(m4["health/grad_noise_scale"]) and np.isnan(m1["health/grad_noise_scale"])
 

@@ -1,8 +1,8 @@
 """Issue 30: VAPO's critic and on-policy distillation in the train step. Value warm-up moves the
 critic alone (its loss falls, its explained variance rises, the policy and its optimizer state do
 not move); the positive-example LM loss and distillation's per-token advantages against NumPy; a
-separate critic model micro-batched equals the whole batch and sharded on a (2, 2, 2) mesh equals
-one device; a teacher equal to the student gives zero advantages."""
+separate critic model sharded on a (2, 2, 2) mesh equals one device (micro-batched equals the
+whole batch: tests/learner/test_ppo.py); a teacher equal to the student gives zero advantages."""
 
 from __future__ import annotations
 
@@ -16,34 +16,11 @@ from flax import nnx
 from grpo_jax.config import DistillConfig, GRPOConfig, MeshConfig, PPOConfig
 from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.learner.optimizer import make_optimizer, pair_optimizer
-from grpo_jax.learner.ppo import init_critic
 from grpo_jax.learner.train_step import init_state, make_train_step
-from grpo_jax.models import Transformer
-from grpo_jax.models.presets import tiny
 from grpo_jax.runtime.sharding import make_mesh, place_train_state
-from batches import long_batch, make_batch, one_device_ref_step, one_device_step
+from batches import long_batch, make_batch, one_device_ref_step, one_device_step, policy, ppo_state
 
 REWARDS = [1, 0, 0, 1, 0, 1, 1, 0]
-
-
-def policy(seed=0):
-    # Every sharded dimension divides the (2, 2, 2) mesh's axes.
-    return Transformer(tiny("qwen3", hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2),
-                       rngs=nnx.Rngs(seed))
-
-
-def ppo_state(optimizer, kind: str, seed=0):
-    """(graphdef, state, the critic model's graphdef or None) with a `kind` critic: "head" (a random
-    head on the policy's trunk) or "model" (a separate transformer of another seed with a head)."""
-    model = policy(seed)
-    head = init_critic(model.config.hidden_size)
-    head["w"] = jnp.asarray(np.random.default_rng(seed).normal(0, 0.1, head["w"].shape), jnp.float32)
-    critic_graphdef = None
-    if kind == "model":
-        critic_graphdef, trunk = nnx.split(policy(seed + 1), nnx.Param)
-        head = {**head, "model": trunk}
-    graphdef, state = init_state(model, optimizer, critic=head)
-    return graphdef, state, critic_graphdef
 
 
 def copy(tree):
@@ -103,25 +80,6 @@ def test_positive_example_lm_loss_against_numpy():
         out[coef] = {k: float(v) for k, v in step(state, batch)[1].items()}
     assert out[0.3]["train/positive_lm_loss"] == pytest.approx(want, rel=1e-5)
     assert out[0.3]["train/loss"] - out[0.0]["train/loss"] == pytest.approx(0.3 * want, rel=1e-4)
-
-
-def test_a_critic_model_micro_batched_equals_the_whole_batch():
-    # SGD with lr 1: the parameter difference is the gradient difference, policy, trunk and head.
-    opt = pair_optimizer(optax.sgd(1.0), optax.sgd(1.0))
-    batch = make_batch(rewards=REWARDS)
-    out = []
-    for k in (1, 4):
-        graphdef, state, critic_graphdef = ppo_state(opt, "model")
-        step = one_device_step(graphdef, opt, GRPOConfig(), state, micro_batches=k, critic_graphdef=critic_graphdef,
-                               ppo_config=PPOConfig(critic="model", positive_lm_coef=0.2, lam_policy=0.9,
-                                                    length_adaptive_alpha=0.5))
-        state, metrics = step(state, batch)
-        out.append((jax.tree.leaves((state.params, state.critic)), {k_: float(v) for k_, v in metrics.items()}))
-    (p1, m1), (p4, m4) = out
-    for a, b in zip(p1, p4):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
-    for key in ("train/loss", "value/loss", "value/explained_variance", "train/positive_lm_loss"):
-        assert m1[key] == pytest.approx(m4[key], abs=1e-5), key
 
 
 def mesh_batch():
