@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee 
 $PY -c "import jax, flax, torch, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, jax.devices())" 2>&1 | tee "$OUT/versions.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   JAX_PLATFORMS=${PARITY_PLATFORM:-cuda} timeout 240 $PY -m pytest -q -p no:cacheprovider \
-    tests/models/test_models_parity.py tests/rollout/test_sampling.py -k "fp32 or kv_cache or prefill or greedy or logprobs" \
+    tests/models/test_models_parity.py tests/engine/test_sampling.py -k "fp32 or kv_cache or prefill or greedy or logprobs" \
     2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
 # bench entries: which,preset,args... separated by spaces

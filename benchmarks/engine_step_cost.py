@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from grpo_jax.models.slots import SlotCache, slot_decode_step
+from grpo_jax.engine.slots import SlotCache, slot_decode_step
 from grpo_jax.tools.bench.engine_runs import load_workload
 
 

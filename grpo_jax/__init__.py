@@ -4,7 +4,7 @@ The main API, importable from here:
 
 - `from_pretrained(path, dtype=..., param_dtype=...)`, `save_pretrained(model, path)`: Hugging Face
   checkpoints to and from our Flax NNX decoder (grpo_jax.models);
-- `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.rollout.sampling);
+- `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.engine.sampling);
 - `group_advantages(rewards, group_size, *, scale, estimator, ddof=0)` (grpo_jax.learner.grpo);
 - `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir)`
   (grpo_jax.trainer.loop);
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "from_pretrained": "grpo_jax.models",
     "save_pretrained": "grpo_jax.models",
-    "generate": "grpo_jax.rollout.sampling",
+    "generate": "grpo_jax.engine.sampling",
     "SamplingConfig": "grpo_jax.config",
     "group_advantages": "grpo_jax.learner.grpo",
     "gae": "grpo_jax.learner.ppo",
@@ -31,8 +31,8 @@ _EXPORTS = {
     "load_config": "grpo_jax.config",
     "train": "grpo_jax.trainer.loop",
     "mesh_device_grid": "grpo_jax.runtime.sharding",
-    "Environment": "grpo_jax.rollout.env",
-    "EnvStep": "grpo_jax.rollout.env",
+    "Environment": "grpo_jax.env",
+    "EnvStep": "grpo_jax.env",
 }
 __all__ = sorted(_EXPORTS)
 

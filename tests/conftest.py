@@ -18,7 +18,7 @@ import tempfile
 
 # Compile for speed of compiling: the suite's programs are tiny and each runs a few times, so XLA's
 # compile time is most of the suite's time. LLVM's optimisation level 0 and XLA's classic CPU
-# emitters compile the suite's programs about 40% faster (measured on tests/rollout/test_sampling.py)
+# emitters compile the suite's programs about 40% faster (measured on tests/engine/test_sampling.py)
 # with the same results to the tests' tolerances. Flags the caller set come later and win; the
 # library and the benchmarks keep XLA's defaults.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

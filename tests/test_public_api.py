@@ -12,7 +12,7 @@ from flax import nnx
 
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.sampling import Rollout, check_rollout, pad_prompts
+from grpo_jax.engine.sampling import Rollout, check_rollout, pad_prompts
 
 # --- models and sampling
 
@@ -80,14 +80,14 @@ def test_the_package_exports_the_main_api_lazily():
     assert set(grpo_jax.__all__) == expected and expected <= set(dir(grpo_jax))
     from grpo_jax import config, models
     from grpo_jax.learner import grpo
-    from grpo_jax.rollout import sampling
+    from grpo_jax.engine import sampling
     from grpo_jax.trainer import loop as trainer
 
     assert grpo_jax.from_pretrained is models.from_pretrained and grpo_jax.save_pretrained is models.save_pretrained
     assert grpo_jax.generate is sampling.generate and grpo_jax.group_advantages is grpo.group_advantages
     assert grpo_jax.SamplingConfig is config.SamplingConfig and grpo_jax.RunConfig is config.RunConfig
     assert grpo_jax.load_config is config.load_config and grpo_jax.train is trainer.train
-    from grpo_jax.rollout import env
+    from grpo_jax import env
     assert grpo_jax.Environment is env.Environment and grpo_jax.EnvStep is env.EnvStep
     assert grpo_jax.EnvStep(messages=[], reward=None, done=True).done
     from grpo_jax import rewards

@@ -18,7 +18,7 @@ OVERLONG: tuple[str, ...] = get_args(Overlong)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """How the sampler draws G completions per prompt (grpo_jax.rollout.sampling.generate)."""
+    """How the sampler draws G completions per prompt (grpo_jax.engine.sampling.generate)."""
 
     group_size: int = 8
     max_new_tokens: int = 256
@@ -36,7 +36,7 @@ class SamplingConfig:
     attend_phases: int = 4
     # static: every row of a call decodes in lock-step until the longest is done. continuous: `slots`
     # decode slots (0 = one per row), each refilled with the next waiting sequence as soon as its
-    # own stops (grpo_jax.rollout.engine).
+    # own stops (grpo_jax.engine.continuous).
     engine: Engine = "static"
     slots: int = 0
     # With dynamic sampling, the continuous engine returns to the host every this many decode steps
@@ -116,7 +116,7 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EnvironmentConfig:
-    """Multi-turn episodes (grpo_jax.rollout.env): the environment by `name` (a built-in:
+    """Multi-turn episodes (grpo_jax.env): the environment by `name` (a built-in:
     calculator, countdown, python; or module:Class, path/to/file.py:Class) made with `kwargs` once
     per episode. `max_turns` model turns, `max_env_tokens` environment tokens after one turn,
     `timeout_s` per environment call; sampling.max_new_tokens counts the model's tokens over all

@@ -68,7 +68,7 @@ class SFTConfig:
     With an `environment` the warm start learns from worked episodes instead: `turns` are the model's
     turns (str.format templates over the row's fields, e.g. `["<calculator>{a}*{b}</calculator>",
     "{answer}"]`), and the environment answers each one for real, so the trajectory is token for token
-    what an episode would sample; the loss covers the model's turns only (grpo_jax.rollout.episodes
+    what an episode would sample; the loss covers the model's turns only (grpo_jax.episodes.runner
     `worked_episodes`)."""
 
     steps: int = 0

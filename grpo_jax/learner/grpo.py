@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.config import ESTIMATORS, KL_ESTIMATORS, SCALES, Estimator, Scale
+from grpo_jax.groups import uniform_groups
 
 
 @flax.struct.dataclass
@@ -22,17 +23,6 @@ class GroupAdvantages:
     advantages: jax.Array  # float32 [R]; exactly 0 for dropped samples and zero-variance groups
     valid: jax.Array  # bool [R]; False where the reward was NaN
     zero_std: jax.Array  # bool [N]; the group's valid rewards are all equal (or fewer than 2 are valid)
-
-
-def uniform_groups(rewards: jax.Array, group_size: int) -> jax.Array:
-    """bool [N]: groups of `rewards` (float [N*G], NaN = dropped) that carry no signal: their valid
-    rewards are all equal, or fewer than 2 are valid. The one definition of a zero-variance group,
-    for advantages, `groups/frac_zero_std` and dynamic sampling alike (works on NumPy input too)."""
-    r_NG = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
-    valid_NG = ~jnp.isnan(r_NG)
-    hi = jnp.where(valid_NG, r_NG, -jnp.inf).max(axis=1)
-    lo = jnp.where(valid_NG, r_NG, jnp.inf).min(axis=1)
-    return (valid_NG.sum(axis=1) < 2) | (hi == lo)
 
 
 def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "group",
@@ -82,17 +72,6 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: Scale = "gro
     adv_NG = jnp.where(zero_std_N[:, None] | ~valid_NG, 0.0, centred_NG)
     return GroupAdvantages(advantages=adv_NG.reshape(R), valid=valid_NG.reshape(R), zero_std=zero_std_N)
 
-
-def overlong_penalty(lengths: jax.Array, max_length: int, cache_length: int) -> jax.Array:
-    """DAPO's soft overlong punishment, in tokens, added to the reward.
-
-    0 up to max_length - cache_length tokens, then falling linearly to -1 at max_length, and -1
-    beyond it.
-    """
-    if not 0 < cache_length <= max_length:
-        raise ValueError(f"overlong penalty needs 0 < cache_length <= max_length, got {cache_length}, {max_length}")
-    over = lengths.astype(jnp.float32) - (max_length - cache_length)
-    return jnp.where(lengths > max_length, -1.0, -jnp.clip(over, 0.0, None) / cache_length)
 
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str) -> jax.Array:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grpo_jax.learner.grpo import overlong_penalty
+from grpo_jax.groups import overlong_penalty
 
 
 def overlong_reward(prompts: Sequence[str], completions: Sequence[str], *, completion_tokens: Sequence[int],

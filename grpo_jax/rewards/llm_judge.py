@@ -9,15 +9,20 @@ time), and the verdict's score is parsed from its text.
 The score is the last match of `pattern` (default "Score: N") divided by `max_score`, so a judge's
 0-10 becomes 0-1. A verdict without a score, or with one outside [0, max_score], is None: the sample
 is dropped from the loss and counted (`reward/llm_judge/unjudged`), never guessed.
+
+The judge writes with a generation function it is given (`generate`, the actor's
+`grpo_jax.engine.sampling.greedy_completions`, handed in by `build_rewards(config, generate=...)`):
+rewards/ imports nothing of the actor side.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
+# (model, prompt ids, *, max_new_tokens, stop_token_ids, pad_id, batch_size, mesh) -> completion ids
+Generate = Callable[..., list[list[int]]]
 
 DEFAULT_TEMPLATE = ("You grade answers. Rubric: {rubric}\n\nQuestion: {question}\nAnswer: {answer}\n\n"
                     "Give a score from 0 to {max_score} and reply exactly 'Score: N'.")
@@ -43,12 +48,13 @@ def parse_score(text: str, *, pattern: str = DEFAULT_PATTERN, max_score: float =
 class LLMJudgeReward:
     """The `llm_judge` reward (see the module docstring). path: the judge model (an HF directory or
     a .gguf file, with its tokenizer unless `tokenizer` names another); template: str.format over
-    question, answer, rubric and max_score (the question is the prompt's user message)."""
+    question, answer, rubric and max_score (the question is the prompt's user message); generate: the
+greedy generation function the verdicts are written with (see the module docstring)."""
 
     def __init__(self, *, path: str, rubric: str = "The answer is correct and concise.",
                  template: str = DEFAULT_TEMPLATE, pattern: str = DEFAULT_PATTERN, max_score: float = 10.0,
                  max_new_tokens: int = 16, batch_size: int = 16, max_prompt_tokens: int = 512,
-                 chat_template: str = "auto", tokenizer: str | None = None):
+                 chat_template: str = "auto", tokenizer: str | None = None, generate: Generate | None = None):
         from grpo_jax.models import from_pretrained
         from grpo_jax.models.hf import load_tokenizer
 
@@ -60,6 +66,10 @@ class LLMJudgeReward:
                              f"{{max_score}} and pattern must be a regex: {e!r}") from None
         if max_score <= 0 or max_new_tokens < 1 or batch_size < 1:
             raise ValueError("llm_judge: max_score, max_new_tokens and batch_size must be positive")
+        if generate is None:
+            raise ValueError("llm_judge: no generation function to write verdicts with: build it with "
+                             "build_rewards(config, generate=grpo_jax.engine.sampling.greedy_completions) or pass "
+                             "generate= yourself")
         if chat_template not in ("auto", "never"):
             raise ValueError(f"llm_judge: chat_template must be 'auto' or 'never', got {chat_template!r}")
         self.model = from_pretrained(path, on_host=True)  # cut onto the run's mesh by `place`
@@ -67,7 +77,7 @@ class LLMJudgeReward:
         self.use_chat = chat_template == "auto" and bool(getattr(self.tokenizer, "chat_template", None))
         self.rubric, self.template, self.pattern, self.max_score = rubric, template, pattern, float(max_score)
         self.batch_size, self.max_prompt_tokens = int(batch_size), int(max_prompt_tokens)
-        self.max_new_tokens = int(max_new_tokens)
+        self.max_new_tokens, self.generate = int(max_new_tokens), generate
         self.unparsed = 0  # verdicts without a usable score, over the run
         self.last_verdicts: list[str] = []  # the last call's judge outputs (for inspection and tests)
         self.mesh = None
@@ -104,10 +114,6 @@ class LLMJudgeReward:
 
     def verdicts(self, prompt_ids: Sequence[list[int]]) -> list[str]:
         """The judge's greedy outputs for each prompt, `batch_size` prompts per sampler call."""
-        from grpo_jax.config import SamplingConfig
-        from grpo_jax.rollout.sampling import generate
-        from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
-
         if self.mesh is None:
             from grpo_jax.rewards.reward_model import on_default_device
 
@@ -115,20 +121,9 @@ class LLMJudgeReward:
         tok = self.tokenizer
         stops = tuple(self.model.config.eos_token_ids) or ((tok.eos_token_id,) if tok.eos_token_id is not None else ())
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
-        longest = max(len(p) for p in prompt_ids)
-        bucket = pow2_bucket(longest, 16)  # one compile per power of two
-        sampling = SamplingConfig(group_size=1, max_new_tokens=self.max_new_tokens, temperature=0.0,
-                                  prompt_buckets=(bucket,), stop_token_ids=stops, pad_token_id=pad)
-        B = round_to_row_shards(self.batch_size, self.mesh)
-        out: list[str] = []
-        for start in range(0, len(prompt_ids), B):
-            chunk = list(prompt_ids[start:start + B])
-            real = len(chunk)
-            chunk += [chunk[0]] * (B - real)  # a fixed batch: one compiled shape
-            rollout = generate(self.model, chunk, sampling, jax.random.key(0), mesh=self.mesh)
-            tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
-            out += [tok.decode(list(tokens[i, :lengths[i]]), skip_special_tokens=True) for i in range(real)]
-        return out
+        completions = self.generate(self.model, prompt_ids, max_new_tokens=self.max_new_tokens, stop_token_ids=stops,
+                                    pad_id=pad, batch_size=self.batch_size, mesh=self.mesh)
+        return [tok.decode(ids, skip_special_tokens=True) for ids in completions]
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], prompt_messages=None,
                  **_fields: Any) -> list[float | None]:

@@ -120,8 +120,11 @@ def check_options(fn, kwargs: Mapping[str, Any], where: str, *, required: bool =
         raise ConfigError(f"{where}: reward {label} needs {', '.join(missing)}")
 
 
-def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple[str, str]) -> RewardSpec:
-    """One configured reward; `where`: the config paths of its name and of its kwargs."""
+def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple[str, str], *,
+               generate=None) -> RewardSpec:
+    """One configured reward; `where`: the config paths of its name and of its kwargs; `generate`:
+    the actor's generation function, for a reward class that declares a `generate` keyword (the
+    `llm_judge`), so rewards/ never imports the sampler."""
     try:
         fn = get_reward_fn(name)
     except ValueError as e:
@@ -132,6 +135,10 @@ def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple
     # A reward that holds something (a reward model), built once: an unknown option, a missing one
     # or a bad path is a ConfigError before anything trains.
     check_options(fn, kwargs, where[1], required=True)
+    if "generate" in kwargs:
+        raise ConfigError(f"{where[1]}: generate is the run's own generation function, not an option")
+    if "generate" in inspect.signature(fn).parameters:
+        kwargs = {**kwargs, "generate": generate}
     try:
         built = fn(**kwargs)
     except (ValueError, OSError, TypeError) as e:
@@ -142,16 +149,17 @@ def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple
     return RewardSpec(name=name, fn=built, weight=weight)
 
 
-def build_rewards(config: RunConfig) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:
-    """(the training rewards, the one evaluation judges correctness by, eval.verifier's or None)."""
+def build_rewards(config: RunConfig, *, generate=None) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:
+    """(the training rewards, the one evaluation judges correctness by, eval.verifier's or None);
+    `generate`: the actor's generation function for rewards that write (`build_spec`)."""
     if not config.rewards:
         raise ConfigError("rewards: configure at least one reward function, e.g. rewards: [{name: math_accuracy}]")
-    specs = [build_spec(r.name, r.kwargs, r.weight, (f"rewards[{i}].name", f"rewards[{i}].kwargs"))
+    specs = [build_spec(r.name, r.kwargs, r.weight, (f"rewards[{i}].name", f"rewards[{i}].kwargs"), generate=generate)
              for i, r in enumerate(config.rewards)]
     name = config.eval.reward or specs[0].name
     e = config.eval
     verifier = None if e.verifier is None else build_spec(e.verifier, e.verifier_kwargs, 1.0,
-                                                          ("eval.verifier", "eval.verifier_kwargs"))
+                                                          ("eval.verifier", "eval.verifier_kwargs"), generate=generate)
     return specs, next(s for s in specs if s.name == name), verifier
 
 

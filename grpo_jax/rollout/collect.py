@@ -19,7 +19,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from grpo_jax.learner.grpo import uniform_groups
+from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 
 

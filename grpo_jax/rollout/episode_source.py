@@ -1,5 +1,5 @@
 """Multi-turn episodes as a rollout source: the step's prompts each open G episodes with the run's
-environment (grpo_jax.rollout.episodes), and the finished trajectories are the batch.
+environment (grpo_jax.episodes.runner), and the finished trajectories are the batch.
 
 Per episode: the trajectory after the prompt is the completion (model turns and environment
 tokens in one sequence; `completion_mask` = the loss mask, 1 exactly on sampled tokens), the old

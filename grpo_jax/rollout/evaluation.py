@@ -20,7 +20,7 @@ import numpy as np
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share, whole
 from grpo_jax.rewards import RewardSpec, StatefulReward, combine_rewards
-from grpo_jax.rollout.sampling import generate
+from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import batch_sharding, round_to_row_shards
 
 
@@ -51,7 +51,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     `health/verifier_disagreement`, the share of the samples both judged on which one says correct
     and the other not (a training reward that can be satisfied without being right shows here).
 
-    episodes: a run's grpo_jax.rollout.episodes.EpisodeRunner: each sample is an episode, judged on
+    episodes: a run's grpo_jax.episodes.runner.EpisodeRunner: each sample is an episode, judged on
     its last model turn (an episode its environment failed is not judged).
 
     teacher: on-policy distillation's teacher as `teacher(prompt_ids [R, P], prompt_mask [R, P],

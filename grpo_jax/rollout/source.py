@@ -27,7 +27,7 @@ from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
 from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
-from grpo_jax.rollout.sampling import generate, pad_prompts
+from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
                                     to_global)

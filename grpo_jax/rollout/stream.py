@@ -24,10 +24,10 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.learner.grpo import uniform_groups
+from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
-from grpo_jax.rollout.engine import engine_layout, engine_loop, engine_step, start_engine
+from grpo_jax.engine.continuous import engine_layout, engine_loop, engine_step, start_engine
 from grpo_jax.runtime.sharding import batch_sharding, replicated
 
 FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")

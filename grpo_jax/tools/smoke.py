@@ -26,7 +26,7 @@ def smoke(*, family: str = "qwen3", output: str | Path = "runs/smoke/model", new
     from grpo_jax.learner.logprobs import completion_logprobs
     from grpo_jax.models import Transformer, from_pretrained, save_pretrained
     from grpo_jax.models.presets import tiny
-    from grpo_jax.rollout.sampling import generate
+    from grpo_jax.engine.sampling import generate
 
     t0 = time.perf_counter()
     config = tiny(family)

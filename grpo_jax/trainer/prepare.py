@@ -20,15 +20,16 @@ from jax.sharding import Mesh
 from grpo_jax import data
 from grpo_jax.config import ConfigError, ModelConfig, RunConfig, SamplingConfig, unknown_key
 from grpo_jax.data.stream import PromptStream
+from grpo_jax.engine.sampling import greedy_completions
 from grpo_jax.models import (JNP_DTYPES, RopeConfig, Transformer, TransformerConfig, config_to_hf, from_pretrained,
                              load_config, load_tokenizer)
 from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.lora import add_adapters
 from grpo_jax.rewards import RewardSpec, build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
-from grpo_jax.rollout.env.episode import EpisodeLimits
-from grpo_jax.rollout.env.registry import environment_factory
-from grpo_jax.rollout.episodes import EpisodeRunner
+from grpo_jax.episodes.episode import EpisodeLimits
+from grpo_jax.env.registry import environment_factory
+from grpo_jax.episodes.runner import EpisodeRunner
 from grpo_jax.runtime.devices import check_devices, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import init_on_host, rows_per_shard
@@ -52,7 +53,7 @@ class Prepared:
     share: RowShare  # this host's block of the prompts_per_step prompts of a step
     sft_stream: PromptStream | None = None  # the warm start's own stream (its own share of sft.batch_size)
     notes: tuple[str, ...] = ()  # lines a run logs at start: the code sandbox's isolation, a short eval split
-    episodes: Any = None  # with config.environment: its grpo_jax.rollout.episodes.EpisodeRunner
+    episodes: Any = None  # with config.environment: its grpo_jax.episodes.runner.EpisodeRunner
     sampler_mesh: Mesh | None = None  # rollout.sampler_devices: the sampler's own mesh (else it samples on `mesh`)
 
 
@@ -186,7 +187,7 @@ def prepare(config: RunConfig) -> Prepared:
             side_notes.append(f"{what}: {path} ({c.family}, {c.num_layers} layers, hidden {c.hidden_size}, "
                               f"vocabulary {c.vocab_size}), the policy's tokenizer")
     try:
-        rewards, eval_reward, eval_verifier = build_rewards(config)
+        rewards, eval_reward, eval_verifier = build_rewards(config, generate=greedy_completions)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:

@@ -3,7 +3,7 @@
 A policy that never produces a correct answer gets zero-variance groups and no GRPO signal; a short
 supervised phase on the dataset's own answers gives it a non-zero pass rate to sharpen. The
 completion is `answer_template` filled with the row's fields, followed by the end-of-sequence token;
-with an environment, it is a worked episode (`sft.turns`; grpo_jax.rollout.episodes.worked_episodes),
+with an environment, it is a worked episode (`sft.turns`; grpo_jax.episodes.runner.worked_episodes),
 the loss on its model turns only.
 
 Shape suffixes: grpo_jax.shapes (R rows, P prompt bucket, M the sampler's max_new_tokens).
@@ -26,8 +26,8 @@ from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.optimizer import warm_start_optimizer
 from grpo_jax.trainer.preemption import stop_point
 from grpo_jax.trainer.prepare import Prepared
-from grpo_jax.rollout.episodes import trajectory_capacity, worked_episodes
-from grpo_jax.rollout.sampling import pad_prompts
+from grpo_jax.episodes.runner import trajectory_capacity, worked_episodes
+from grpo_jax.engine.sampling import pad_prompts
 from grpo_jax.runtime.sharding import batch_sharding, on_mesh, replicated, sharded_jit, tree_shardings
 
 

@@ -146,7 +146,7 @@ def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
     from flax import nnx
 
     from grpo_jax.models import Transformer
-    from grpo_jax.rollout.sampling import generate
+    from grpo_jax.engine.sampling import generate
 
     model = Transformer(model_config, rngs=nnx.Rngs(0))
     config = dataclasses.replace(chosen, group_size=2, max_new_tokens=6, stop_token_ids=tuple(range(3, 60)),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from grpo_jax.data import ArithmeticConfig, load_source
-from grpo_jax.rollout.env.calculator import calculate
+from grpo_jax.env.calculator import calculate
 
 SMALL = {"num_train": 60, "num_test": 20}
 

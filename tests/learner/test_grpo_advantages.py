@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax.learner.grpo import group_advantages, kl_estimate, uniform_groups
+from grpo_jax.groups import uniform_groups
+from grpo_jax.learner.grpo import group_advantages, kl_estimate
 
 
 def reference_advantages(rewards, G, scale, estimator, eps=1e-6, ddof=0):
@@ -116,7 +117,7 @@ def test_kl_estimators_match_analytic_kl_on_a_toy_categorical():
 
 
 def test_overlong_penalty_matches_the_dapo_formula():
-    from grpo_jax.learner.grpo import overlong_penalty
+    from grpo_jax.groups import overlong_penalty
 
     L_max, L_cache = 20, 8
     lengths = np.arange(0, 25)

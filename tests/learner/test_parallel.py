@@ -13,7 +13,7 @@ from grpo_jax.config import GRPOConfig, SamplingConfig
 from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.sampling import generate
+from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import replicate, split_rows, unreplicate
 from grpo_jax.learner.train_step import Batch, bind_train_step, init_state
 from batches import one_device_step

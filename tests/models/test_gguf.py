@@ -77,7 +77,7 @@ def test_logits_match_transformers_gguf_loader(loaded):
 
 
 def test_greedy_generation_matches_transformers_token_for_token(loaded):
-    from grpo_jax.rollout.sampling import generate
+    from grpo_jax.engine.sampling import generate
 
     ours, tokenizer, reference, _, _ = loaded
     ids = chat_ids(tokenizer)
@@ -131,7 +131,7 @@ def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_
                  "builder_kwargs": {"num_train": 8, "num_test": 2}, "prompts_per_step": 2, "max_prompt_tokens": 64},
         "rewards": [{"name": f"{tmp_path / 'spread.py'}:spread"}, {"name": "math_accuracy", "weight": 0.0}],
         # One attention phase: the decode loop unrolls the 30 layers once per phase, and its compile
-        # is most of this test's time (tests/rollout/test_sampling.py covers the phases).
+        # is most of this test's time (tests/engine/test_sampling.py covers the phases).
         "sampling": {"group_size": 2, "max_new_tokens": 8, "prompt_buckets": [64], "attend_phases": 1},
         "train": {"steps": 1, "learning_rate": 1e-4, "progress": False, "samples_every": 0},
         # k = group_size: the evaluations sample with the training sampler's shapes, one compile for all three.
@@ -178,7 +178,7 @@ def test_smollm2s_template_extends_a_conversation_with_a_tool_answer(loaded):
     tests use character tokenizers): after a model turn that ended with its stop token or at a
     tool call's closing tag, the environment's tokens are exactly the difference of the renders,
     and prompt + sampled + environment tokens decode to the fresh render of the conversation."""
-    from grpo_jax.rollout.env.transcript import extension, render
+    from grpo_jax.episodes.transcript import extension, render
 
     _, tokenizer, *_ = loaded
     content = "I will use the tool: <calculator>12 + 35</calculator>"

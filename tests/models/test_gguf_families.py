@@ -21,7 +21,7 @@ import pytest
 from grpo_jax.config import SamplingConfig, load_config
 from grpo_jax.models import from_pretrained, load_tokenizer
 from grpo_jax.models import gguf as gguf_models
-from grpo_jax.rollout.sampling import generate
+from grpo_jax.engine.sampling import generate
 
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")

@@ -71,7 +71,7 @@ def test_gemma3_tokenizer_read_without_torch_behaves_as_transformers_gguf_tokeni
 
 
 def test_gemma3_greedy_generation_matches_transformers(gemma):
-    from grpo_jax.rollout.sampling import generate
+    from grpo_jax.engine.sampling import generate
 
     ours, tokenizer, reference, _ = gemma
     ids = tokenizer(few_shot(3))["input_ids"]

@@ -17,7 +17,7 @@ from flax import nnx
 from grpo_jax.models import Transformer
 from grpo_jax.models.lora import TARGETS, LoRAParam, add_adapters, merge_adapters, split_adapters
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.sampling import SamplingConfig, generate
+from grpo_jax.engine.sampling import SamplingConfig, generate
 
 
 def _ids(seed=0, shape=(3, 9)):

@@ -15,7 +15,7 @@ from grpo_jax.config import GRPOConfig, MeshConfig, SamplingConfig
 from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.sampling import generate
+from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import make_mesh, mesh_shape, param_shardings, place_train_state
 from grpo_jax.learner.train_step import Batch, init_state, make_train_step
 

@@ -183,7 +183,12 @@ def test_the_llm_judge_runs_through_the_sampler_and_counts_unparsable_verdicts(t
 
     tok = char_tokenizer(add_bos=True)
     save_pretrained(Transformer(tiny("llama"), rngs=nnx.Rngs(0)), tmp_path / "judge", tokenizer=tok)
-    judge = LLMJudgeReward(path=str(tmp_path / "judge"), max_new_tokens=6, batch_size=4, rubric="R!")
+    from grpo_jax.engine.sampling import greedy_completions
+
+    with pytest.raises(ValueError, match="no generation function"):  # rewards/ never reaches for the sampler
+        LLMJudgeReward(path=str(tmp_path / "judge"))
+    judge = LLMJudgeReward(path=str(tmp_path / "judge"), max_new_tokens=6, batch_size=4, rubric="R!",
+                           generate=greedy_completions)
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx.state(judge.model, nnx.Param)))  # until placed
     prompt = tok.decode(judge.judge_prompt("2+2=", "4"), skip_special_tokens=True)
     assert "Question: 2+2=" in prompt and "Answer: 4" in prompt and "R!" in prompt

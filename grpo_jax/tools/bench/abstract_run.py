@@ -33,7 +33,7 @@ from grpo_jax.models import load_config as load_model_config
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
-from grpo_jax.rollout.sampling import sharded_generate
+from grpo_jax.engine.sampling import sharded_generate
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.parity import preset_config

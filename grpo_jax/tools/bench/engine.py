@@ -38,7 +38,7 @@ def _source() -> dict | None:
     root = Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "grpo_jax/rollout", "grpo_jax/models"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "grpo_jax/engine", "grpo_jax/rollout", "grpo_jax/models"], cwd=root,
                                capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -25,9 +25,9 @@ from flax import nnx
 
 from grpo_jax.config import ConfigError, SamplingConfig, load_config
 from grpo_jax.models import Transformer
-from grpo_jax.models.slots import SlotCache
-from grpo_jax.rollout.engine import continuous_program, engine_layout
-from grpo_jax.rollout.sampling import generate, pad_prompts
+from grpo_jax.engine.slots import SlotCache
+from grpo_jax.engine.continuous import continuous_program, engine_layout
+from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.trainer.prepare import build_model, prepare
 
 ENGINES = ("static_batched", "static_all", "continuous")
@@ -151,7 +151,7 @@ def _prompt_passes(w: Workload):
 
     @jax.jit
     def static_pass(state, ids, mask):
-        # grpo_jax.rollout.sampling's prefill call, as the static engine makes it.
+        # grpo_jax.engine.sampling's prefill call, as the static engine makes it.
         logits, cache = nnx.merge(graphdef, state).prefill(ids, mask, group_size=s.group_size,
                                                            decode_steps=s.max_new_tokens - 1,
                                                            chunks=s.attend_phases, last_only=True)
@@ -204,7 +204,7 @@ def kv_cache_bytes(w: Workload) -> dict[str, dict[str, int]]:
     def slot_cache():
         ids = jax.ShapeDtypeStruct((N, P), jnp.int32)
         slots = engine_layout(N, s).slots
-        # The cache grpo_jax.rollout.engine builds (its decode_steps: max_new_tokens - 1, at least 1).
+        # The cache grpo_jax.engine.continuous builds (its decode_steps: max_new_tokens - 1, at least 1).
         cache = jax.eval_shape(lambda st, i: SlotCache.create(
             *nnx.merge(graphdef, st).prefill_kv(i, i)[1:], shards=1, slots=slots,
             decode_steps=max(s.max_new_tokens - 1, 1), phases=s.attend_phases), state, ids)

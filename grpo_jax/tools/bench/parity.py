@@ -111,7 +111,7 @@ def environment(device: str) -> dict:
 
 def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, prompt_len: int = 32,
             new_tokens: int = 128, dtype: str = "float32", iters: int = 3, reference: bool = True) -> dict:
-    """Generated tokens/s of `grpo_jax.rollout.sampling.generate` vs transformers' `generate` (sampling, no
+    """Generated tokens/s of `grpo_jax.engine.sampling.generate` vs transformers' `generate` (sampling, no
     early stop) on prompts x group_size rows, and prefill time for G=group_size vs G=1.
 
     `reference=False` measures grpo_jax alone (compile time and tokens/s, random weights, no torch):
@@ -120,7 +120,7 @@ def sampler(*, preset: str = "small", prompts: int = 4, group_size: int = 16, pr
     import jax
     import numpy as np
 
-    from grpo_jax.rollout.sampling import generate
+    from grpo_jax.engine.sampling import generate
 
     if reference:
         hf, ours, device, load_s = build_pair(preset, dtype)

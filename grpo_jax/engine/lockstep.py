@@ -5,7 +5,7 @@ The static engine (`sampling.engine: static`) is this loop with one uniform per 
 from the start (slots >= sequences on every shard): nothing can then be refilled, and the lock-step
 loop reads each prompt's keys and values once per group of G rows where the slot loop reads them
 once per slot. It then passes each sequence's own uniforms (`uniforms`), so its rollout is the one
-the slot loop draws (see grpo_jax.rollout.engine).
+the slot loop draws (see grpo_jax.engine.continuous).
 
 Shape suffixes: N prompts, P prompt bucket, G group size, R = N*G rows, M max_new_tokens, V vocab.
 """
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.rollout.draw import Rollout, sample_tokens
+from grpo_jax.engine.draw import Rollout, sample_tokens
 from grpo_jax.runtime.sharding import BATCH
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn episodes in the engine's slots (grpo_jax.rollout.turns), driven by a scripted host:
+"""Multi-turn episodes in the engine's slots (grpo_jax.episodes.turns), driven by a scripted host:
 environment tokens fed through the decode steps between model turns, earlier turns never
 recomputed. The trajectory's sampled log-probs equal a teacher-forced pass over prompt and whole
 trajectory, environment positions are marked and carry log-prob 0, a turn cut at a tool call
@@ -15,8 +15,8 @@ from teacher_forcing import teacher_forced
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.sampling import pad_prompts
-from grpo_jax.rollout.turns import PAUSED, turn_programs
+from grpo_jax.engine.sampling import pad_prompts
+from grpo_jax.episodes.turns import PAUSED, turn_programs
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7], [12], [80, 81, 82, 83]]
 FORCED = [100, 101, 102]  # the scripted environment's answer after every turn but the last

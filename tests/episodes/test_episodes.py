@@ -1,4 +1,4 @@
-"""Multi-turn episodes end to end on a tiny model (grpo_jax.rollout.episodes): scripted
+"""Multi-turn episodes end to end on a tiny model (grpo_jax.episodes.runner): scripted
 environments answer through the engine's slots, the engine's trajectory is the host's (sampled
 tokens as sampled, environment tokens between turns), its sampled log-probs equal a teacher-forced
 pass, a tool call's closing tag ends a turn, an environment that raises costs only its own
@@ -21,8 +21,8 @@ from grpo_jax.learner.grpo import policy_loss
 from grpo_jax.data.tokenizer import char_tokenizer
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.env.episode import EpisodeLimits
-from grpo_jax.rollout.episodes import run_episodes
+from grpo_jax.episodes.episode import EpisodeLimits
+from grpo_jax.episodes.runner import run_episodes
 
 TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")

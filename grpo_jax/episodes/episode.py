@@ -3,7 +3,7 @@ time limit), the trajectory they build, and the limits that end it.
 
 The trajectory after the opening prompt is one token sequence: each model turn's tokens as sampled
 (`loss_mask` 1, with their sampler log-probs) and, between turns, the environment's tokens
-(`loss_mask` 0, log-prob 0) from grpo_jax.rollout.env.transcript. An environment that raises, returns
+(`loss_mask` 0, log-prob 0) from grpo_jax.episodes.transcript. An environment that raises, returns
 something malformed or takes longer than `timeout_s` ends its episode with `error` set: the episode
 is dropped (and counted as `env/errors`), its batch-mates are not. A timed-out call's thread is a
 daemon thread left to finish on its own (Python cannot stop a thread); its result is ignored.
@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any
 
-from grpo_jax.rollout.env.protocol import OPENING_ROLES, check_messages, check_step
-from grpo_jax.rollout.env.transcript import encode, extension, render
+from grpo_jax.env.protocol import OPENING_ROLES, check_messages, check_step
+from grpo_jax.episodes.transcript import encode, extension, render
 
 
 class EnvTimeout(TimeoutError):

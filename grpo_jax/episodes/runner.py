@@ -1,5 +1,5 @@
-"""Run multi-turn episodes: the host's side (grpo_jax.rollout.env.episode: environments, the trajectory's
-environment tokens, limits, errors) driving the engine's slots (grpo_jax.rollout.turns).
+"""Run multi-turn episodes: the host's side (grpo_jax.episodes.episode: environments, the trajectory's
+environment tokens, limits, errors) driving the engine's slots (grpo_jax.episodes.turns).
 
 The host advances the engine `segment_steps` decode steps at a time. Between segments it
 - hands every turn that ended (a paused slot) to its episode, which starts the environment's step
@@ -24,11 +24,11 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.rollout.env.episode import Episode, EpisodeLimits
-from grpo_jax.rollout.env.transcript import encode
-from grpo_jax.rollout.sampling import pad_prompts
-from grpo_jax.rollout.episode_host import EpisodeHost
-from grpo_jax.rollout.turns import turn_programs
+from grpo_jax.episodes.episode import Episode, EpisodeLimits
+from grpo_jax.episodes.transcript import encode
+from grpo_jax.engine.sampling import pad_prompts
+from grpo_jax.episodes.host import EpisodeHost
+from grpo_jax.episodes.turns import turn_programs
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ class EpisodeBatch:
                 "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),
                 "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps])),
                 # Episodes whose chat template broke the extension property at some turn (the
-                # new messages were rendered alone: grpo_jax.rollout.env.transcript).
+                # new messages were rendered alone: grpo_jax.episodes.transcript).
                 "env/template_fallbacks": float(sum(not ep.exact for ep in eps)),
                 "env/parks": float(self.parks)}
 

@@ -1,5 +1,5 @@
 """The `calculator` environment: the model writes an arithmetic expression in a tool call,
-`<calculator>12345 * 678</calculator>` (or the chat template's JSON format: grpo_jax.rollout.env.tool_calls),
+`<calculator>12345 * 678</calculator>` (or the chat template's JSON format: grpo_jax.env.tool_calls),
 and the environment answers (role "tool") with its value or an error; a model turn without a tool
 call is the final answer, which the run's `rewards` score.
 
@@ -18,7 +18,7 @@ import math
 import operator
 from fractions import Fraction
 
-from grpo_jax.rollout.env.tool_calls import ToolEnvironment
+from grpo_jax.env.tool_calls import ToolEnvironment
 
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 300
@@ -105,7 +105,7 @@ def calculate(expression: str) -> str:
 class Calculator(ToolEnvironment):
     """One episode with the calculator tool (see the module docstring). `tag`: the tool call's tag
     (the function's name in the json format); `tool_format`: `tags` or `json`
-    (grpo_jax.rollout.env.tool_calls)."""
+    (grpo_jax.env.tool_calls)."""
 
     argument = "expression"
     description = "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses."

@@ -3,7 +3,7 @@ episode's trajectory, model turns and environment tokens in one generated block,
 environment answers are fed through the same decode steps as sampled tokens, so earlier turns are
 never recomputed.
 
-Per slot, besides the engine's state (grpo_jax.rollout.engine), a mode:
+Per slot, besides the engine's state (grpo_jax.engine.continuous), a mode:
 - 0, sampling: the slot draws the model's next token (its own uniforms, as the engine's);
 - 1, forcing: the slot feeds the next of the environment tokens the host gave it (`forced`), records
   it with log-prob 0 and marks it an environment position (`env`); after the last one the slot
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.rollout.engine import draw_next, engine_layout, engine_loop, refill, start_engine
+from grpo_jax.engine.continuous import draw_next, engine_layout, engine_loop, refill, start_engine
 
 SAMPLING, FORCING, PAUSED = 0, 1, 2
 

@@ -22,8 +22,8 @@ from teacher_forcing import teacher_forced
 from grpo_jax.config import MeshConfig, SamplingConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rollout.engine import continuous_program
-from grpo_jax.rollout.sampling import generate, pad_prompts
+from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.runtime.sharding import make_mesh, place_model
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7], [12], [80, 81, 82, 83, 84, 85, 86, 87], [30, 31], [4, 4, 4, 4],

@@ -13,7 +13,7 @@ from hf_models import build_hf_model
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import from_pretrained
-from grpo_jax.rollout.sampling import Rollout, check_rollout, generate, pad_prompts, sample_tokens
+from grpo_jax.engine.sampling import Rollout, check_rollout, generate, pad_prompts, sample_tokens
 
 PROMPTS = [[5, 9, 13, 40, 41, 7, 8], [22, 23], [60, 61, 62, 63]]
 

@@ -40,9 +40,9 @@ from flax import nnx
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import replicated_key
 from grpo_jax.models.transformer import Transformer
-from grpo_jax.rollout.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
-from grpo_jax.rollout.engine import continuous_program
-from grpo_jax.rollout.lockstep import lockstep_decode
+from grpo_jax.engine.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
+from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.lockstep import lockstep_decode
 from grpo_jax.runtime.sharding import batch_sharding, replicated, shard_rows
 
 
@@ -99,6 +99,29 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
         rollout = sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
     return rollout
+
+
+def greedy_completions(model: Transformer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                       stop_token_ids: Sequence[int], pad_id: int, batch_size: int, mesh=None) -> list[list[int]]:
+    """Each prompt's greedy completion (token ids, up to a stop token or `max_new_tokens`), in
+    fixed batches of `batch_size` prompts (rounded up to the mesh's row shards; the last padded
+    with copies of the first) and power-of-two prompt buckets: one compile per bucket. What a
+    judge model (grpo_jax.rewards.llm_judge) writes its verdicts with."""
+    from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
+
+    bucket = pow2_bucket(max(len(p) for p in prompt_ids), 16)
+    sampling = SamplingConfig(group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,
+                              prompt_buckets=(bucket,), stop_token_ids=tuple(stop_token_ids), pad_token_id=pad_id)
+    B = round_to_row_shards(batch_size, mesh)
+    out: list[list[int]] = []
+    for start in range(0, len(prompt_ids), B):
+        chunk = [list(p) for p in prompt_ids[start:start + B]]
+        real = len(chunk)
+        chunk += [chunk[0]] * (B - real)  # a fixed batch: one compiled shape
+        rollout = generate(model, chunk, sampling, jax.random.key(0), mesh=mesh)
+        tokens, lengths = jax.device_get((rollout.tokens, rollout.lengths))
+        out += [[int(t) for t in tokens[i, :lengths[i]]] for i in range(real)]
+    return out
 
 
 def _prompt_arrays(prompts, config: SamplingConfig):

@@ -1,8 +1,8 @@
-"""The host's side of the episodes in the engine's slots, between segments (grpo_jax.rollout.episodes
+"""The host's side of the episodes in the engine's slots, between segments (grpo_jax.episodes.runner
 drives it): it reads which slots' turns ended, hands each ended turn to its episode (whose
 environment steps on its own thread), feeds the environment's answers back, ends episodes, cuts
 turns at a tool call's closing tag, and moves episodes whose environment is slow out of their slot
-and back (grpo_jax.rollout.turns `move_slots`).
+and back (grpo_jax.episodes.turns `move_slots`).
 
 Slots are per row shard of the mesh (Z shards x J slots); shard z holds episodes z*Rb .. z*Rb+Rb-1
 (Rb per shard), and an episode parks and comes back within its shard.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from grpo_jax.rollout.turns import PAUSED
+from grpo_jax.episodes.turns import PAUSED
 
 
 class Answers:

@@ -8,10 +8,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from grpo_jax.rewards.registry import import_user_object
-from grpo_jax.rollout.env.calculator import Calculator
-from grpo_jax.rollout.env.countdown import CountdownFeedback
-from grpo_jax.rollout.env.python_tool import PythonTool
-from grpo_jax.rollout.env.tool_calls import template_tool_format
+from grpo_jax.env.calculator import Calculator
+from grpo_jax.env.countdown import CountdownFeedback
+from grpo_jax.env.python_tool import PythonTool
+from grpo_jax.env.tool_calls import template_tool_format
 
 BUILT_IN: dict[str, type] = {"calculator": Calculator, "countdown": CountdownFeedback, "python": PythonTool}
 
@@ -20,7 +20,7 @@ def environment_factory(name: str, kwargs: Mapping[str, Any] | None = None, toke
     """A callable that makes one environment per episode, `cls(**kwargs)`; ValueError when `name`
     names no class with `reset` and `step`, or `kwargs` do not fit its constructor. A built-in tool
     environment's `tool_format` (unset or `auto`) follows `tokenizer`'s chat template
-    (grpo_jax.rollout.env.tool_calls)."""
+    (grpo_jax.env.tool_calls)."""
     kwargs = dict(kwargs or {})
     cls = BUILT_IN.get(name) or import_user_object(name, what="environment", member="class")
     if name in BUILT_IN and "tool_format" in inspect.signature(cls).parameters \

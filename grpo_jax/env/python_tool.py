@@ -1,5 +1,5 @@
 """The `python` environment: the model writes a program in a tool call, `<python>print(3 ** 20)
-</python>` (or the chat template's JSON format: grpo_jax.rollout.env.tool_calls), and the environment
+</python>` (or the chat template's JSON format: grpo_jax.env.tool_calls), and the environment
 runs it in the project's sandbox (grpo_jax.sandbox: its own user, mount and PID namespaces, time,
 memory, process and output limits) and answers (role "tool") with what it printed, its stderr's end and how it ended (an exception's traceback, a timeout, a limit),
 cut to `max_output_chars`. A model turn without a tool call is the final answer, which the run's
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from grpo_jax.rewards.code import check_isolation
-from grpo_jax.rollout.env.tool_calls import ToolEnvironment
+from grpo_jax.env.tool_calls import ToolEnvironment
 from grpo_jax.sandbox import run_sandboxed
 
 

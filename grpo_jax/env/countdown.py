@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from grpo_jax.rewards.countdown import countdown_reward, evaluate_expression, extract_expression
-from grpo_jax.rollout.env.protocol import EnvStep, opening_messages
+from grpo_jax.env.protocol import EnvStep, opening_messages
 
 
 class CountdownFeedback:

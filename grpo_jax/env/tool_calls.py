@@ -21,7 +21,7 @@ import dataclasses
 import json
 
 from grpo_jax.rewards.format import tag_blocks
-from grpo_jax.rollout.env.protocol import EnvStep, opening_messages
+from grpo_jax.env.protocol import EnvStep, opening_messages
 
 TOOL_FORMATS = ("auto", "tags", "json")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -1,5 +1,5 @@
 """What a sampler returns (`Rollout`) and how it draws a token (`sample_tokens`), shared by the
-static engine (grpo_jax.rollout.sampling) and the continuous one (grpo_jax.rollout.engine).
+static engine (grpo_jax.engine.sampling) and the continuous one (grpo_jax.engine.continuous).
 
 Shape letters: grpo_jax.shapes.
 """

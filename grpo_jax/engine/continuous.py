@@ -16,7 +16,7 @@ The drain: once every queue is empty and no shard has more than half its slots b
 moves the sequences in flight into half the slots and the loop goes on there (`drain_widths`: once,
 from 8 slots up), so the last long sequences do not carry the idle slots with them.
 With a slot for every sequence nothing can be refilled: the call runs the lock-step loop
-(grpo_jax.rollout.lockstep), which reads each prompt once per group, with the same draws.
+(grpo_jax.engine.lockstep), which reads each prompt once per group, with the same draws.
 
 Sequences: R = N x G, row r = i*G + j (sample j of prompt i), as the static engine's. They are
 admitted in row order; with a mesh the rows (prompts and slots) are split into Z = data x fsdp
@@ -47,9 +47,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.models.slots import SlotCache, slot_decode_step
-from grpo_jax.rollout.draw import Rollout, sample_tokens
-from grpo_jax.rollout.lockstep import constrain_rows, lockstep_decode
+from grpo_jax.engine.slots import SlotCache, slot_decode_step
+from grpo_jax.engine.draw import Rollout, sample_tokens
+from grpo_jax.engine.lockstep import constrain_rows, lockstep_decode
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated, rows_per_shard
 
 
@@ -232,7 +232,7 @@ def _rollout(st: dict, ids_NP, mask_NP):
 
 def _every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
     """Every sequence has a slot from the start (slots >= sequences on every shard): nothing can be
-    refilled, so the engine is the lock-step loop (grpo_jax.rollout.lockstep), which reads each
+    refilled, so the engine is the lock-step loop (grpo_jax.engine.lockstep), which reads each
     prompt once per group of G rows instead of once per slot, drawing with each sequence's own
     uniforms: the rollout the slot loop would draw."""
     R = ids_NP.shape[0] * config.group_size

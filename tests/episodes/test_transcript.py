@@ -1,4 +1,4 @@
-"""Environment messages become tokens that extend the trajectory (grpo_jax.rollout.env.transcript): the
+"""Environment messages become tokens that extend the trajectory (grpo_jax.episodes.transcript): the
 difference between renders with and without them, or, where a template breaks that (a thinking
 template that drops earlier <think> blocks, one that trims the model's text), the documented
 fallback that keeps the sampled tokens and renders only the new messages. SmolLM2's own template,
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_jax.data.tokenizer import char_tokenizer
-from grpo_jax.rollout.env.transcript import extension, render
+from grpo_jax.episodes.transcript import extension, render
 
 # Gemma 3's chat template (the instruction-tuned models'; the 270M GGUF we ship has none): roles
 # alternate user/model, the content is trimmed, a system message joins the first user turn.

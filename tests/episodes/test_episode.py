@@ -1,4 +1,4 @@
-"""One episode on the host (grpo_jax.rollout.env.episode) with scripted environments: the trajectory keeps
+"""One episode on the host (grpo_jax.episodes.episode) with scripted environments: the trajectory keeps
 the sampled tokens, `loss_mask` is 1 exactly on them, the limits end episodes as truncated, and an
 environment that raises, hangs or answers malformed ends only its own episode. Also the built-in
 calculator (its evaluator refuses what is not arithmetic) and environments by name."""
@@ -11,10 +11,10 @@ import pytest
 
 from grpo_jax import EnvStep, Environment
 from grpo_jax.data.tokenizer import char_tokenizer
-from grpo_jax.rollout.env.calculator import Calculator, CalculatorError, calculate
-from grpo_jax.rollout.env.episode import EnvCall, Episode, EpisodeLimits
-from grpo_jax.rollout.env.registry import environment_factory
-from grpo_jax.rollout.env.transcript import render
+from grpo_jax.env.calculator import Calculator, CalculatorError, calculate
+from grpo_jax.episodes.episode import EnvCall, Episode, EpisodeLimits
+from grpo_jax.env.registry import environment_factory
+from grpo_jax.episodes.transcript import render
 
 TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
