@@ -144,3 +144,65 @@ def test_the_measures_find_what_they_measure(tmp_path):
 def test_the_loop_file_reads_top_to_bottom_in_under_250_lines():
     loop = PACKAGE / "trainer" / "loop.py"
     assert len(loop.read_text().splitlines()) <= 250
+
+
+# Capability probes allowed in trainer/ and learner/, by the probed expression, with the reason.
+PROBE_ALLOWED = {"tokenizer": "a transformers tokenizer or the char tokenizer: third-party objects, not our protocols"}
+ACTOR_SIDE = ("grpo_jax.engine", "grpo_jax.episodes", "grpo_jax.env", "grpo_jax.rollout")
+
+
+def capability_probes(package: Path = PACKAGE, folders=("trainer", "learner")) -> list[str]:
+    """`hasattr(obj, ...)`, and `getattr(obj, "name", default)` (a probe with a fallback), in the
+    loop's and the learner's modules: a capability an object may or may not have is a declared
+    method (grpo_jax.rollout.source.RolloutSource), never a probe."""
+    found = []
+    for folder in folders:
+        for path in sorted((package / folder).rglob("*.py")):
+            text = path.read_text()
+            for node in ast.walk(ast.parse(text)):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+                    continue
+                probe = node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3
+                                                     and isinstance(node.args[1], ast.Constant))
+                target = ast.get_source_segment(text, node.args[0])
+                if probe and target not in PROBE_ALLOWED:
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno} {ast.get_source_segment(text, node)}")
+    return found
+
+
+def test_the_loop_and_the_learner_probe_no_object_for_a_capability():
+    assert capability_probes() == []
+
+
+def test_rewards_import_nothing_of_the_actor_side_and_nothing_imports_jax_internals():
+    graph = import_graph()
+    reward_modules = [m for m in graph if m == "grpo_jax.rewards" or m.startswith("grpo_jax.rewards.")]
+    assert len(reward_modules) > 5
+    upward = sorted(f"{m} -> {t}" for m in reward_modules for t in graph[m] if t.startswith(ACTOR_SIDE))
+    assert upward == []
+    assert internal_jax_imports() == []
+
+
+def internal_jax_imports(package: Path = PACKAGE) -> list[str]:
+    """Imports of `jax._src` (JAX's private modules, which change without notice) anywhere in the package."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(package.parent)}: {n}" for n in names if n.startswith("jax._src")]
+    return found
+
+
+def test_the_seam_measures_find_probes_and_internal_imports(tmp_path):
+    package = tmp_path / "grpo_jax"
+    (package / "trainer").mkdir(parents=True)
+    (package / "trainer" / "a.py").write_text(
+        "import jax._src.distributed\nfrom jax._src import config\n\n\ndef f(source, tokenizer, x):\n"
+        "    if hasattr(source, 'ahead'):\n        pass\n    g = getattr(source, 'checkpoint', None)\n"
+        "    t = getattr(tokenizer, 'chat_template', None)\n    return getattr(x, 'y')\n")
+    (package / "learner").mkdir()
+    assert capability_probes(package) == ["grpo_jax/trainer/a.py:6 hasattr(source, 'ahead')",
+                                          "grpo_jax/trainer/a.py:8 getattr(source, 'checkpoint', None)"]
+    assert internal_jax_imports(package) == ["grpo_jax/trainer/a.py: jax._src.distributed",
+                                             "grpo_jax/trainer/a.py: jax._src"]

@@ -61,7 +61,7 @@ class Learner:
         """The train step's batch from a source's `Trajectories`: advantages of the whole batch,
         (beta > 0) the reference's log-probs and (distillation) the teacher's -> (batch, seconds
         the reference and teacher passes took, `perf/ref_s`)."""
-        t = trajectories
+        t = trajectories.rows
         adv = self.parallel.advantages(t.rewards)
         batch = Batch(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
                       completion_mask=t.completion_mask, rewards=t.rewards, truncated=t.truncated,

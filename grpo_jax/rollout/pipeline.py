@@ -35,12 +35,12 @@ from flax import nnx
 
 from grpo_jax.models.lora import LoRAParam, has_adapters, merge_adapters, strip_adapters
 from grpo_jax.rewards import StatefulReward
-from grpo_jax.rollout.source import Trajectories
+from grpo_jax.rollout.source import InFlight, RolloutSource, Trajectories
 from grpo_jax.runtime.sharding import param_shardings
 from grpo_jax.runtime.transfer import copy_to
 
 
-class PipelinedSource:
+class PipelinedSource(RolloutSource):
     """`inner`: a SyncSampler whose model the sampler reads (on `sampler_mesh` when given, which
     `inner` samples on); `staleness`: k; `last_step`: the run's last step (no batch is sampled
     beyond it)."""
@@ -139,14 +139,14 @@ class PipelinedSource:
         the model; the arrays themselves never change)."""
         return jax.tree.map(lambda x: x, nnx.state(self._held(), self.trainable))
 
-    def checkpoint(self) -> tuple[dict, list, dict] | None:
-        """(metadata, the in-flight batches' parameters, the stream and reward states to rewind
-        to) for a checkpoint taken now, or None when nothing is in flight."""
+    def in_flight(self) -> InFlight | None:
+        """The batches sampled and not yet learned from, with their parameters and the stream and
+        reward states to rewind to, for a checkpoint taken now; None when nothing is in flight."""
         steps = sorted(self.queue)
         if not steps:
             return None
         meta = {"steps": steps, "made_with": [self.made_with[u] for u in steps]}
-        return meta, [self.params_of[u] for u in steps], self.rewind[steps[0]]
+        return InFlight(meta=meta, params=[self.params_of[u] for u in steps], rewind=self.rewind[steps[0]])
 
     def in_flight_like(self, count: int) -> list:
         """Shapes and shardings of `count` parameter copies as the sampler holds them (to restore)."""
@@ -156,7 +156,7 @@ class PipelinedSource:
         return [like] * count
 
     def restore(self, meta: dict, params: list) -> None:
-        """A checkpoint's batches in flight (`checkpoint`), sampled again at the first `next`."""
+        """A checkpoint's batches in flight (`in_flight`), sampled again at the first `next`."""
         self.restored = list(zip(meta["made_with"], params))
 
     def sync(self, params: nnx.State) -> None:

@@ -2,11 +2,12 @@
 finished groups (`Trajectories`) on demand, and takes the learner's new parameters after each
 update (`sync`).
 
-`RolloutSource` is the interface; `SyncSampler` is today's source: it samples this host's block of
-prompts with the learner's current parameters on the learner's own mesh, scores them on the host,
-runs dynamic sampling (`collect`), and puts the chosen groups on the mesh as global arrays with the
-rollout's metrics gathered over every host. A continuous-batching engine, multi-turn environments
-and rollouts on their own devices are other sources behind the same two methods.
+`RolloutSource` is the interface (every method the loop calls, declared); `SyncSampler` is the
+synchronous source: it samples this host's block of prompts with the learner's current parameters
+on the learner's own mesh, scores them on the host, runs dynamic sampling (`collect`), and puts
+the chosen groups on the mesh as global arrays with the rollout's metrics gathered over every
+host. Multi-turn episodes (rollout.episode_source) and rollouts ahead of the learner on their own
+devices (rollout.pipeline) are other sources behind the same interface.
 
 Shapes (the glossary: grpo_jax.shapes): R rows = N prompts x G samples, P prompt bucket, M
 completion tokens. Row i*G + j is sample j of prompt i.
@@ -14,11 +15,12 @@ completion tokens. Row i*G + j is sample j of prompt i.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import time
-from typing import Protocol, runtime_checkable
 
+import flax.struct
 import jax
 import numpy as np
 from flax import nnx
@@ -35,10 +37,10 @@ from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_
 ROLLOUT_FIELDS = ("tokens", "logprobs", "mask", "truncated", "lengths")
 
 
-@dataclasses.dataclass
-class Trajectories:
-    """One step's finished groups: global arrays on the mesh (rows split over data x fsdp) and
-    what the actor side measured of them, the same on every host."""
+@flax.struct.dataclass
+class TrainRows:
+    """What the loss reads of a step's finished groups: global arrays on the mesh, rows split over
+    data x fsdp (grpo_jax.learner.learner completes them into the train step's Batch)."""
 
     prompt_ids: jax.Array  # int32 [R, P], left-padded
     prompt_mask: jax.Array  # int32 [R, P]
@@ -47,29 +49,79 @@ class Trajectories:
     rewards: jax.Array  # float32 [R]; NaN = dropped (a failed reward, a filler group)
     truncated: jax.Array  # bool [R]
     old_logprobs: jax.Array  # float32 [R, M]: the behaviour policy's (the sampler's)
+
+
+@dataclasses.dataclass
+class SampleLog:
+    """What the logs read of a step: this host's first sampling round (samples.jsonl, reward
+    failure messages) and the per-group pass rates (a histogram)."""
+
+    first: Round
+    pass_rates: np.ndarray  # float [N]
+
+    def samples(self, count: int, group_size: int) -> list[dict]:
+        """The first sample of each of this host's first `count` prompts, with its rewards."""
+        return sample_records(self.first, group_size, count)
+
+
+@dataclasses.dataclass
+class Trajectories:
+    """One step's finished groups, grouped by who reads them: `rows` the loss (global arrays on
+    the mesh), `tokens` and `metrics` the step's metrics (the same on every host), `log` the logs."""
+
+    rows: TrainRows
     group_size: int  # G
     tokens: int  # tokens an update reads (each prompt once per group when its pass is shared), all hosts
     metrics: dict[str, float]  # reward/*, groups/*, health/*, dynamic/*, data/*, perf/sample_*, perf/reward_s
-    first: Round  # this host's first sampling round: logged samples and reward failure messages
-    pass_rates: np.ndarray  # float [N]: the first round's per-group pass rates (a histogram)
-
-    def samples(self, count: int) -> list[dict]:
-        """The first sample of each of this host's first `count` prompts, with its rewards."""
-        return sample_records(self.first, self.group_size, count)
+    log: SampleLog
 
 
-@runtime_checkable
-class RolloutSource(Protocol):
-    """Where the loop's trajectories come from."""
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A pipelined source's batches in flight when a checkpoint is taken: `meta` (JSON: their steps
+    and the steps whose parameters sampled them), `params` (those parameters, one copy per batch)
+    and `rewind` (the prompt stream's and stateful rewards' states before the first of them: a
+    resumed run samples them again)."""
 
+    meta: dict
+    params: list
+    rewind: dict
+
+
+class RolloutSource(abc.ABC):
+    """Where the loop's trajectories come from: every method the loop, the checkpoints and
+    evaluation call on a source. `next` and `sync` are each source's own; the rest default to a
+    source that samples only when asked (nothing ahead of the learner, nothing in flight).
+    `model`: the policy the sampler reads, which evaluation reads too."""
+
+    model: nnx.Module
+
+    @abc.abstractmethod
     def next(self, step: int) -> Trajectories:
         """The finished groups the update of `step` learns from."""
 
+    @abc.abstractmethod
     def sync(self, params: nnx.State) -> None:
         """The learner's parameters after an update: what the next rollouts sample with."""
 
+    def ahead(self) -> None:
+        """Called while the learner's update runs: a pipelined source samples a later batch here."""
 
-class SyncSampler:
+    def in_flight(self) -> InFlight | None:
+        """The batches sampled ahead and not yet learned from, for a checkpoint taken now."""
+        return None
+
+    def in_flight_like(self, count: int) -> list:
+        """Shapes and shardings of `count` parameter copies as the sampler holds them (restore targets)."""
+        raise ValueError(f"{type(self).__name__} keeps no batches in flight: a checkpoint that has them was "
+                         "written by a pipelined run (rollout.staleness > 0)")
+
+    def restore(self, meta: dict, params: list) -> None:
+        """A checkpoint's batches in flight (`in_flight().meta`, their parameters), sampled again first."""
+        raise ValueError(f"{type(self).__name__} keeps no batches in flight to restore")
+
+
+class SyncSampler(RolloutSource):
     """Samples with the learner's current parameters on the learner's mesh (a synchronous run).
 
     `prepared` is the run's grpo_jax.trainer.prepare.Prepared (stream, rewards, tokenizer,
@@ -111,15 +163,15 @@ class SyncSampler:
         """The collected groups on the mesh with their prompts (ids and mask [N, P], one row per
         group), the token count an update reads, and the metrics (with `extra`)."""
         G = self.sampling.group_size
-        rows = dict(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
-                    completion_ids=c.rows["tokens"], completion_mask=c.rows["mask"], rewards=c.rewards,
-                    truncated=c.rows["truncated"], old_logprobs=c.rows["logprobs"])
+        rows = TrainRows(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
+                         completion_ids=c.rows["tokens"], completion_mask=c.rows["mask"], rewards=c.rewards,
+                         truncated=c.rows["truncated"], old_logprobs=c.rows["logprobs"])
         prompt_tokens = prompt_mask.sum() * (1 if self.shared_prompt else G)
-        tokens = sum_over_shares({"t": prompt_tokens + rows["completion_mask"].sum()}, self.share)["t"]
+        tokens = sum_over_shares({"t": prompt_tokens + rows.completion_mask.sum()}, self.share)["t"]
         metrics, pass_rates = self._metrics(c)
         metrics.update(extra or {})
-        return Trajectories(**to_global(rows, self.mesh, self.rows), group_size=G, tokens=int(tokens),
-                            metrics=metrics, first=c.first, pass_rates=pass_rates)
+        return Trajectories(rows=to_global(rows, self.mesh, self.rows), group_size=G, tokens=int(tokens),
+                            metrics=metrics, log=SampleLog(first=c.first, pass_rates=pass_rates))
 
     def _round(self, step: int, round_index: int) -> Round:
         """One sampling round of this host's block of prompts: sampled on the mesh, scored here."""

@@ -40,18 +40,23 @@ from grpo_jax.trainer import lora_base
 from grpo_jax.models import Transformer, from_pretrained, load_config, load_tokenizer
 from grpo_jax.models.lora import LoRAParam, add_adapters
 from grpo_jax.rewards import StatefulReward
+from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.learner.train_step import TrainState
 
 T = TypeVar("T")
+
+# The items of a saved step (orbax's composite items), named here once for every save and restore.
+PARAMS, TRAIN_STATE, META, REFERENCE, IN_FLIGHT = "params", "train_state", "meta", "reference", "in_flight"
 
 
 def _abstract(tree):
     """Restore targets. Arrays without a sharding go to this process's first device: orbax would
     otherwise reuse the saved shardings, whose devices (another host count or mesh) may not exist here."""
     local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or local),
-                        tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=(x.sharding if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None) or local),
+        tree)
 
 
 class Checkpointer:
@@ -70,33 +75,33 @@ class Checkpointer:
         measures KL against the same policy; `in_flight`: a pipelined run's parameter copies that
         sampled its batches in flight (grpo_jax.rollout.pipeline)."""
         rest = dataclasses.replace(state, params=None)
-        items = dict(params=ocp.args.StandardSave(state.params), train_state=ocp.args.StandardSave(rest),
-                     meta=ocp.args.JsonSave(meta))
+        items = {PARAMS: ocp.args.StandardSave(state.params), TRAIN_STATE: ocp.args.StandardSave(rest),
+                 META: ocp.args.JsonSave(meta)}
         if reference is not None:
-            items["reference"] = ocp.args.StandardSave(reference)
+            items[REFERENCE] = ocp.args.StandardSave(reference)
         if in_flight:
-            items["in_flight"] = ocp.args.StandardSave(list(in_flight))
+            items[IN_FLIGHT] = ocp.args.StandardSave(list(in_flight))
         self._manager.save(step, args=ocp.args.Composite(**items))
 
     def restore(self, step: int, state: TrainState, reference=None, in_flight=None):
         """(state, reference params or None, meta, in-flight parameters or None) of a saved step,
         placed like `state`, `reference` and `in_flight` (arrays, or shape structs with shardings)."""
         rest = dataclasses.replace(state, params=None)
-        items = dict(params=ocp.args.StandardRestore(_abstract(state.params)),
-                     train_state=ocp.args.StandardRestore(_abstract(rest)), meta=ocp.args.JsonRestore())
+        items = {PARAMS: ocp.args.StandardRestore(_abstract(state.params)),
+                 TRAIN_STATE: ocp.args.StandardRestore(_abstract(rest)), META: ocp.args.JsonRestore()}
         if reference is not None:
-            items["reference"] = ocp.args.StandardRestore(_abstract(reference))
+            items[REFERENCE] = ocp.args.StandardRestore(_abstract(reference))
         if in_flight:
-            items["in_flight"] = ocp.args.StandardRestore(list(in_flight))
+            items[IN_FLIGHT] = ocp.args.StandardRestore(list(in_flight))
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
-        restored = dataclasses.replace(out.train_state, params=out.params)
-        return (restored, (out.reference if reference is not None else None), dict(out.meta),
-                (list(out.in_flight) if in_flight else None))
+        restored = dataclasses.replace(out[TRAIN_STATE], params=out[PARAMS])
+        return (restored, (out[REFERENCE] if reference is not None else None), dict(out[META]),
+                (list(out[IN_FLIGHT]) if in_flight else None))
 
     def restore_meta(self, step: int) -> dict:
         """The `meta` item of a saved step alone (no arrays read)."""
-        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(out.meta)
+        out = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
+        return dict(out[META])
 
     def all_steps(self) -> list[int]:
         """Saved steps orbax lists as finalized, newest first (one may still be damaged)."""
@@ -170,14 +175,14 @@ def restore_params(files: RunFiles, abstract_params):
     """The `params` item of one saved step, shaped like `abstract_params` (arrays or shape structs)."""
     with ocp.CheckpointManager(files.checkpoints) as manager:
         restored = manager.restore(files.step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(abstract_params))))
-    return restored.params
+            **{PARAMS: ocp.args.StandardRestore(_abstract(abstract_params))}))
+    return restored[PARAMS]
 
 
 def read_meta(files: RunFiles) -> dict:
     """The `meta` item of the step `files` names (no arrays read)."""
     with ocp.CheckpointManager(files.checkpoints) as manager:
-        return dict(manager.restore(files.step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+        return dict(manager.restore(files.step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])
 
 
 def local_base(files: RunFiles) -> str | None:
@@ -273,39 +278,42 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
 
 
 def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
-              reference=None, base: dict | None = None, rewards: Sequence = (), source=None) -> None:
+              reference=None, base: dict | None = None, rewards: Sequence = (),
+              source: RolloutSource | None = None) -> None:
     """Checkpoint `step` (collective: every process saves its shards): the state, the KL reference
     and every host's prompt-stream position (`stream.state_dict()`, gathered); a LoRA run's `base`
     record (`grpo_jax.trainer.lora_base.record`) goes into the metadata, and so does the state of every
     reward that keeps one (`fn.state()`: a reward model's running normalisation), per host. A
     pipelined `source` with batches in flight adds their parameters, and the stream and rewards are
     saved as they were before the first of them (a resumed run samples them again)."""
-    flight = source.checkpoint() if hasattr(source, "checkpoint") else None
-    position = stream.state_dict() if flight is None else flight[2]["stream"]
+    flight = source.in_flight() if source is not None else None
+    position = stream.state_dict() if flight is None else flight.rewind["stream"]
     streams = gather_json(position)  # each host's position in its share
     meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {}),
-            **({"base": base} if base is not None else {}), **({"pipeline": flight[0]} if flight else {})}
+            **({"base": base} if base is not None else {}), **({"pipeline": flight.meta} if flight else {})}
     held = {spec.name: spec.fn.state() for spec in rewards if isinstance(spec.fn, StatefulReward)}
     if flight is not None:
-        held = flight[2]["rewards"]
+        held = flight.rewind["rewards"]
     if held:
         meta["rewards_by_process"] = gather_json(held)
-    checkpointer.save(step, state, meta, reference=reference, in_flight=flight[1] if flight else None)
+    checkpointer.save(step, state, meta, reference=reference, in_flight=flight.params if flight else None)
 
 
 def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, base: dict | None,
-                    synced: Callable[[], None], source=None) -> Callable[..., bool]:
-    """The loop's checkpoint hook (a `loop.StepHook`): saves the step (`save_step`, then `synced()`)
+                    synced: Callable[[], None], source: RolloutSource | None = None) -> Callable[..., bool]:
+    """The loop's checkpoint hook (the function of a `loop.Hook` run every step: a signal is looked
+    for at every step, on every host): saves the step (`save_step`, then `synced()`)
     every `checkpoint.every` steps, at the last step, and when `signals.check(step)` (a
     `preemption.StopSignals`, the same on every host) says a stop signal arrived or the clock made a
     checkpoint due. Returns True (stop the run after this step) after a signal."""
     cfg = prepared.config
 
-    def hook(step: int, state, trajectories, metrics: dict) -> bool:
+    def hook(info) -> bool:
+        step = info.step
         stop, due = signals.check(step)
         every = cfg.checkpoint.every
         if stop or due or every and step % every == 0 or step == cfg.train.steps:
-            save_step(checkpointer, step, learner.unplace(state), stream=prepared.train_stream, seed=cfg.train.seed,
+            save_step(checkpointer, step, learner.unplace(info.state), stream=prepared.train_stream, seed=cfg.train.seed,
                       reference=learner.reference, base=base, rewards=prepared.rewards, source=source)
             synced()
             signals.saved()
@@ -345,13 +353,13 @@ def _load_stream(meta: dict, step: int, stream) -> None:
 
 
 def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None,
-           rewards: Sequence = (), source=None):
+           rewards: Sequence = (), source: RolloutSource | None = None):
     """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
     host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
     a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
     stream with other settings, is a ConfigError."""
     # A pipelined run's batches in flight (a synchronous run never gets here with them: resumable_steps).
-    flight = checkpointer.restore_meta(step).get("pipeline") if hasattr(source, "restore") else None
+    flight = checkpointer.restore_meta(step).get("pipeline") if source is not None else None
     like = source.in_flight_like(len(flight["steps"])) if flight else None
     restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
     if flight:

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import yaml
@@ -33,37 +33,33 @@ from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.rewards.watch import RewardWatch
 from grpo_jax.rollout.evaluation import evaluate
-from grpo_jax.rollout.source import RolloutSource, Trajectories
+from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.hosts import any_host, is_primary
 from grpo_jax.runtime.storage import RunDirectory
 from grpo_jax.trainer.checkpoint import Checkpointer, checkpoint_hook
+from grpo_jax.trainer.hooks import Hook, MetricHook, StepInfo
 from grpo_jax.trainer.preemption import StoppedBeforeStart, StopSignals, stop_report
 from grpo_jax.trainer.prepare import Prepared, model_json, prepare, write_model_files
 from grpo_jax.trainer.resume import restore_state, resumable_steps
 from grpo_jax.trainer.setup import Built, build
 
-MetricHook = Callable[[int, dict], None]
-
-
-class StepHook(Protocol):
-    def __call__(self, step: int, state: Any, trajectories: Trajectories, metrics: dict) -> bool | None:
-        """After the update of `step`; may add to `metrics`. True: stop the run after this step."""
-
-
-def run_steps(source: RolloutSource, learner, state, steps: range, hooks: Sequence[StepHook]):
+def run_steps(source: RolloutSource, learner, state, steps: range, hooks: Sequence[Hook]):
     """The loop -> (state, the step it stopped after when a hook asked to stop early, else None).
-    `learner`: anything with `update(state, trajectories, while_waiting) -> (state, metrics)` and
-    `params(state)`; it calls `while_waiting()` (a pipelined source's `ahead`) once its update is dispatched."""
+    `learner`: a grpo_jax.learner.Learner or anything with its `update(state, trajectories,
+    while_waiting) -> (state, metrics)` and `params(state)`; it calls `while_waiting()` (the
+    source's `ahead`) once its update is dispatched. The hooks run in order, each when due."""
     for step in steps:
         t0 = time.perf_counter()
         trajectories = source.next(step)
-        state, metrics = learner.update(state, trajectories, while_waiting=getattr(source, "ahead", None))
+        state, metrics = learner.update(state, trajectories, while_waiting=source.ahead)
         source.sync(learner.params(state))
         metrics = {**metrics, **trajectories.metrics, "perf/step_s": time.perf_counter() - t0}
+        info = StepInfo(step=step, state=state, trajectories=trajectories, metrics=metrics, last=step == steps[-1])
         stop = False
         for hook in hooks:
-            stop = bool(hook(step, state, trajectories, metrics)) or stop
-        if stop and step != steps[-1]:
+            if hook.due(info):
+                stop = bool(hook.fn(info)) or stop
+        if stop and not info.last:
             return state, step
     return state, None
 
@@ -168,9 +164,12 @@ class Trainer:
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
 
-        hooks = [lambda step, _, t, m: watch.check(step, m, t.first.rewards.messages), self._evaluate_hook,
-                 self._publish, checkpoint_hook(checkpointer, signals, learner=b.learner, prepared=self.prepared,
-                                                base=b.base, synced=self.sync, source=b.source)]
+        hooks = [Hook(lambda i: watch.check(i.step, i.metrics, i.trajectories.log.first.rewards.messages)),
+                 Hook(self._evaluate_hook, every=cfg.eval.every, at_last=True),
+                 Hook(self._write_metrics), Hook(self._write_samples, every=cfg.train.samples_every),
+                 Hook(self._tell),
+                 Hook(checkpoint_hook(checkpointer, signals, learner=b.learner, prepared=self.prepared, base=b.base,
+                                      synced=self.sync, source=b.source))]
         try:
             state, stopped_at = run_steps(b.source, b.learner, state, range(first, cfg.train.steps + 1), hooks)
             signals.stage = "finish"
@@ -189,24 +188,27 @@ class Trainer:
         return {**self._summary(), "learner_bytes": b.learner.footprint(state)}
 
     # --- hooks ------------------------------------------------------------------------------------
-    def _evaluate_hook(self, step: int, state, trajectories: Trajectories, metrics: dict) -> None:
-        every = self.config.eval.every
-        if every and step % every == 0 or step == self.config.train.steps:
-            self.evals.append((step, self._evaluate(step)))
-            metrics.update(self.evals[-1][1])
+    def _evaluate_hook(self, info: StepInfo) -> None:
+        self.evals.append((info.step, self._evaluate(info.step)))
+        info.metrics.update(self.evals[-1][1])
 
-    def _publish(self, step: int, state, trajectories: Trajectories, metrics: dict) -> None:
-        self.rewards.append(metrics["reward/mean"])
+    def _write_metrics(self, info: StepInfo) -> None:
+        self.rewards.append(info.metrics["reward/mean"])
         if self.writer is not None:
-            self.writer.write(step, metrics)
-            self.writer.write_histogram(step, "health/pass_rate", trajectories.pass_rates,
-                                        bins=trajectories.group_size + 1, value_range=(0.0, 1.0))
-            t = self.config.train
-            if t.samples_every and step % t.samples_every == 0:  # process 0's rows: the batch's first
-                self.writer.write_samples(step, trajectories.samples(t.samples_count))
+            self.writer.write(info.step, info.metrics)
+            self.writer.write_histogram(info.step, "health/pass_rate", info.trajectories.log.pass_rates,
+                                        bins=info.trajectories.group_size + 1, value_range=(0.0, 1.0))
+
+    def _write_samples(self, info: StepInfo) -> None:
+        if self.writer is not None:  # process 0's rows: the batch's first
+            t = info.trajectories
+            self.writer.write_samples(info.step, t.log.samples(self.config.train.samples_count, t.group_size))
+
+    def _tell(self, info: StepInfo) -> None:
+        """The caller's metric hooks (`train(hooks=...)`) and the progress bar."""
         for hook in self.hooks:
-            hook(step, metrics)
-        self.bar.update(step, metrics)
+            hook(info.step, info.metrics)
+        self.bar.update(info.step, info.metrics)
 
     # --- around the loop --------------------------------------------------------------------------
     def _evaluate(self, step: int) -> dict:

@@ -41,12 +41,13 @@ class StoppedBeforeStart(Exception):
 
 
 def _jax_preemption_service() -> bool:
-    """True when jax.distributed runs its preemption service (it then handles SIGTERM itself)."""
-    try:
-        from jax._src import distributed
-    except ImportError:  # pragma: no cover - a JAX without the module: no service to defer to
-        return False
-    return distributed.global_state.preemption_sync_manager is not None
+    """True when jax.distributed runs its preemption service (it then handles SIGTERM itself).
+    JAX has no public query for the service itself; `jax.distributed.initialize` starts it exactly
+    when `jax_enable_preemption_service` is set (the default), a public config flag, so this reads
+    the flag (the caller asks only in a multi-process run, i.e. after initialize)."""
+    import jax
+
+    return bool(jax.config.jax_enable_preemption_service)
 
 
 # The StopSignals whose handlers are installed: handlers are process-wide, and so is this (read by

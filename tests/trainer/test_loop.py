@@ -28,10 +28,14 @@ def test_mean_reward_rises(run):
     _, out = run
     rows = [r for r in read_metrics(out) if "reward/mean" in r]
     assert [r["step"] for r in rows] == list(range(1, 41))
-    first = np.mean([r["reward/mean"] for r in rows[:10]])
-    last = np.mean([r["reward/mean"] for r in rows[-10:]])
-    # Measured with this seed: 0.23 -> 0.40.
-    assert last > first + 0.08, (first, last)
+    early, late = [r["reward/mean"] for r in rows[:10]], [r["reward/mean"] for r in rows[-10:]]
+    first, last = np.mean(early), np.mean(late)
+    # A bound from the run's own noise, not a margin fitted on one CPU (float sums differ between
+    # machines: this seed measured 0.23 -> 0.40 on one and 0.283 -> 0.347 on another): the rise must
+    # exceed three standard errors of the difference of the two windows' means, each window's from
+    # the spread of its 10 steps' mean rewards (256 samples a step).
+    se = np.sqrt(np.var(early, ddof=1) / len(early) + np.var(late, ddof=1) / len(late))
+    assert last - first > 3 * se, (first, last, se)
 
 
 def test_run_directory_has_metrics_samples_tensorboard_plot_and_checkpoints(run):
