@@ -5,6 +5,11 @@ with repeats so every chunk has the same shape and the sampler compiles once). A
 when the reward function gives it more than 0.5; a sample it cannot judge (None) is left out of
 the accuracy and counted. pass@k is the share of prompts with at least one correct sample among
 their k (the unbiased estimator with n = k).
+
+`evaluate_run` is a run's evaluation as its config's `eval` section says (num_prompts, k,
+temperature, reward, verifier, verifier_kwargs): the trainer and `grpo-jax eval` both call it. It
+samples on a mesh, as everything does: one device is a (1, 1, 1) mesh
+(grpo_jax.runtime.sharding.make_mesh).
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share, whole
+from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share
 from grpo_jax.rewards import RewardSpec, StatefulReward, combine_rewards
 from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import batch_sharding, round_to_row_shards
@@ -35,17 +41,35 @@ def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
     return {k: [ex.fields.get(k) for ex in examples for _ in range(group_size)] for k in keys}
 
 
-def prompts_per_call(num_prompts: int, mesh=None, chunk: int = 64) -> int:
+def prompts_per_call(num_prompts: int, mesh: Mesh, chunk: int = 64) -> int:
     """The prompts of one `generate` call of `evaluate` over `num_prompts`: at most `chunk`, rounded
     up to split evenly over data x fsdp (the last chunk is padded with repeats)."""
     return round_to_row_shards(min(chunk, num_prompts), mesh)
 
 
+def evaluation_mesh(prepared) -> Mesh:
+    """Where a run samples, and so evaluates: rollout.sampler_devices' own mesh, else the run's."""
+    return prepared.sampler_mesh or prepared.mesh
+
+
+def evaluate_run(model, prepared, *, teacher=None) -> dict[str, float]:
+    """`evaluate` of `model` (placed on `evaluation_mesh(prepared)`) as a run's config says: the
+    held-out prompts (eval.num_prompts), eval.k samples each at eval.temperature, judged by
+    eval.reward and eval.verifier (with eval.verifier_kwargs), the run's episodes with an
+    environment; the rng from train.seed, so every evaluation of the same parameters samples the
+    same completions. `prepared`: the run's grpo_jax.trainer.prepare.Prepared; `teacher`: as in
+    `evaluate` (distillation's scorer)."""
+    return evaluate(model, prepared.eval_examples, reward=prepared.eval_reward, verifier=prepared.eval_verifier,
+                    sampling=prepared.eval_sampling, tokenizer=prepared.tokenizer, mesh=evaluation_mesh(prepared),
+                    episodes=prepared.episodes, rng=jax.random.key(prepared.config.train.seed + 1), teacher=teacher)
+
+
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
-             rng: jax.Array, chunk: int = 64, mesh=None, verifier: RewardSpec | None = None,
+             rng: jax.Array, mesh: Mesh, chunk: int = 64, verifier: RewardSpec | None = None,
              episodes=None, teacher=None) -> dict[str, float]:
     """`eval/accuracy` (the share of samples `reward` scores above 0.5), `eval/pass@k` (with k =
-    sampling.group_size), `eval/reward_mean` (its mean score) and bookkeeping over `examples`.
+    sampling.group_size), `eval/reward_mean` (its mean score) and bookkeeping over `examples`,
+    sampled on `mesh` (one device: a (1, 1, 1) mesh), where `model` is placed.
 
     verifier: a second judge of the same samples: `eval/verifier_accuracy`, and
     `health/verifier_disagreement`, the share of the samples both judged on which one says correct
@@ -64,7 +88,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     chunk = prompts_per_call(len(examples), mesh, chunk)
     # Every host has every prompt; each scores only the rows its devices hold, and the scores are
     # put together on every host.
-    share = row_share(mesh, chunk).scaled(k) if mesh is not None else whole(chunk * k)
+    share = row_share(mesh, chunk).scaled(k)
     scored = []  # [prompts, k, judges] per chunk; NaN = not judged
     kl = np.zeros(2)  # (sum over held-out tokens of log pi_student - log pi_teacher, tokens)
     for start in range(0, len(examples), chunk):
@@ -143,4 +167,4 @@ def _sample(model, part, sampling: SamplingConfig, rng, mesh, share, tokenizer, 
 def _repeat_rows(k: int, mesh):
     """Each prompt's row for each of its k samples, jitted once per (k, mesh), the rows split over
     the mesh as the samples are."""
-    return jax.jit(lambda x: jnp.repeat(x, k, axis=0), out_shardings=None if mesh is None else batch_sharding(mesh, 2))
+    return jax.jit(lambda x: jnp.repeat(x, k, axis=0), out_shardings=batch_sharding(mesh, 2))

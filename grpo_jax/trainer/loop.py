@@ -32,7 +32,7 @@ import yaml
 from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.rewards.watch import RewardWatch
-from grpo_jax.rollout.evaluation import evaluate
+from grpo_jax.rollout.evaluation import evaluate_run
 from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.hosts import any_host, is_primary
 from grpo_jax.runtime.storage import RunDirectory
@@ -212,10 +212,7 @@ class Trainer:
 
     # --- around the loop --------------------------------------------------------------------------
     def _evaluate(self, step: int) -> dict:
-        p = self.prepared
-        ev = evaluate(self.built.source.model, p.eval_examples, reward=p.eval_reward, verifier=p.eval_verifier,
-                      sampling=p.eval_sampling, tokenizer=p.tokenizer, mesh=p.sampler_mesh or p.mesh,
-                      episodes=p.episodes, rng=jax.random.key(self.config.train.seed + 1), teacher=self.built.teacher)
+        ev = evaluate_run(self.built.source.model, self.prepared, teacher=self.built.teacher)  # as `grpo-jax eval`
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
                  f"{ev['eval/pass@k']:.3f}")
         return ev

@@ -125,7 +125,7 @@ def test_a_signal_before_the_first_step_saves_nothing_and_one_after_the_last_let
     assert _complete_checkpoints(out) == [] and not (out / "metrics.jsonl").exists()
 
     # The same command starts afresh; a signal in its final evaluation (the second): the run finishes.
-    summary, err = _signalled_train(monkeypatch, capsys, args, (loop, "evaluate"), call=2)
+    summary, err = _signalled_train(monkeypatch, capsys, args, (loop, "evaluate_run"), call=2)
     assert "received SIGTERM: finishing this step, then saving a checkpoint" in err
     assert "eval_accuracy_end" in summary and (out / "metrics.png").exists()
     assert _complete_checkpoints(out) == [1]
