@@ -5,6 +5,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 import grpo_jax
 
 
@@ -83,3 +85,59 @@ def test_smoke_is_a_function_the_cli_calls(tmp_path):
 
     with pytest.raises(ValueError, match=f"at least {MIN_NEW_TOKENS}"):
         smoke(output=tmp_path / "m", new_tokens=1)
+
+
+
+# `grpo-jax eval` of a run of one step, whose config has an eval.verifier that disagrees with its
+# reward (math_accuracy): every sample is right by it.
+ALWAYS = "def always(prompts, completions, *, value=1.0, **fields):\n    return [value] * len(completions)\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from grpo_jax import cli
+    from runs import CONFIG, write_config
+
+    tmp = tmp_path_factory.mktemp("eval")
+    (tmp / "always.py").write_text(ALWAYS)
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp / "tfds"), "prompts_per_step": 4},
+              "sampling": {**CONFIG["sampling"], "group_size": 2}, "sft": {"steps": 0},
+              "train": {**CONFIG["train"], "steps": 1, "samples_every": 0}, "checkpoint": {"every": 1},
+              "eval": {"every": 0, "num_prompts": 4, "k": 2, "verifier": f"{tmp / 'always.py'}:always",
+                       "verifier_kwargs": {"value": 1.0}}}
+    out = tmp / "run"
+    assert cli.main(["train", "--config", write_config(tmp, config), "--output", str(out)]) == 0
+    return out
+
+
+def _eval(capsys, *argv) -> dict:
+    from grpo_jax import cli
+
+    capsys.readouterr()
+    assert cli.main(["eval", *argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_reports_the_verifiers_accuracy_as_the_trainer_does(tiny_run, capsys):
+    from grpo_jax.observe.writers import read_metrics
+
+    result = _eval(capsys, str(tiny_run))
+    final = [r for r in read_metrics(tiny_run) if "eval/accuracy" in r][-1]
+    assert result["step"] == 1 == final["step"]
+    for key in ("eval/accuracy", "eval/pass@k", "eval/verifier_accuracy", "health/verifier_disagreement"):
+        assert result[key] == pytest.approx(final[key], nan_ok=True), key
+    assert result["eval/verifier_accuracy"] == 1.0 and result["eval/accuracy"] < 1.0
+    assert result["health/verifier_disagreement"] == pytest.approx(1.0 - result["eval/accuracy"])
+    # eval.verifier_kwargs too: the same samples, every one wrong by the verifier.
+    zero = _eval(capsys, str(tiny_run), "--set", "eval.verifier_kwargs={value: 0.0}")
+    assert zero["eval/verifier_accuracy"] == 0.0 and zero["eval/accuracy"] == result["eval/accuracy"]
+
+
+def test_eval_of_a_run_dir_reads_its_own_config(tiny_run, capsys):
+    from grpo_jax import cli
+
+    own = _eval(capsys, str(tiny_run))
+    named = _eval(capsys, "--config", str(tiny_run / "config.yaml"), "--checkpoint", str(tiny_run))
+    assert own["config"] == str(tiny_run / "config.yaml")
+    assert json.dumps(named) == json.dumps(own)  # the same numbers, to the last digit
+    assert cli.main(["eval"]) == 2 and "name the run once" in capsys.readouterr().err

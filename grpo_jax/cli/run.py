@@ -1,0 +1,122 @@
+"""The commands that run a config: `train`, `train-rm`, `check` and `eval` (a run's checkpoint
+scored on the held-out split by the trainer's own evaluation, grpo_jax.rollout.evaluation.evaluate_run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grpo_jax.cli.common import UsageError
+from grpo_jax.config import load_config
+
+
+def _train(args: argparse.Namespace) -> int:
+    from grpo_jax.runtime.devices import initialize_distributed
+    from grpo_jax.trainer.loop import train
+
+    config = load_config(args.config, args.set or ())
+    initialize_distributed(config)
+    out = args.output if args.output and "://" in args.output else Path(args.output or Path("runs") / Path(args.config).stem)
+    summary = train(config, out)
+    if "stopped" in summary:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+        print(json.dumps(summary))
+        return 0
+    start, end = summary["eval_start"], summary["eval_end"]
+    print(json.dumps({"run_dir": summary["run_dir"], "metrics": f"{summary['run_dir']}/metrics.jsonl", "plot": summary["plot"],
+                      "eval_accuracy_start": start["eval/accuracy"], "eval_accuracy_end": end["eval/accuracy"],
+                      "eval_pass@k_start": start["eval/pass@k"], "eval_pass@k_end": end["eval/pass@k"]}))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from grpo_jax.tools.check import check
+
+    check(args.config, args.set or (), for_command=args.for_command)
+    return 0
+
+
+def _train_rm(args: argparse.Namespace) -> int:
+    from grpo_jax.config import load_rm_config
+    from grpo_jax.tools.reward_training import train_reward_model
+
+    config = load_rm_config(args.config, args.set or ())
+    out = Path(args.output or Path("runs") / Path(args.config).stem)
+    last = train_reward_model(config, out)
+    print(json.dumps({"output": str(out), "metrics": str(out / "metrics.jsonl"), "model": str(out / "hf"),
+                      "rm/pair_accuracy": last["rm/pair_accuracy"]}))
+    return 0
+
+
+def _eval_target(args: argparse.Namespace) -> tuple[str, Path]:
+    """(the checkpoint to score: RUN_DIR or --checkpoint, the config: --config or the run's own)."""
+    from grpo_jax.trainer.checkpoint import find_run
+
+    if (args.run_dir is None) == (args.checkpoint is None):
+        raise UsageError("name the run once: RUN_DIR (or --checkpoint RUN_DIR), a run directory or its "
+                         "checkpoints/<step>")
+    checkpoint = args.run_dir or args.checkpoint
+    return checkpoint, Path(args.config) if args.config else find_run(checkpoint).run_dir / "config.yaml"
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from grpo_jax.models import JNP_DTYPES
+    from grpo_jax.rollout.evaluation import evaluate_run, evaluation_mesh
+    from grpo_jax.runtime.sharding import place_model
+    from grpo_jax.trainer.checkpoint import load_policy
+    from grpo_jax.trainer.prepare import prepare
+
+    checkpoint, config_path = _eval_target(args)
+    config = load_config(config_path, args.set or ())
+    prepared = prepare(config)  # data and reward checks before the checkpoint is read
+    for note in prepared.notes:
+        print(note, file=sys.stderr)
+    if config.algorithm == "distill":
+        print("eval: eval/distill_reverse_kl is the trainer's (it holds the teacher); this evaluation loads "
+              "no teacher", file=sys.stderr)
+    model, _, files = load_policy(checkpoint, dtype=JNP_DTYPES[config.model.dtype],
+                                  param_dtype=JNP_DTYPES[config.model.param_dtype])
+    place_model(model, evaluation_mesh(prepared))  # where the trainer evaluates
+    result = {"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, "config": str(config_path),
+              **evaluate_run(model, prepared)}
+    print(json.dumps(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """The parsers of `train`, `train-rm`, `check` and `eval`."""
+    from grpo_jax.tools import check as check_tool
+
+    train = sub.add_parser("train", help="run GRPO as a YAML config says")
+    train.add_argument("--config", required=True, help="YAML file, e.g. configs/demo_cpu.yaml")
+    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
+    train.add_argument("--output", default=None, help="run directory (default runs/<config name>)")
+    train.set_defaults(func=_train, prog=train.prog)
+
+    rm = sub.add_parser("train-rm", help="train a reward model on preference pairs (Bradley-Terry); saves an HF "
+                                         "*ForSequenceClassification directory in OUTPUT/hf")
+    rm.add_argument("--config", required=True, help="YAML file, e.g. configs/rm_demo_cpu.yaml")
+    rm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
+    rm.add_argument("--output", default=None, help="output directory (default runs/<config name>)")
+    rm.set_defaults(func=_train_rm, prog=rm.prog)
+
+    check = sub.add_parser("check", help="check every input of a config (model, tokenizer and chat template, "
+                                         "data, rewards, installed packages) without compiling anything")
+    check.add_argument("--config", required=True, help="YAML file, e.g. configs/smollm2_135m_gsm8k_cpu.yaml")
+    check.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    check.add_argument("--for", dest="for_command", choices=check_tool.COMMANDS, default="train",
+                       help="the command the config is for (default train)")
+    check.set_defaults(func=_check, prog=check.prog)
+
+    ev = sub.add_parser("eval", help="accuracy and pass@k (and eval.verifier's accuracy) of a run's newest checkpoint "
+                                     "on the held-out split, evaluated as the trainer evaluates")
+    ev.add_argument("run_dir", nargs="?", default=None, metavar="RUN_DIR",
+                    help="a run directory (its newest checkpoint that restores) or its checkpoints/<step>")
+    ev.add_argument("--checkpoint", default=None, metavar="RUN_DIR", help="the same as RUN_DIR")
+    ev.add_argument("--config", default=None, help="YAML file (default RUN_DIR/config.yaml: the run's own)")
+    ev.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. eval.k=16")
+    ev.add_argument("--output", default=None, help="also write the JSON result here")
+    ev.set_defaults(func=_eval, prog=ev.prog)
