@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-from grpo_jax.observe.writers import format_value
+from grpo_jax.observe.writers import Closing, format_value
 
 
 def _first(metrics: Mapping[str, Any], keys: Sequence[str]) -> Any:
@@ -16,7 +16,7 @@ def _first(metrics: Mapping[str, Any], keys: Sequence[str]) -> Any:
     return None
 
 
-class ProgressBar:
+class ProgressBar(Closing):
     """A terminal progress bar (tqdm): step/total, reward, last eval accuracy, KL, tokens/s, ETA.
 
     It shows only when `enabled` and the stream (`file`, default stderr) is a terminal, unless
@@ -73,9 +73,3 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

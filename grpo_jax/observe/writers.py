@@ -16,6 +16,8 @@ Only one process of a multi-host run should write (process index 0); the writer 
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import json
 import logging
 import math
@@ -120,6 +122,18 @@ def _drop_partial_tail(path: Path) -> None:
 
 # --------------------------------------------------------------------------- writer
 
+class Closing(contextlib.AbstractContextManager):
+    """A `with` block's resource (the metrics writer, the progress bar): entering gives the object
+    itself, leaving closes it, whatever the block raised."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the resource; calling it again does nothing."""
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _after_existing_event_files(tb_dir: Path) -> None:
     """Wait, if need be, until a new event file's name sorts after every existing one's: TensorBoard
     reads a directory's event files in name order, and the name carries the creation time in whole
@@ -132,7 +146,7 @@ def _after_existing_event_files(tb_dir: Path) -> None:
         time.sleep(max(stamps) + 1 - time.time())
 
 
-class MetricsWriter:
+class MetricsWriter(Closing):
     """Appends per-step metrics and sample completions to a run directory (see module docstring).
 
     Opening an existing run directory appends to it; after restoring a checkpoint, call
@@ -272,12 +286,6 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._closed = True
-
-    def __enter__(self) -> MetricsWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _sample_markdown(record: Mapping[str, Any]) -> str:

@@ -215,32 +215,20 @@ def run_statements(tests: list, namespace: dict) -> int:
     return passed
 
 
-def run_script(code) -> None:
-    """Run `code` as `__main__` and exit the process with its status."""
-    module = types.ModuleType("__main__")
-    module.__file__ = "solution.py"
-    sys.modules["__main__"] = module
-    try:
-        exec(code, module.__dict__)
-    except SystemExit as e:
-        flush()
-        os._exit(exit_code(e))
-    except BaseException as e:
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        flush()
-        os._exit(1)
-    sys.exit(0)  # normal interpreter shutdown: atexit handlers, non-daemon threads, flushing
-
-
-def run_solution(code) -> dict:
-    """Run `code` as module `solution` and return its namespace; exit 1 if it fails or exits (even
+def run_candidate(code, *, as_main: bool) -> dict:
+    """Run `code` as `__main__` (a script, whose SystemExit is its exit status) or as module `solution`
+    and return its namespace. On an error, report it and exit 1; so does a `solution` that exits (even
     with status 0): a candidate that never finishes its definitions fails every test."""
-    module = types.ModuleType("solution")
+    name = "__main__" if as_main else "solution"
+    module = types.ModuleType(name)
     module.__file__ = "solution.py"
-    sys.modules["solution"] = module
+    sys.modules[name] = module
     try:
         exec(code, module.__dict__)
     except BaseException as e:
+        if as_main and isinstance(e, SystemExit):
+            flush()
+            os._exit(exit_code(e))
         traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         flush()
         os._exit(1)
@@ -307,9 +295,10 @@ def _child(config: dict, status_fd: int, control_fd: int, serve=None) -> None:
         traceback.print_exc(limit=0)
         flush()
         os._exit(1)
+    namespace = run_candidate(code, as_main=serve is None)
     if serve is None:
-        run_script(code)
-    serve(run_solution(code))
+        sys.exit(0)  # normal interpreter shutdown: atexit handlers, non-daemon threads, flushing
+    serve(namespace)
     flush()
     os._exit(0)
 
