@@ -1,7 +1,8 @@
 """The decode engine (the actor's device side): `generate(model, prompts, config, rng) -> Rollout`
 with one shared prefill per group, the static lock-step loop (`lockstep`), the continuous engine
-(`continuous`: decode slots refilled on device, the drain) and its slot cache (`slots`), and how a
-token is drawn (`draw`). It knows nothing of rewards, environments or the learner."""
+(`continuous`: decode slots refilled on device, the drain), its typed loop state (`state`) and slot
+cache (`slots`), and how a token is drawn (`draw`). A call without a mesh runs on a 1x1x1 mesh,
+through the same code. It knows nothing of rewards, environments or the learner."""
 
 from grpo_jax.engine.draw import Rollout
 from grpo_jax.engine.sampling import generate, pad_prompts

@@ -3,7 +3,8 @@ refilled with the next waiting sequence as soon as its sequence stops, so no slo
 a finished row while sequences are waiting.
 
 One jitted program per call: the N prompts are prefilled once each (their keys and values stay one
-copy per prompt, `models.slots.SlotCache`), then one `lax.while_loop` whose step
+copy per prompt, `engine.slots.SlotCache`), then one `lax.while_loop` over the typed loop state
+(`engine.state.EngineState`) whose step
 1. draws the next token of every occupied slot (from its own key, below),
 2. records it in the sequence's row of the outputs and marks the sequences that stopped (a stop
    token, or max_new_tokens reached),
@@ -39,50 +40,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.slots import SlotCache, slot_decode_step
 from grpo_jax.engine.draw import Rollout, sample_tokens
 from grpo_jax.engine.lockstep import constrain_rows, lockstep_decode
-from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated, rows_per_shard
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLayout:
-    """How a call's sequences map onto the engine: Z shards of Np prompts, Rb sequences and J slots."""
-
-    shards: int
-    prompts: int  # Np, per shard
-    sequences: int  # Rb, per shard
-    slots: int  # J, per shard
-
-
-def engine_layout(num_prompts: int, config: SamplingConfig, mesh=None) -> EngineLayout:
-    """The layout of `num_prompts` prompts: `config.slots` (0 = one per sequence) split evenly over
-    the mesh's row shards, rounded up, and never more per shard than the shard has sequences."""
-    Z = 1 if mesh is None else rows_per_shard(mesh)
-    if num_prompts % Z:
-        raise ValueError(f"{num_prompts} prompts do not split over data x fsdp = {Z} row shards")
-    Np = num_prompts // Z
-    Rb = Np * config.group_size
-    J = Rb if config.slots == 0 else min(Rb, -(-config.slots // Z))
-    return EngineLayout(shards=Z, prompts=Np, sequences=Rb, slots=J)
+from grpo_jax.engine.slots import SlotCache
+from grpo_jax.engine.state import EngineLoop, EngineState, engine_layout, engine_loop
+from grpo_jax.runtime.sharding import batch_sharding, replicated
 
 
 @functools.lru_cache(maxsize=64)
-def continuous_program(graphdef, config: SamplingConfig, mesh):
+def continuous_program(graphdef, config: SamplingConfig, mesh: Mesh):
     """The jitted engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`, with
-    stats = {"steps", "slot_steps", "useful_slot_steps", "prefill_rows"} (int32 scalars). With a
-    mesh, rows split over (data, fsdp) in and out and the model state where it was placed."""
+    stats = {"steps", "slot_steps", "useful_slot_steps", "prefill_rows"} (int32 scalars); rows
+    split over the mesh's (data, fsdp) in and out, the model state where it was placed (one device:
+    a 1x1x1 mesh, `runtime.sharding.one_device_mesh`)."""
     fn = functools.partial(_engine, graphdef, config=config, mesh=mesh)
-    if mesh is None:
-        return jax.jit(fn)
 
     def rows(ndim):
         return batch_sharding(mesh, ndim)
@@ -93,40 +71,15 @@ def continuous_program(graphdef, config: SamplingConfig, mesh):
     return jax.jit(fn, in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=(out, stats))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Loop:
-    """What every step of a call's loop reads besides the loop state: the layout, the sampling
-    settings, the attention phase size and the decode step (with the model's weights)."""
-
-    lay: EngineLayout
-    config: SamplingConfig
-    phase_size: int
-    decode: Callable  # (tokens [Z, J], cache, phase=) -> (logits [Z, J, V], cache): slot_decode_step
-    mesh: object
-
-    def hold(self, x):
-        """Keep an engine array's leading axis (shards, or slots of all shards) split over the
-        mesh's row axes, so each shard's bookkeeping stays on its own devices."""
-        if self.mesh is None:
-            return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(BATCH)))
-
-
-def engine_loop(model, config: SamplingConfig, mesh, lay: EngineLayout, chunk_size: int) -> _Loop:
-    """The loop's constants for `model` (its decode step, with the weights hoisted); `chunk_size`:
-    the cache's generated slots per attention phase (`SlotCache.chunk_size`)."""
-    decode = functools.partial(slot_decode_step, model, weights=model.layer_weights())
-    return _Loop(lay=lay, config=config, phase_size=chunk_size, decode=decode, mesh=mesh)
-
-
-def _prompt_logits(st, prompt_ZJ):
+def _prompt_logits(prompt_logits_ZNV, prompt_ZJ):
     """The prefill logits [Z, J, V] of each slot's prompt (they draw a sequence's first token)."""
-    return jax.vmap(lambda a, i: a[i])(st["last"], prompt_ZJ)
+    return jax.vmap(lambda a, i: a[i])(prompt_logits_ZNV, prompt_ZJ)
 
 
-def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh) -> tuple[_Loop, dict]:
+def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig,
+                 mesh: Mesh) -> tuple[EngineLoop, EngineState]:
     """Prefill the N prompts once each and fill the slots with each shard's first sequences ->
-    (the loop's constants, the loop state)."""
+    (the loop's constants, the EngineState)."""
     M = config.max_new_tokens
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
@@ -139,15 +92,15 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh) -
     # Slot j of every shard starts with the shard's sequence j (if it has that many).
     seq_ZJ = jnp.broadcast_to(jnp.where(jnp.arange(J) < Rb, jnp.arange(J), -1), (Z, J)).astype(jnp.int32)
     prompt_ZJ = jnp.maximum(seq_ZJ, 0) // config.group_size
-    st = dict(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache.replace(slot_prompt=prompt_ZJ)),
-              last=hold(last_NV.reshape(Z, Np, -1)),
-              uniforms=hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None,
-              next=jnp.full((Z,), min(J, Rb), jnp.int32), done=jnp.zeros((Z,), jnp.int32),
-              tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
-              logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
-              lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
-              steps=jnp.int32(0), useful=jnp.int32(0), slot_steps=jnp.int32(0))
-    st["logits"] = hold(_prompt_logits(st, prompt_ZJ))
+    last_ZNV = hold(last_NV.reshape(Z, Np, -1))
+    st = EngineState(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache.replace(slot_prompt=prompt_ZJ)),
+                     prompt_logits=last_ZNV, logits=hold(_prompt_logits(last_ZNV, prompt_ZJ)),
+                     uniforms=hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None,
+                     admitted=jnp.full((Z,), min(J, Rb), jnp.int32), done=jnp.zeros((Z,), jnp.int32),
+                     tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
+                     logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
+                     lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
+                     steps=jnp.int32(0), useful=jnp.int32(0), slot_steps=jnp.int32(0))
     return loop, st
 
 
@@ -184,23 +137,23 @@ def drain_widths(slots: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def _running(loop: _Loop, narrower: int, st: dict) -> jax.Array:
+def _running(loop: EngineLoop, narrower: int, st: EngineState) -> jax.Array:
     """Go on at this width: sequences are left, and (when a `narrower` width follows) the queues
     are not all empty or some shard has more than `narrower` sequences in flight."""
-    left = jnp.any(st["done"] < loop.lay.sequences)
+    left = jnp.any(st.done < loop.lay.sequences)
     if not narrower:
         return left
-    in_flight = jnp.max(jnp.sum(st["seq"] >= 0, axis=1))
-    return left & ~(jnp.all(st["next"] >= loop.lay.sequences) & (in_flight <= narrower))
+    in_flight = jnp.max(jnp.sum(st.seq >= 0, axis=1))
+    return left & ~(jnp.all(st.admitted >= loop.lay.sequences) & (in_flight <= narrower))
 
 
-def compact(loop: _Loop, st: dict, width: int) -> tuple[_Loop, dict]:
+def compact(loop: EngineLoop, st: EngineState, width: int) -> tuple[EngineLoop, EngineState]:
     """Move every shard's sequences in flight (at most `width` each) into its first `width` slots,
     with their generated keys/values, positions and next-token logits, and drop the other slots ->
     (the loop's constants at that width, the loop state). A sequence's draws are its own
     (`sequence_uniforms`), so the move does not change what it samples."""
-    Z, J = st["seq"].shape
-    keep_Zw = jnp.argsort(st["seq"] < 0, axis=1, stable=True)[:, :width]  # busy slots first, in order
+    Z, J = st.seq.shape
+    keep_Zw = jnp.argsort(st.seq < 0, axis=1, stable=True)[:, :width]  # busy slots first, in order
 
     def take(x_ZJ):  # [Z, J, ...] -> [Z, width, ...]
         return jax.vmap(lambda a, i: a[i])(x_ZJ, keep_Zw)
@@ -208,29 +161,29 @@ def compact(loop: _Loop, st: dict, width: int) -> tuple[_Loop, dict]:
     def take_rows(x):  # [Z*J, ...] -> [Z*width, ...]
         return take(x.reshape(Z, J, *x.shape[1:])).reshape(Z * width, *x.shape[1:])
 
-    cache = st["cache"]
+    cache = st.cache
     cache = cache.replace(keys=jax.tree.map(take_rows, cache.keys), values=jax.tree.map(take_rows, cache.values),
                           slot_prompt=take(cache.slot_prompt), slot_t=take(cache.slot_t))
     loop = dataclasses.replace(loop, lay=dataclasses.replace(loop.lay, slots=width))
     hold = loop.hold
-    return loop, dict(st, seq=hold(take(st["seq"])), cache=jax.tree.map(hold, cache), logits=hold(take(st["logits"])))
+    return loop, st.replace(seq=hold(take(st.seq)), cache=jax.tree.map(hold, cache), logits=hold(take(st.logits)))
 
 
-def _rollout(st: dict, ids_NP, mask_NP):
+def _rollout(st: EngineState, ids_NP, mask_NP):
     """The loop state's outputs as a Rollout (row r = sequence r of the whole call) and the stats."""
-    Z, Rb, M = st["tokens"].shape
+    Z, Rb, M = st.tokens.shape
     R = Z * Rb
-    lengths_R = st["lengths"].reshape(R)
+    lengths_R = st.lengths.reshape(R)
     mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
-    rollout = Rollout(tokens=st["tokens"].reshape(R, M), logprobs=st["logprobs"].reshape(R, M), mask=mask_RM,
-                      lengths=lengths_R, truncated=st["truncated"].reshape(R), prompt_ids=ids_NP,
+    rollout = Rollout(tokens=st.tokens.reshape(R, M), logprobs=st.logprobs.reshape(R, M), mask=mask_RM,
+                      lengths=lengths_R, truncated=st.truncated.reshape(R), prompt_ids=ids_NP,
                       prompt_mask=mask_NP)
-    stats = {"steps": st["steps"], "slot_steps": st["slot_steps"], "useful_slot_steps": st["useful"],
+    stats = {"steps": st.steps, "slot_steps": st.slot_steps, "useful_slot_steps": st.useful,
              "prefill_rows": jnp.int32(ids_NP.shape[0])}
     return rollout, stats
 
 
-def _every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh):
+def _every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
     """Every sequence has a slot from the start (slots >= sequences on every shard): nothing can be
     refilled, so the engine is the lock-step loop (grpo_jax.engine.lockstep), which reads each
     prompt once per group of G rows instead of once per slot, drawing with each sequence's own
@@ -238,8 +191,8 @@ def _every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConf
     R = ids_NP.shape[0] * config.group_size
     uniforms_RM = None
     if config.temperature > 0:
-        uniforms_RM = sequence_uniforms(rng, jnp.arange(R, dtype=jnp.int32), config.max_new_tokens)
-        uniforms_RM = uniforms_RM if mesh is None else constrain_rows(uniforms_RM, mesh)
+        uniforms_RM = constrain_rows(sequence_uniforms(rng, jnp.arange(R, dtype=jnp.int32), config.max_new_tokens),
+                                     mesh)
     rollout, steps = lockstep_decode(model, ids_NP, mask_NP, rng, config=config, mesh=mesh, uniforms_RM=uniforms_RM)
     stats = {"steps": steps, "slot_steps": steps * R, "useful_slot_steps": rollout.lengths.sum(),
              "prefill_rows": jnp.int32(ids_NP.shape[0])}
@@ -254,42 +207,42 @@ def sequence_uniforms(rng: jax.Array, rows: jax.Array, max_new_tokens: int) -> j
     return draw(rows.reshape(-1)).reshape(*rows.shape, max_new_tokens)
 
 
-def draw_next(loop: _Loop, st) -> tuple[jax.Array, jax.Array]:
+def draw_next(loop: EngineLoop, st: EngineState) -> tuple[jax.Array, jax.Array]:
     """Every slot's next token and its log-prob [Z, J]: a sequence's token t takes the t-th of its
     own uniforms (`sequence_uniforms`, drawn once per call: no random program runs per step)."""
     config = loop.config
-    Z, J = st["seq"].shape
-    V = st["logits"].shape[-1]
-    t_ZJ = st["cache"].slot_t
+    Z, J = st.seq.shape
+    V = st.logits.shape[-1]
+    t_ZJ = st.cache.slot_t
     uniforms_X = None
     if config.temperature > 0:
-        at_ZJ = jnp.maximum(st["seq"], 0)
-        uniforms_X = jax.vmap(lambda u, s, t: u[s, jnp.minimum(t, u.shape[-1] - 1)])(st["uniforms"], at_ZJ, t_ZJ)
+        at_ZJ = jnp.maximum(st.seq, 0)
+        uniforms_X = jax.vmap(lambda u, s, t: u[s, jnp.minimum(t, u.shape[-1] - 1)])(st.uniforms, at_ZJ, t_ZJ)
     banned_XV = None
     if config.min_new_tokens:
         stop_V = jnp.isin(jnp.arange(V), jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
         banned_XV = stop_V[None] & (t_ZJ.reshape(-1, 1) < config.min_new_tokens)
-    tok_X, logp_X = sample_tokens(st["logits"].reshape(-1, V), None, temperature=config.temperature,
+    tok_X, logp_X = sample_tokens(st.logits.reshape(-1, V), None, temperature=config.temperature,
                                   top_k=config.top_k, top_p=config.top_p, banned=banned_XV,
                                   uniforms=None if uniforms_X is None else uniforms_X.reshape(-1))
     return tok_X.reshape(Z, J), logp_X.reshape(Z, J)
 
 
-def engine_step(loop: _Loop, st: dict) -> dict:
+def engine_step(loop: EngineLoop, st: EngineState) -> EngineState:
     """One engine step: draw, record, decode the continuing slots, refill the free ones."""
     config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
-    seq_ZJ, cache = st["seq"], st["cache"]
+    seq_ZJ, cache = st.seq, st.cache
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
     active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t  # slot_t: the index of the token drawn now
     tok_ZJ, logp_ZJ = draw_next(loop, st)
     at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)  # an empty slot's writes fall outside and are dropped
-    tokens = st["tokens"].at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
-    logprobs = st["logprobs"].at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
+    tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
+    logprobs = st.logprobs.at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
     stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
     finished_ZJ = active_ZJ & (stopped_ZJ | (t_ZJ + 1 >= config.max_new_tokens))
     ended_ZJ = jnp.where(finished_ZJ, seq_ZJ, Rb)
-    lengths = st["lengths"].at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
-    truncated = st["truncated"].at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
+    lengths = st.lengths.at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
+    truncated = st.truncated.at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
 
     # Feed the continuing slots' tokens (the others feed into slot 0 of a block nobody reads).
     going_ZJ = active_ZJ & ~finished_ZJ
@@ -298,24 +251,25 @@ def engine_step(loop: _Loop, st: dict) -> dict:
     logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
 
     st, _ = refill(loop, st, seq_ZJ, cache, logits_ZJV, finished_ZJ)
-    return dict(st, tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
-                steps=st["steps"] + 1, useful=st["useful"] + active_ZJ.sum(dtype=jnp.int32),
-                slot_steps=st["slot_steps"] + active_ZJ.size)
+    return st.replace(tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
+                      steps=st.steps + 1, useful=st.useful + active_ZJ.sum(dtype=jnp.int32),
+                      slot_steps=st.slot_steps + active_ZJ.size)
 
 
-def refill(loop: _Loop, st: dict, seq_ZJ, cache: SlotCache, logits_ZJV, finished_ZJ) -> tuple[dict, jax.Array]:
+def refill(loop: EngineLoop, st: EngineState, seq_ZJ, cache: SlotCache, logits_ZJV,
+           finished_ZJ) -> tuple[EngineState, jax.Array]:
     """The loop state with the sequences in `finished_ZJ` counted done and every free slot (theirs
     and the empty ones), in slot order, refilled with its shard's next waiting sequence: its
     prompt's logits draw its first token, its generated block starts at 0."""
     hold, Rb, G = loop.hold, loop.lay.sequences, loop.config.group_size
     free_ZJ = finished_ZJ | (seq_ZJ < 0)
-    new_ZJ = st["next"][:, None] + jnp.cumsum(free_ZJ, axis=1, dtype=jnp.int32) - 1
+    new_ZJ = st.admitted[:, None] + jnp.cumsum(free_ZJ, axis=1, dtype=jnp.int32) - 1
     fill_ZJ = free_ZJ & (new_ZJ < Rb)
     seq_ZJ = jnp.where(fill_ZJ, new_ZJ, jnp.where(finished_ZJ, -1, seq_ZJ))
     prompt_ZJ = jnp.where(fill_ZJ, new_ZJ // G, cache.slot_prompt)
     cache = cache.replace(slot_prompt=prompt_ZJ, slot_t=jnp.where(fill_ZJ, 0, cache.slot_t))
-    logits_ZJV = jnp.where(fill_ZJ[..., None], _prompt_logits(st, prompt_ZJ), logits_ZJV)
-    st = dict(st, seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
-              next=st["next"] + fill_ZJ.sum(axis=1, dtype=jnp.int32),
-              done=st["done"] + finished_ZJ.sum(axis=1, dtype=jnp.int32))
+    logits_ZJV = jnp.where(fill_ZJ[..., None], _prompt_logits(st.prompt_logits, prompt_ZJ), logits_ZJV)
+    st = st.replace(seq=hold(seq_ZJ), cache=jax.tree.map(hold, cache), logits=hold(logits_ZJV),
+                    admitted=st.admitted + fill_ZJ.sum(axis=1, dtype=jnp.int32),
+                    done=st.done + finished_ZJ.sum(axis=1, dtype=jnp.int32))
     return st, fill_ZJ

@@ -16,14 +16,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.draw import Rollout, sample_tokens
 from grpo_jax.runtime.sharding import BATCH
 
 
-def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh):
+def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
     """The prompts' pass -> (the logits [R, V] that draw token 0, the cache sized for the decode)."""
     G, M = config.group_size, config.max_new_tokens
     # Token t (t < M - 1) is fed back as decode step t; the last sampled token never is.
@@ -35,14 +35,11 @@ def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: 
     else:
         logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0), **spec)
         last_RV = logits_R1V[:, 0]
-    if mesh is not None:
-        # Keep the cache's rows where their prompts' rows are, for the whole loop.
-        cache = constrain_rows(cache, mesh)
-        last_RV = constrain_rows(last_RV, mesh)
-    return last_RV, cache
+    # Keep the cache's rows where their prompts' rows are, for the whole loop.
+    return constrain_rows(last_RV, mesh), constrain_rows(cache, mesh)
 
 
-def lockstep_decode(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool = True, mesh=None,
+def lockstep_decode(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh, share_prefill: bool = True,
                     uniforms_RM: jax.Array | None = None) -> tuple[Rollout, jax.Array]:
     """Prefill and decode every row at once -> (Rollout, the number of draw steps run, int32).
     `uniforms_RM` (float32 [R, M]): row r draws token t with uniforms_RM[r, t] instead of the

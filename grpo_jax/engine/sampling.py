@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import replicated_key
@@ -43,7 +44,7 @@ from grpo_jax.models.transformer import Transformer
 from grpo_jax.engine.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
 from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.lockstep import lockstep_decode
-from grpo_jax.runtime.sharding import batch_sharding, replicated, shard_rows
+from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated, shard_rows
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,22 +82,20 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
 
     With a `mesh` (grpo_jax.runtime.sharding), prompts and every output row are split over (data, fsdp)
     (N must be a multiple of data x fsdp), the KV cache rows follow, and the model's parameters
-    keep the shardings they were placed with; all of it stays on device inside the loop. On several
+    keep the shardings they were placed with; all of it stays on device inside the loop. Without
+    one, the call runs on the 1x1x1 mesh of the model's device (`one_device_mesh`). On several
     hosts, pass either the same host arrays on every host or global arrays built from each host's
     rows (`grpo_jax.runtime.hosts.to_global`), and read the outputs with `grpo_jax.runtime.hosts.local_rows`.
     """
     ids, mask = _prompt_arrays(prompts, config)
     graphdef, state = nnx.split(model)
+    mesh = mesh_or_one_device(mesh, state)
+    ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.runtime.hosts.to_global) stay where they are
+    rng = replicated_key(rng, mesh)
     if config.engine == "continuous":
-        if mesh is not None:
-            ids, mask = shard_rows((ids, mask), mesh)
-            rng = replicated_key(rng, mesh)
         rollout, _ = continuous_program(graphdef, config, mesh)(state, ids, mask, rng)
-    elif mesh is None:
-        rollout = _generate(graphdef, state, jnp.asarray(ids), jnp.asarray(mask), rng, config, share_prefill)
     else:
-        ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.runtime.hosts.to_global) stay where they are
-        rollout = sharded_generate(graphdef, config, share_prefill, mesh)(state, ids, mask, replicated_key(rng, mesh))
+        rollout = static_program(graphdef, config, share_prefill, mesh)(state, ids, mask, rng)
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
     return rollout
 
@@ -109,6 +108,7 @@ def greedy_completions(model: Transformer, prompt_ids: Sequence[Sequence[int]], 
     judge model (grpo_jax.rewards.llm_judge) writes its verdicts with."""
     from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
 
+    mesh = mesh_or_one_device(mesh, nnx.state(model))
     bucket = pow2_bucket(max(len(p) for p in prompt_ids), 16)
     sampling = SamplingConfig(group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,
                               prompt_buckets=(bucket,), stop_token_ids=tuple(stop_token_ids), pad_token_id=pad_id)
@@ -168,9 +168,9 @@ def _check(field: str, assertion, *args) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def sharded_generate(graphdef, config: SamplingConfig, share_prefill: bool, mesh):
-    """The jitted sampler `generate` runs on `mesh`: `(model state, ids [N, P], mask [N, P], key) ->
-    Rollout`, rows split over (data, fsdp), the model state where it was placed. Its `.lower` with
+def static_program(graphdef, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
+    """The jitted static engine `generate` runs on `mesh`: `(model state, ids [N, P], mask [N, P],
+    key) -> Rollout`, rows split over (data, fsdp), the model state where it was placed. Its `.lower` with
     jax.ShapeDtypeStructs (each state leaf carrying its sharding) shows its memory before any
     parameter exists (`grpo-jax bench memory`)."""
     def rows(ndim):
@@ -179,16 +179,11 @@ def sharded_generate(graphdef, config: SamplingConfig, share_prefill: bool, mesh
     out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
                   prompt_ids=rows(2), prompt_mask=rows(2))
     # The state's shardings are left unspecified: the params keep the placement they arrive with.
-    return jax.jit(functools.partial(_generate_impl, graphdef, config=config, share_prefill=share_prefill, mesh=mesh),
+    return jax.jit(functools.partial(_static, graphdef, config=config, share_prefill=share_prefill, mesh=mesh),
                    in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=out)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6))
-def _generate(graphdef, state, ids_NP, mask_NP, rng, config: SamplingConfig, share_prefill: bool) -> Rollout:
-    return _generate_impl(graphdef, state, ids_NP, mask_NP, rng, config=config, share_prefill=share_prefill)
-
-
-def _generate_impl(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
-                   mesh=None) -> Rollout:
+def _static(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
+            mesh: Mesh) -> Rollout:
     return lockstep_decode(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config,
                            share_prefill=share_prefill, mesh=mesh)[0]

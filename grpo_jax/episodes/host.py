@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from grpo_jax.episodes.turns import PAUSED
+from grpo_jax.episodes.turns import PAUSED, TurnState
 
 
 class Answers:
@@ -57,21 +57,20 @@ class EpisodeHost:
         self.parked, self.parked_t = {}, {}
         self.ready = [{} for _ in range(shards)]  # per shard: episode -> the tokens to feed on loading
 
-    def answer(self, st) -> Answers:
+    def answer(self, ts: TurnState) -> Answers:
         """What the engine is told after a segment (`turns.host_update`, `turns.move_slots`)."""
         self.polls += 1
-        seq, mode, t, nxt = (np.asarray(x) for x in (st["seq"], st["mode"], st["cache"].slot_t, st["next"]))
+        st = ts.engine
+        seq, mode, t, nxt = (np.asarray(x) for x in (st.seq, ts.mode, st.cache.slot_t, st.admitted))
         Z, J = seq.shape
         out = Answers(Z, J, self.E)
         out.ended[:] = self._poll_parked(Z)
-        trajectories = {}
+        trajectories = []
 
         def rows():  # the generated tokens and log-probs of every episode, read once per poll if needed
             if not trajectories:
-                for k in ("tokens", "logprobs"):
-                    x = np.asarray(st[k])
-                    trajectories[k] = x.reshape(-1, x.shape[-1])
-            return trajectories["tokens"], trajectories["logprobs"]
+                trajectories.extend(np.asarray(x).reshape(-1, x.shape[-1]) for x in (st.tokens, st.logprobs))
+            return tuple(trajectories)
 
         for z in range(Z):
             waiting = int(nxt[z]) < self.Rb or bool(self.ready[z])

@@ -29,6 +29,7 @@ from grpo_jax.episodes.transcript import encode
 from grpo_jax.engine.sampling import pad_prompts
 from grpo_jax.episodes.host import EpisodeHost
 from grpo_jax.episodes.turns import turn_programs
+from grpo_jax.runtime.sharding import mesh_or_one_device
 
 
 @dataclasses.dataclass
@@ -137,11 +138,11 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     T, E = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    start, advance, update, move = turn_programs(graphdef, cfg, mesh, T, E)
+    start, advance, update, move = turn_programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, E)
     st = start(state, ids, mask, rng)
-    shards = st["seq"].shape[0]
+    shards = st.engine.seq.shape[0]
     host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, E, shards=shards, park=park)
-    while int(np.asarray(st["done"]).sum()) < len(episodes):
+    while int(np.asarray(st.engine.done).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
         answers = host.answer(st)
         if answers.quiet and host.waiting_on_environments():
@@ -149,8 +150,9 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         if answers.move_args is not None:
             st = move(st, *answers.move_args)
         st = update(st, *answers.update_args)
-    out = {k: np.asarray(st[k]).reshape(len(episodes), *st[k].shape[2:])  # [Z, Rb, ...] -> episode rows
-           for k in ("tokens", "logprobs", "env", "lengths")}
+    out = {k: np.asarray(x).reshape(len(episodes), *x.shape[2:])  # [Z, Rb, ...] -> episode rows
+           for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs), ("env", st.env),
+                        ("lengths", st.engine.lengths))}
     for ep in episodes:
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True

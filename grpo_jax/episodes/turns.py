@@ -21,7 +21,7 @@ overwritten by the environment's tokens). Trajectory capacity: the engine's max_
 whole trajectory (`capacity`, model and environment tokens); `budget`: model tokens per episode.
 
 Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Rb episodes per shard, E the
-most environment tokens one answer may have, T the trajectory capacity).
+most environment tokens one answer may have, M the trajectory capacity: the engine's max_new_tokens).
 """
 
 from __future__ import annotations
@@ -29,60 +29,91 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.continuous import draw_next, engine_layout, engine_loop, refill, start_engine
+from grpo_jax.engine.continuous import draw_next, refill, start_engine
+from grpo_jax.engine.state import EngineState, resume_loop
 
 SAMPLING, FORCING, PAUSED = 0, 1, 2
 
 
-def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh, capacity: int, env_tokens: int):
+@flax.struct.dataclass
+class Parking:
+    """One parking spot per slot: a parked episode's block of the cache and what its slot knew of it."""
+
+    keys: tuple[tuple[jax.Array, ...], ...]  # phases x L x [Z*J, K, D, C]: the spots' generated keys (SlotCache.keys)
+    values: tuple[tuple[jax.Array, ...], ...]  # phases x L x [Z*J, K, C, D]: their values (SlotCache.values)
+    seq: jax.Array  # int32 [Z, J]: the shard-local episode parked at each spot, -1 = free
+    t: jax.Array  # int32 [Z, J]: its fed tokens when it left its slot (slot_t)
+    prompt: jax.Array  # int32 [Z, J]: its prompt (slot_prompt)
+    model_tokens: jax.Array  # int32 [Z, J]: its model tokens so far
+
+
+@flax.struct.dataclass
+class TurnState:
+    """The loop state of episodes in the engine's slots: the engine's (`EngineState`, its M the
+    trajectory capacity) and, per slot, its turn. Every array is split over the mesh's row shards."""
+
+    engine: EngineState
+    mode: jax.Array  # int32 [Z, J]: SAMPLING, FORCING or PAUSED
+    forced: jax.Array  # int32 [Z, J, E]: the environment tokens the host gave the slot to feed
+    forced_n: jax.Array  # int32 [Z, J]: how many of them there are
+    forced_i: jax.Array  # int32 [Z, J]: how many of them were fed
+    model_tokens: jax.Array  # int32 [Z, J]: model tokens of the slot's episode so far (its budget's count)
+    release: jax.Array  # bool [Z, J]: the host ended the slot's episode; the slot is freed at the next step
+    env: jax.Array  # bool [Z, Rb, M]: the position holds an environment token (log-prob 0, no loss)
+    park: Parking
+
+
+def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh, capacity: int,
+                env_tokens: int) -> tuple:
     """Prefill the prompts and fill the slots (`start_engine` with a trajectory of `capacity`
-    tokens) -> (the loop's constants, the loop state with the multi-turn fields)."""
+    tokens) -> (the loop's constants, the TurnState)."""
     loop, st = start_engine(model, ids_NP, mask_NP, rng, config=dataclasses.replace(config, max_new_tokens=capacity),
                             mesh=mesh)
-    Z, J = st["seq"].shape
+    Z, J = st.seq.shape
     hold, zeros = loop.hold, functools.partial(jnp.zeros, dtype=jnp.int32)
-    st.update(mode=hold(zeros((Z, J))), forced=hold(zeros((Z, J, env_tokens))), forced_n=hold(zeros((Z, J))),
-              forced_i=hold(zeros((Z, J))), model_tokens=hold(zeros((Z, J))),
-              release=hold(jnp.zeros((Z, J), jnp.bool_)), env=hold(jnp.zeros(st["tokens"].shape, jnp.bool_)))
-    # Parking: one spot per slot, each a slot's block of the cache and what the slot knew of its episode.
-    cache = st["cache"]
-    st["park"] = dict(keys=jax.tree.map(jnp.zeros_like, cache.keys), values=jax.tree.map(jnp.zeros_like, cache.values),
-                      seq=hold(jnp.full((Z, J), -1, jnp.int32)), t=hold(zeros((Z, J))), prompt=hold(zeros((Z, J))),
-                      model_tokens=hold(zeros((Z, J))))
-    return loop, st
+    park = Parking(keys=jax.tree.map(jnp.zeros_like, st.cache.keys), values=jax.tree.map(jnp.zeros_like, st.cache.values),
+                   seq=hold(jnp.full((Z, J), -1, jnp.int32)), t=hold(zeros((Z, J))), prompt=hold(zeros((Z, J))),
+                   model_tokens=hold(zeros((Z, J))))
+    return loop, TurnState(engine=st, mode=hold(zeros((Z, J))), forced=hold(zeros((Z, J, env_tokens))),
+                           forced_n=hold(zeros((Z, J))), forced_i=hold(zeros((Z, J))),
+                           model_tokens=hold(zeros((Z, J))), release=hold(jnp.zeros((Z, J), jnp.bool_)),
+                           env=hold(jnp.zeros(st.tokens.shape, jnp.bool_)), park=park)
 
 
-def turn_step(loop, budget: int, st: dict) -> dict:
+def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
     """One engine step of episodes: draw or force, record, end turns, feed, refill freed slots."""
     config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
-    seq_ZJ, cache, mode_ZJ = st["seq"], st["cache"], st["mode"]
+    st = ts.engine
+    seq_ZJ, cache, mode_ZJ = st.seq, st.cache, ts.mode
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
     active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t
     sampling_ZJ, forcing_ZJ = active_ZJ & (mode_ZJ == SAMPLING), active_ZJ & (mode_ZJ == FORCING)
     drawn_ZJ, logp_ZJ = draw_next(loop, st)
-    i_ZJ = jnp.minimum(st["forced_i"], st["forced"].shape[-1] - 1)
-    tok_ZJ = jnp.where(forcing_ZJ, jnp.take_along_axis(st["forced"], i_ZJ[..., None], axis=2)[..., 0], drawn_ZJ)
+    i_ZJ = jnp.minimum(ts.forced_i, ts.forced.shape[-1] - 1)
+    tok_ZJ = jnp.where(forcing_ZJ, jnp.take_along_axis(ts.forced, i_ZJ[..., None], axis=2)[..., 0], drawn_ZJ)
     logp_ZJ = jnp.where(forcing_ZJ, 0.0, logp_ZJ)
     emitting_ZJ = sampling_ZJ | forcing_ZJ
     at_ZJ = jnp.where(emitting_ZJ, seq_ZJ, Rb)  # writes of paused and empty slots are dropped
-    tokens = st["tokens"].at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
-    logprobs = st["logprobs"].at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
-    env = st["env"].at[z_Z1, at_ZJ, t_ZJ].set(forcing_ZJ, mode="drop")
-    lengths = st["lengths"].at[z_Z1, at_ZJ].set(t_ZJ + 1, mode="drop")
+    tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
+    logprobs = st.logprobs.at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
+    env = ts.env.at[z_Z1, at_ZJ, t_ZJ].set(forcing_ZJ, mode="drop")
+    lengths = st.lengths.at[z_Z1, at_ZJ].set(t_ZJ + 1, mode="drop")
 
-    model_tokens_ZJ = st["model_tokens"] + sampling_ZJ
+    model_tokens_ZJ = ts.model_tokens + sampling_ZJ
     stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
     turn_end_ZJ = sampling_ZJ & (stopped_ZJ | (model_tokens_ZJ >= budget))
     full_ZJ = emitting_ZJ & (t_ZJ + 1 >= config.max_new_tokens)  # the trajectory's capacity
-    ended_ZJ = full_ZJ | (active_ZJ & st["release"])
-    truncated = st["truncated"].at[z_Z1, jnp.where(full_ZJ, seq_ZJ, Rb)].set(True, mode="drop")
-    forced_i_ZJ = st["forced_i"] + forcing_ZJ
-    mode_ZJ = jnp.where(turn_end_ZJ, PAUSED, jnp.where(forcing_ZJ & (forced_i_ZJ >= st["forced_n"]), SAMPLING, mode_ZJ))
+    ended_ZJ = full_ZJ | (active_ZJ & ts.release)
+    truncated = st.truncated.at[z_Z1, jnp.where(full_ZJ, seq_ZJ, Rb)].set(True, mode="drop")
+    forced_i_ZJ = ts.forced_i + forcing_ZJ
+    mode_ZJ = jnp.where(turn_end_ZJ, PAUSED, jnp.where(forcing_ZJ & (forced_i_ZJ >= ts.forced_n), SAMPLING, mode_ZJ))
 
     # Feed every emitted token (a turn's last one too); other slots write past their block (dropped).
     feeding_ZJ = emitting_ZJ & ~ended_ZJ
@@ -91,51 +122,51 @@ def turn_step(loop, budget: int, st: dict) -> dict:
     phase = jnp.max(jnp.where(feeding_ZJ, t_ZJ, 0)) // loop.phase_size
     logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
     cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ + 1, t_ZJ))
-    logits_ZJV = jnp.where(feeding_ZJ[..., None], logits_ZJV, st["logits"])
+    logits_ZJV = jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)
 
-    st = dict(st, mode=mode_ZJ, forced_i=forced_i_ZJ, model_tokens=model_tokens_ZJ)
     st, fill_ZJ = refill(loop, st, seq_ZJ, cache, logits_ZJV, ended_ZJ)
     reset_ZJ = fill_ZJ | ended_ZJ
-    return dict(st, tokens=hold(tokens), logprobs=hold(logprobs), env=hold(env), lengths=hold(lengths),
-                truncated=hold(truncated), mode=hold(jnp.where(reset_ZJ, SAMPLING, st["mode"])),
-                model_tokens=hold(jnp.where(reset_ZJ, 0, st["model_tokens"])),
-                forced_n=hold(jnp.where(reset_ZJ, 0, st["forced_n"])),
-                forced_i=hold(jnp.where(reset_ZJ, 0, st["forced_i"])),
-                release=hold(st["release"] & ~ended_ZJ), steps=st["steps"] + 1,
-                useful=st["useful"] + emitting_ZJ.sum(dtype=jnp.int32), slot_steps=st["slot_steps"] + active_ZJ.size)
+    st = st.replace(tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
+                    steps=st.steps + 1, useful=st.useful + emitting_ZJ.sum(dtype=jnp.int32),
+                    slot_steps=st.slot_steps + active_ZJ.size)
+    return ts.replace(engine=st, env=hold(env), mode=hold(jnp.where(reset_ZJ, SAMPLING, mode_ZJ)),
+                      model_tokens=hold(jnp.where(reset_ZJ, 0, model_tokens_ZJ)),
+                      forced_n=hold(jnp.where(reset_ZJ, 0, ts.forced_n)),
+                      forced_i=hold(jnp.where(reset_ZJ, 0, forced_i_ZJ)), release=hold(ts.release & ~ended_ZJ))
 
 
-def host_update(st: dict, release_ZJ, forced_ZJE, forced_n_ZJ, rewind_ZJ) -> dict:
+def host_update(ts: TurnState, release_ZJ, forced_ZJE, forced_n_ZJ, rewind_ZJ) -> TurnState:
     """The host's answers, applied between segments: `release` (bool) ends those slots' episodes at
     the next step; `rewind` (int, -1 = no) moves a sampling slot's position back to that many fed
     tokens and pauses it (a turn cut at a tool call's closing tag; the tokens drawn past it are
     overwritten later and `lengths` follows); `forced_n` > 0 gives a paused slot the first
     forced_n of `forced` [Z, J, E] to feed."""
-    cache = st["cache"]
+    st = ts.engine
+    cache = st.cache
     rewound_ZJ = rewind_ZJ >= 0
     t_ZJ = jnp.where(rewound_ZJ, rewind_ZJ, cache.slot_t)
-    model_tokens_ZJ = st["model_tokens"] - (cache.slot_t - t_ZJ)  # what was drawn past the cut
+    model_tokens_ZJ = ts.model_tokens - (cache.slot_t - t_ZJ)  # what was drawn past the cut
     inject_ZJ = forced_n_ZJ > 0
-    mode_ZJ = jnp.where(inject_ZJ, FORCING, jnp.where(rewound_ZJ, PAUSED, st["mode"]))
+    mode_ZJ = jnp.where(inject_ZJ, FORCING, jnp.where(rewound_ZJ, PAUSED, ts.mode))
     z_Z1 = jnp.arange(t_ZJ.shape[0], dtype=jnp.int32)[:, None]
-    at_ZJ = jnp.where(rewound_ZJ, st["seq"], st["tokens"].shape[1])
-    return dict(st, cache=cache.replace(slot_t=t_ZJ), mode=mode_ZJ, release=st["release"] | release_ZJ,
-                model_tokens=model_tokens_ZJ,
-                forced=jnp.where(inject_ZJ[..., None], forced_ZJE, st["forced"]),
-                forced_n=jnp.where(inject_ZJ, forced_n_ZJ, st["forced_n"]),
-                forced_i=jnp.where(inject_ZJ, 0, st["forced_i"]),
-                lengths=st["lengths"].at[z_Z1, at_ZJ].set(t_ZJ, mode="drop"))
+    at_ZJ = jnp.where(rewound_ZJ, st.seq, st.tokens.shape[1])
+    st = st.replace(cache=cache.replace(slot_t=t_ZJ), lengths=st.lengths.at[z_Z1, at_ZJ].set(t_ZJ, mode="drop"))
+    return ts.replace(engine=st, mode=mode_ZJ, release=ts.release | release_ZJ, model_tokens=model_tokens_ZJ,
+                      forced=jnp.where(inject_ZJ[..., None], forced_ZJE, ts.forced),
+                      forced_n=jnp.where(inject_ZJ, forced_n_ZJ, ts.forced_n),
+                      forced_i=jnp.where(inject_ZJ, 0, ts.forced_i))
 
 
-def move_slots(st: dict, park_to_ZJ, load_from_ZJ, ended_Z) -> dict:
+def move_slots(ts: TurnState, park_to_ZJ, load_from_ZJ, ended_Z) -> TurnState:
     """Park and load, between segments: slot j with `park_to[j]` = p >= 0 moves its episode to
     parking spot p (its cache block, position, prompt and model-token count) and is left free for
     the next waiting episode; a free slot with `load_from[j]` = p >= 0 takes the episode parked at
     p, exactly as it left (the host then gives it the environment's tokens, `host_update`).
     `ended_Z`: parked episodes the host ended without loading them (counted done). A spot is never
     parked into and loaded from in one call."""
-    cache, park = st["cache"], st["park"]
-    Z, J = st["seq"].shape
+    st, park = ts.engine, ts.park
+    cache = st.cache
+    Z, J = st.seq.shape
     z_Z1, j_1J = jnp.arange(Z, dtype=jnp.int32)[:, None], jnp.arange(J, dtype=jnp.int32)[None]
     parking_ZJ, loading_ZJ = park_to_ZJ >= 0, load_from_ZJ >= 0
     to_X = jnp.where(parking_ZJ, z_Z1 * J + park_to_ZJ, Z * J).reshape(-1)  # out of range: dropped
@@ -145,34 +176,40 @@ def move_slots(st: dict, park_to_ZJ, load_from_ZJ, ended_Z) -> dict:
     def park_block(spots, block):
         return spots.at[to_X].set(block, mode="drop")
 
-    keys = jax.tree.map(park_block, park["keys"], cache.keys)
-    values = jax.tree.map(park_block, park["values"], cache.values)
     spot_ZJ = jnp.where(parking_ZJ, park_to_ZJ, J)
-    row = dict(seq=st["seq"], t=cache.slot_t, prompt=cache.slot_prompt, model_tokens=st["model_tokens"])
-    parked = {k: park[k].at[z_Z1, spot_ZJ].set(v, mode="drop") for k, v in row.items()}
+
+    def park_row(spots_ZJ, x_ZJ):
+        return spots_ZJ.at[z_Z1, spot_ZJ].set(x_ZJ, mode="drop")
+
+    parked = Parking(keys=jax.tree.map(park_block, park.keys, cache.keys),
+                     values=jax.tree.map(park_block, park.values, cache.values), seq=park_row(park.seq, st.seq),
+                     t=park_row(park.t, cache.slot_t), prompt=park_row(park.prompt, cache.slot_prompt),
+                     model_tokens=park_row(park.model_tokens, ts.model_tokens))
 
     def load_block(block, spots):
         return block.at[into_X].set(spots[from_X], mode="drop")
 
-    back = {k: jnp.take_along_axis(v, jnp.maximum(load_from_ZJ, 0), axis=1) for k, v in parked.items()}
+    def back(spots_ZJ):  # what the spot each loading slot loads from holds
+        return jnp.take_along_axis(spots_ZJ, jnp.maximum(load_from_ZJ, 0), axis=1)
+
     freed_ZJ = jnp.zeros((Z, J), jnp.bool_).at[z_Z1, jnp.where(loading_ZJ, load_from_ZJ, J)].set(True, mode="drop")
-    parked["seq"] = jnp.where(freed_ZJ, -1, parked["seq"])
-    cache = cache.replace(keys=jax.tree.map(load_block, cache.keys, keys),
-                          values=jax.tree.map(load_block, cache.values, values),
-                          slot_t=jnp.where(loading_ZJ, back["t"], cache.slot_t),
-                          slot_prompt=jnp.where(loading_ZJ, back["prompt"], cache.slot_prompt))
-    seq_ZJ = jnp.where(loading_ZJ, back["seq"], jnp.where(parking_ZJ, -1, st["seq"]))
-    return dict(st, cache=cache, seq=seq_ZJ, park=dict(parked, keys=keys, values=values),
-                model_tokens=jnp.where(loading_ZJ, back["model_tokens"], st["model_tokens"]),
-                mode=jnp.where(loading_ZJ | parking_ZJ, PAUSED, st["mode"]), done=st["done"] + ended_Z)
+    cache = cache.replace(keys=jax.tree.map(load_block, cache.keys, parked.keys),
+                          values=jax.tree.map(load_block, cache.values, parked.values),
+                          slot_t=jnp.where(loading_ZJ, back(parked.t), cache.slot_t),
+                          slot_prompt=jnp.where(loading_ZJ, back(parked.prompt), cache.slot_prompt))
+    seq_ZJ = jnp.where(loading_ZJ, back(parked.seq), jnp.where(parking_ZJ, -1, st.seq))
+    st = st.replace(cache=cache, seq=seq_ZJ, done=st.done + ended_Z)
+    return ts.replace(engine=st, park=parked.replace(seq=jnp.where(freed_ZJ, -1, parked.seq)),
+                      model_tokens=jnp.where(loading_ZJ, back(parked.model_tokens), ts.model_tokens),
+                      mode=jnp.where(loading_ZJ | parking_ZJ, PAUSED, ts.mode))
 
 
 @functools.lru_cache(maxsize=16)
-def turn_programs(graphdef, config: SamplingConfig, mesh, capacity: int, env_tokens: int):
-    """(start, advance, update, move), jitted: start(state, ids, mask, key) -> loop state;
-    advance(state, loop state, steps) -> after up to `steps` steps (fewer once every episode is done
-    or every occupied slot waits for the host); update(loop state, release, forced, forced_n,
-    rewind); move(loop state, park_to, load_from, ended) (`move_slots`)."""
+def turn_programs(graphdef, config: SamplingConfig, mesh: Mesh, capacity: int, env_tokens: int):
+    """(start, advance, update, move), jitted: start(state, ids, mask, key) -> TurnState;
+    advance(state, TurnState, steps) -> after up to `steps` steps (fewer once every episode is done
+    or every occupied slot waits for the host); update(TurnState, release, forced, forced_n,
+    rewind); move(TurnState, park_to, load_from, ended) (`move_slots`)."""
     budget = config.max_new_tokens
     big = dataclasses.replace(config, max_new_tokens=capacity)
 
@@ -180,17 +217,17 @@ def turn_programs(graphdef, config: SamplingConfig, mesh, capacity: int, env_tok
         return start_turns(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh, capacity=capacity,
                            env_tokens=env_tokens)[1]
 
-    def advance(state, st, steps):
-        lay = engine_layout(st["last"].shape[0] * st["last"].shape[1], big, mesh)
-        loop = engine_loop(nnx.merge(graphdef, state), big, mesh, lay, st["cache"].chunk_size)
-        end = st["steps"] + steps
+    def advance(state, ts: TurnState, steps):
+        loop = resume_loop(nnx.merge(graphdef, state), big, mesh, ts.engine)
+        Rb, end = loop.lay.sequences, ts.engine.steps + steps
 
-        def going(s):
-            busy = (s["seq"] >= 0) & (s["mode"] != PAUSED)
-            waiting = jnp.any((s["seq"] < 0)) & jnp.any(s["next"] < lay.sequences)
-            progress = jnp.any(busy) | waiting | jnp.any(s["release"])
-            return jnp.any(s["done"] < lay.sequences) & (s["steps"] < end) & progress
-        return jax.lax.while_loop(going, functools.partial(turn_step, loop, budget), st)
+        def going(s: TurnState):
+            e = s.engine
+            busy = (e.seq >= 0) & (s.mode != PAUSED)
+            waiting = jnp.any((e.seq < 0)) & jnp.any(e.admitted < Rb)
+            progress = jnp.any(busy) | waiting | jnp.any(s.release)
+            return jnp.any(e.done < Rb) & (e.steps < end) & progress
+        return jax.lax.while_loop(going, functools.partial(turn_step, loop, budget), ts)
 
     return (jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(host_update, donate_argnums=0),
             jax.jit(move_slots, donate_argnums=0))

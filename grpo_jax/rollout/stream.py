@@ -22,42 +22,43 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
-from grpo_jax.engine.continuous import engine_layout, engine_loop, engine_step, start_engine
-from grpo_jax.runtime.sharding import batch_sharding, replicated
+from grpo_jax.engine.continuous import engine_step, start_engine
+from grpo_jax.engine.state import EngineState, resume_loop
+from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
 
 FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
 
 
 @functools.lru_cache(maxsize=16)
-def stream_programs(graphdef, config: SamplingConfig, mesh):
-    """(start, advance, outputs), jitted: start(state, ids [N, P], mask, key) -> loop state;
-    advance(state, loop state, steps) -> the loop state after up to `steps` more steps (fewer when
-    every sequence is done); outputs(loop state) -> tokens, logprobs [R, M], lengths, truncated [R]
-    (rows split over the mesh's batch axes)."""
+def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
+    """(start, advance, outputs), jitted: start(state, ids [N, P], mask, key) -> EngineState;
+    advance(state, EngineState, steps) -> the EngineState after up to `steps` more steps (fewer
+    when every sequence is done); outputs(EngineState) -> tokens, logprobs [R, M], lengths,
+    truncated, admitted [R] (rows split over the mesh's batch axes) and the useful slot-steps."""
 
     def start(state, ids, mask, rng):
         return start_engine(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh)[1]
 
-    def advance(state, st, steps):
-        lay = engine_layout(st["last"].shape[0] * st["last"].shape[1], config, mesh)
-        loop = engine_loop(nnx.merge(graphdef, state), config, mesh, lay, st["cache"].chunk_size)
-        end = st["steps"] + steps
-        return jax.lax.while_loop(lambda s: jnp.any(s["done"] < loop.lay.sequences) & (s["steps"] < end),
+    def advance(state, st: EngineState, steps):
+        loop = resume_loop(nnx.merge(graphdef, state), config, mesh, st)
+        end = st.steps + steps
+        return jax.lax.while_loop(lambda s: jnp.any(s.done < loop.lay.sequences) & (s.steps < end),
                                   functools.partial(engine_step, loop), st)
 
-    def outputs(st):
-        Z, Rb, M = st["tokens"].shape
-        admitted_ZR = jnp.arange(Rb)[None] < st["next"][:, None]  # the sequence has entered a slot
-        rows = {k: st[k].reshape(Z * Rb, *st[k].shape[2:]) for k in FIELDS[:-1]}
-        return {**rows, "admitted": admitted_ZR.reshape(Z * Rb)}, st["useful"]
+    def outputs(st: EngineState):
+        Z, Rb, M = st.tokens.shape
+        admitted_ZR = jnp.arange(Rb)[None] < st.admitted[:, None]  # the sequence has entered a slot
+        rows = {"tokens": st.tokens.reshape(Z * Rb, M), "logprobs": st.logprobs.reshape(Z * Rb, M),
+                "lengths": st.lengths.reshape(Z * Rb), "truncated": st.truncated.reshape(Z * Rb),
+                "admitted": admitted_ZR.reshape(Z * Rb)}
+        return rows, st.useful
 
-    if mesh is None:
-        return jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(outputs)
     rows = {k: batch_sharding(mesh, 2 if k in ("tokens", "logprobs") else 1) for k in FIELDS}
     return (jax.jit(start, in_shardings=(None, batch_sharding(mesh, 2), batch_sharding(mesh, 2), None)),
             jax.jit(advance, donate_argnums=1), jax.jit(outputs, out_shardings=(rows, replicated(mesh))))
@@ -77,7 +78,8 @@ class EngineStream:
             raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
         self.graphdef, self.state = nnx.split(model)
         self.config, self.segment_steps = config, int(segment_steps)
-        self.start, self.advance_fn, self.outputs = stream_programs(self.graphdef, config, mesh)
+        self.mesh = mesh_or_one_device(mesh, self.state)
+        self.start, self.advance_fn, self.outputs = stream_programs(self.graphdef, config, self.mesh)
         self.read = read or (lambda rows: {k: np.asarray(v) for k, v in rows.items()})
         self.st = self.start(self.state, *prompts, rng)
         self.segments = 0

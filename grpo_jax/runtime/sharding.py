@@ -22,6 +22,7 @@ path relies on (grpo_jax.runtime.hosts).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -126,6 +127,26 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     host-aware order of `mesh_device_grid`."""
     devices = list(jax.devices() if devices is None else devices)
     return Mesh(mesh_device_grid(config, devices), AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+@functools.lru_cache(maxsize=None)
+def one_device_mesh(device: jax.Device | None = None) -> Mesh:
+    """The 1x1x1 mesh of one `device` (default: this process's first): a call without a mesh runs
+    on it, through the same code as on any mesh."""
+    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), [device or jax.local_devices()[0]])
+
+
+def mesh_or_one_device(mesh: Mesh | None, tree) -> Mesh:
+    """What a public entry's `mesh=None` means: `mesh` when given, else the 1x1x1 mesh of the one
+    device `tree`'s arrays (a model's state) are on (this process's first when none is placed).
+    Arrays on several devices were placed on a mesh: it must be passed."""
+    if mesh is not None:
+        return mesh
+    devices = {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's arrays are on {len(devices)} devices but no mesh was given; "
+                         "pass the mesh they were placed on (mesh=...)")
+    return one_device_mesh(devices.pop() if devices else None)
 
 
 def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,

@@ -24,7 +24,7 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.sampling import generate, pad_prompts
-from grpo_jax.runtime.sharding import make_mesh, place_model
+from grpo_jax.runtime.sharding import make_mesh, one_device_mesh, place_model
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7], [12], [80, 81, 82, 83, 84, 85, 86, 87], [30, 31], [4, 4, 4, 4],
            [70, 9, 1, 2, 3, 6, 8], [100, 101]]
@@ -107,7 +107,7 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
     # sequences' own uniforms, and draws the same rollout.
     for slots in (2, 3, 8, 0):
         prefills.clear()
-        rollout, stats = continuous_program(graphdef, dataclasses.replace(cfg, slots=slots), None)(
+        rollout, stats = continuous_program(graphdef, dataclasses.replace(cfg, slots=slots), one_device_mesh())(
             state, ids, mask, jax.random.key(7))
         assert prefills == [(len(PROMPTS), 8)]  # one pass over the N prompts, not N x G rows
         runs[slots] = arrays(rollout)

@@ -17,6 +17,7 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import pad_prompts
 from grpo_jax.episodes.turns import PAUSED, turn_programs
+from grpo_jax.runtime.sharding import one_device_mesh
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7], [12], [80, 81, 82, 83]]
 FORCED = [100, 101, 102]  # the scripted environment's answer after every turn but the last
@@ -34,14 +35,14 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
     cfg = SamplingConfig(group_size=2, max_new_tokens=BUDGET, temperature=1.0, stop_token_ids=tuple(range(3, 60)),
                          prompt_buckets=(8,), pad_token_id=0, engine="continuous", slots=slots)
     graphdef, state = nnx.split(model)
-    start, advance, update, _ = turn_programs(graphdef, cfg, None, CAPACITY, ENV_TOKENS)
+    start, advance, update, _ = turn_programs(graphdef, cfg, one_device_mesh(), CAPACITY, ENV_TOKENS)
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     st = start(state, ids, mask, jax.random.key(4))
     done_turns, turn_start = {}, {}
     while True:
         st = advance(state, st, segment)
-        seq, mode, t = (np.array(x)[0] for x in (st["seq"], st["mode"], st["cache"].slot_t))
-        if int(np.asarray(st["done"]).min()) == len(PROMPTS) * 2:
+        seq, mode, t = (np.array(x)[0] for x in (st.engine.seq, st.mode, st.engine.cache.slot_t))
+        if int(np.asarray(st.engine.done).min()) == len(PROMPTS) * 2:
             break
         J = seq.shape[0]
         release, forced = np.zeros((1, J), bool), np.zeros((1, J, ENV_TOKENS), np.int32)
@@ -61,7 +62,8 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
             else:
                 release[0, j] = True
         st = update(st, release, forced, n, rewind)
-    out = {k: np.asarray(st[k])[0] for k in ("tokens", "logprobs", "env", "lengths")}
+    out = {k: np.asarray(x)[0] for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs),
+                                            ("env", st.env), ("lengths", st.engine.lengths))}
     return out, ids, mask, done_turns
 
 

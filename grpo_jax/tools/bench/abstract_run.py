@@ -1,7 +1,7 @@
 """A run's programs on abstract shapes (`abstract_run`), for `grpo-jax bench memory`.
 
 The pieces come from the code a run is built with (`trainer.setup.build`'s order: the policy with
-the run's adapters, its train state, `make_parallel`, the sampler's `sharded_generate`), but every
+the run's adapters, its train state, `make_parallel`, the sampler's `static_program`), but every
 array is a `jax.ShapeDtypeStruct` (`nnx.eval_shape`, `jax.eval_shape`): nothing is initialised,
 loaded or placed, so a pod-sized model compiles on a laptop's host devices.
 
@@ -33,7 +33,7 @@ from grpo_jax.models import load_config as load_model_config
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
-from grpo_jax.engine.sampling import sharded_generate
+from grpo_jax.engine.sampling import static_program
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.parity import preset_config
@@ -196,7 +196,7 @@ def _sampler(model, sampling: SamplingConfig, prompts: int, mesh) -> jax.stages.
     state = with_shardings(state, param_shardings(state, mesh).shardings)
     ids = jax.ShapeDtypeStruct((prompts, max(sampling.prompt_buckets)), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return sharded_generate(graphdef, sampling, True, mesh).lower(state, ids, ids, key)
+    return static_program(graphdef, sampling, True, mesh).lower(state, ids, ids, key)
 
 
 def _model_summary(config: RunConfig, model_config: TransformerConfig, source: str, state, frozen) -> dict:

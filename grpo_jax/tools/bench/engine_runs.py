@@ -26,8 +26,10 @@ from flax import nnx
 from grpo_jax.config import ConfigError, SamplingConfig, load_config
 from grpo_jax.models import Transformer
 from grpo_jax.engine.slots import SlotCache
-from grpo_jax.engine.continuous import continuous_program, engine_layout
+from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.state import engine_layout
 from grpo_jax.engine.sampling import generate, pad_prompts
+from grpo_jax.runtime.sharding import one_device_mesh
 from grpo_jax.trainer.prepare import build_model, prepare
 
 ENGINES = ("static_batched", "static_all", "continuous")
@@ -127,7 +129,8 @@ def _continuous(w: Workload) -> Callable[[], EngineRun]:
 
     def run() -> EngineRun:
         graphdef, state = nnx.split(w.model)  # as generate does on every call
-        rollout, stats = jax.block_until_ready(continuous_program(graphdef, config, None)(state, ids, mask, w.key))
+        program = continuous_program(graphdef, config, one_device_mesh())
+        rollout, stats = jax.block_until_ready(program(state, ids, mask, w.key))
         return EngineRun(lengths=np.asarray(rollout.lengths), truncated=np.asarray(rollout.truncated),
                          draw_steps=int(stats["steps"]), slot_steps=int(stats["slot_steps"]),
                          engine_useful_slot_steps=int(stats["useful_slot_steps"]),
@@ -203,7 +206,7 @@ def kv_cache_bytes(w: Workload) -> dict[str, dict[str, int]]:
 
     def slot_cache():
         ids = jax.ShapeDtypeStruct((N, P), jnp.int32)
-        slots = engine_layout(N, s).slots
+        slots = engine_layout(N, s, one_device_mesh()).slots
         # The cache grpo_jax.engine.continuous builds (its decode_steps: max_new_tokens - 1, at least 1).
         cache = jax.eval_shape(lambda st, i: SlotCache.create(
             *nnx.merge(graphdef, st).prefill_kv(i, i)[1:], shards=1, slots=slots,

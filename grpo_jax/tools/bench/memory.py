@@ -2,7 +2,7 @@
 
 A run's programs (the sampler, the evaluation sampler, the reference log-probs when grpo.beta > 0,
 the train step) are built by the code a run builds them with (`learner.parallel.make_parallel`,
-`engine.sampling.sharded_generate`) on abstract shapes (`nnx.eval_shape`, `jax.eval_shape`: no
+`engine.sampling.static_program`) on abstract shapes (`nnx.eval_shape`, `jax.eval_shape`: no
 parameter is ever materialised), lowered with the run's shardings over N forced host devices, and
 compiled; each compiled program's `memory_analysis()` gives its arguments, outputs, temporaries
 and generated code per device. What the run holds outside a program while it runs (the optimizer
