@@ -4,9 +4,9 @@ optax, orbax, transformers or TFDS), so every other module imports it at module 
 `schema` holds `RunConfig` over one frozen dataclass per concern: `model` (`ModelConfig`,
 `LoRAConfig`), `rollout` (`DataConfig`, `RewardConfig`, `SamplingConfig`, `EvalConfig`), `algorithm`
 (`GRPOConfig`, `PPOConfig`), `training` (`TrainConfig`, `SFTConfig`, `CheckpointConfig`, `MeshConfig`,
-`DistributedConfig`), `reward_model` (the `train-rm` run); each choice is a `Literal` and its
-tuple of values (`typing.get_args`), checked by `checks`. `loading` turns YAML files and `--set`
-overrides into a validated `RunConfig` and back.
+`DistributedConfig`; `OptimizerConfig`, the optimizer a section gives), `reward_model` (the `train-rm`
+run); each choice is a `Literal` and its tuple of values (`typing.get_args`), checked by `checks`.
+`loading` turns YAML files and `--set` overrides into a validated `RunConfig` and back.
 """
 
 from grpo_jax.config.algorithm import (ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, RATIO_LEVELS, SCALES, Estimator,
@@ -19,12 +19,13 @@ from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTr
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
 from grpo_jax.config.schema import RunConfig
-from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
+from grpo_jax.config.training import (CheckpointConfig, DistributedConfig, MeshConfig, OptimizerConfig, SFTConfig,
+                                      TrainConfig)
 
 __all__ = [
     "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "REMATS", "SCALES",
     "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EnvironmentConfig", "Estimator", "EvalConfig", "GRPOConfig",
-    "DistillConfig", "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
+    "DistillConfig", "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "OptimizerConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SamplingConfig", "Scale", "SFTConfig", "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict",
     "config_to_dict", "did_you_mean", "load_config", "load_rm_config", "unknown_key", "PreferenceDataConfig",
     "RMRunConfig", "RMTrainConfig",

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 
 from grpo_jax.config.checks import choice_in, positive
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.config.training import LR_SCHEDULES, LRSchedule, MeshConfig
+from grpo_jax.config.training import LR_SCHEDULES, LRSchedule, MeshConfig, OptimizerConfig
 
 PairChatTemplate = Literal["auto", "never"]
 PAIR_CHAT_TEMPLATES: tuple[str, ...] = get_args(PairChatTemplate)
@@ -71,14 +71,23 @@ class RMTrainConfig:
     seed: int = 0
     eval_every: int = 0
     progress: bool = True
+    max_consecutive_skips: int = 5  # abort after this many non-finite updates in a row (each is skipped)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "learning_rate", "max_grad_norm"):
+        for name in ("steps", "batch_size", "learning_rate", "max_grad_norm", "max_consecutive_skips"):
             positive("train", name, getattr(self, name))
         choice_in("train", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         for name in ("warmup_steps", "weight_decay", "margin", "lm_coef", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The reward model's optimizer: this section's learning rate, schedule over `steps`,
+        clipping and weight decay, with Adam's default betas and eps."""
+        return OptimizerConfig(learning_rate=self.learning_rate, lr_schedule=self.lr_schedule,
+                               warmup_steps=self.warmup_steps, total_steps=self.steps,
+                               max_grad_norm=self.max_grad_norm, weight_decay=self.weight_decay)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

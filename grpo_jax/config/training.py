@@ -14,6 +14,33 @@ LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 CPU_COLLECTIVES: tuple[str, ...] = get_args(CPUCollectives)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """One optimizer, as grpo_jax.learner.optimizer.make_optimizer builds every optimizer of the
+    package: global-norm clipping at `max_grad_norm` (None: none), then AdamW at `learning_rate`
+    (`lr_schedule`: constant, with a linear warm-up over `warmup_steps` when set, or "cosine":
+    warm-up then cosine decay to 0 at `total_steps`). Not a YAML section: a section gives its own
+    (`TrainConfig.optimizer`, `RMTrainConfig.optimizer`)."""
+
+    learning_rate: float
+    lr_schedule: LRSchedule = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    max_grad_norm: float | None = 1.0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        positive("optimizer", "learning_rate", self.learning_rate)
+        choice_in("optimizer", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        for name in ("warmup_steps", "total_steps", "weight_decay"):
+            non_negative("optimizer", name, getattr(self, name))
+        if self.max_grad_norm is not None:
+            positive("optimizer", "max_grad_norm", self.max_grad_norm)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 100
     seed: int = 0
@@ -57,6 +84,16 @@ class TrainConfig:
         for name in ("warmup_steps", "max_resample_rounds", "samples_every", "samples_count", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        positive("train", "max_grad_norm", self.max_grad_norm)
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The policy's optimizer: this section's learning rate, schedule over `steps`, clipping,
+        weight decay and Adam's betas and eps."""
+        return OptimizerConfig(learning_rate=self.learning_rate, lr_schedule=self.lr_schedule,
+                               warmup_steps=self.warmup_steps, total_steps=self.steps,
+                               max_grad_norm=self.max_grad_norm, weight_decay=self.weight_decay, b1=self.adam_b1,
+                               b2=self.adam_b2, eps=self.adam_eps)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,71 +1,74 @@
-"""The one optimizer factory: global-norm clipping then AdamW over fp32 master params, with the
-run's learning-rate schedule; PPO pairs the policy's optimizer with its value head's.
+"""The one optimizer builder: `make_optimizer(OptimizerConfig)`, global-norm clipping then AdamW
+over fp32 master params with a learning-rate schedule; PPO pairs the policy's optimizer with its
+value head's.
 
-Every trainer builds its optimizer here: the GRPO/PPO update (`run_optimizer`), the supervised warm
-start (grpo_jax.trainer.warm_start) and reward-model training (grpo_jax.tools.reward_training).
+Every optimizer of the package is built by it from a config section's `OptimizerConfig`: the
+GRPO/PPO update and its critic (`run_optimizer`), the supervised warm start
+(`warm_start_optimizer`) and reward-model training (grpo_jax.tools.reward_training).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax.config import RunConfig
+from grpo_jax.config import OptimizerConfig, RunConfig
 
 
-def make_optimizer(learning_rate, *, max_grad_norm: float | None = 1.0, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
-    """Global-norm clipping (`max_grad_norm`; None: none) then AdamW (fp32 master params: the
-    state is kept in the params' dtype). `learning_rate`: a float or an optax schedule."""
-    adam = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    if max_grad_norm is None:
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping (`config.max_grad_norm`; None: none) then AdamW at the config's
+    learning-rate schedule (fp32 master params: the state is kept in the params' dtype)."""
+    adam = optax.adamw(_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
+                       weight_decay=config.weight_decay)
+    if config.max_grad_norm is None:
         return adam
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adam)
+    return optax.chain(optax.clip_by_global_norm(config.max_grad_norm), adam)
 
 
-def schedule(learning_rate: float, *, warmup_steps: int = 0, total_steps: int = 0, kind: str = "constant"):
-    """Constant, or with linear warm-up over `warmup_steps`, or (kind "cosine") warm-up then cosine
-    decay to 0 at `total_steps`."""
-    if kind == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1), total_steps)
-    if warmup_steps:
-        return optax.linear_schedule(0.0, learning_rate, warmup_steps)
-    return learning_rate
+def _schedule(config: OptimizerConfig):
+    """Constant (a plain float), or with linear warm-up over `warmup_steps`, or (lr_schedule
+    "cosine") warm-up then cosine decay to 0 at `total_steps`."""
+    if config.lr_schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, max(config.warmup_steps, 1),
+                                                  config.total_steps)
+    if config.warmup_steps:
+        return optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+    return config.learning_rate
 
 
-def learning_rate(config: RunConfig):
-    """The policy's learning rate: constant, or with linear warm-up, or warm-up then cosine decay."""
-    t = config.train
-    return schedule(t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps, kind=t.lr_schedule)
+def _constant(config: OptimizerConfig, learning_rate: float) -> OptimizerConfig:
+    """`config` at a constant `learning_rate` (its clipping, weight decay and Adam's settings kept)."""
+    return dataclasses.replace(config, learning_rate=learning_rate, lr_schedule="constant", warmup_steps=0)
 
 
 def run_optimizer(config: RunConfig) -> optax.GradientTransformation:
-    """The run's optimizer: `make_optimizer` with the train section's settings; for `algorithm:
-    ppo` paired with the critic's own (`ppo.critic_learning_rate`, default the policy's; a critic
-    model's transformer at `ppo.critic_trunk_learning_rate` when set, each with its own clipping)."""
-    t = config.train
-    adam = dict(max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay, b1=t.adam_b1, b2=t.adam_b2,
-                eps=t.adam_eps)
-    optimizer = make_optimizer(learning_rate(config), **adam)
+    """The run's optimizer: the train section's (`TrainConfig.optimizer`); for `algorithm: ppo`
+    paired with the critic's own, with the same settings at a constant `ppo.critic_learning_rate`
+    (default: the policy's learning rate and schedule) and, for a critic model's transformer, at
+    `ppo.critic_trunk_learning_rate` when set (each with its own clipping)."""
+    policy = config.train.optimizer
+    optimizer = make_optimizer(policy)
     if config.algorithm != "ppo":
         return optimizer
     ppo = config.ppo
-    critic = make_optimizer(ppo.critic_learning_rate or learning_rate(config), **adam)
+    critic = make_optimizer(policy if ppo.critic_learning_rate is None else _constant(policy, ppo.critic_learning_rate))
     if ppo.critic == "model" and ppo.critic_trunk_learning_rate is not None:
-        trunk = make_optimizer(ppo.critic_trunk_learning_rate, **adam)
+        trunk = make_optimizer(_constant(policy, ppo.critic_trunk_learning_rate))
         critic = optax.multi_transform({"head": critic, "trunk": trunk}, _critic_labels)
     return pair_optimizer(optimizer, critic)
 
 
 def warm_start_optimizer(config: RunConfig) -> optax.GradientTransformation:
-    """The supervised warm start's: AdamW at `sft.learning_rate` with the train section's betas and
-    optax's default weight decay (1e-4), without clipping: its cross-entropy gradients are not the
-    policy gradient's heavy-tailed ones that train.max_grad_norm guards, and its documented
-    results (the demo's and the tests' warm starts) were measured unclipped."""
-    t = config.train
-    return make_optimizer(config.sft.learning_rate, max_grad_norm=None, weight_decay=1e-4, b1=t.adam_b1,
-                          b2=t.adam_b2, eps=t.adam_eps)
+    """The supervised warm start's: AdamW at a constant `sft.learning_rate` with the train section's
+    betas and optax's default weight decay (1e-4), without clipping: its cross-entropy gradients
+    are not the policy gradient's heavy-tailed ones that train.max_grad_norm guards, and its
+    documented results (the demo's and the tests' warm starts) were measured unclipped."""
+    sft = dataclasses.replace(_constant(config.train.optimizer, config.sft.learning_rate), max_grad_norm=None,
+                              weight_decay=1e-4)
+    return make_optimizer(sft)
 
 
 def pair_optimizer(policy: optax.GradientTransformation,

@@ -28,8 +28,9 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import RunConfig
 from grpo_jax.learner.grpo import GroupAdvantages
-from grpo_jax.learner.train_step import (Batch, TrainState, bind_train_step, make_advantages_step,
-                                         make_ref_logprobs_step, make_train_step)
+from grpo_jax.learner.step_factory import TrainState
+from grpo_jax.learner.train_step import (Batch, bind_train_step, make_advantages_step, make_ref_logprobs_step,
+                                         make_train_step)
 from grpo_jax.runtime.sharding import (param_shardings, replicate, replicated, split_rows, train_state_shardings,
                                        tree_shardings, unreplicate)
 

@@ -4,10 +4,10 @@ normalisation of the global rewards array) and `ref_logprobs_step` (the KL refer
 log-probs).
 
 The model enters as an NNX graphdef (static) plus its parameter state (a pytree); `nnx.merge`
-happens inside the step only. Gradients are accumulated over micro-batches with `lax.scan`
-(grpo_jax.learner.micro_batches), with the loss normaliser of the whole batch, so any number of
-micro-batches gives the same update. A
-non-finite loss or gradient leaves params and optimizer state bit-identical and is counted; the
+happens inside the step only. The step builds its loss from the batch (the loss normaliser of the
+whole batch, so any number of micro-batches gives the same update) and applies it through the one
+update every training step shares (grpo_jax.learner.step_factory.update: micro-batches in a scan,
+a non-finite loss or gradient leaving params and optimizer state bit-identical and counted); the
 host aborts after `max_consecutive_skips` in a row (`check_skips`).
 
 Shape suffixes: grpo_jax.shapes (R rows = N prompts x G samples, P prompt bucket, M completion tokens).
@@ -26,12 +26,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import DistillConfig, GRPOConfig, PPOConfig, check_micro_batches
-from grpo_jax.learner.grpo import MAX_SUMS, GroupAdvantages, group_advantages, loss_metrics
+from grpo_jax.learner.grpo import GroupAdvantages, group_advantages, loss_metrics
 from grpo_jax.learner.logprobs import completion_logprobs
-from grpo_jax.learner.micro_batches import accumulate, grad_noise_scale, sq_norm
 from grpo_jax.learner.objectives import Objective, micro_loss_fn, policy_frozen, whole_batch
-from grpo_jax.learner.optimizer import hold_policy_half
 from grpo_jax.learner.ppo import explained_variance
+from grpo_jax.learner.step_factory import TrainState, new_state, update
 from grpo_jax.models.lora import LoRAParam, has_adapters
 from grpo_jax.runtime.sharding import batch_sharding, replicated, sharded_jit
 
@@ -102,16 +101,6 @@ def check_group_rows(rows: int, micro_batches: int, group_size: int, groups: int
                          "prompt pass needs whole groups): choose micro_batches (x devices) dividing the prompts")
 
 
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # int32
-    params: nnx.State
-    opt_state: optax.OptState
-    skipped_total: jax.Array  # int32: updates skipped for non-finite gradients
-    skipped_streak: jax.Array  # int32: of which in a row, up to this step
-    critic: dict | None = None  # algorithm: ppo: the value head (grpo_jax.learner.ppo.init_critic), trained with params
-
-
 def split_trainable(model) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None]:
     """(graphdef, trainable params, frozen params or None): with LoRA adapters
     (`models.lora.add_adapters`) only they train and the base is frozen; else every parameter
@@ -132,11 +121,7 @@ def init_state(model, optimizer: optax.GradientTransformation, *,
     adapters only, for a model with LoRA adapters); with `critic` (PPO's value head) the optimizer
     holds the pair (params, critic)."""
     graphdef, params, _ = split_trainable(model)
-    opt_state = optimizer.init(params if critic is None else (params, critic))
-    # Distinct buffers for each counter: the step donates the whole state.
-    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                                skipped_total=jnp.zeros((), jnp.int32), skipped_streak=jnp.zeros((), jnp.int32),
-                                critic=critic)
+    return graphdef, new_state(params, optimizer, critic=critic)
 
 
 def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None, *, graphdef,
@@ -181,22 +166,10 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     micro_loss = micro_loss_fn(lambda params: merge_model(graphdef, params, frozen), config, objective, whole,
                                group_size=group_size, logprob_chunk=logprob_chunk, temperature=temperature,
                                row_sharding=row_sharding, warmup=warmup)
-    trainable = (state.params, state.critic) if ppo else state.params
-    loss, grads, sums, sq = accumulate(micro_loss, trainable, batch.replace(zero_std=None), step_key, micro_batches,
-                                       unit=group_size)
-    pieces, rows = micro_batches, batch.completion_ids.shape[0]
-    if axis_name is not None:
-        # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
-        loss, grads, sq = jax.lax.psum((loss, grads, sq), axis_name)
-        sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
-                for k, v in sums.items()}
-        pieces, rows = pieces * jax.lax.psum(1, axis_name), rows * jax.lax.psum(1, axis_name)
-    noise_scale = grad_noise_scale(sq, sq_norm(grads), pieces=pieces, rows=rows)
+    state, core, sums = update(state, micro_loss, batch.replace(zero_std=None), step_key, optimizer=optimizer,
+                               micro_batches=micro_batches, unit=group_size, axis_name=axis_name, hold_policy=warmup)
     extra = _objective_metrics(sums, ppo, warmup)
-    state, grad_norm = _apply(state, trainable, grads, loss, optimizer, ppo, hold_policy=warmup)
-    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,
-               "train/skipped_streak": state.skipped_streak, **loss_metrics(sums),
-               "health/grad_noise_scale": noise_scale, **_batch_metrics(whole.batch), **extra}
+    metrics = {**core, **loss_metrics(sums), **_batch_metrics(whole.batch), **extra}
     return state, metrics
 
 
@@ -219,30 +192,6 @@ def _objective_metrics(sums: dict, ppo: bool, warmup) -> dict[str, jax.Array]:
         extra["value/warmup"] = jnp.asarray(warmup, jnp.float32)
     extra.update({k[1:]: sums.pop(k) for k in list(sums) if k.startswith("_")})
     return extra
-
-
-def _apply(state: TrainState, trainable, grads, loss, optimizer, ppo: bool,
-           hold_policy: jax.Array | bool = False) -> tuple[TrainState, jax.Array]:
-    """The optimizer's update where loss and gradients are finite; else the state bit-identical
-    with the skip counted -> (state, the gradient's norm). `hold_policy` (PPO's value warm-up): the
-    policy's parameters and its half of the optimizer state kept as they were."""
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt = optimizer.update(grads, state.opt_state, trainable)
-    new_trainable = keep_if(finite, optax.apply_updates(trainable, updates), trainable)
-    new_params, new_critic = new_trainable if ppo else (new_trainable, None)
-    new_opt = keep_if(finite, new_opt, state.opt_state)
-    if ppo and hold_policy is not False:
-        new_params = keep_if(hold_policy, state.params, new_params)
-        new_opt = hold_policy_half(new_opt, state.opt_state, hold_policy)
-    return TrainState(step=state.step + 1, params=new_params, opt_state=new_opt,
-                      skipped_total=state.skipped_total + (~finite).astype(jnp.int32),
-                      skipped_streak=jnp.where(finite, 0, state.skipped_streak + 1), critic=new_critic), grad_norm
-
-
-def keep_if(finite: jax.Array, new, old):
-    """`new` where the update is finite, else `old`, leaf by leaf (a skipped step is bit-identical)."""
-    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
 
 
 def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:

@@ -22,6 +22,7 @@ AutoModelForSequenceClassification loads with equal scores.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import yaml
 from flax import nnx
 from jax.sharding import Mesh
@@ -42,7 +42,9 @@ from grpo_jax.models import from_pretrained
 from grpo_jax.models.reward_model import RewardModel, is_sequence_classifier, load_reward_model, save_reward_model
 from grpo_jax.rewards.reward_model import rm_input
 from grpo_jax.learner.logprobs import chunked_logprobs
-from grpo_jax.learner.optimizer import make_optimizer, schedule
+from grpo_jax.learner.optimizer import make_optimizer
+from grpo_jax.learner.step_factory import TrainState, make_step, new_state
+from grpo_jax.learner.train_step import check_skips
 from grpo_jax.trainer.prepare import architecture, build_tokenizer, model_options
 from grpo_jax.runtime.sharding import (batch_sharding, init_on_host, make_mesh, mesh_devices, on_mesh, place_model,
                                        pow2_bucket, replicated, round_to_row_shards, sharded_jit, tree_shardings)
@@ -187,36 +189,40 @@ def _pair_scores(model: RewardModel, ids_B2T, mask_B2T):
     return r[:, 0], r[:, 1], h.reshape(B, 2, T, -1)[:, 0]
 
 
-def make_steps(graphdef, optimizer, mesh, params, opt_state, *, lm_coef: float = 0.0):
-    """(train step, scoring step), jitted once (`sharded_jit`). The params (and Adam's moments, made
-    from them) keep the shardings `place_model` gave them (`params`, `opt_state` as placed); the
-    pairs' rows are split over data x fsdp; params and optimizer state are donated. With `lm_coef`
-    the step also logs `rm/lm_loss` (the chosen answers' cross-entropy); without, no logits are
-    computed (a real model's vocabulary makes them the largest tensor of the step)."""
+def pair_loss(pairs, *, graphdef, lm_coef: float = 0.0):
+    """The Bradley-Terry loss of a batch of `pairs` (ids, mask [B, 2, T], margin, answer_start [B])
+    as the step factory takes it (`MicroLoss`): `bt_loss`, plus `lm_coef` times the chosen answers'
+    `answer_nll`, with `rm/loss`, `rm/lm_loss` (only with `lm_coef`: without, no logits are
+    computed, and a real model's vocabulary makes them the largest tensor of the step),
+    `rm/accuracy` and `rm/reward_margin` as its sums. Means over the batch it is given: the
+    reward model trains on one micro-batch, so nothing of the whole batch is bound."""
+    def micro_loss(params, micro, key):
+        ids, mask, margin, answer_start = micro
+        model = nnx.merge(graphdef, params)
+        rc, rr, h_BTE = _pair_scores(model, ids, mask)
+        terms = {"rm/loss": bt_loss(rc, rr, margin)}
+        if lm_coef:
+            terms["rm/lm_loss"] = answer_nll(model, h_BTE, ids[:, 0], mask[:, 0], answer_start)
+        loss = terms["rm/loss"] + lm_coef * terms.get("rm/lm_loss", 0.0)
+        return loss, {**terms, "rm/accuracy": jnp.mean(rc > rr), "rm/reward_margin": jnp.mean(rc - rr)}
 
-    def train_step(params, opt_state, ids, mask, margin, answer_start):
-        def loss_fn(p):
-            model = nnx.merge(graphdef, p)
-            rc, rr, h_BTE = _pair_scores(model, ids, mask)
-            terms = {"rm/loss": bt_loss(rc, rr, margin)}
-            if lm_coef:
-                terms["rm/lm_loss"] = answer_nll(model, h_BTE, ids[:, 0], mask[:, 0], answer_start)
-            return terms["rm/loss"] + lm_coef * terms.get("rm/lm_loss", 0.0), (terms, rc, rr)
+    return micro_loss
 
-        (_, (terms, rc, rr)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {**terms, "rm/accuracy": jnp.mean(rc > rr), "rm/reward_margin": jnp.mean(rc - rr),
-                   "train/grad_norm": optax.tree.norm(grads)}
-        return optax.apply_updates(params, updates), opt_state, metrics
 
+def make_steps(graphdef, optimizer, mesh, state: TrainState, *, lm_coef: float = 0.0):
+    """(train step, scoring step), jitted once. The train step is the step factory's with
+    `pair_loss` (`train(state, (ids, mask, margin, answer_start)) -> (state, metrics)`): the state
+    keeps the shardings it has (params as `place_model` gave them, Adam's moments made from them,
+    the rest replicated: `on_mesh`) and is donated, the pairs' rows are split over data x fsdp.
+    `score(params, ids, mask) -> (r_chosen, r_rejected)`."""
     def score_step(params, ids, mask):
         return _pair_scores(nnx.merge(graphdef, params), ids, mask)[:2]
 
-    shardings = (tree_shardings(params), tree_shardings(opt_state))
+    shardings = tree_shardings(state)
+    train = make_step(functools.partial(pair_loss, graphdef=graphdef, lm_coef=lm_coef), optimizer, mesh=mesh,
+                      state_shardings=shardings)
     rows = batch_sharding(mesh, 1)  # a prefix: the pairs' rows split, the rest whole
-    train = sharded_jit(train_step, in_shardings=(*shardings, rows, rows, rows, rows),
-                        out_shardings=(*shardings, replicated(mesh)), donate=("params", "opt_state"))
-    score = sharded_jit(score_step, in_shardings=(shardings[0], rows, rows), out_shardings=replicated(mesh))
+    score = sharded_jit(score_step, in_shardings=(shardings.params, rows, rows), out_shardings=replicated(mesh))
     return train, score
 
 
@@ -264,16 +270,15 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
     if batch != t.batch_size:
         log(f"train-rm: train.batch_size {t.batch_size} -> {batch} pairs, a multiple of the mesh's row shards")
     model = build_reward_model(config, tokenizer, mesh)
-    optimizer = make_optimizer(schedule(t.learning_rate, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                                        kind=t.lr_schedule), max_grad_norm=t.max_grad_norm, weight_decay=t.weight_decay)
+    optimizer = make_optimizer(t.optimizer)
     graphdef, params = nnx.split(model)
-    opt_state = on_mesh(optimizer.init(params), mesh)  # Adam's moments take the placed params' shardings
-    train_step, score = make_steps(graphdef, optimizer, mesh, params, opt_state, lm_coef=t.lm_coef)
+    state = on_mesh(new_state(params, optimizer), mesh)  # Adam's moments take the placed params' shardings
+    train_step, score = make_steps(graphdef, optimizer, mesh, state, lm_coef=t.lm_coef)
     rng = np.random.default_rng(t.seed)
     order, cursor = rng.permutation(len(train.margin)), 0
     eval_steps = {0, t.steps} | ({*range(t.eval_every, t.steps, t.eval_every)} if t.eval_every else set())
     with MetricsWriter(out) as writer, ProgressBar(t.steps, enabled=t.progress) as bar:
-        last = evaluate_pairs(score, params, held, batch)
+        last = evaluate_pairs(score, state.params, held, batch)
         writer.write(0, last)
         log(f"eval at step 0: pair accuracy {last['rm/pair_accuracy']:.3f}")
         for step in range(1, t.steps + 1):
@@ -284,17 +289,18 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
             if cursor >= len(order):
                 order, cursor = rng.permutation(len(train.margin)), 0
             t0 = time.perf_counter()
-            params, opt_state, metrics = train_step(params, opt_state, train.ids[idx], train.mask[idx],
-                                                    train.margin[idx], train.answer_start[idx])
+            state, metrics = train_step(state, (train.ids[idx], train.mask[idx], train.margin[idx],
+                                                train.answer_start[idx]))
             metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            check_skips(metrics, t.max_consecutive_skips)
             metrics["perf/step_s"] = time.perf_counter() - t0
             if step in eval_steps:
-                last = evaluate_pairs(score, params, held, batch)
+                last = evaluate_pairs(score, state.params, held, batch)
                 metrics.update(last)
                 bar.write(f"eval at step {step}: pair accuracy {last['rm/pair_accuracy']:.3f}")
             writer.write(step, metrics)
             bar.update(step, {"reward/mean": metrics["rm/accuracy"], "eval/accuracy": last["rm/pair_accuracy"]})
-    nnx.update(model, params)
+    nnx.update(model, state.params)
     save_reward_model(model, out / "hf", tokenizer=tokenizer)
     log(f"train-rm: held-out pair accuracy {last['rm/pair_accuracy']:.3f}; saved the reward model to {out / 'hf'}")
     return last

@@ -19,7 +19,8 @@ from grpo_jax.learner.learner import Learner
 from grpo_jax.learner.optimizer import run_optimizer
 from grpo_jax.learner.parallel import make_parallel
 from grpo_jax.trainer.warm_start import warm_start
-from grpo_jax.learner.train_step import TrainState, init_state, split_trainable
+from grpo_jax.learner.step_factory import TrainState
+from grpo_jax.learner.train_step import init_state, split_trainable
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.episode_source import EpisodeSampler

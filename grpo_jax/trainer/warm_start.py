@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -24,34 +23,36 @@ from grpo_jax.config import ConfigError
 from grpo_jax.runtime.hosts import common_bucket, row_share, to_global
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.optimizer import warm_start_optimizer
+from grpo_jax.learner.step_factory import TrainState, make_step, new_state
+from grpo_jax.learner.train_step import check_skips
 from grpo_jax.trainer.preemption import stop_point
 from grpo_jax.trainer.prepare import Prepared
 from grpo_jax.episodes.runner import trajectory_capacity, worked_episodes
 from grpo_jax.engine.sampling import pad_prompts
-from grpo_jax.runtime.sharding import batch_sharding, on_mesh, replicated, sharded_jit, tree_shardings
+from grpo_jax.runtime.sharding import on_mesh, tree_shardings
 
 
-def sft_loss(params, graphdef, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk: int):
-    """Mean negative log-likelihood per completion token (ids and masks as `completion_batch`'s)."""
-    model = nnx.merge(graphdef, params)
-    logp_RM, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, chunk=chunk)
-    mask_RM = completion_mask.astype(jnp.float32)
-    return -(logp_RM * mask_RM).sum() / jnp.maximum(mask_RM.sum(), 1.0)
+def sft_loss(batch, *, graphdef, chunk: int):
+    """The warm start's loss of a batch (ids and masks as `completion_batch`'s) as the step factory
+    takes it (`MicroLoss`): the negative log-likelihood of a micro-batch's completion tokens over
+    the whole batch's count of them (a mean per token, whatever the micro-batches)."""
+    tokens = jnp.maximum(batch[3].astype(jnp.float32).sum(), 1.0)
+
+    def micro_loss(params, micro, key):
+        prompt_ids, prompt_mask, completion_ids, completion_mask = micro
+        logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
+                                         chunk=chunk)
+        return -(logp_RM * completion_mask.astype(jnp.float32)).sum() / tokens, {}
+
+    return micro_loss
 
 
-def sft_step(params, opt_state, batch, *, graphdef, optimizer: optax.GradientTransformation, chunk: int):
-    loss, grads = jax.value_and_grad(sft_loss)(params, graphdef, *batch, chunk)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-
-def make_sft_step(graphdef, optimizer: optax.GradientTransformation, *, mesh, params, opt_state, chunk: int):
-    """`sft_step` jitted once on `mesh`: params and optimizer state keep their shardings (placed
-    by the rules; the rest replicated, `on_mesh`) and are donated, the batch's rows split."""
-    shardings = (tree_shardings(params), tree_shardings(opt_state))
-    step = functools.partial(sft_step, graphdef=graphdef, optimizer=optimizer, chunk=chunk)
-    return sharded_jit(step, in_shardings=(*shardings, batch_sharding(mesh, 1)),
-                       out_shardings=(*shardings, replicated(mesh)), donate=("params", "opt_state"))
+def make_sft_step(graphdef, optimizer: optax.GradientTransformation, *, mesh, state: TrainState, chunk: int):
+    """`step(state, batch) -> (state, metrics)`: the step factory's step with `sft_loss` on `mesh`
+    (one micro-batch), the state keeping its shardings (params placed by the rules, the rest
+    replicated: `on_mesh`) and donated, the batch's rows split."""
+    return make_step(functools.partial(sft_loss, graphdef=graphdef, chunk=chunk), optimizer, mesh=mesh,
+                     state_shardings=tree_shardings(state))
 
 
 def completion_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *,
@@ -103,9 +104,9 @@ def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[fl
     t = prepared.config.train
     optimizer = warm_start_optimizer(prepared.config)
     graphdef, params = nnx.split(model, nnx.Param)
-    # Moments follow their params; the step count goes on the mesh too, replicated.
-    opt_state = on_mesh(optimizer.init(params), mesh)
-    step = make_sft_step(graphdef, optimizer, mesh=mesh, params=params, opt_state=opt_state, chunk=t.logprob_chunk)
+    # Moments follow their params; the counters go on the mesh too, replicated.
+    state = on_mesh(new_state(params, optimizer), mesh)
+    step = make_sft_step(graphdef, optimizer, mesh=mesh, state=state, chunk=t.logprob_chunk)
     losses, counts = [], {"failed": 0, "first": None}
     for i in range(cfg.steps):
         stop_point()
@@ -113,12 +114,14 @@ def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[fl
         prompts, completions, masks, width = worked_batch(prepared, examples, counts)
         batch = completion_batch(prompts, completions, prompt_buckets=common_bucket(prompts, sampling.prompt_buckets),
                                  max_new_tokens=width, pad_id=sampling.pad_id, loss_masks=masks)
-        params, opt_state, loss = step(params, opt_state, to_global(batch, mesh, share))
-        losses.append(float(loss))
+        state, metrics = step(state, to_global(batch, mesh, share))
+        metrics = {k: float(v) for k, v in metrics.items()}
+        check_skips(metrics, t.max_consecutive_skips)
+        losses.append(metrics["train/loss"])
         if (i + 1) % max(1, cfg.steps // 5) == 0 or i + 1 == cfg.steps:
             log(f"sft step {i + 1}/{cfg.steps}: loss {np.mean(losses[-10:]):.4f}")
     if counts["failed"]:
         log(f"sft: {counts['failed']} worked episodes failed and were left out of the loss; "
             f"the first: {counts['first']}")
-    nnx.update(model, params)
+    nnx.update(model, state.params)
     return losses

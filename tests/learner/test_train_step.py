@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from grpo_jax.config import GRPOConfig
+from grpo_jax.config import GRPOConfig, OptimizerConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.learner.optimizer import make_optimizer
@@ -41,7 +41,7 @@ def test_micro_batches_give_the_same_update():
 
 
 def test_non_finite_gradient_skips_the_update_bit_identically():
-    opt = make_optimizer(1e-2)
+    opt = make_optimizer(OptimizerConfig(learning_rate=1e-2))
     graphdef, state = fresh(opt)
     step = one_device_step(graphdef, opt, GRPOConfig(), state)
     state, _ = step(state, make_batch(1))  # a normal step first, so the optimizer state is non-trivial
@@ -62,7 +62,7 @@ def test_non_finite_gradient_skips_the_update_bit_identically():
 
 
 def test_mu_one_uses_the_current_policy_as_old():
-    opt = make_optimizer(1e-2)
+    opt = make_optimizer(OptimizerConfig(learning_rate=1e-2))
     graphdef, state = fresh(opt)
     _, m1 = one_device_step(graphdef, opt, GRPOConfig(), state)(state, make_batch(4))
     assert float(m1["policy/ratio_max"]) == 1.0 and float(m1["policy/clip_frac_low"]) == 0.0
@@ -75,7 +75,7 @@ def test_mu_one_uses_the_current_policy_as_old():
 def test_a_step_raises_the_logprob_of_rewarded_completions():
     from grpo_jax.learner.logprobs import completion_logprobs
 
-    opt = make_optimizer(3e-3)
+    opt = make_optimizer(OptimizerConfig(learning_rate=3e-3))
     graphdef, state = fresh(opt)
     batch = make_batch(5, rewards=[1, 0, 0, 0, 0, 1, 0, 0])
     step = one_device_step(graphdef, opt, GRPOConfig(), state)
@@ -99,7 +99,7 @@ def test_a_step_raises_the_logprob_of_rewarded_completions():
 
 
 def test_bf16_compute_with_fp32_master_params():
-    opt = make_optimizer(1e-3)
+    opt = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     model = Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
     graphdef, state = init_state(model, opt)
     state, metrics = one_device_step(graphdef, opt, GRPOConfig(), state)(state, make_batch(6))
@@ -116,7 +116,7 @@ def test_bf16_compute_with_fp32_master_params():
     ("ref_logprobs", lambda b: b.old_logprobs[:, :2], "Batch.ref_logprobs"),
 ])
 def test_a_malformed_batch_names_its_field(field, change, message):
-    opt = make_optimizer(1e-3)
+    opt = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     graphdef, state = fresh(opt)
     batch = make_batch(7)
     bad = batch.replace(**{field: change(batch)})

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from grpo_jax.config import DistillConfig, GRPOConfig, MeshConfig, PPOConfig
+from grpo_jax.config import DistillConfig, GRPOConfig, MeshConfig, OptimizerConfig, PPOConfig
 from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.learner.optimizer import make_optimizer, pair_optimizer
 from grpo_jax.learner.train_step import init_state, make_train_step
@@ -29,7 +29,8 @@ def copy(tree):
 
 @pytest.mark.parametrize("kind", ["head", "model"])
 def test_value_warmup_trains_the_critic_alone(kind):
-    opt = pair_optimizer(make_optimizer(1e-3), make_optimizer(1e-2))
+    opt = pair_optimizer(make_optimizer(OptimizerConfig(learning_rate=1e-3)),
+                         make_optimizer(OptimizerConfig(learning_rate=1e-2)))
     graphdef, state, critic_graphdef = ppo_state(opt, kind)
     params0, policy_opt0, critic0 = copy(state.params), copy(state.opt_state.inner_states["policy"]), copy(state.critic)
     warmup = 25

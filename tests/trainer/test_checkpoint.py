@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from grpo_jax.trainer.checkpoint import Checkpointer, resume, save_step
-from grpo_jax.config import ConfigError
+from grpo_jax.config import ConfigError, OptimizerConfig
 from grpo_jax.data import IndexSampler
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
@@ -28,7 +28,8 @@ class Moments(RewardModelReward):
 
 
 def state_of(seed: int):
-    return init_state(Transformer(tiny("llama"), rngs=nnx.Rngs(seed)), make_optimizer(1e-3))[1]
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    return init_state(Transformer(tiny("llama"), rngs=nnx.Rngs(seed)), optimizer)[1]
 
 
 def leaves(tree):
