@@ -1,7 +1,7 @@
 """Micro-batching: a batch's rows split into micro-batches (`split_micro_batches`), gradients
 summed over them in a scan (`accumulate`), and the gradient noise scale those pieces measure
-(`grad_noise_scale`). The train step (grpo_jax.learner.train_step) runs them under jit on a mesh
-and under pmap.
+(`grad_noise_scale`). Every training step runs them through grpo_jax.learner.step_factory.update,
+the RL step (grpo_jax.learner.train_step) under jit on a mesh and under pmap.
 """
 
 from __future__ import annotations
