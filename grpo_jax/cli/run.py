@@ -86,22 +86,24 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _training_command(sub, name: str, func, about: str, *, example: str, output: str) -> None:
+    """A command that trains from a config: --config, --set and --output (default runs/<config name>)."""
+    command = sub.add_parser(name, help=about)
+    command.add_argument("--config", required=True, help=f"YAML file, e.g. {example}")
+    command.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
+    command.add_argument("--output", default=None, help=f"{output} (default runs/<config name>)")
+    command.set_defaults(func=func, prog=command.prog)
+
+
 def add_commands(sub) -> None:
     """The parsers of `train`, `train-rm`, `check` and `eval`."""
     from grpo_jax.tools import check as check_tool
 
-    train = sub.add_parser("train", help="run GRPO as a YAML config says")
-    train.add_argument("--config", required=True, help="YAML file, e.g. configs/demo_cpu.yaml")
-    train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
-    train.add_argument("--output", default=None, help="run directory (default runs/<config name>)")
-    train.set_defaults(func=_train, prog=train.prog)
-
-    rm = sub.add_parser("train-rm", help="train a reward model on preference pairs (Bradley-Terry); saves an HF "
-                                         "*ForSequenceClassification directory in OUTPUT/hf")
-    rm.add_argument("--config", required=True, help="YAML file, e.g. configs/rm_demo_cpu.yaml")
-    rm.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.steps=10")
-    rm.add_argument("--output", default=None, help="output directory (default runs/<config name>)")
-    rm.set_defaults(func=_train_rm, prog=rm.prog)
+    _training_command(sub, "train", _train, "run GRPO as a YAML config says", example="configs/demo_cpu.yaml",
+                      output="run directory")
+    _training_command(sub, "train-rm", _train_rm, "train a reward model on preference pairs (Bradley-Terry); saves "
+                      "an HF *ForSequenceClassification directory in OUTPUT/hf", example="configs/rm_demo_cpu.yaml",
+                      output="output directory")
 
     check = sub.add_parser("check", help="check every input of a config (model, tokenizer and chat template, "
                                          "data, rewards, installed packages) without compiling anything")

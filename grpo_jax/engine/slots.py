@@ -36,11 +36,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.cache import ChunkedKeys
 from grpo_jax.models.layers import NEG, finish_layer, qkv, rms_norm, rope_tables, softcap
 
 
 @flax.struct.dataclass
-class SlotCache:
+class SlotCache(ChunkedKeys):
+    """A chunk is an attention phase here; `capacity` is a slot's fed tokens (Mc)."""
+
     prompt_keys: tuple[jax.Array, ...]  # L x [Z, Np, K, D, P]
     prompt_values: tuple[jax.Array, ...]  # L x [Z, Np, K, P, D]
     prompt_mask: jax.Array  # bool [Z, Np, P]: the prompt slot holds a real token
@@ -80,20 +83,6 @@ class SlotCache:
             slot_t=jnp.zeros((Z, J), jnp.int32),
         )
 
-    @property
-    def num_phases(self) -> int:
-        return len(self.keys)
-
-    @property
-    def chunk_size(self) -> int:
-        """Generated slots per chunk buffer (C)."""
-        return self.keys[0][0].shape[-1]
-
-    @property
-    def capacity(self) -> int:
-        """Fed tokens a slot can hold (Mc)."""
-        return self.num_phases * self.chunk_size
-
     def per_slot(self, x_ZN):
         """A per-prompt array [Z, Np, ...] read for each slot's prompt -> [Z, J, ...]."""
         return jax.vmap(lambda a, i: a[i])(x_ZN, self.slot_prompt)
@@ -124,16 +113,16 @@ def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: ja
             masks[kind] = (pmask_XP, gen_XC)
         else:
             masks[kind] = (pmask_XP & (pos_X1 - ppos_XP < window), gen_XC & (t_X[:, None] - j_C[None] < window))
-    programs = [functools.partial(_attend, chunks=c + 1, cfg=cfg, dtype=dtype) for c in range(cache.num_phases)]
+    programs = [functools.partial(_attend, chunks=c + 1, cfg=cfg, dtype=dtype) for c in range(cache.num_chunks)]
     rows = jnp.arange(X)
     # Where the token goes in each chunk: its slot there, or C (outside: the write is dropped).
-    at = [jnp.where(t_X // C == c, t_X % C, C) for c in range(cache.num_phases)]
+    at = [jnp.where(t_X // C == c, t_X % C, C) for c in range(cache.num_chunks)]
     x_X1E = model.embed_tokens(tokens_ZJ.reshape(X, 1))
     keys, values = [list(chunk) for chunk in cache.keys], [list(chunk) for chunk in cache.values]
     for l, kind in enumerate(cfg.layer_types):
         y = cfg.kinds.index(kind)
         q, k, v = qkv(x_X1E, weights[l], cfg, cos_YX1D[y], sin_YX1D[y])  # [X, 1, H, D], [X, 1, K, D]
-        for c in range(cache.num_phases):
+        for c in range(cache.num_chunks):
             keys[c][l] = keys[c][l].at[rows, :, :, at[c]].set(k[:, 0].astype(keys[c][l].dtype), mode="drop")
             values[c][l] = values[c][l].at[rows, :, at[c], :].set(v[:, 0].astype(values[c][l].dtype), mode="drop")
         K, D = k.shape[2], k.shape[3]

@@ -28,8 +28,28 @@ import jax
 import jax.numpy as jnp
 
 
+class ChunkedKeys:
+    """Generated keys and values held as `keys`/`values` tuples of chunk buffers of C slots each
+    (chunk c attends only once the decode reaches it): what the sampler's KVCache and the
+    continuous engine's SlotCache (grpo_jax.engine.slots) share."""
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def chunk_size(self) -> int:
+        """Generated slots per chunk buffer (C)."""
+        return self.keys[0][0].shape[-1]
+
+    @property
+    def capacity(self) -> int:
+        """Fed tokens (decode steps) a row can hold."""
+        return self.num_chunks * self.chunk_size
+
+
 @flax.struct.dataclass
-class KVCache:
+class KVCache(ChunkedKeys):
     """Keys/values of a prefilled prompt batch and its decode steps (layout in the module docstring).
 
     Build it with `Transformer.prefill` (or `from_prefill`); `Transformer.decode_step` writes one
@@ -91,23 +111,10 @@ class KVCache:
     def prompt_len(self) -> int:
         return self.prompt_keys[0].shape[-1]
 
-    @property
-    def num_chunks(self) -> int:
-        return len(self.keys)
-
-    @property
-    def chunk_size(self) -> int:
-        return self.keys[0][0].shape[-1]
-
-    @property
-    def decode_capacity(self) -> int:
-        """How many decode steps fit."""
-        return self.num_chunks * self.chunk_size
-
     def chunk_of(self, step: int) -> int:
         """The chunk that decode step `step` (0-based) writes: static, since it bounds attention."""
-        if not 0 <= step < self.decode_capacity:
-            raise ValueError(f"decode step {step} is outside this cache's {self.decode_capacity} decode slots")
+        if not 0 <= step < self.capacity:
+            raise ValueError(f"decode step {step} is outside this cache's {self.capacity} decode slots")
         return step // self.chunk_size
 
     def open_slot(self) -> KVCache:
