@@ -39,11 +39,14 @@ def _check(args: argparse.Namespace) -> int:
 
 def _train_rm(args: argparse.Namespace) -> int:
     from grpo_jax.config import load_rm_config
-    from grpo_jax.tools.reward_training import train_reward_model
+    from grpo_jax.tools.reward_run import train_reward_model
 
     config = load_rm_config(args.config, args.set or ())
     out = Path(args.output or Path("runs") / Path(args.config).stem)
     last = train_reward_model(config, out)
+    if "stopped" in last:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+        print(json.dumps(last))
+        return 0
     print(json.dumps({"output": str(out), "metrics": str(out / "metrics.jsonl"), "model": str(out / "hf"),
                       "rm/pair_accuracy": last["rm/pair_accuracy"]}))
     return 0

@@ -224,11 +224,12 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
 
 
 _RM_SECTIONS: dict[str, type] = {"model": ModelConfig, "data": PreferenceDataConfig, "train": RMTrainConfig,
-                                 "mesh": MeshConfig}
+                                 "checkpoint": CheckpointConfig, "mesh": MeshConfig}
 
 
 def load_rm_config(path: str | Path, overrides: Sequence[str] = ()) -> RMRunConfig:
-    """A `grpo-jax train-rm` config file (sections model:, data:, train:, mesh:) with `--set` overrides."""
+    """A `grpo-jax train-rm` config file (sections model:, data:, train:, checkpoint:, mesh:) with
+    `--set` overrides."""
     raw = apply_overrides(_read_yaml(path), overrides, sections=_RM_SECTIONS, top_level=tuple(_RM_SECTIONS))
     return _from_dict(raw, RMRunConfig, _RM_SECTIONS)
 

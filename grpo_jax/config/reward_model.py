@@ -1,5 +1,6 @@
 """The configuration of `grpo-jax train-rm`: a reward model trained on preference pairs with the
-Bradley-Terry loss (sections `model:`, `data:`, `train:`, `mesh:`; `loading.load_rm_config`)."""
+Bradley-Terry loss (sections `model:`, `data:`, `train:`, `checkpoint:`, `mesh:`;
+`loading.load_rm_config`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any, Literal, get_args
 
 from grpo_jax.config.checks import choice_in, positive
 from grpo_jax.config.model import ModelConfig
-from grpo_jax.config.training import LR_SCHEDULES, LRSchedule, MeshConfig, OptimizerConfig
+from grpo_jax.config.training import LR_SCHEDULES, CheckpointConfig, LRSchedule, MeshConfig, OptimizerConfig
 
 PairChatTemplate = Literal["auto", "never"]
 PAIR_CHAT_TEMPLATES: tuple[str, ...] = get_args(PairChatTemplate)
@@ -72,6 +73,7 @@ class RMTrainConfig:
     eval_every: int = 0
     progress: bool = True
     max_consecutive_skips: int = 5  # abort after this many non-finite updates in a row (each is skipped)
+    resume: bool = False  # continue from the output directory's newest checkpoint (else one there is refused)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "learning_rate", "max_grad_norm", "max_consecutive_skips"):
@@ -99,6 +101,7 @@ class RMRunConfig:
     model: ModelConfig | None = None
     data: PreferenceDataConfig = dataclasses.field(default_factory=PreferenceDataConfig)
     train: RMTrainConfig = dataclasses.field(default_factory=RMTrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)  # as the RL trainer's
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):

@@ -16,7 +16,8 @@ import jax
 from flax import nnx
 
 from grpo_jax.learner.parallel import Parallel
-from grpo_jax.learner.train_step import Batch, TrainState, check_skips
+from grpo_jax.learner.step_factory import TrainState, check_skips
+from grpo_jax.learner.train_step import Batch
 
 
 class Learner:

@@ -5,7 +5,7 @@ a scan (grpo_jax.learner.micro_batches.accumulate), summed across devices under 
 optimizer update (gradient clipping is inside the optax chain, grpo_jax.learner.optimizer). A
 non-finite loss or gradient leaves params and optimizer state bit-identical and is counted in the
 state (`skipped_total`, `skipped_streak`; the host aborts after too many in a row:
-grpo_jax.learner.train_step.check_skips).
+`check_skips`).
 
 `make_step` turns a loss into a jitted step with explicit shardings and a donated state: the
 supervised warm start (grpo_jax.trainer.warm_start) and reward-model training
@@ -145,3 +145,13 @@ def make_step(loss_of: Callable[[Any], MicroLoss], optimizer: optax.GradientTran
     # One sharding for the whole batch (a prefix: rows split, other dimensions whole).
     return sharded_jit(step, in_shardings=(state_shardings, batch_sharding(mesh, 1)),
                        out_shardings=(state_shardings, replicated(mesh)), donate=("state",))
+
+
+def check_skips(metrics: dict, max_consecutive: int) -> None:
+    """Host-side: abort the run after `max_consecutive` non-finite updates in a row."""
+    streak = int(metrics["train/skipped_streak"])
+    if streak >= max_consecutive:
+        raise FloatingPointError(
+            f"{streak} consecutive train steps had a non-finite loss or gradient (updates skipped); "
+            "lower the learning rate, check rewards and inputs for NaN, or enable bf16-safe settings"
+        )

@@ -8,7 +8,7 @@ happens inside the step only. The step builds its loss from the batch (the loss 
 whole batch, so any number of micro-batches gives the same update) and applies it through the one
 update every training step shares (grpo_jax.learner.step_factory.update: micro-batches in a scan,
 a non-finite loss or gradient leaving params and optimizer state bit-identical and counted); the
-host aborts after `max_consecutive_skips` in a row (`check_skips`).
+host aborts after `max_consecutive_skips` in a row (`step_factory.check_skips`).
 
 Shape suffixes: grpo_jax.shapes (R rows = N prompts x G samples, P prompt bucket, M completion tokens).
 """
@@ -286,12 +286,3 @@ def make_ref_logprobs_step(graphdef, *, mesh: Mesh, params_shardings, logprob_ch
     rows = batch_sharding(mesh, 2)
     return sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
 
-
-def check_skips(metrics: dict, max_consecutive: int) -> None:
-    """Host-side: abort the run after `max_consecutive` non-finite updates in a row."""
-    streak = int(metrics["train/skipped_streak"])
-    if streak >= max_consecutive:
-        raise FloatingPointError(
-            f"{streak} consecutive train steps had a non-finite loss or gradient (updates skipped); "
-            "lower the learning rate, check rewards and inputs for NaN, or enable bf16-safe settings"
-        )

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from grpo_jax.learner.feed import StepSource
 from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
@@ -88,11 +89,12 @@ class InFlight:
     rewind: dict
 
 
-class RolloutSource(abc.ABC):
-    """Where the loop's trajectories come from: every method the loop, the checkpoints and
-    evaluation call on a source. `next` and `sync` are each source's own; the rest default to a
-    source that samples only when asked (nothing ahead of the learner, nothing in flight).
-    `model`: the policy the sampler reads, which evaluation reads too."""
+class RolloutSource(StepSource):
+    """Where the RL loop's trajectories come from: every method the loop, the checkpoints and
+    evaluation call on a source (the loop's own, `StepSource`'s, and what a checkpoint and the
+    evaluation need). `next` and `sync` are each source's own; the rest default to a source that
+    samples only when asked (nothing ahead of the learner, nothing in flight). `model`: the
+    policy the sampler reads, which evaluation reads too."""
 
     model: nnx.Module
 
@@ -103,9 +105,6 @@ class RolloutSource(abc.ABC):
     @abc.abstractmethod
     def sync(self, params: nnx.State) -> None:
         """The learner's parameters after an update: what the next rollouts sample with."""
-
-    def ahead(self) -> None:
-        """Called while the learner's update runs: a pipelined source samples a later batch here."""
 
     def in_flight(self) -> InFlight | None:
         """The batches sampled ahead and not yet learned from, for a checkpoint taken now."""

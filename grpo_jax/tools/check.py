@@ -78,7 +78,7 @@ def _check_run(config, say: Callable[[str], None]) -> None:
 
 def _check_rm(config, say: Callable[[str], None]) -> None:
     from grpo_jax.tools.reward_training import encode_pairs, read_rows
-    from grpo_jax.trainer.prepare import build_tokenizer
+    from grpo_jax.models.build import build_tokenizer
 
     tokenizer = build_tokenizer(config.model)
     say(f"check: tokenizer: {len(tokenizer)} tokens")

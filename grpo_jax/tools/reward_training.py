@@ -1,4 +1,5 @@
-"""`grpo-jax train-rm`: a reward model trained on preference pairs with the Bradley-Terry loss.
+"""`grpo-jax train-rm`'s pairs, model and loss: a reward model trained on preference pairs with the
+Bradley-Terry loss (the run itself, in the RL trainer's loop: grpo_jax.tools.reward_run).
 
     loss = mean over pairs of -log sigmoid(r(prompt, chosen) - r(prompt, rejected) - margin)
            + lm_coef * (the backbone's next-token cross-entropy on the chosen answers' tokens)
@@ -24,30 +25,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import ConfigError, RMRunConfig
-from grpo_jax.config.loading import config_to_dict
-from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.models import from_pretrained
-from grpo_jax.models.reward_model import RewardModel, is_sequence_classifier, load_reward_model, save_reward_model
+from grpo_jax.models.reward_model import RewardModel, is_sequence_classifier, load_reward_model
 from grpo_jax.rewards.reward_model import rm_input
 from grpo_jax.learner.logprobs import chunked_logprobs
-from grpo_jax.learner.optimizer import make_optimizer
-from grpo_jax.learner.step_factory import TrainState, make_step, new_state
-from grpo_jax.learner.train_step import check_skips
-from grpo_jax.trainer.prepare import architecture, build_tokenizer, model_options
-from grpo_jax.runtime.sharding import (batch_sharding, init_on_host, make_mesh, mesh_devices, on_mesh, place_model,
-                                       pow2_bucket, replicated, round_to_row_shards, sharded_jit, tree_shardings)
+from grpo_jax.learner.step_factory import TrainState, make_step
+from grpo_jax.models.build import architecture, model_options
+from grpo_jax.runtime.sharding import (batch_sharding, init_on_host, place_model,
+                                       pow2_bucket, replicated, sharded_jit, tree_shardings)
 
 
 @dataclasses.dataclass
@@ -243,64 +238,3 @@ def evaluate_pairs(score, params, pairs: Pairs, batch: int) -> dict[str, float]:
         sel = np.asarray([k == kind for k in pairs.kinds])
         out[f"rm/pair_accuracy/{kind}"] = float(np.mean(diff[sel] > 0))
     return out
-
-
-def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable[[str], None] = print) -> dict:
-    """Train (see the module docstring); returns the last evaluation's metrics."""
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    t = config.train
-    tokenizer = build_tokenizer(config.model)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
-        raise ConfigError("the tokenizer has neither a pad nor an eos token: a reward model needs one to pad rows")
-    train, train_stats = encode_pairs(read_rows(config, "train"), config, tokenizer)
-    held, held_stats = encode_pairs(read_rows(config, "eval"), config, tokenizer, limit=config.data.eval_pairs)
-    for what, stats in (("train", train_stats), ("held-out", held_stats)):
-        log(f"train-rm: {stats['pairs']} {what} pairs, {stats['skipped']} rows skipped, {stats['truncated']} "
-            f"truncated to data.max_length={config.data.max_length}"
-            + (f" (first skip: {stats['first_skip']})" if stats["skipped"] else ""))
-    if not train_stats["pairs"] or not held_stats["pairs"]:
-        raise ConfigError("train-rm: no usable preference pairs in the train or held-out data (see the counts above)")
-    try:
-        mesh = make_mesh(config.mesh, mesh_devices(config.mesh))
-    except ValueError as e:
-        raise ConfigError(f"mesh: {e}") from None
-    batch = round_to_row_shards(t.batch_size, mesh)
-    if batch != t.batch_size:
-        log(f"train-rm: train.batch_size {t.batch_size} -> {batch} pairs, a multiple of the mesh's row shards")
-    model = build_reward_model(config, tokenizer, mesh)
-    optimizer = make_optimizer(t.optimizer)
-    graphdef, params = nnx.split(model)
-    state = on_mesh(new_state(params, optimizer), mesh)  # Adam's moments take the placed params' shardings
-    train_step, score = make_steps(graphdef, optimizer, mesh, state, lm_coef=t.lm_coef)
-    rng = np.random.default_rng(t.seed)
-    order, cursor = rng.permutation(len(train.margin)), 0
-    eval_steps = {0, t.steps} | ({*range(t.eval_every, t.steps, t.eval_every)} if t.eval_every else set())
-    with MetricsWriter(out) as writer, ProgressBar(t.steps, enabled=t.progress) as bar:
-        last = evaluate_pairs(score, state.params, held, batch)
-        writer.write(0, last)
-        log(f"eval at step 0: pair accuracy {last['rm/pair_accuracy']:.3f}")
-        for step in range(1, t.steps + 1):
-            # Every batch has `batch` pairs (one compiled shape), even from fewer pairs than that:
-            # an epoch's order wraps around, then a new order is drawn.
-            idx = np.take(order, np.arange(cursor, cursor + batch), mode="wrap")
-            cursor += batch
-            if cursor >= len(order):
-                order, cursor = rng.permutation(len(train.margin)), 0
-            t0 = time.perf_counter()
-            state, metrics = train_step(state, (train.ids[idx], train.mask[idx], train.margin[idx],
-                                                train.answer_start[idx]))
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            check_skips(metrics, t.max_consecutive_skips)
-            metrics["perf/step_s"] = time.perf_counter() - t0
-            if step in eval_steps:
-                last = evaluate_pairs(score, state.params, held, batch)
-                metrics.update(last)
-                bar.write(f"eval at step {step}: pair accuracy {last['rm/pair_accuracy']:.3f}")
-            writer.write(step, metrics)
-            bar.update(step, {"reward/mean": metrics["rm/accuracy"], "eval/accuracy": last["rm/pair_accuracy"]})
-    nnx.update(model, state.params)
-    save_reward_model(model, out / "hf", tokenizer=tokenizer)
-    log(f"train-rm: held-out pair accuracy {last['rm/pair_accuracy']:.3f}; saved the reward model to {out / 'hf'}")
-    return last

@@ -42,7 +42,7 @@ from grpo_jax.models.lora import LoRAParam, add_adapters
 from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.storage import is_remote
-from grpo_jax.learner.train_step import TrainState
+from grpo_jax.learner.step_factory import TrainState
 
 T = TypeVar("T")
 

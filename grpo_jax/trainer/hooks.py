@@ -8,8 +8,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from grpo_jax.rollout.source import Trajectories
-
 MetricHook = Callable[[int, dict], None]  # a caller's `train(hooks=...)`: (step, metrics)
 
 
@@ -19,7 +17,7 @@ class StepInfo:
 
     step: int
     state: Any  # the train state after the update (placed)
-    trajectories: Trajectories
+    batch: Any  # what the update learned from: the RL loop's Trajectories (grpo_jax.rollout.source)
     metrics: dict  # the step's metrics: a hook may add to them for the hooks after it (evaluation's)
     last: bool  # the run's last step
 

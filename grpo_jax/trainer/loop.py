@@ -33,7 +33,7 @@ from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.rewards.watch import RewardWatch
 from grpo_jax.rollout.evaluation import evaluate_run
-from grpo_jax.rollout.source import RolloutSource
+from grpo_jax.learner.feed import StepSource
 from grpo_jax.runtime.hosts import any_host, is_primary
 from grpo_jax.runtime.storage import RunDirectory
 from grpo_jax.trainer.checkpoint import Checkpointer, checkpoint_hook
@@ -43,18 +43,19 @@ from grpo_jax.trainer.prepare import Prepared, model_json, prepare, write_model_
 from grpo_jax.trainer.resume import restore_state, resumable_steps
 from grpo_jax.trainer.setup import Built, build
 
-def run_steps(source: RolloutSource, learner, state, steps: range, hooks: Sequence[Hook]):
+def run_steps(source: StepSource, learner, state, steps: range, hooks: Sequence[Hook]):
     """The loop -> (state, the step it stopped after when a hook asked to stop early, else None).
-    `learner`: a grpo_jax.learner.Learner or anything with its `update(state, trajectories,
-    while_waiting) -> (state, metrics)` and `params(state)`; it calls `while_waiting()` (the
-    source's `ahead`) once its update is dispatched. The hooks run in order, each when due."""
+    `learner`: a grpo_jax.learner.Learner (or the reward-model trainer's, or anything with their
+    `update(state, batch, while_waiting) -> (state, metrics)` and `params(state)`); it calls
+    `while_waiting()` (the source's `ahead`) once its update is dispatched. The hooks run in
+    order, each when due."""
     for step in steps:
         t0 = time.perf_counter()
-        trajectories = source.next(step)
-        state, metrics = learner.update(state, trajectories, while_waiting=source.ahead)
+        batch = source.next(step)
+        state, metrics = learner.update(state, batch, while_waiting=source.ahead)
         source.sync(learner.params(state))
-        metrics = {**metrics, **trajectories.metrics, "perf/step_s": time.perf_counter() - t0}
-        info = StepInfo(step=step, state=state, trajectories=trajectories, metrics=metrics, last=step == steps[-1])
+        metrics = {**metrics, **batch.metrics, "perf/step_s": time.perf_counter() - t0}
+        info = StepInfo(step=step, state=state, batch=batch, metrics=metrics, last=step == steps[-1])
         stop = False
         for hook in hooks:
             if hook.due(info):
@@ -164,7 +165,7 @@ class Trainer:
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
 
-        hooks = [Hook(lambda i: watch.check(i.step, i.metrics, i.trajectories.log.first.rewards.messages)),
+        hooks = [Hook(lambda i: watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages)),
                  Hook(self._evaluate_hook, every=cfg.eval.every, at_last=True),
                  Hook(self._write_metrics), Hook(self._write_samples, every=cfg.train.samples_every),
                  Hook(self._tell),
@@ -196,12 +197,12 @@ class Trainer:
         self.rewards.append(info.metrics["reward/mean"])
         if self.writer is not None:
             self.writer.write(info.step, info.metrics)
-            self.writer.write_histogram(info.step, "health/pass_rate", info.trajectories.log.pass_rates,
-                                        bins=info.trajectories.group_size + 1, value_range=(0.0, 1.0))
+            self.writer.write_histogram(info.step, "health/pass_rate", info.batch.log.pass_rates,
+                                        bins=info.batch.group_size + 1, value_range=(0.0, 1.0))
 
     def _write_samples(self, info: StepInfo) -> None:
         if self.writer is not None:  # process 0's rows: the batch's first
-            t = info.trajectories
+            t = info.batch
             self.writer.write_samples(info.step, t.log.samples(self.config.train.samples_count, t.group_size))
 
     def _tell(self, info: StepInfo) -> None:

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 from grpo_jax.config import ConfigError, RunConfig
 from grpo_jax.models import save_pretrained
 from grpo_jax.runtime.sharding import place_model
-from grpo_jax.trainer.prepare import build_model
+from grpo_jax.models.build import build_model
 from grpo_jax.models.gguf import fingerprint as file_sha256
 from grpo_jax.models.hf import model_dir
 

@@ -28,7 +28,8 @@ from grpo_jax.rollout.pipeline import PipelinedSource
 from grpo_jax.rollout.source import SyncSampler
 from grpo_jax.runtime.sharding import place_model
 from grpo_jax.trainer import lora_base
-from grpo_jax.trainer.prepare import Prepared, add_run_adapters, build_model, model_options
+from grpo_jax.models.build import build_model, model_options
+from grpo_jax.trainer.prepare import Prepared, add_run_adapters
 from grpo_jax.trainer.side_models import build_critic, load_teacher
 
 

@@ -23,8 +23,7 @@ from grpo_jax.config import ConfigError
 from grpo_jax.runtime.hosts import common_bucket, row_share, to_global
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.optimizer import warm_start_optimizer
-from grpo_jax.learner.step_factory import TrainState, make_step, new_state
-from grpo_jax.learner.train_step import check_skips
+from grpo_jax.learner.step_factory import TrainState, check_skips, make_step, new_state
 from grpo_jax.trainer.preemption import stop_point
 from grpo_jax.trainer.prepare import Prepared
 from grpo_jax.episodes.runner import trajectory_capacity, worked_episodes

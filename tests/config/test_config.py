@@ -128,7 +128,8 @@ def test_pmap_takes_the_default_mesh_and_refuses_a_chosen_one(tmp_path):
 
 def test_a_configured_pad_id_is_honoured_else_the_tokenizer_decides(tmp_path):
     from grpo_jax.data import char_tokenizer
-    from grpo_jax.trainer.prepare import architecture, resolve_sampling
+    from grpo_jax.models.build import architecture
+    from grpo_jax.trainer.prepare import resolve_sampling
 
     tok = char_tokenizer(add_bos=True)
     model_config = architecture(BASE["model"]["architecture"], tok)
@@ -237,7 +238,7 @@ def test_a_ppo_section_without_algorithm_ppo_is_refused(tmp_path):
 def test_model_chat_template_gives_the_tokenizer_a_template_from_text_or_a_file(tmp_path):
     """model.chat_template: Jinja text or a .jinja file, set on the tokenizer (the char tokenizer
     has none of its own) and saved with it; anything else is refused by name."""
-    from grpo_jax.trainer.prepare import build_tokenizer
+    from grpo_jax.models.build import build_tokenizer
 
     text = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
     (tmp_path / "t.jinja").write_text(text.replace("<", "["))

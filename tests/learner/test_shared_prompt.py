@@ -17,7 +17,7 @@ from grpo_jax.learner.grpo import group_advantages, policy_loss
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.trainer.prepare import build_model
+from grpo_jax.models.build import build_model
 from grpo_jax.learner.train_step import Batch, init_state
 from batches import one_device_ref_step, one_device_step
 

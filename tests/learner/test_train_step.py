@@ -13,7 +13,8 @@ from grpo_jax.config import GRPOConfig, OptimizerConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.learner.optimizer import make_optimizer
-from grpo_jax.learner.train_step import check_skips, init_state
+from grpo_jax.learner.step_factory import check_skips
+from grpo_jax.learner.train_step import init_state
 from batches import fresh, make_batch, one_device_step
 
 def test_micro_batches_give_the_same_update():

@@ -13,7 +13,7 @@ from runs import CONFIG, write_config
 from grpo_jax import cli
 from grpo_jax.data import char_tokenizer
 from grpo_jax.tools.flops import step_flops
-from grpo_jax.trainer.prepare import architecture
+from grpo_jax.models.build import architecture
 
 FIELDS = ("step_s_median", "sample_s_median", "ref_s_median", "train_s_median", "tokens_per_s", "flops_per_step",
           "peak_matmul_flops_per_s", "mfu")

@@ -81,7 +81,7 @@ def test_a_critic_model_and_a_teacher_are_counted(tmp_path):
     teacher_dir = tmp_path / "teacher"
     from grpo_jax.config import config_from_dict
     from grpo_jax.models import save_pretrained
-    from grpo_jax.trainer.prepare import architecture, build_tokenizer
+    from grpo_jax.models.build import architecture, build_tokenizer
     from flax import nnx
     from grpo_jax.models import Transformer
 

@@ -288,3 +288,38 @@ def test_train_rm_on_a_2x2x2_mesh_equals_one_device(tmp_path):
         for key in ("rm/loss", "rm/lm_loss", "rm/pair_accuracy", "rm/eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_train_rm_runs_in_the_trainers_loop_and_a_resumed_run_equals_the_uninterrupted_one(tmp_path, capsys):
+    """The reward model trains in the RL trainer's loop with its checkpoints: a run stopped after
+    step 2 and resumed (train.resume) logs the steps and ends with the parameters of one that ran
+    through; a rerun into a directory with checkpoints is refused without train.resume."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    config = rm_config(tmp_path, steps=4, eval_every=2, batch_size=8)
+    # 6 pairs for batches of 8: the pair order wraps around, so the stream's saved position
+    # (orders drawn so far) has to be replayed exactly on resume.
+    config["data"]["builder_kwargs"] = {"num_train": 6, "num_test": 16}
+    config["checkpoint"] = {"every": 2}
+    path, whole = write_config(tmp_path, config), tmp_path / "whole"
+    assert cli.main(["train-rm", "--config", path, "--output", str(whole)]) == 0
+    assert sorted(int(p.name) for p in (whole / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    assert cli.main(["train-rm", "--config", path, "--output", str(whole)]) == 2
+    assert "already holds checkpoints (newest: step 4)" in capsys.readouterr().err
+
+    stopped = tmp_path / "stopped"  # as if stopped after step 2: its newest checkpoint, its logs up to it
+    shutil.copytree(whole, stopped)
+    shutil.rmtree(stopped / "checkpoints" / "4")
+    shutil.rmtree(stopped / "hf")
+    lines = (stopped / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (stopped / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= 2))
+    assert cli.main(["train-rm", "--config", path, "--output", str(stopped), "--set", "train.resume=true"]) == 0
+    ref, got = read_metrics(whole), read_metrics(stopped)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [0, 1, 2, 3, 4]
+    for r, g in zip(ref, got):
+        assert {k: v for k, v in g.items() if not k.startswith("perf/")} == pytest.approx(
+            {k: v for k, v in r.items() if not k.startswith("perf/")}, nan_ok=True), r["step"]
+    a, b = load_file(str(whole / "hf" / "model.safetensors")), load_file(str(stopped / "hf" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

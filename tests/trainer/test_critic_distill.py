@@ -22,7 +22,7 @@ from grpo_jax.models import Transformer, save_pretrained
 from grpo_jax.models.presets import tiny
 from grpo_jax.models.reward_model import RewardModel, save_reward_model
 from grpo_jax.observe.writers import read_metrics
-from grpo_jax.trainer.prepare import architecture, build_tokenizer
+from grpo_jax.models.build import architecture, build_tokenizer
 from grpo_jax.trainer.side_models import build_critic, check_side_model
 
 STEPS = 4

@@ -130,7 +130,8 @@ def test_the_warm_start_learns_from_worked_episodes_the_environment_answers(epis
     (the whole conversation as the chat template renders it), the loss only on the model's turns; a
     turn the sampler would have cut earlier, or turns that leave the episode open, are refused."""
     from grpo_jax.runtime.sharding import place_model
-    from grpo_jax.trainer.prepare import build_model, prepare
+    from grpo_jax.models.build import build_model
+    from grpo_jax.trainer.prepare import prepare
     from grpo_jax.trainer.warm_start import warm_start, worked_batch
 
     _, cfg = episode_config

@@ -37,7 +37,8 @@ from grpo_jax.engine.sampling import static_program
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.parity import preset_config
-from grpo_jax.trainer.prepare import add_run_adapters, architecture, build_tokenizer, evaluation_sampling, model_options
+from grpo_jax.models.build import architecture, build_tokenizer, model_options
+from grpo_jax.trainer.prepare import add_run_adapters, evaluation_sampling
 
 # The batch's fields that the reference pass takes (the rest stay where they are meanwhile).
 _IDS = ("prompt_ids", "prompt_mask", "completion_ids")

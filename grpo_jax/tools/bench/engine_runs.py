@@ -30,7 +30,8 @@ from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.state import engine_layout
 from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.runtime.sharding import one_device_mesh
-from grpo_jax.trainer.prepare import build_model, prepare
+from grpo_jax.models.build import build_model
+from grpo_jax.trainer.prepare import prepare
 
 ENGINES = ("static_batched", "static_all", "continuous")
 
