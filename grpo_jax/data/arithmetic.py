@@ -30,12 +30,9 @@ class ArithmeticConfig(SyntheticConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 1 <= self.digits <= 9:
-            raise ValueError(f"config {self.name!r}: digits must be in 1..9, got {self.digits}")
-        if not self.ops or set(self.ops) - set(OPS):
-            raise ValueError(f"config {self.name!r}: ops must be a non-empty subset of {OPS}, got {self.ops}")
-        if not self.formats:
-            raise ValueError(f"config {self.name!r}: formats is empty")
+        self.require([(1 <= self.digits <= 9, "digits must be in 1..9"),
+                      (bool(self.ops) and not set(self.ops) - set(OPS), f"ops must be a non-empty subset of {OPS}"),
+                      (bool(self.formats), "formats must not be empty")])
         for fmt in self.formats:
             names = {f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None}
             if names != {"a", "op", "b"}:

@@ -35,15 +35,12 @@ class CountdownConfig(SyntheticConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        checks = [
+        self.require([
             (self.num_numbers >= 2, "num_numbers must be >= 2"),
             (2 <= self.min_used <= self.num_numbers, "min_used must be in 2..num_numbers"),
             (1 <= self.min_number <= self.max_number, "need 1 <= min_number <= max_number"),
             (1 <= self.min_target <= self.max_target, "need 1 <= min_target <= max_target"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"config {self.name!r}: {message} ({self.params()})")
+        ])
 
 
 def random_expression(numbers: list[int], rng: StableRandom) -> tuple[int, str]:

@@ -35,10 +35,8 @@ class PreferencesConfig(ArithmeticConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.kinds or set(self.kinds) - set(KINDS):
-            raise ValueError(f"config {self.name!r}: kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
-        if self.max_offset < 1:
-            raise ValueError(f"config {self.name!r}: max_offset must be >= 1, got {self.max_offset}")
+        self.require([(bool(self.kinds) and not set(self.kinds) - set(KINDS), f"kinds must be a non-empty subset of {KINDS}"),
+                      (self.max_offset >= 1, "max_offset must be >= 1")])
 
 
 class ArithmeticPreferences(SyntheticBuilder, skip_registration=True):

@@ -33,11 +33,14 @@ class SyntheticConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
     def __post_init__(self):
-        if self.num_train < 1 or self.num_test < 1:
-            raise ValueError(
-                f"config {self.name!r}: num_train and num_test must be >= 1, "
-                f"got {self.num_train} and {self.num_test}"
-            )
+        self.require([(self.num_train >= 1 and self.num_test >= 1, "num_train and num_test must be >= 1")])
+
+    def require(self, checks) -> None:
+        """Refuse the config at the first of `checks` ((holds, what must hold) pairs) that fails: a
+        ValueError naming the config, the rule and every parameter as given."""
+        for ok, rule in checks:
+            if not ok:
+                raise ValueError(f"config {self.name!r}: {rule} ({self.params()})")
 
     def params(self) -> dict[str, Any]:
         """The generation parameters (everything but TFDS's own config fields), JSON-normalised."""

@@ -97,11 +97,8 @@ class WordProblemsConfig(SyntheticConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 1 <= self.min_steps <= self.max_steps <= 3:
-            raise ValueError(f"config {self.name!r}: need 1 <= min_steps <= max_steps <= 3, "
-                             f"got {self.min_steps}..{self.max_steps}")
-        if self.max_number < 2 or self.max_factor < 2:
-            raise ValueError(f"config {self.name!r}: max_number and max_factor must be >= 2")
+        self.require([(1 <= self.min_steps <= self.max_steps <= 3, "need 1 <= min_steps <= max_steps <= 3"),
+                      (self.max_number >= 2 and self.max_factor >= 2, "max_number and max_factor must be >= 2")])
 
 
 _MAX_TRIES = 1000
