@@ -59,8 +59,8 @@ def evaluate_run(model, prepared, *, teacher=None) -> dict[str, float]:
     environment; the rng from train.seed, so every evaluation of the same parameters samples the
     same completions. `prepared`: the run's grpo_jax.trainer.prepare.Prepared; `teacher`: as in
     `evaluate` (distillation's scorer)."""
-    return evaluate(model, prepared.eval_examples, reward=prepared.eval_reward, verifier=prepared.eval_verifier,
-                    sampling=prepared.eval_sampling, tokenizer=prepared.tokenizer, mesh=evaluation_mesh(prepared),
+    return evaluate(model, prepared.eval.examples, reward=prepared.eval.reward, verifier=prepared.eval.verifier,
+                    sampling=prepared.eval.sampling, tokenizer=prepared.tokenizer, mesh=evaluation_mesh(prepared),
                     episodes=prepared.episodes, rng=jax.random.key(prepared.config.train.seed + 1), teacher=teacher)
 
 

@@ -245,7 +245,7 @@ class SyncSampler(RolloutSource):
         health, pass_rates = rollout_health(
             everyone, gather_rows(distinct_answers(c.first.texts, G), self.share),
             gather_rows(c.first.rows["lengths"], self.rows), group_size=G,
-            correct_by=self.prepared.eval_reward.name, specs=self.prepared.rewards)
+            correct_by=self.prepared.eval.reward.name, specs=self.prepared.rewards)
         metrics = {**reward_metrics(everyone, G), **health, **counts, "data/epoch": float(epoch),
                    **{k: c.stats[k] for k in ("dynamic/rounds", "dynamic/segments") if k in c.stats},
                    "perf/sample_s": c.stats["sample_s"],

@@ -58,11 +58,11 @@ def _check_run(config, say: Callable[[str], None]) -> None:
         f"vocabulary {prepared.model_config.vocab_size})")
     template = prepared.train_stream.formatter.use_chat
     say(f"check: tokenizer: {len(tok)} tokens, prompts {'through its chat template' if template else 'as plain text'}")
-    first = prepared.eval_examples[0]
+    first = prepared.eval.examples[0]
     batch = prepared.train_stream.next_batch(prepared.share.size)
-    say(f"check: data: {config.data.name!r}, {len(prepared.eval_examples)} held-out prompts, a train batch of "
+    say(f"check: data: {config.data.name!r}, {len(prepared.eval.examples)} held-out prompts, a train batch of "
         f"{len(batch)}; the first held-out prompt is {len(first.prompt_ids)} tokens: {first.prompt_text[:80]!r}")
-    specs = [*prepared.rewards, prepared.eval_reward, *([prepared.eval_verifier] if prepared.eval_verifier else [])]
+    specs = [*prepared.rewards, *prepared.eval.judges()]
     for spec in {s.name: s for s in specs}.values():
         result = combine_rewards([spec], [first.prompt_text], [""], {k: [v] for k, v in first.fields.items()})
         if result.failures:

@@ -35,18 +35,31 @@ from grpo_jax.runtime.storage import is_remote
 from grpo_jax.trainer.side_models import check_side_model
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalInputs:
+    """What the held-out evaluation reads (grpo_jax.rollout.evaluation.evaluate_run)."""
+
+    sampling: SamplingConfig  # the run's sampling with eval.k samples per prompt at eval.temperature
+    reward: RewardSpec  # what correctness is judged by: eval.reward, else the first training reward
+    verifier: RewardSpec | None  # eval.verifier: a second judge of the held-out samples
+    examples: list  # the first eval.num_prompts usable rows of the eval split, each once (every host has all)
+
+    def judges(self) -> list[RewardSpec]:
+        return [self.reward, *([self.verifier] if self.verifier is not None else [])]
+
+
 @dataclasses.dataclass
 class Prepared:
+    """A run's inputs, checked (`prepare`): the model's, the rollout source's, evaluation's (`eval`)
+    and where the run executes."""
+
     config: RunConfig
     tokenizer: Any  # a transformers tokenizer, or grpo_jax.data's char tokenizer
     model_config: TransformerConfig
     sampling: SamplingConfig  # the run's sampling config with stop/pad ids resolved from the tokenizer
-    eval_sampling: SamplingConfig  # the same with eval.k samples per prompt at eval.temperature
     rewards: list[RewardSpec]
-    eval_reward: RewardSpec
-    eval_verifier: RewardSpec | None  # eval.verifier: a second judge of the held-out samples
+    eval: EvalInputs
     train_stream: PromptStream  # over the train split: this host's share of each batch
-    eval_examples: list  # the first eval.num_prompts usable rows of the eval split, each once (every host has all)
     mesh: Mesh  # the run's device mesh (jit: data x fsdp x tensor; pmap: data over the local devices)
     share: RowShare  # this host's block of the prompts_per_step prompts of a step
     sft_stream: PromptStream | None = None  # the warm start's own stream (its own share of sft.batch_size)
@@ -133,9 +146,10 @@ def prepare(config: RunConfig) -> Prepared:
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
     eval_sampling = evaluation_sampling(sampling, config)
     notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
+    evaluation = EvalInputs(sampling=eval_sampling, reward=eval_reward, verifier=eval_verifier,
+                            examples=streams.pop("eval_examples"))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
-                    eval_sampling=eval_sampling, rewards=rewards, eval_reward=eval_reward,
-                    eval_verifier=eval_verifier, mesh=mesh, notes=tuple(notes),
+                    rewards=rewards, eval=evaluation, mesh=mesh, notes=tuple(notes),
                     episodes=episode_runner(config, tokenizer, mesh), sampler_mesh=sampler_mesh(config), **streams)
 
 

@@ -44,7 +44,7 @@ class Built:
 
 def stateful_rewards(prepared: Prepared) -> list[StatefulReward]:
     """Every reward the run scores with that holds something (a reward model), once each."""
-    specs = [*prepared.rewards, prepared.eval_reward, *([prepared.eval_verifier] if prepared.eval_verifier else [])]
+    specs = [*prepared.rewards, *prepared.eval.judges()]
     return list({id(s.fn): s.fn for s in specs if isinstance(s.fn, StatefulReward)}.values())
 
 
@@ -99,6 +99,6 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     if cfg.rollout.pipelined:  # staleness, or the sampler on its own devices
         source = PipelinedSource(source, staleness=cfg.rollout.staleness, last_step=cfg.train.steps,
                                  sampler_mesh=prepared.sampler_mesh)
-    ev = prepared.eval_sampling
+    ev = prepared.eval.sampling
     return Built(learner=learner, state=state, source=source, base=base,
                  teacher=parallel.teacher_scorer(group_size=ev.group_size, temperature=ev.temperature))

@@ -248,12 +248,12 @@ def test_eval_never_repeats_a_prompt(tmp_path):
     config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")},
               "eval": {**CONFIG["eval"], "num_prompts": 50}}  # the test split has 20 rows
     prepared = prepare(config_from_dict(config))
-    indices = [ex.index for ex in prepared.eval_examples]
+    indices = [ex.index for ex in prepared.eval.examples]
     assert indices == list(range(20))
     assert [n for n in prepared.notes if n.startswith("eval: 20 prompts, not eval.num_prompts=50")]
     config["eval"]["num_prompts"] = 5
     prepared = prepare(config_from_dict(config))
-    assert [ex.index for ex in prepared.eval_examples] == list(range(5)) and prepared.notes == ()
+    assert [ex.index for ex in prepared.eval.examples] == list(range(5)) and prepared.notes == ()
 
 
 def _damage(step_dir, how):
