@@ -206,3 +206,19 @@ def test_the_seam_measures_find_probes_and_internal_imports(tmp_path):
                                           "grpo_jax/trainer/a.py:8 getattr(source, 'checkpoint', None)"]
     assert internal_jax_imports(package) == ["grpo_jax/trainer/a.py: jax._src.distributed",
                                              "grpo_jax/trainer/a.py: jax._src"]
+
+
+def test_every_subpackage_says_what_it_is_for_and_no_package_reaches_into_anothers_private_module():
+    packages = sorted(p.parent for p in PACKAGE.glob("*/__init__.py"))
+    assert len(packages) >= 14
+    undocumented = [p.name for p in packages if not ast.get_docstring(ast.parse((p / "__init__.py").read_text()))]
+    assert undocumented == []
+    reaching = []
+    for path in PACKAGE.rglob("*.py"):
+        own = path.relative_to(PACKAGE).parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpo_jax."):
+                parts = node.module.split(".")
+                if parts[1] != own and any(part.startswith("_") for part in parts[2:]):
+                    reaching.append(f"{path.relative_to(PACKAGE.parent)}: {node.module}")
+    assert reaching == []
