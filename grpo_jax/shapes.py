@@ -23,4 +23,7 @@ The continuous engine (grpo_jax.engine.continuous, grpo_jax.engine.slots):
 - Z  row shards (the mesh's data x fsdp; 1 without a mesh), each with its own prompts, queue and slots
 - J  decode slots per shard; Np prompts per shard; Rb = Np*G sequences per shard
 - Mc a slot's capacity of fed tokens (max_new_tokens - 1, rounded up to whole attention phases)
+
+Multi-turn episodes in the engine's slots (grpo_jax.episodes):
+- U  the most environment tokens one answer may have (environment.max_env_tokens)
 """

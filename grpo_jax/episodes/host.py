@@ -18,8 +18,8 @@ from grpo_jax.episodes.turns import PAUSED, TurnState
 class Answers:
     """The arrays of one poll: for `host_update` and for `move_slots`."""
 
-    def __init__(self, Z: int, J: int, E: int):
-        self.release, self.forced = np.zeros((Z, J), bool), np.zeros((Z, J, E), np.int32)
+    def __init__(self, Z: int, J: int, U: int):
+        self.release, self.forced = np.zeros((Z, J), bool), np.zeros((Z, J, U), np.int32)
         self.n, self.rewind = np.zeros((Z, J), np.int32), np.full((Z, J), -1, np.int32)
         self.park_to, self.load_from = np.full((Z, J), -1, np.int32), np.full((Z, J), -1, np.int32)
         self.ended = np.zeros(Z, np.int32)
@@ -49,7 +49,7 @@ class EpisodeHost:
     its turn ended and other episodes of its shard wait for a slot."""
 
     def __init__(self, episodes, tokenizer, stop_ids, env_tokens: int, *, shards: int = 1, park: bool = True):
-        self.episodes, self.tokenizer, self.stop_ids, self.E = episodes, tokenizer, set(stop_ids), env_tokens
+        self.episodes, self.tokenizer, self.stop_ids, self.U = episodes, tokenizer, set(stop_ids), env_tokens
         self.Rb = len(episodes) // shards
         self.turn_start = [0] * len(episodes)
         self.calls, self.since = {}, {}
@@ -63,7 +63,7 @@ class EpisodeHost:
         st = ts.engine
         seq, mode, t, nxt = (np.asarray(x) for x in (st.seq, ts.mode, st.cache.slot_t, st.admitted))
         Z, J = seq.shape
-        out = Answers(Z, J, self.E)
+        out = Answers(Z, J, self.U)
         out.ended[:] = self._poll_parked(Z)
         trajectories = []
 

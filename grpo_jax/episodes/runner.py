@@ -135,13 +135,13 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         ep.fail(ValueError("a padding example (no episode is played)"), "reset")
     prompts = _open(episodes, G)
     ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_id)
-    T, E = trajectory_capacity(limits), limits.max_env_tokens
+    T, U = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    start, advance, update, move = turn_programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, E)
+    start, advance, update, move = turn_programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
     st = start(state, ids, mask, rng)
     shards = st.engine.seq.shape[0]
-    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, E, shards=shards, park=park)
+    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park)
     while int(np.asarray(st.engine.done).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
         answers = host.answer(st)

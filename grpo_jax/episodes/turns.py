@@ -20,7 +20,7 @@ slot, its cache as it was, so nothing is recomputed), and cuts a turn short at a
 overwritten by the environment's tokens). Trajectory capacity: the engine's max_new_tokens is the
 whole trajectory (`capacity`, model and environment tokens); `budget`: model tokens per episode.
 
-Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Rb episodes per shard, E the
+Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Rb episodes per shard, U the
 most environment tokens one answer may have, M the trajectory capacity: the engine's max_new_tokens).
 """
 
@@ -61,7 +61,7 @@ class TurnState:
 
     engine: EngineState
     mode: jax.Array  # int32 [Z, J]: SAMPLING, FORCING or PAUSED
-    forced: jax.Array  # int32 [Z, J, E]: the environment tokens the host gave the slot to feed
+    forced: jax.Array  # int32 [Z, J, U]: the environment tokens the host gave the slot to feed
     forced_n: jax.Array  # int32 [Z, J]: how many of them there are
     forced_i: jax.Array  # int32 [Z, J]: how many of them were fed
     model_tokens: jax.Array  # int32 [Z, J]: model tokens of the slot's episode so far (its budget's count)
@@ -135,12 +135,12 @@ def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
                       forced_i=hold(jnp.where(reset_ZJ, 0, forced_i_ZJ)), release=hold(ts.release & ~ended_ZJ))
 
 
-def host_update(ts: TurnState, release_ZJ, forced_ZJE, forced_n_ZJ, rewind_ZJ) -> TurnState:
+def host_update(ts: TurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ) -> TurnState:
     """The host's answers, applied between segments: `release` (bool) ends those slots' episodes at
     the next step; `rewind` (int, -1 = no) moves a sampling slot's position back to that many fed
     tokens and pauses it (a turn cut at a tool call's closing tag; the tokens drawn past it are
     overwritten later and `lengths` follows); `forced_n` > 0 gives a paused slot the first
-    forced_n of `forced` [Z, J, E] to feed."""
+    forced_n of `forced` [Z, J, U] to feed."""
     st = ts.engine
     cache = st.cache
     rewound_ZJ = rewind_ZJ >= 0
@@ -152,7 +152,7 @@ def host_update(ts: TurnState, release_ZJ, forced_ZJE, forced_n_ZJ, rewind_ZJ) -
     at_ZJ = jnp.where(rewound_ZJ, st.seq, st.tokens.shape[1])
     st = st.replace(cache=cache.replace(slot_t=t_ZJ), lengths=st.lengths.at[z_Z1, at_ZJ].set(t_ZJ, mode="drop"))
     return ts.replace(engine=st, mode=mode_ZJ, release=ts.release | release_ZJ, model_tokens=model_tokens_ZJ,
-                      forced=jnp.where(inject_ZJ[..., None], forced_ZJE, ts.forced),
+                      forced=jnp.where(inject_ZJ[..., None], forced_ZJU, ts.forced),
                       forced_n=jnp.where(inject_ZJ, forced_n_ZJ, ts.forced_n),
                       forced_i=jnp.where(inject_ZJ, 0, ts.forced_i))
 
