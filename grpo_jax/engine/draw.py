@@ -10,6 +10,7 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @flax.struct.dataclass
@@ -25,6 +26,32 @@ class Rollout:
     @property
     def group_size(self) -> int:
         return self.tokens.shape[0] // self.prompt_ids.shape[0]
+
+
+@flax.struct.dataclass
+class SampleRows:
+    """Samples on the host (NumPy), one row per sample, as a rollout's: what scoring, collection
+    and the batch read. R here: this host's rows of a round (or a group's G)."""
+
+    tokens: np.ndarray  # int32 [R, M]; pad after the stop token
+    logprobs: np.ndarray  # float32 [R, M]; 0 off the mask
+    mask: np.ndarray  # int32 [R, M]: the loss mask (an episode's model tokens only)
+    lengths: np.ndarray  # int32 [R]: tokens of the sample (an episode's: its model tokens, once scored)
+    truncated: np.ndarray  # bool [R]
+
+    @classmethod
+    def of(cls, rollout: Rollout, read=np.asarray) -> SampleRows:
+        """The rollout's sample rows, read by `read` (e.g. this host's rows: runtime.hosts.local_rows)."""
+        fields = ("tokens", "logprobs", "mask", "lengths", "truncated")
+        return cls(**dict(zip(fields, read(tuple(getattr(rollout, f) for f in fields)))))
+
+    def take(self, index) -> SampleRows:
+        """The rows `index` (a slice or indices) selects."""
+        return jax.tree.map(lambda x: x[index], self)
+
+    @staticmethod
+    def concat(parts) -> SampleRows:
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature: float, top_k: int = 0,

@@ -26,6 +26,7 @@ from flax import nnx
 from grpo_jax.config import SamplingConfig
 from grpo_jax.episodes.episode import Episode, EpisodeLimits
 from grpo_jax.episodes.transcript import encode
+from grpo_jax.engine.draw import SampleRows
 from grpo_jax.engine.sampling import pad_prompts
 from grpo_jax.episodes.host import EpisodeHost
 from grpo_jax.episodes.turns import turn_programs
@@ -47,16 +48,16 @@ class EpisodeBatch:
     prompt_mask: np.ndarray
     parks: int = 0  # times an episode left its slot while its environment worked
 
-    def rows(self, pad_id: int) -> dict[str, np.ndarray]:
+    def rows(self, pad_id: int) -> SampleRows:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
         loss), `mask` = the loss mask (1 exactly on model-sampled tokens of every turn), `lengths`
         (the whole trajectory), `truncated` (a limit ended the episode)."""
         live = np.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
         loss = live & ~self.env
-        return {"tokens": np.where(live, self.tokens, pad_id).astype(np.int32),
-                "logprobs": np.where(loss, self.logprobs, 0.0).astype(np.float32),
-                "mask": loss.astype(np.int32), "lengths": self.lengths.astype(np.int32),
-                "truncated": np.array([ep.truncated for ep in self.episodes])}
+        return SampleRows(tokens=np.where(live, self.tokens, pad_id).astype(np.int32),
+                          logprobs=np.where(loss, self.logprobs, 0.0).astype(np.float32),
+                          mask=loss.astype(np.int32), lengths=self.lengths.astype(np.int32),
+                          truncated=np.array([ep.truncated for ep in self.episodes], bool))
 
     @property
     def failed(self) -> np.ndarray:

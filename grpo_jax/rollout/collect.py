@@ -19,6 +19,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from grpo_jax.engine.draw import SampleRows
 from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 
@@ -28,7 +29,7 @@ class Round:
     """One sampling round of this host's prompts: N_h prompts, N_h x G samples."""
 
     examples: list  # grpo_jax.data.Example, one per prompt
-    rows: dict[str, np.ndarray]  # per-sample arrays [N_h*G, ...]: tokens, logprobs, mask, truncated, lengths
+    rows: SampleRows  # the samples [N_h*G, ...]
     texts: list[str]  # the decoded completions [N_h*G]
     rewards: RewardResult  # total [N_h*G], NaN = the sample was dropped
     sample_s: float = 0.0  # seconds spent sampling
@@ -49,7 +50,7 @@ class Collected:
     """The groups chosen for one step on this host, and how they were found."""
 
     examples: list  # [N_h]
-    rows: dict[str, np.ndarray]  # [N_h*G, ...], as in Round.rows
+    rows: SampleRows  # [N_h*G, ...], as in Round.rows
     rewards: np.ndarray  # float32 [N_h*G]: the rounds' scores; NaN for the samples of filler groups
     first: Round  # the first round: what reward statistics and logged samples describe
     stats: dict[str, float]  # this host's dynamic/* counters, sample_tokens, sample_s, reward_s
@@ -93,11 +94,11 @@ def assemble(rounds: list[Round], kept: list[tuple[Round, int]], spare: list[tup
     def group(r: Round, i: int) -> slice:
         return slice(i * group_size, (i + 1) * group_size)
 
-    rows = {k: np.concatenate([r.rows[k][group(r, i)] for r, i, _ in chosen]) for k in rounds[0].rows}
+    rows = SampleRows.concat([r.rows.take(group(r, i)) for r, i, _ in chosen])
     rewards = np.concatenate([r.scores[group(r, i)] if real else np.full(group_size, np.nan)
                               for r, i, real in chosen]).astype(np.float32)
     stats = {"dynamic/dropped_groups": float(len(spare)), "dynamic/filled_groups": float(filled),
-             "sample_tokens": float(sum(int(r.rows["lengths"].sum()) for r in rounds)),
+             "sample_tokens": float(sum(int(r.rows.lengths.sum()) for r in rounds)),
              "sample_s": sum(r.sample_s for r in rounds), "reward_s": sum(r.reward_s for r in rounds), **stats}
     return Collected(examples=[r.examples[i] for r, i, _ in chosen], rows=rows, rewards=rewards, first=first,
                      stats=stats)

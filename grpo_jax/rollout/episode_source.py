@@ -20,7 +20,7 @@ import numpy as np
 from grpo_jax.rewards import combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, step_key
 from grpo_jax.rollout.evaluation import repeat_fields
-from grpo_jax.rollout.source import ROLLOUT_FIELDS, SyncSampler, Trajectories
+from grpo_jax.rollout.source import SyncSampler, Trajectories
 
 
 class EpisodeSampler(SyncSampler):
@@ -59,7 +59,7 @@ class EpisodeSampler(SyncSampler):
         total = np.where(failed, np.nan, result.total + env_reward).astype(np.float32)
         result = dataclasses.replace(result, total=total)
         # `lengths`: the model's tokens (what completion/* and health describe), not the trajectory's.
-        rows["lengths"] = np.array([ep.model_tokens for ep in batch.episodes], np.int32)
-        return Round(examples=examples, rows={k: rows[k] for k in ROLLOUT_FIELDS}, texts=texts, rewards=result,
+        rows = rows.replace(lengths=np.array([ep.model_tokens for ep in batch.episodes], np.int32))
+        return Round(examples=examples, rows=rows, texts=texts, rewards=result,
                      sample_s=sample_s, reward_s=time.perf_counter() - t1,
                      turns=[ep.transcript for ep in batch.episodes])

@@ -30,12 +30,12 @@ from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
 from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
+from grpo_jax.engine.draw import SampleRows
 from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
                                     to_global)
 
-ROLLOUT_FIELDS = ("tokens", "logprobs", "mask", "truncated", "lengths")
 
 
 @flax.struct.dataclass
@@ -163,8 +163,8 @@ class SyncSampler(RolloutSource):
         group), the token count an update reads, and the metrics (with `extra`)."""
         G = self.sampling.group_size
         rows = TrainRows(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
-                         completion_ids=c.rows["tokens"], completion_mask=c.rows["mask"], rewards=c.rewards,
-                         truncated=c.rows["truncated"], old_logprobs=c.rows["logprobs"])
+                         completion_ids=c.rows.tokens, completion_mask=c.rows.mask, rewards=c.rewards,
+                         truncated=c.rows.truncated, old_logprobs=c.rows.logprobs)
         prompt_tokens = prompt_mask.sum() * (1 if self.shared_prompt else G)
         tokens = sum_over_shares({"t": prompt_tokens + rows.completion_mask.sum()}, self.share)["t"]
         metrics, pass_rates = self._metrics(c)
@@ -178,7 +178,7 @@ class SyncSampler(RolloutSource):
         t0 = time.perf_counter()
         rollout = generate(self.model, to_global(self._prompt_arrays(examples), self.sample_mesh, self.share),
                            self.sampling, step_key(self.rng, step, round_index), mesh=self.sample_mesh)
-        rows = dict(zip(ROLLOUT_FIELDS, local_rows(tuple(getattr(rollout, k) for k in ROLLOUT_FIELDS), self.rows)))
+        rows = SampleRows.of(rollout, read=lambda arrays: local_rows(arrays, self.rows))
         return self._score(step, round_index, examples, rows, sample_s=time.perf_counter() - t0)
 
     def _prompt_arrays(self, examples) -> tuple[np.ndarray, np.ndarray]:
@@ -202,18 +202,17 @@ class SyncSampler(RolloutSource):
                               segment_steps=self.sampling.segment_steps, read=read)
 
         def score(new: np.ndarray) -> Round:
-            groups = [stream.group_rows(int(i)) for i in new]
-            rows = {k: np.concatenate([g[k] for g in groups]) for k in ROLLOUT_FIELDS}
+            rows = SampleRows.concat([stream.group_rows(int(i)) for i in new])
             return self._score(step, 0, [examples[int(i)] for i in new], rows, sample_s=0.0)
 
         return stream_collect(stream, score, num_groups=self.share.size, group_size=G, any_short=any_host)
 
-    def _score(self, step: int, round_index: int, examples, rows: dict, *, sample_s: float) -> Round:
+    def _score(self, step: int, round_index: int, examples, rows: SampleRows, *, sample_s: float) -> Round:
         """Decode and score sampled groups of this host (`rows`: G rows per example)."""
         p, G = self.prepared, self.sampling.group_size
         t1 = time.perf_counter()
-        texts = decode_completions(p.tokenizer, rows["tokens"], rows["lengths"])
-        fields = {**repeat_fields(examples, G), "completion_tokens": rows["lengths"].tolist()}
+        texts = decode_completions(p.tokenizer, rows.tokens, rows.lengths)
+        fields = {**repeat_fields(examples, G), "completion_tokens": rows.lengths.tolist()}
         result = combine_rewards(p.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts, fields)
         scores = None
         if self.reward_control == "random":
@@ -244,7 +243,7 @@ class SyncSampler(RolloutSource):
         G = self.sampling.group_size
         health, pass_rates = rollout_health(
             everyone, gather_rows(distinct_answers(c.first.texts, G), self.share),
-            gather_rows(c.first.rows["lengths"], self.rows), group_size=G,
+            gather_rows(c.first.rows.lengths, self.rows), group_size=G,
             correct_by=self.prepared.eval.reward.name, specs=self.prepared.rewards)
         metrics = {**reward_metrics(everyone, G), **health, **counts, "data/epoch": float(epoch),
                    **{k: c.stats[k] for k in ("dynamic/rounds", "dynamic/segments") if k in c.stats},

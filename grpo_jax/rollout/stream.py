@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
+from grpo_jax.engine.draw import SampleRows
 from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
@@ -106,14 +107,14 @@ class EngineStream:
         self.segments += 1
         return np.flatnonzero(self.finished & ~before)
 
-    def group_rows(self, prompt: int) -> dict[str, np.ndarray]:
+    def group_rows(self, prompt: int) -> SampleRows:
         """The finished group of this host's prompt `prompt`: its G rows of every output, with the
         loss mask (1 on each completion's tokens, its stop token included)."""
         G = self.config.group_size
         rows = {k: v[prompt * G:(prompt + 1) * G] for k, v in self.rows.items() if k != "admitted"}
         M = rows["tokens"].shape[1]
-        rows["mask"] = (np.arange(M)[None] < rows["lengths"][:, None]).astype(np.int32)
-        return rows
+        mask = (np.arange(M)[None] < rows["lengths"][:, None]).astype(np.int32)
+        return SampleRows(mask=mask, **rows)
 
     @property
     def useful_tokens(self) -> float:
@@ -180,6 +181,6 @@ def merge_groups(groups: list[tuple[Round, int]], group_size: int) -> Round:
         failures={k: sum(r.rewards.failures.get(k, 0) for r in rounds) for r in rounds for k in r.rewards.failures},
         messages={k: v for r in reversed(rounds) for k, v in r.rewards.messages.items()})
     return Round(examples=[r.examples[i] for r, i in groups],
-                 rows={k: np.concatenate([cut(r.rows[k], i) for r, i in groups]) for k in rounds[0].rows},
+                 rows=SampleRows.concat([r.rows.take(slice(i * G, (i + 1) * G)) for r, i in groups]),
                  texts=[t for r, i in groups for t in cut(r.texts, i)], rewards=rewards,
                  scores=np.concatenate([cut(r.scores, i) for r, i in groups]))

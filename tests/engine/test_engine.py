@@ -181,10 +181,10 @@ def fake_scores(informative: set[int], G: int):
     alternating 0/1 over the samples of one inside it."""
     def score(stream, new):
         from grpo_jax.rewards import RewardResult
+        from grpo_jax.engine.draw import SampleRows
         from grpo_jax.rollout.collect import Round
 
-        groups = [stream.group_rows(int(i)) for i in new]
-        rows = {k: np.concatenate([g[k] for g in groups]) for k in groups[0]}
+        rows = SampleRows.concat([stream.group_rows(int(i)) for i in new])
         total = np.asarray([float(j % 2) if int(i) in informative else 0.0 for i in new for j in range(G)], np.float32)
         return Round(examples=[Example(int(i)) for i in new], rows=rows, texts=[""] * len(total),
                      rewards=RewardResult(total=total, per_fn={"fake": total}, failures={}, messages={}))
@@ -218,8 +218,8 @@ def test_over_sampling_stops_at_the_informative_groups_it_needs_in_one_pass(mode
     whole = arrays(generate(model, PROMPTS, cfg, jax.random.key(5)))
     for g, i in enumerate(chosen):
         for key in ("tokens", "lengths", "truncated", "mask"):
-            np.testing.assert_array_equal(c.rows[key][g * G:(g + 1) * G], whole[key][i * G:(i + 1) * G], err_msg=key)
-        np.testing.assert_allclose(c.rows["logprobs"][g * G:(g + 1) * G], whole["logprobs"][i * G:(i + 1) * G],
+            np.testing.assert_array_equal(getattr(c.rows, key)[g * G:(g + 1) * G], whole[key][i * G:(i + 1) * G], err_msg=key)
+        np.testing.assert_allclose(c.rows.logprobs[g * G:(g + 1) * G], whole["logprobs"][i * G:(i + 1) * G],
                                    atol=1e-6)
 
 

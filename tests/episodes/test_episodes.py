@@ -99,20 +99,20 @@ def test_episodes_run_through_the_engine_token_exact(model):
         np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
     assert finished >= 4
     rows, eps = batch.rows(pad_id=0), batch.episodes
-    assert rows["mask"].sum() == sum(ep.model_tokens for ep in eps) and not batch.failed.any()
-    live = np.arange(rows["tokens"].shape[1])[None] < rows["lengths"][:, None]
-    assert (rows["tokens"][~live] == 0).all() and (rows["logprobs"][rows["mask"] == 0] == 0).all()
-    assert rows["truncated"].tolist() == [ep.truncated for ep in eps]
+    assert rows.mask.sum() == sum(ep.model_tokens for ep in eps) and not batch.failed.any()
+    live = np.arange(rows.tokens.shape[1])[None] < rows.lengths[:, None]
+    assert (rows.tokens[~live] == 0).all() and (rows.logprobs[rows.mask == 0] == 0).all()
+    assert rows.truncated.tolist() == [ep.truncated for ep in eps]
     assert batch.final_turns() == [ep.transcript[-1]["model"] for ep in eps]
     m = batch.metrics()
     assert m["env/errors"] == 0 and m["env/tool_calls_mean"] == np.mean([ep.tool_calls for ep in eps])
     assert m["completion/env_tokens_mean"] * len(eps) == (batch.env & live).sum()
     # The GRPO loss over these rows has no gradient at environment positions, and one at sampled ones.
-    lp, adv = jnp.asarray(rows["logprobs"]), jnp.linspace(-1.0, 1.0, len(eps))
-    grad = np.asarray(jax.grad(lambda x: policy_loss(x, lp, adv, rows["mask"], GRPOConfig(beta=0.04),
+    lp, adv = jnp.asarray(rows.logprobs), jnp.linspace(-1.0, 1.0, len(eps))
+    grad = np.asarray(jax.grad(lambda x: policy_loss(x, lp, adv, rows.mask, GRPOConfig(beta=0.04),
                                                      ref_logprobs=lp - 0.1)[0])(lp + 0.05))
     env_positions = live & batch.env
-    assert env_positions.sum() > 0 and (grad[env_positions] == 0).all() and (grad[rows["mask"] == 1] != 0).all()
+    assert env_positions.sum() > 0 and (grad[env_positions] == 0).all() and (grad[rows.mask == 1] != 0).all()
 
 
 def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(model):

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from grpo_jax.engine.draw import SampleRows
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Round, collect, reward_metrics, sample_records, step_key
 
@@ -23,8 +24,8 @@ def make_round(index: int, group_rewards: list[list[float]]) -> Round:
     n = len(group_rewards)
     total = np.asarray(group_rewards, np.float32).reshape(-1)
     ids = np.asarray([[index, i, j] for i in range(n) for j in range(G)], np.int32)
-    rows = {"tokens": ids, "logprobs": ids.astype(np.float32), "mask": np.ones_like(ids),
-            "truncated": np.zeros(n * G, bool), "lengths": np.full(n * G, 3, np.int32)}
+    rows = SampleRows(tokens=ids, logprobs=ids.astype(np.float32), mask=np.ones_like(ids),
+                      truncated=np.zeros(n * G, bool), lengths=np.full(n * G, 3, np.int32))
     return Round(examples=[Example(f"r{index}g{i}") for i in range(n)], rows=rows,
                  texts=[f"r{index}g{i}s{j}" for i in range(n) for j in range(G)],
                  rewards=RewardResult(total=total, per_fn={"acc": total}, failures={"acc": 0}, messages={}),
@@ -45,7 +46,7 @@ def drawer(rounds):
 
 
 def groups_of(collected):
-    return [tuple(collected.rows["tokens"][k * G, :2]) for k in range(len(collected.examples))]
+    return [tuple(collected.rows.tokens[k * G, :2]) for k in range(len(collected.examples))]
 
 
 def test_without_dynamic_sampling_the_first_round_is_the_batch():
@@ -65,7 +66,7 @@ def test_dynamic_sampling_keeps_signal_and_resamples_until_full():
     assert groups_of(c) == [(0, 1), (1, 0), (2, 2)]
     assert [ex.prompt_text for ex in c.examples] == ["r0g1", "r1g0", "r2g2"]
     assert not np.isnan(c.rewards).any()
-    np.testing.assert_array_equal(c.rows["logprobs"][:, 0], np.repeat([0, 1, 2], G))
+    np.testing.assert_array_equal(c.rows.logprobs[:, 0], np.repeat([0, 1, 2], G))
     assert c.stats == {"dynamic/rounds": 3.0, "dynamic/dropped_groups": 6.0, "dynamic/filled_groups": 0.0,
                        "sample_tokens": 3.0 * 3 * G * 3, "sample_s": 1.5, "reward_s": 0.75}
     assert c.first.examples[0].prompt_text == "r0g0"  # statistics describe the first round
