@@ -1,8 +1,9 @@
 """A model and its tokenizer from a config's `model:` section: the tokenizer (a path, a GGUF file or
 the character tokenizer, with `model.chat_template`), the architecture of a random model
 (`model.architecture`, vocabulary and special ids from the tokenizer), the `Transformer` keywords
-the section sets, and the base policy itself (loaded or drawn from the seed). The RL trainer
-(grpo_jax.trainer.prepare), the reward-model trainer and the benchmarks build their models here."""
+the section sets, the base policy itself (loaded or drawn from the seed) and a reward model to
+train. The RL trainer (grpo_jax.trainer.prepare), the reward-model trainer and the benchmarks
+build their models here."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax import data
-from grpo_jax.config import ConfigError, ModelConfig, unknown_key
+from grpo_jax.config import ConfigError, ModelConfig, RMRunConfig, unknown_key
 from grpo_jax.models.config import RopeConfig, TransformerConfig
 from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.hf import from_pretrained, load_tokenizer
+from grpo_jax.models.reward_model import RewardModel, is_sequence_classifier, load_reward_model
 from grpo_jax.models.transformer import JNP_DTYPES, Transformer
-from grpo_jax.runtime.sharding import init_on_host
+from grpo_jax.runtime.sharding import init_on_host, place_model
 from grpo_jax.runtime.storage import is_remote
 
 
@@ -85,3 +87,28 @@ def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int, me
         return from_pretrained(cfg.path, **options, mesh=mesh)
     make = lambda: Transformer(model_config, rngs=nnx.Rngs(seed), **options)  # noqa: E731
     return make() if mesh is None else init_on_host(make)
+
+
+def build_reward_model(config: RMRunConfig, tokenizer, mesh: Mesh | None = None) -> RewardModel:
+    """The model to train: an RM directory as it is, a causal LM's decoder with a fresh score head,
+    or a random architecture. With a `mesh`, nothing is built whole on a device: a directory loads
+    straight onto the mesh, a fresh model is drawn in host memory (`init_on_host`) and cut onto the
+    mesh (`place_model`)."""
+    m = config.model
+    options = model_options(m)  # dtypes, remat, scan_layers: as the policy takes them
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    on_host = (lambda make: make()) if mesh is None else init_on_host
+    if m.path is None:
+        model = on_host(lambda: RewardModel(architecture(m.architecture, tokenizer), pad_token_id=pad,
+                                            rngs=nnx.Rngs(config.train.seed), **options))
+    else:
+        if is_sequence_classifier(m.path):
+            return load_reward_model(m.path, **options, mesh=mesh)
+        causal = from_pretrained(m.path, **options, on_host=mesh is not None)
+        model = on_host(lambda: RewardModel(causal.config, pad_token_id=pad, rngs=nnx.Rngs(config.train.seed),
+                                            **options))
+        state = {k: v for k, v in nnx.to_flat_state(nnx.state(causal, nnx.Param)) if k[0] != "lm_head"}
+        nnx.update(model.backbone, nnx.from_flat_state(state))
+    if mesh is not None:
+        place_model(model, mesh)
+    return model

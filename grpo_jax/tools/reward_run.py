@@ -4,7 +4,8 @@ own. The source is the stream of training pairs (`PairSource`), the learner the 
 Bradley-Terry step (`PairLearner`); held-out pair accuracy, metrics.jsonl, the progress bar and
 orbax checkpoints (`OUTPUT/checkpoints/<step>`: the train state and the pair stream's position)
 are hooks. `train.resume: true` continues from the newest checkpoint that restores, and equals the
-uninterrupted run. The data, the model and the loss: grpo_jax.tools.reward_training.
+uninterrupted run. The pairs: grpo_jax.tools.reward_training; the model: grpo_jax.models.build; the
+loss and steps: grpo_jax.learner.bradley_terry.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from flax import nnx
 
 from grpo_jax.config import ConfigError, RMRunConfig
 from grpo_jax.config.loading import config_to_dict
+from grpo_jax.learner.bradley_terry import make_steps
 from grpo_jax.learner.feed import StepSource
 from grpo_jax.learner.optimizer import make_optimizer
 from grpo_jax.learner.step_factory import TrainState, check_skips, new_state
+from grpo_jax.models.build import build_reward_model, build_tokenizer
 from grpo_jax.models.reward_model import save_reward_model
 from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.runtime.sharding import make_mesh, mesh_devices, on_mesh, round_to_row_shards
-from grpo_jax.tools.reward_training import (Pairs, build_reward_model, encode_pairs, evaluate_pairs, make_steps,
-                                            read_rows)
+from grpo_jax.tools.reward_training import Pairs, encode_pairs, evaluate_pairs, read_rows
 from grpo_jax.trainer.checkpoint import Checkpointer, NothingRestores, first_restorable
 from grpo_jax.trainer.hooks import Hook, StepInfo
 from grpo_jax.trainer.loop import run_steps
-from grpo_jax.models.build import build_tokenizer
 from grpo_jax.trainer.preemption import StopSignals, stop_report
 
 

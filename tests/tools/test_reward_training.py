@@ -236,7 +236,7 @@ def test_the_answer_language_model_term_is_the_chosen_answers_cross_entropy(tmp_
 
     from grpo_jax.models.presets import tiny
     from grpo_jax.models.reward_model import RewardModel
-    from grpo_jax.tools.reward_training import answer_nll
+    from grpo_jax.learner.bradley_terry import answer_nll
 
     template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.role == 'assistant' %}<eos>"
                 "{% endif %}{% endfor %}")
@@ -265,7 +265,7 @@ def test_the_answer_language_model_term_is_the_chosen_answers_cross_entropy(tmp_
 
 
 def test_the_model_section_builds_the_reward_model_as_it_builds_a_policy(tmp_path):
-    from grpo_jax.tools.reward_training import build_reward_model
+    from grpo_jax.models.build import build_reward_model
 
     config = rm_config(tmp_path)
     config["model"] = {**config["model"], "remat": "block", "scan_layers": False}
