@@ -44,7 +44,8 @@ from grpo_jax.models.transformer import Transformer
 from grpo_jax.engine.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
 from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.lockstep import lockstep_decode
-from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated, shard_rows
+from grpo_jax.runtime.sharding import (batch_sharding, mesh_or_one_device, pow2_bucket, replicated, round_to_row_shards,
+                                       shard_rows)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -106,8 +107,6 @@ def greedy_completions(model: Transformer, prompt_ids: Sequence[Sequence[int]], 
     fixed batches of `batch_size` prompts (rounded up to the mesh's row shards; the last padded
     with copies of the first) and power-of-two prompt buckets: one compile per bucket. What a
     judge model (grpo_jax.rewards.llm_judge) writes its verdicts with."""
-    from grpo_jax.runtime.sharding import pow2_bucket, round_to_row_shards
-
     mesh = mesh_or_one_device(mesh, nnx.state(model))
     bucket = pow2_bucket(max(len(p) for p in prompt_ids), 16)
     sampling = SamplingConfig(group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,

@@ -9,7 +9,7 @@ state (`skipped_total`, `skipped_streak`; the host aborts after too many in a ro
 
 `make_step` turns a loss into a jitted step with explicit shardings and a donated state: the
 supervised warm start (grpo_jax.trainer.warm_start) and reward-model training
-(grpo_jax.tools.reward_training) are built by it. The RL step (grpo_jax.learner.train_step) builds
+(grpo_jax.learner.bradley_terry) are built by it. The RL step (grpo_jax.learner.train_step) builds
 its loss from the batch and the state (PPO's warm-up, a LoRA run's frozen base, metrics of the
 whole batch) and calls `update` itself, jitted or pmapped.
 """
