@@ -10,10 +10,12 @@ from typing import Any, Literal, get_args
 from grpo_jax.config.checks import choice_in, positive
 
 DType = Literal["float32", "bfloat16"]
-Remat = Literal["none", "block", "dots"]
+Remat = Literal["none", "block", "dots", "attention"]
+Attention = Literal["auto", "xla", "chunked", "splash", "gpu"]
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES: tuple[str, ...] = get_args(DType)
 REMATS: tuple[str, ...] = get_args(Remat)
+ATTENTIONS: tuple[str, ...] = get_args(Attention)
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 
 
@@ -42,9 +44,18 @@ class ModelConfig:
     # reference pass take no gradient, so it changes nothing there). none: everything, fastest, the
     # most memory (attention's T x T probabilities of every layer among it); block: only each layer's
     # input, the layer recomputed in the backward pass (~1/3 more compute, activations of one layer);
-    # dots: the weight matmuls' outputs, recomputing attention, norms and activations in between.
+    # dots: the weight matmuls' outputs, recomputing attention, norms and activations in between;
+    # attention: q, k, v and attention's output, recomputing norms, projections' inputs and the MLP
+    # (attention, the part that grows with the length, never runs twice: long sequences).
     # `grpo-jax bench memory` shows what each costs a run on its chips before it launches.
     remat: Remat = "none"
+    # The attention implementation of the training, reference and prefill passes (decoding reads
+    # its cache its own way). xla: plain XLA, scores [B, H, T, T] (short sequences, tests); chunked:
+    # flash-style online softmax in pure JAX, O(T x block) memory, any backend; splash: JAX's Pallas
+    # TPU kernel (splash attention, under shard_map); gpu: JAX's Pallas GPU kernel (no sliding
+    # window or soft-capping); auto: splash on TPU, gpu on GPU where the model allows, on CPU xla up
+    # to 1,024 key slots and chunked above (grpo_jax.models.layers.attention_impl).
+    attention: Attention = "auto"
 
     def __post_init__(self):
         if (self.path is None) == (self.architecture is None):
@@ -56,6 +67,7 @@ class ModelConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is not one of {list(DTYPES)}")
         choice_in("model", "remat", self.remat, REMATS)
+        choice_in("model", "attention", self.attention, ATTENTIONS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -101,6 +101,20 @@ class RunConfig:
                              "sft.answer_template for single answers")
         check_micro_batches(self.data.prompts_per_step * self.sampling.group_size, self.train.micro_batches,
                             "data.prompts_per_step x sampling.group_size")
+        if self.train.packing and self.algorithm == "ppo":
+            raise ValueError("train.packing does not run with algorithm: ppo yet (the critic reads unpacked hidden "
+                             "states); set train.packing: false")
+        longest = max(self.sampling.prompt_buckets) + self.sampling.max_new_tokens
+        if self.train.packing and 0 < self.train.pack_length < self.sampling.max_new_tokens + 1:
+            raise ValueError(f"train.pack_length={self.train.pack_length} cannot hold one prompt token and "
+                             f"sampling.max_new_tokens={self.sampling.max_new_tokens}; raise it (0 = {longest}, "
+                             "every sequence fits)")
+
+    @property
+    def pack_length(self) -> int:
+        """The tokens of a packing bin: train.pack_length, or (0) the longest prompt bucket +
+        sampling.max_new_tokens."""
+        return self.train.pack_length or max(self.sampling.prompt_buckets) + self.sampling.max_new_tokens
 
     def _check_distill(self) -> None:
         if self.algorithm != "distill":

@@ -58,6 +58,13 @@ class TrainConfig:
     # to it (equal to every row carrying its own copy, tests/learner/test_shared_prompt.py; 1.2-1.4x faster
     # updates on the peers' workload). Micro-batches must then hold whole groups.
     shared_prompt: bool = True
+    # Sequence packing (grpo_jax.learner.packing): the policy, reference and teacher passes run each
+    # micro-batch's rows laid end to end in bins of `pack_length` tokens (first-fit decreasing;
+    # positions restart per sequence, attention never crosses sequences) instead of each row padded
+    # to the longest; the loss and every metric stay per sequence. pack_length 0: the longest prompt
+    # bucket + sampling.max_new_tokens (every sequence fits); a sequence longer than a bin is refused.
+    packing: bool = False
+    pack_length: int = 0
     # DAPO dynamic sampling: keep only groups whose rewards differ, resample up to this many extra
     # rounds to fill the batch; what is still missing is filled with zero-advantage groups (counted).
     dynamic_sampling: bool = False
@@ -81,7 +88,8 @@ class TrainConfig:
         positive("train", "max_consecutive_skips", self.max_consecutive_skips)
         positive("train", "max_reward_failure_steps", self.max_reward_failure_steps)
         choice_in("train", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        for name in ("warmup_steps", "max_resample_rounds", "samples_every", "samples_count", "weight_decay"):
+        for name in ("warmup_steps", "max_resample_rounds", "samples_every", "samples_count", "weight_decay",
+                     "pack_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         positive("train", "max_grad_norm", self.max_grad_norm)

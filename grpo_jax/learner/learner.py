@@ -58,15 +58,17 @@ class Learner:
                 "frozen_params_bytes": nbytes(self.frozen), "reference_params_bytes": nbytes(self.reference),
                 "teacher_params_bytes": nbytes(self.parallel.teacher)}
 
-    def complete(self, trajectories) -> tuple[Batch, float]:
-        """The train step's batch from a source's `Trajectories`: advantages of the whole batch,
-        (beta > 0) the reference's log-probs and (distillation) the teacher's -> (batch, seconds
-        the reference and teacher passes took, `perf/ref_s`)."""
+    def complete(self, trajectories) -> tuple[Batch, dict[str, float]]:
+        """The train step's batch from a source's `Trajectories`: advantages of the whole batch, its
+        packing plan (train.packing), (beta > 0) the reference's log-probs and (distillation) the
+        teacher's -> (batch, metrics: `perf/ref_s`, the seconds the reference and teacher passes
+        took, and with packing `perf/pack_fill`, the share of the bins' tokens that are real)."""
         t = trajectories.rows
         adv = self.parallel.advantages(t.rewards)
         batch = Batch(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
                       completion_mask=t.completion_mask, rewards=t.rewards, truncated=t.truncated,
                       old_logprobs=t.old_logprobs, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
+        batch, fill = self.parallel.pack(batch)
         t0 = time.perf_counter()
         if self.parallel.teacher is not None:  # on-policy distillation: the teacher scores the tokens
             batch = batch.replace(teacher_logprobs=self.parallel.teacher_logprobs(batch))
@@ -75,13 +77,13 @@ class Learner:
             batch = batch.replace(ref_logprobs=self.parallel.ref_logprobs(reference, batch))
         # Waiting for them costs nothing (the update needs them next) and times them on their own.
         jax.block_until_ready((batch.ref_logprobs, batch.teacher_logprobs))
-        return batch, time.perf_counter() - t0
+        return batch, {"perf/ref_s": time.perf_counter() - t0, **({} if fill is None else {"perf/pack_fill": fill})}
 
     def update(self, state: TrainState, trajectories, while_waiting=None) -> tuple[TrainState, dict[str, float]]:
         """`grpo.num_iterations` updates on one step's trajectories -> (state, the update's metrics).
         `while_waiting()` runs after the updates are dispatched, before their results are read (a
         pipelined source samples its next batch while the learner's programs run)."""
-        batch, ref_s = self.complete(trajectories)
+        batch, completed = self.complete(trajectories)
         t0 = time.perf_counter()
         for i in range(self.num_iterations):
             state, out = self.parallel.step(state, batch)
@@ -98,6 +100,6 @@ class Learner:
         if while_waiting is not None:
             metrics["perf/ahead_s"] = ahead_s  # sampling the next batch, during the update
         metrics.update({"perf/train_tokens_per_s": trajectories.tokens * self.num_iterations / max(train_s, 1e-9),
-                        "perf/ref_s": ref_s, "perf/train_s": train_s,
+                        **completed, "perf/train_s": train_s,
                         "perf/prompt_len": float(batch.prompt_ids.shape[1])})
         return state, metrics

@@ -32,6 +32,17 @@ def split_micro_batches(rows, micro_batches: int, unit: int = 1):
     return jax.tree.map(one, rows)
 
 
+def merge_micro_batches(micro, unit: int = 1):
+    """The inverse of `split_micro_batches`: [micro_batches, R / micro_batches, ...] -> [R, ...] in
+    the batch's row order."""
+    def one(x):
+        m, rows = x.shape[:2]
+        runs = x.reshape(m, rows // unit, unit, *x.shape[2:])
+        return jnp.swapaxes(runs, 0, 1).reshape(m * rows, *x.shape[2:])
+
+    return jax.tree.map(one, micro)
+
+
 def accumulate(micro_loss, trainable, rows, step_key: jax.Array, micro_batches: int, *, unit: int = 1):
     """Gradients of `micro_loss(trainable, micro_batch, key) -> (loss, sums)` summed over
     `micro_batches` parts of `rows` (a pytree of per-row arrays; `split_micro_batches` with

@@ -17,6 +17,7 @@ from grpo_jax.config import DistillConfig, GRPOConfig, PPOConfig
 from grpo_jax.learner.distill import distill_advantages, reverse_kl_sum
 from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
 from grpo_jax.learner.logprobs import chunked_logprobs, completion_states
+from grpo_jax.learner.packing import packed_logprobs
 from grpo_jax.learner.ppo import critic_values, positive_mask, ppo_loss
 
 
@@ -68,13 +69,20 @@ def micro_loss_fn(merge, config: GRPOConfig, objective: Objective, whole: WholeB
         params, critic = trainable if ppo is not None else (trainable, None)
         model = merge(params)
         # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
-        h_RME = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, group_size=group_size,
-                                  dropout_key=key, row_sharding=row_sharding)
-        logp_RM, entropy_RM = chunked_logprobs(h_RME, mb.completion_ids, model.logits, chunk=logprob_chunk,
-                                               temperature=temperature)
+        if mb.packing is not None:  # over the micro-batch's bins (train.packing; not with PPO's critic)
+            logp_RM, entropy_RM = packed_logprobs(model, mb.packing, mb.prompt_ids, mb.prompt_mask,
+                                                  mb.completion_ids, chunk=logprob_chunk, temperature=temperature,
+                                                  dropout_key=key, row_sharding=row_sharding)
+        else:
+            h_RME = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
+                                      group_size=group_size, dropout_key=key, row_sharding=row_sharding)
+            logp_RM, entropy_RM = chunked_logprobs(h_RME, mb.completion_ids, model.logits, chunk=logprob_chunk,
+                                                   temperature=temperature)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
         old_RM = mb.old_logprobs if config.num_iterations > 1 else jax.lax.stop_gradient(logp_RM)
         if ppo is not None:
+            if mb.packing is not None:
+                raise ValueError("train.packing does not run with algorithm: ppo (its critic reads unpacked states)")
             v_RM = critic_values(critic, h_RME, mb, critic_graphdef=objective.critic_graphdef, warmup=warmup,
                                  group_size=group_size, row_sharding=row_sharding)
             return ppo_loss(v_RM, logp_RM, old_RM, entropy_RM, mb, config, ppo, whole.normaliser, warmup=warmup,

@@ -28,11 +28,13 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import RunConfig
 from grpo_jax.learner.grpo import GroupAdvantages
+from grpo_jax.learner.packing import pack_batch
 from grpo_jax.learner.step_factory import TrainState
 from grpo_jax.learner.train_step import (Batch, bind_train_step, make_advantages_step, make_ref_logprobs_step,
                                          make_train_step)
-from grpo_jax.runtime.sharding import (param_shardings, replicate, replicated, split_rows, train_state_shardings,
-                                       tree_shardings, unreplicate)
+from grpo_jax.models.layers import parents_supported
+from grpo_jax.runtime.sharding import (batch_sharding, param_shardings, replicate, replicated, rows_per_shard,
+                                       split_rows, train_state_shardings, tree_shardings, unreplicate)
 
 
 class Parallel(abc.ABC):
@@ -60,6 +62,14 @@ class Parallel(abc.ABC):
         if teacher is not None:
             self._teacher_graphdef, self.teacher = nnx.split(teacher, nnx.Param)
             self._teacher = self.teacher_scorer(group_size=self.step_kw["group_size"], temperature=temperature)
+        self.packing = None
+        if t.packing:
+            if jax.process_count() > 1:
+                raise ValueError("train.packing plans its bins from the whole batch on one host; with "
+                                 f"{jax.process_count()} processes set train.packing: false (not supported yet)")
+            self.packing = dict(length=config.pack_length, micro_batches=t.micro_batches,
+                                unit=self.step_kw["group_size"], group_size=config.sampling.group_size,
+                                shared=t.shared_prompt and parents_supported(config.model.attention, mesh))
         self._advantages = make_advantages_step(config.sampling.group_size, config.grpo, mesh=mesh)
         self._ref = None
         if config.grpo.beta > 0:
@@ -68,7 +78,8 @@ class Parallel(abc.ABC):
             shardings = tree_shardings(frozen) if frozen is not None else param_shardings(state.params, mesh).shardings
             self._ref = make_ref_logprobs_step(graphdef if ref_graphdef is None else ref_graphdef, mesh=mesh,
                                                params_shardings=shardings, logprob_chunk=t.logprob_chunk,
-                                               temperature=temperature, group_size=self.step_kw["group_size"])
+                                               temperature=temperature, group_size=self.step_kw["group_size"],
+                                               micro_batches=t.micro_batches)
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
@@ -76,8 +87,20 @@ class Parallel(abc.ABC):
         return self._advantages(rewards)
 
     def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
-        """The reference policy's log-probs [R, M] of the batch's completions, on the mesh."""
-        return self._ref_step()(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+        """The reference policy's log-probs [R, M] of the batch's completions, on the mesh (over its
+        bins when the batch is packed)."""
+        return self._ref_step()(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.packing)
+
+    def pack(self, batch: Batch) -> tuple[Batch, float | None]:
+        """`batch` with its packing plan when the run packs (train.packing), made on the host from
+        its masks -> (batch, the bins' fill: the share of their tokens that are real; None unpacked)."""
+        if self.packing is None:
+            return batch, None
+        return pack_batch(batch, **self.packing, **self._pack_layout())
+
+    @abc.abstractmethod
+    def _pack_layout(self) -> dict:
+        """How the step's rows split into shards for `plan_packing` (`shards`, `local_bins`, `place`)."""
 
     def teacher_scorer(self, *, group_size: int, temperature: float):
         """`score(prompt_ids [R, P], prompt_mask [R, P], completion_ids [R, M]) -> the teacher's
@@ -86,7 +109,8 @@ class Parallel(abc.ABC):
         if self.teacher is None:
             return None
         step = make_ref_logprobs_step(self._teacher_graphdef, mesh=self.mesh, params_shardings=tree_shardings(
-            self.teacher), logprob_chunk=self.step_kw["logprob_chunk"], temperature=temperature, group_size=group_size)
+            self.teacher), logprob_chunk=self.step_kw["logprob_chunk"], temperature=temperature, group_size=group_size,
+            micro_batches=self.step_kw["micro_batches"])
         score = functools.partial(step, self.teacher)
         score.lower = functools.partial(step.lower, self.teacher)  # `grpo-jax bench memory`
         return score
@@ -95,16 +119,17 @@ class Parallel(abc.ABC):
         """The distillation teacher's log-probs [R, M] of the batch's completions, on the mesh."""
         if self._teacher is None:
             raise ValueError("teacher log-probs are computed only with algorithm: distill")
-        return self._teacher(batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+        return self._teacher(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.packing)
 
     def lower_teacher_logprobs(self, batch: Batch) -> jax.stages.Lowered:
         """`teacher_logprobs`'s program lowered for these arguments (as `lower_ref_logprobs`)."""
-        return self._teacher.lower(batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+        return self._teacher.lower(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.packing)
 
     def lower_ref_logprobs(self, params, batch: Batch) -> jax.stages.Lowered:
         """`ref_logprobs`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs):
         `.compile().memory_analysis()` says what it needs before anything is placed."""
-        return self._ref_step().lower(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids)
+        return self._ref_step().lower(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                      batch.packing)
 
     def _ref_step(self):
         if self._ref is None:
@@ -147,6 +172,11 @@ class MeshParallel(Parallel):
     def step(self, state, batch):
         return self._step(state, batch, self.frozen)
 
+    def _pack_layout(self):
+        rows = batch_sharding(self.mesh, 1)
+        return dict(shards=rows_per_shard(self.mesh), local_bins=False,
+                    place=lambda plan: jax.device_put(plan, rows))
+
     def lower_step(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         """`step`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs)."""
         return self._step.lower(state, batch, self.frozen)
@@ -174,6 +204,9 @@ class PmapParallel(Parallel):
         rows = split_rows(jax.tree.map(np.asarray, batch), len(self.devices))
         state, out = self._step(state, rows)
         return state, unreplicate(out)
+
+    def _pack_layout(self):
+        return dict(shards=len(self.devices), local_bins=True, place=None)
 
     def sampler_params(self, state):
         return jax.device_put(unreplicate(state.params), replicated(self.mesh))

@@ -28,7 +28,9 @@ from jax.sharding import Mesh
 from grpo_jax.config import DistillConfig, GRPOConfig, PPOConfig, check_micro_batches
 from grpo_jax.learner.grpo import GroupAdvantages, group_advantages, loss_metrics
 from grpo_jax.learner.logprobs import completion_logprobs
+from grpo_jax.learner.micro_batches import merge_micro_batches, split_micro_batches
 from grpo_jax.learner.objectives import Objective, micro_loss_fn, policy_frozen, whole_batch
+from grpo_jax.learner.packing import PackRows, packed_logprobs
 from grpo_jax.learner.ppo import explained_variance
 from grpo_jax.learner.step_factory import TrainState, new_state, update
 from grpo_jax.models.lora import LoRAParam, has_adapters
@@ -52,6 +54,7 @@ class Batch:
     old_logprobs: jax.Array  # float32 [R, M]: the sampler's (used when num_iterations > 1)
     ref_logprobs: jax.Array | None = None  # float32 [R, M]: reference policy's (beta > 0 only)
     teacher_logprobs: jax.Array | None = None  # float32 [R, M]: the teacher's (algorithm: distill only)
+    packing: PackRows | None = None  # where each row sits in its micro-batch's bins (train.packing only)
 
 
 # field -> (dims as names of R, N, P, M, dtype kind): "i" integer, "f" float, "b" bool.
@@ -80,6 +83,11 @@ def check_batch(batch: Batch, *, micro_batches: int = 1) -> None:
         except AssertionError as e:
             raise ValueError(f"Batch.{name} should be {kind}{list(shape)} with R={R}, N={N}, P={P}, M={M}: "
                              f"{e}") from None
+    if batch.packing is not None:
+        for name in ("bin", "prompt_start", "completion_start", "completion_len"):
+            x = getattr(batch.packing, name)
+            if x.shape != (R,) or not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"Batch.packing.{name} should be int[{R}], got {x.dtype}{list(x.shape)}")
     if N < 1 or R % N or R // N < 2:
         raise ValueError(f"Batch.zero_std has {N} groups for {R} rows: rows must be N x G with G >= 2")
     check_micro_batches(R, micro_batches, "Batch")
@@ -263,26 +271,50 @@ def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh: Mesh):
 
 
 def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
-                      *, graphdef, logprob_chunk: int = 128, temperature: float = 1.0,
-                      group_size: int = 1, row_sharding=None) -> jax.Array:
+                      packing: PackRows | None = None, *, graphdef, logprob_chunk: int = 128,
+                      temperature: float = 1.0, group_size: int = 1, micro_batches: int = 1,
+                      row_sharding=None) -> jax.Array:
     """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
     (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: a copy of the
     policy's params, or a LoRA run's frozen base with `graphdef` the base's structure without
     adapters), tempered as the sampler's. group_size=G > 1: each group's shared prompt runs once
-    (`completion_logprobs`). row_sharding: as `train_step`'s."""
+    (`completion_logprobs`). row_sharding: as `train_step`'s.
+
+    packing: the batch's packing plan (`Batch.packing`); the pass then runs over each micro-batch's
+    bins in turn (`micro_batches`, as the train step cuts them), so it holds one micro-batch's
+    activations at a time, as the update does."""
+    model = nnx.merge(graphdef, params)
+    if packing is not None:
+        rows = split_micro_batches((prompt_ids, prompt_mask, completion_ids, packing), micro_batches, group_size)
+
+        def one(mb):
+            p_ids, p_mask, c_ids, pack = mb
+            return packed_logprobs(model, pack, p_ids, p_mask, c_ids, chunk=logprob_chunk, temperature=temperature,
+                                   row_sharding=row_sharding)[0]
+
+        return merge_micro_batches(jax.lax.map(one, rows), group_size)
     check_group_rows(completion_ids.shape[0], 1, group_size)
-    logp_RM, _ = completion_logprobs(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids,
+    logp_RM, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
                                      chunk=logprob_chunk, temperature=temperature, group_size=group_size,
                                      row_sharding=row_sharding)
     return logp_RM
 
 
 def make_ref_logprobs_step(graphdef, *, mesh: Mesh, params_shardings, logprob_chunk: int = 128,
-                           temperature: float = 1.0, group_size: int = 1):
+                           temperature: float = 1.0, group_size: int = 1, micro_batches: int = 1):
     """`ref_logprobs_step` jitted once on `mesh`: the reference params keep `params_shardings` and
-    the rows of every input, of the activations and of the output are split over (data, fsdp)."""
+    the rows of every input (a packing plan's too), of the activations and of the output are split
+    over (data, fsdp)."""
     step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
-                             temperature=temperature, group_size=group_size, row_sharding=batch_sharding(mesh, 1))
-    rows = batch_sharding(mesh, 2)
-    return sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows), out_shardings=rows)
+                             temperature=temperature, group_size=group_size, micro_batches=micro_batches,
+                             row_sharding=batch_sharding(mesh, 1))
+    rows = batch_sharding(mesh, 1)
+    jitted = sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows, rows), out_shardings=rows)
+
+    def sharded_step(params, prompt_ids, prompt_mask, completion_ids, packing: PackRows | None = None):
+        return jitted(params, prompt_ids, prompt_mask, completion_ids, packing)
+
+    sharded_step.lower = lambda params, prompt_ids, prompt_mask, completion_ids, packing=None: jitted.lower(
+        params, prompt_ids, prompt_mask, completion_ids, packing)  # `grpo-jax bench memory`
+    return sharded_step
 

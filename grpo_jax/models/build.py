@@ -72,9 +72,9 @@ def architecture(arch: Mapping[str, Any], tokenizer) -> TransformerConfig:
 
 
 def model_options(cfg: ModelConfig) -> dict[str, Any]:
-    """The `Transformer` keywords the `model:` section sets (dtypes, remat, scan_layers)."""
+    """The `Transformer` keywords the `model:` section sets (dtypes, remat, scan_layers, attention)."""
     return dict(dtype=JNP_DTYPES[cfg.dtype], param_dtype=JNP_DTYPES[cfg.param_dtype], remat=cfg.remat,
-                scan_layers=cfg.scan_layers)
+                scan_layers=cfg.scan_layers, attention=cfg.attention)
 
 
 def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int, mesh: Mesh | None = None) -> Transformer:
@@ -85,7 +85,7 @@ def build_model(cfg: ModelConfig, model_config: TransformerConfig, seed: int, me
     options = model_options(cfg)
     if cfg.path is not None:
         return from_pretrained(cfg.path, **options, mesh=mesh)
-    make = lambda: Transformer(model_config, rngs=nnx.Rngs(seed), **options)  # noqa: E731
+    make = lambda: Transformer(model_config, rngs=nnx.Rngs(seed), **options)
     return make() if mesh is None else init_on_host(make)
 
 

@@ -175,11 +175,12 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
 
 
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32,
-                    remat: str = "none", scan_layers: bool = True, *, mesh: Mesh | None = None,
-                    rules: Mapping[str, str | None] = RULES, on_host: bool = False) -> Transformer:
+                    remat: str = "none", scan_layers: bool = True, *, attention: str = "auto",
+                    mesh: Mesh | None = None, rules: Mapping[str, str | None] = RULES,
+                    on_host: bool = False) -> Transformer:
     """Load an HF-format directory (config.json + one or sharded safetensors), or a `.gguf` file
     (dequantised once into a cached HF directory, `models.gguf`), into a Transformer (`remat`,
-    `scan_layers`: see `Transformer`). With a `mesh`, each parameter goes from host memory straight
+    `scan_layers`, `attention`: see `Transformer`). With a `mesh`, each parameter goes from host memory straight
     to its shards by `rules` (`sharding.host_to_mesh`); with `on_host`, the parameters stay NumPy
     arrays in host memory (for a model placed later: `sharding.place_model` cuts them there);
     otherwise onto the default device."""
@@ -192,7 +193,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.
         reader.close()
     abstract = nnx.eval_shape(
         lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype, remat=remat,
-                            scan_layers=scan_layers))
+                            scan_layers=scan_layers, attention=attention))
     return fill_params(abstract, values, mesh, rules, on_host=on_host)
 
 

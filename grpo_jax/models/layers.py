@@ -79,24 +79,78 @@ def qkv(x_BTE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, cos_B
     return rope.apply(q, cos_BTD, sin_BTD), rope.apply(k, cos_BTD, sin_BTD), v
 
 
-def attention(q_BTHD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, mask_BTT: jax.Array,
-              cfg: TransformerConfig) -> jax.Array:
-    """Masked softmax attention of T queries [B, T, H, D] over T keys and values [B, K, T, D]
-    (mask bool [B, T, T]: query t may attend key s) -> [B, T, H, D].
+def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
+    """int32 [B, T] rotary positions of a packed row's segment ids [B, T]: each run of one id counts
+    up from 0 (a packed sequence's positions restart where it starts); padding (0) counts too, and
+    is masked anyway."""
+    T = segment_ids_BT.shape[1]
+    index_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids_BT.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], jnp.bool_),
+                              segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    return index_BT - jax.lax.cummax(jnp.where(starts, index_BT, 0), axis=1)
 
-    The Q query heads of a kv head and the T positions are folded into one axis W, so every
-    contraction is a plain batched matmul over (row, kv head).
+
+AUTO_XLA_MAX_KEYS = 1024
+"""`attention: auto` on CPU runs plain XLA attention up to this many key slots, the chunked
+(flash-style) path above it (benchmarks/RESULTS.md, "Attention by length")."""
+
+
+def attention_impl(choice: str, cfg: TransformerConfig, *, keys: int, mesh=None) -> str:
+    """The attention implementation a pass over `keys` key slots runs: `choice` itself (a
+    `model.attention` name other than "auto"), or for "auto" by the platform of the devices it runs
+    on (`mesh`'s, else JAX's default backend): TPU -> splash (the Pallas kernel), GPU -> the Pallas
+    GPU kernel where the model needs no sliding window or soft-capping (else chunked), CPU -> plain
+    XLA for up to `AUTO_XLA_MAX_KEYS` key slots and chunked above."""
+    if choice != "auto":
+        return choice
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    if platform == "tpu":
+        return "splash"
+    if platform in ("gpu", "cuda", "rocm"):
+        plain = cfg.attn_logit_softcap is None and all(cfg.window_of(k) is None for k in cfg.kinds)
+        return "gpu" if plain else "chunked"
+    return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"
+
+
+def parents_supported(choice: str, mesh=None) -> bool:
+    """Whether `model.attention`'s implementation on `mesh`'s platform sees parent segments (a
+    packed completion's shared prompt): the XLA and chunked paths do; the Pallas kernels compare
+    segment ids only, so packing lays a prompt copy before each completion there."""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    impl = choice if choice != "auto" else ("splash" if platform == "tpu" else
+                                            "gpu" if platform in ("gpu", "cuda", "rocm") else "chunked")
+    return impl in ("xla", "chunked")
+
+
+def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, q_segment_ids: jax.Array,
+              kv_segment_ids: jax.Array, q_positions: jax.Array, kv_positions: jax.Array,
+              q_parent_ids: jax.Array | None = None, kind: jax.Array | int, cfg: TransformerConfig, impl: str,
+              mesh=None) -> jax.Array:
+    """A layer's causal attention of queries [B, T, H, D] over keys and values [B, S, K, D] (S >= T:
+    the queries are the last T of the key axis) -> [B, T, H, D], with `grpo_jax.models.attention`'s
+    implementation `impl` (`attention_impl` chooses it) and visibility rule: same segment id (0 =
+    padding), or the query's parent id (a packed completion's shared prompt), causal, within the
+    sliding window of this layer's kind (`kind`: an index into `cfg.kinds`, traced in a layer scan).
+
+    Masks come from the segment ids and positions, never a materialised [B, T, S] array; a model
+    whose layers have two kinds (Gemma 3's full and sliding layers) picks the kind's attention with
+    `lax.switch`, so one scanned layer body serves both.
     """
-    B, T, H, D = q_BTHD.shape
-    K = k_BKTD.shape[1]
-    Q = H // K
-    q_BKWD = q_BTHD.reshape(B, T, K, Q, D).transpose(0, 2, 3, 1, 4).reshape(B, K, Q * T, D)
-    s_BKWS = jnp.einsum("bkwd,bksd->bkws", q_BKWD, k_BKTD, preferred_element_type=jnp.float32) * cfg.query_scale
-    s_BKWS = softcap(s_BKWS, cfg.attn_logit_softcap)
-    s_BKQTS = jnp.where(mask_BTT[:, None, None], s_BKWS.reshape(B, K, Q, T, T), NEG)
-    p_BKWS = jax.nn.softmax(s_BKQTS, axis=-1).reshape(B, K, Q * T, T).astype(v_BKTD.dtype)
-    out_BKWD = jnp.einsum("bkws,bksd->bkwd", p_BKWS, v_BKTD)
-    return out_BKWD.reshape(B, K, Q, T, D).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    from grpo_jax.models.attention import attend
+
+    def one(window):
+        def run(q, k, v):
+            return attend(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                          q_positions=q_positions, kv_positions=kv_positions, q_parent_ids=q_parent_ids, causal=True,
+                          window=window, softcap=cfg.attn_logit_softcap, scale=cfg.query_scale, impl=impl, mesh=mesh)
+        return run
+
+    branches = [one(cfg.window_of(k)) for k in cfg.kinds]
+    if len(branches) == 1:
+        return branches[0](q_BTHD, k_BSKD, v_BSKD)
+    if isinstance(kind, int):
+        return branches[kind](q_BTHD, k_BSKD, v_BSKD)
+    return jax.lax.switch(kind, branches, q_BTHD, k_BSKD, v_BSKD)
 
 
 def decode_attention(q_BKQD: jax.Array, k_chunks: list[jax.Array], v_chunks: list[jax.Array], mask_BS: jax.Array,

@@ -44,13 +44,15 @@ class RewardModel(nnx.Module):
     """A decoder (`backbone`, without an LM head) and a linear `score` head [E, num_labels]."""
 
     def __init__(self, config: TransformerConfig, *, pad_token_id: int, num_labels: int = 1, rngs: nnx.Rngs,
-                 dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none", scan_layers: bool = True):
+                 dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none", scan_layers: bool = True,
+                 attention: str = "auto"):
         if num_labels < 1:
             raise ValueError(f"num_labels must be >= 1, got {num_labels}")
         self.config = config
         # Tied: the backbone then holds no lm_head (the head here is `score`); only the embedding is read.
         self.backbone = Transformer(dataclasses.replace(config, tie_word_embeddings=True), rngs=rngs, dtype=dtype,
-                                    param_dtype=param_dtype, remat=remat, scan_layers=scan_layers)
+                                    param_dtype=param_dtype, remat=remat, scan_layers=scan_layers,
+                                    attention=attention)
         head = jax.random.normal(rngs.params(), (config.hidden_size, num_labels)) * config.initializer_range
         self.score = nnx.Param(head.astype(param_dtype), logical_axes=("embed", None))
         self.pad_token_id = int(pad_token_id)
@@ -101,7 +103,7 @@ def _hf_config(path: Path) -> dict:
 
 
 def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-                      scan_layers: bool = True, *, mesh: Mesh | None = None,
+                      scan_layers: bool = True, *, attention: str = "auto", mesh: Mesh | None = None,
                       rules: Mapping[str, str | None] = RULES, on_host: bool = False) -> RewardModel:
     """A `*ForSequenceClassification` directory (config.json + safetensors) as a RewardModel; with a
     `mesh`, placed from host memory by `rules`, and with `on_host` kept there, as `from_pretrained`
@@ -129,7 +131,7 @@ def load_reward_model(path: str | os.PathLike, dtype=jnp.float32, param_dtype=jn
     values[("score",)] = np.ascontiguousarray(score.T).astype(jnp.dtype(param_dtype))
     abstract = nnx.eval_shape(lambda: RewardModel(config, pad_token_id=hf["pad_token_id"], num_labels=num_labels,
                                                   rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
-                                                  remat=remat, scan_layers=scan_layers))
+                                                  remat=remat, scan_layers=scan_layers, attention=attention))
     return fill_params(abstract, values, mesh, rules, on_host=on_host)
 
 

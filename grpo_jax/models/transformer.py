@@ -24,13 +24,15 @@ import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from grpo_jax.config import REMATS
+from grpo_jax.config import ATTENTIONS, REMATS
 from grpo_jax.models import lora
+from grpo_jax.models.attention import IMPLS
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.layers import (as_mask, attention, decode_attention, default_positions, finish_layer, qkv,
-                                    rms_norm, rope_tables, softcap)
+from grpo_jax.models.layers import (as_mask, attention, attention_impl, decode_attention, default_positions,
+                                    finish_layer, qkv, rms_norm, rope_tables, segment_positions, softcap)
 
 # The names of model.dtype / model.param_dtype (and reward models' dtype) as JAX dtypes.
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -39,9 +41,14 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # checkpoint at all). `dots_with_no_batch_dims_saveable` keeps the weight matmuls' outputs (the
 # projections and the MLP) and not attention's score and probability products, which are batched
 # over heads: those are recomputed, and they are the [B, H, T, T] arrays that grow with T^2.
+# "attention" keeps each layer's attention output and q/k/v (named in `_run`'s body) and recomputes
+# the projections' inputs, norms and the MLP: the backward pass never reruns attention, the part of
+# a long sequence's layer that grows with T (benchmarks/RESULTS.md, "Memory per length").
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention")}
 assert tuple(REMAT_POLICIES) == REMATS, "one policy per model.remat choice"
+assert ATTENTIONS == ("auto", *IMPLS), "one implementation per model.attention choice"
 
 
 def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -153,14 +160,17 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32, remat: str = "none", scan_layers: bool = True):
+                 param_dtype=jnp.float32, remat: str = "none", scan_layers: bool = True, attention: str = "auto"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r} is not one of {list(REMAT_POLICIES)}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r} is not one of {list(ATTENTIONS)}")
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self.remat = remat
         self.scan_layers = scan_layers
+        self.attention = attention
         values = _random_params(config, rngs.params(), self.param_dtype)
         params = {k: nnx.Param(values[k], logical_axes=axes) for k, (_, axes) in param_specs(config).items()}
         self.embed = params[("embed",)]
@@ -170,29 +180,42 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ public API
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
+                 attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
         """Plain causal pass over input_ids int [B, T] -> float32 logits [B, T, V].
 
-        attention_mask [B, T] (1 = real token; default all real); positions int [B, T] (default:
-        real tokens count up from 0 and padding repeats its neighbour's position, so a left-padded
-        row gives the logits of the unpadded row).
+        attention_mask [B, T] (1 = real token; default all real); segment_ids int32 [B, T] (a packed
+        row: a token attends only to earlier tokens of the same id, 0 is padding; default: one
+        sequence, the attention mask's real tokens); positions int [B, T] (default: real tokens
+        count up from 0 and padding repeats its neighbour's position, so a left-padded row gives the
+        logits of the unpadded row; with segment_ids, each segment counts up from 0). A packed row
+        gives each of its sequences the logits of that sequence's own pass.
         """
-        return self.logits(self.hidden_states(input_ids, positions, attention_mask))
+        return self.logits(self.hidden_states(input_ids, positions, attention_mask, segment_ids))
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                      attention_mask: jax.Array | None = None, *, dropout_key: jax.Array | None = None,
+                      attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
+                      parent_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
                       row_sharding=None) -> jax.Array:
         """Final-normed hidden states [B, T, E] in the compute dtype (feed to `logits`); arguments as
-        `__call__`. `dropout_key`: apply the LoRA adapters' input dropout (the training pass);
-        `row_sharding`: see `run_layers`."""
+        `__call__`. `parent_ids` int32 [B, T]: a token also attends the earlier tokens whose segment
+        id is its parent id (a packed completion's shared prompt; `learner.packing`).
+        `dropout_key`: apply the LoRA adapters' input dropout (the training pass); `row_sharding`:
+        see `run_layers`."""
         chex.assert_rank(input_ids, 2)
         B, T = input_ids.shape
         mask_BT = as_mask(attention_mask, (B, T))
-        if positions is None:
-            positions = default_positions(mask_BT)
+        if segment_ids is None:
+            segments_BT = mask_BT.astype(jnp.int32)
+            if positions is None:
+                positions = default_positions(mask_BT)
+        else:
+            chex.assert_shape(segment_ids, (B, T))
+            segments_BT = jnp.where(mask_BT, segment_ids, 0).astype(jnp.int32)
+            if positions is None:
+                positions = segment_positions(segments_BT)
         chex.assert_shape(positions, (B, T))
-        h_BTE, _ = self._run(input_ids, positions, mask_BT, collect_kv=False, dropout_key=dropout_key,
-                             row_sharding=row_sharding)
+        h_BTE, _ = self._run(input_ids, positions, segments_BT, parent_ids, collect_kv=False,
+                             dropout_key=dropout_key, row_sharding=row_sharding)
         return h_BTE
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -220,7 +243,8 @@ class Transformer(nnx.Module):
         chex.assert_rank(input_ids, 2)
         mask_BT = as_mask(attention_mask, input_ids.shape)
         positions_BT = default_positions(mask_BT)
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT, collect_kv=True)
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
+                                              collect_kv=True)
         if last_only:
             h_BTE = h_BTE[:, -1:]
         cache = KVCache.from_prefill(k_LBKTD, v_LBKTD, mask_BT, positions_BT, group_size=group_size,
@@ -236,7 +260,8 @@ class Transformer(nnx.Module):
         chex.assert_rank(input_ids, 2)
         mask_BT = as_mask(attention_mask, input_ids.shape)
         positions_BT = default_positions(mask_BT)
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT, collect_kv=True)
+        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
+                                              collect_kv=True)
         return self.logits(h_BTE[:, -1:])[:, 0], k_LBKTD, v_LBKTD, mask_BT, positions_BT
 
     def decode_step(self, input_ids: jax.Array, cache: KVCache, *, chunk: int | None = None,
@@ -303,27 +328,26 @@ class Transformer(nnx.Module):
         return x_BTE
 
     # ------------------------------------------------------------------ internals
-    def _run(self, input_ids_BT, positions_BT, mask_BT, *, collect_kv: bool, dropout_key=None, row_sharding=None):
-        """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None)."""
+    def _run(self, input_ids_BT, positions_BT, segments_BT, parents_BT, *, collect_kv: bool, dropout_key=None,
+             row_sharding=None):
+        """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None).
+        segments_BT int32 [B, T] (0 = padding), parents_BT int32 [B, T] or None: see `layers.attention`."""
         cfg, dtype = self.config, self.dtype
         T = input_ids_BT.shape[1]
         cos_YBTD, sin_YBTD = rope_tables(cfg, positions_BT, dtype)
-        # One causal mask per layer kind; the scan picks by the layer's kind index.
-        causal_BTT = jnp.tril(jnp.ones((T, T), jnp.bool_))[None] & mask_BT[:, None, :]
-        masks = []
-        for kind in cfg.kinds:
-            window = cfg.window_of(kind)
-            in_window = True if window is None else positions_BT[:, :, None] - positions_BT[:, None, :] < window
-            masks.append(causal_BTT & in_window)
-        mask_YBTT = jnp.stack(masks)
+        mesh = None if row_sharding is None else row_sharding.mesh
+        impl = attention_impl(self.attention, cfg, keys=T, mesh=mesh)
 
         def body(x, xs):
             p, kind = xs
             p = compute_dtype(p, dtype)
-            q, k, v = qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-            x = finish_layer(x, attention(q, k, v, mask_YBTT[kind], cfg), p, cfg)
-            return x, ((k, v) if collect_kv else None)
+            q, k, v = qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])  # [B, T, H, D], [B, T, K, D] x 2
+            q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
+            out = attention(q, k, v, q_segment_ids=segments_BT, kv_segment_ids=segments_BT, q_positions=positions_BT,
+                            kv_positions=positions_BT, q_parent_ids=parents_BT, kind=kind, cfg=cfg, impl=impl,
+                            mesh=mesh)
+            x = finish_layer(x, checkpoint_name(out, "attention"), p, cfg)
+            return x, ((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if collect_kv else None)
 
         x_BTE, kv = run_layers(self, body, self.embed_tokens(input_ids_BT), dropout_key=dropout_key,
                                row_sharding=row_sharding)
