@@ -52,6 +52,10 @@ def _bench_scaling(args: argparse.Namespace) -> dict:
     return result
 
 
+# What an option left unset ("" or 0) means, where the benchmark fills it in (memory's).
+_UNSET = {"preset": "the config's model", "devices": "8, or the topology's chips", "chip": "v5e, or the topology's"}
+
+
 def add_commands(sub) -> None:
     """`grpo-jax bench BENCHMARK`: one parser per benchmark (grpo_jax.tools.bench)."""
     from grpo_jax.tools import bench
@@ -78,8 +82,13 @@ def add_commands(sub) -> None:
     scaling.add_argument("--plot", default=None, help="the PNG (default: --output with .png)")
     _bench_command(which, "engine", bench.engine, functools.partial(call, bench.engine),
                    "static (in batches of sampling.slots rows, and all rows at once) vs continuous engine (JSON, PNG)")
-    _bench_command(which, "memory", bench.memory, functools.partial(call, bench.memory),
-                   "a run config's programs compiled on abstract shapes: memory per device against a chip's HBM")
+    memory = _bench_command(which, "memory", bench.memory, functools.partial(call, bench.memory),
+                            "a run config's programs compiled on abstract shapes: memory per device against a "
+                            "chip's HBM (XLA:CPU on host devices, or XLA:TPU for a --topology)")
+    memory.add_argument("--topology", default="", metavar="NAME",
+                        help="compile with XLA:TPU for this TPU slice instead (libtpu, the tpu-compile extra; no TPU "
+                             "needed), e.g. v5e:2x4 (a v5e-8), v5e:4x4, v6e:2x2, v5p:2x2x1; the config's mesh must "
+                             "use every chip, and the chip is the name's")
 
 
 def _bench_command(which, name: str, fn, run, about: str) -> argparse.ArgumentParser:
@@ -94,7 +103,7 @@ def _bench_command(which, name: str, fn, run, about: str) -> argparse.ArgumentPa
                             metavar="KEY=VALUE", help="override a config key")
     for key, default in defaults(fn).items():
         if key in bench.OPTIONS:
-            shown = "%(default)s" if default != "" else "the config's model"  # "": memory's preset
+            shown = _UNSET.get(key, "%(default)s") if default in ("", 0) else "%(default)s"
             parser.add_argument("--" + key.replace("_", "-"), type=type(default), default=default,
                                 choices=bench.CHOICES.get(key), help=f"{bench.OPTIONS[key]} (default {shown})")
     parser.add_argument("--output", default=None, metavar="FILE.json", help="also write the JSON result to this file")
