@@ -5,7 +5,9 @@ the train step) are built by the code a run builds them with (`learner.parallel.
 `engine.sampling.static_program`) on abstract shapes (`nnx.eval_shape`, `jax.eval_shape`: no
 parameter is ever materialised), lowered with the run's shardings and compiled; each compiled
 program's `memory_analysis()` gives its arguments, outputs, temporaries and generated code per
-device, and its `cost_analysis()` its FLOPs and bytes accessed per device. What the run holds
+device, and its `cost_analysis()` its FLOPs and bytes accessed per device (XLA counts a loop's
+body once: the layer scan, the micro-batch scan and the decode loop run it many times, so these
+are a floor, not the step's; `bench grpo-step` counts a step's model FLOPs). What the run holds
 outside a program while it runs (the optimizer state while sampling, the KL reference's copy, the
 batch) is added from the abstract shapes and their shardings, and the largest total is set against
 a chip's HBM.
@@ -172,6 +174,7 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
     else:
         backend = jax.default_backend()
         note = "per device; XLA:CPU's buffer assignment for the run's shapes and shardings, not XLA:TPU's"
+    note += "; flops and bytes_accessed count each loop's body once (layers, micro-batches, decode steps): a floor"
     return {**where, "model": run.model, "workload": run.workload, "resident_bytes": run.resident,
             "programs": programs, "not_compiled": run.not_compiled, "peak_program": peak_program, "peak_bytes": peak,
             "margin_bytes": hbm - peak, "margin_frac": (hbm - peak) / hbm, "verdict": verdict, "verdict_line": why,
