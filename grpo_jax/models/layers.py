@@ -100,13 +100,17 @@ def attention_impl(choice: str, cfg: TransformerConfig, *, keys: int, mesh=None)
     `model.attention` name other than "auto"), or for "auto" by the platform of the devices it runs
     on (`mesh`'s, else JAX's default backend): TPU -> splash (the Pallas kernel), GPU -> the Pallas
     GPU kernel where the model needs no sliding window or soft-capping (else chunked), CPU -> plain
-    XLA for up to `AUTO_XLA_MAX_KEYS` key slots and chunked above."""
+    XLA for up to `AUTO_XLA_MAX_KEYS` key slots and chunked above. A Pallas kernel runs per device
+    under shard_map over the mesh, so a pass that is not given its mesh (a prefill called without
+    `row_sharding`) runs the chunked path instead on an accelerator."""
     if choice != "auto":
         return choice
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     if platform == "tpu":
-        return "splash"
+        return "splash" if mesh is not None else "chunked"
     if platform in ("gpu", "cuda", "rocm"):
+        if mesh is None:
+            return "chunked"
         plain = cfg.attn_logit_softcap is None and all(cfg.window_of(k) is None for k in cfg.kinds)
         return "gpu" if plain else "chunked"
     return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"

@@ -41,9 +41,8 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # checkpoint at all). `dots_with_no_batch_dims_saveable` keeps the weight matmuls' outputs (the
 # projections and the MLP) and not attention's score and probability products, which are batched
 # over heads: those are recomputed, and they are the [B, H, T, T] arrays that grow with T^2.
-# "attention" keeps each layer's attention output and q/k/v (named in `_run`'s body) and recomputes
-# the projections' inputs, norms and the MLP: the backward pass never reruns attention, the part of
-# a long sequence's layer that grows with T (benchmarks/RESULTS.md, "Memory per length").
+# "attention" keeps q/k/v and attention's output (named in `_run`) and recomputes norms and the MLP:
+# the backward pass never reruns attention, the part of a long sequence's layer that grows with T.
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention")}
@@ -204,15 +203,11 @@ class Transformer(nnx.Module):
         chex.assert_rank(input_ids, 2)
         B, T = input_ids.shape
         mask_BT = as_mask(attention_mask, (B, T))
-        if segment_ids is None:
-            segments_BT = mask_BT.astype(jnp.int32)
-            if positions is None:
-                positions = default_positions(mask_BT)
-        else:
+        if segment_ids is not None:
             chex.assert_shape(segment_ids, (B, T))
-            segments_BT = jnp.where(mask_BT, segment_ids, 0).astype(jnp.int32)
-            if positions is None:
-                positions = segment_positions(segments_BT)
+        segments_BT = jnp.where(mask_BT, 1 if segment_ids is None else segment_ids, 0).astype(jnp.int32)
+        if positions is None:
+            positions = default_positions(mask_BT) if segment_ids is None else segment_positions(segments_BT)
         chex.assert_shape(positions, (B, T))
         h_BTE, _ = self._run(input_ids, positions, segments_BT, parent_ids, collect_kv=False,
                              dropout_key=dropout_key, row_sharding=row_sharding)
