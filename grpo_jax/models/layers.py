@@ -90,9 +90,13 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     return index_BT - jax.lax.cummax(jnp.where(starts, index_BT, 0), axis=1)
 
 
-AUTO_XLA_MAX_KEYS = 1024
+AUTO_XLA_MAX_KEYS = 256
 """`attention: auto` on CPU runs plain XLA attention up to this many key slots, the chunked
-(flash-style) path above it (benchmarks/RESULTS.md, "Attention by length")."""
+(flash-style) path above it: the two are even at 256 tokens, and chunked is 1.9x faster at 512
+and 2.6x at 4,096 (forward + backward; benchmarks/results/attention/cpu.json)."""
+CHUNK_BLOCK = 256
+"""The chunked path's query and key block: the fastest of 256 / 512 on CPU from 512 tokens up
+(benchmarks/results/attention/cpu.json)."""
 
 
 def attention_impl(choice: str, cfg: TransformerConfig, *, keys: int, mesh=None) -> str:
@@ -146,7 +150,8 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, q_segm
         def run(q, k, v):
             return attend(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                           q_positions=q_positions, kv_positions=kv_positions, q_parent_ids=q_parent_ids, causal=True,
-                          window=window, softcap=cfg.attn_logit_softcap, scale=cfg.query_scale, impl=impl, mesh=mesh)
+                          window=window, softcap=cfg.attn_logit_softcap, scale=cfg.query_scale, impl=impl, mesh=mesh,
+                          block_q=CHUNK_BLOCK, block_k=CHUNK_BLOCK)
         return run
 
     branches = [one(cfg.window_of(k)) for k in cfg.kinds]
