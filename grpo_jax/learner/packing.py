@@ -83,7 +83,7 @@ def plan_packing(prompt_len: np.ndarray, completion_len: np.ndarray, *, length: 
     split over `shards` in contiguous blocks (the mesh's data x fsdp, or pmap's devices), and each
     block into `micro_batches` interleaved runs of `unit` rows (`micro_batches.split_micro_batches`).
     Each such set is packed on its own into the same number of bins (the most any set needs, rounded
-    up to a power of two to bound the compiled shapes): under jit a micro-batch's bins are those of
+    up to a sixteenth of its rows to bound the compiled shapes): under jit a micro-batch's bins are those of
     all its shards, shard-major (a row's bin is shard x bins + its own), under pmap
     (`local_bins`) each device's alone. `shared`: rows i*G .. i*G+G-1 (G = `group_size`) share one
     prompt, laid once per bin. A sequence longer than a bin is refused, never truncated."""
@@ -111,8 +111,10 @@ def plan_packing(prompt_len: np.ndarray, completion_len: np.ndarray, *, length: 
             placed.append((len(bins), bins))
             tokens += sum(used)
     need = max((n for n, _ in placed), default=1)
-    per_set = max(len(np.flatnonzero((np.arange(per_shard) // unit) % micro_batches == 0)), 1)
-    bins_per_set = min(1 << max(need - 1, 0).bit_length(), per_set) if need else 1
+    per_set = max(per_shard // micro_batches, 1)
+    # Rounded up to a sixteenth of the rows: at most 16 compiled shapes, at most 1/16 of them idle.
+    step = -(-per_set // 16)
+    bins_per_set = min(max(-(-need // step) * step, 1), per_set)
     fields = {k: np.full(R, -1 if k == "bin" else 0, np.int32)
               for k in ("bin", "prompt_start", "completion_start", "completion_len")}
     for i, (_, bins) in enumerate(placed):
@@ -128,18 +130,23 @@ def plan_packing(prompt_len: np.ndarray, completion_len: np.ndarray, *, length: 
 
 
 def _first_fit(rows, prompt_len, completion_len, length: int, group_size: int, share: bool):
-    """Rows (longest completion first, ties by row) into bins -> (per bin: (row, prompt start,
-    completion start) for its rows, the tokens each bin holds)."""
+    """Rows (longest completion first, ties by row) into bins, each into the first bin that holds
+    its group's prompt and has room for the completion, else the first with room for both (shared
+    prompts), else a new bin -> (per bin: (row, prompt start, completion start) for its rows, the
+    tokens each bin holds)."""
     order = sorted((int(r) for r in rows if completion_len[r] > 0), key=lambda r: (-completion_len[r], r))
     contents: list[list[int]] = []
     used: list[int] = []
     groups: list[set[int]] = []
     for r in order:
         g = r // group_size
-        for b in range(len(contents)):
+        # A bin that already holds the group's prompt first (the completion alone), then any bin.
+        fits = [b for b in range(len(contents)) if share and g in groups[b]
+                and used[b] + completion_len[r] <= length]
+        fits += [b for b in range(len(contents)) if used[b] + completion_len[r] + prompt_len[r] <= length]
+        if fits:
+            b = fits[0]
             cost = completion_len[r] + (0 if share and g in groups[b] else prompt_len[r])
-            if used[b] + cost <= length:
-                break
         else:
             contents.append([])
             used.append(0)
