@@ -89,8 +89,6 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
     if topology:
         chips = topology_devices(topology)
         devices = len(chips)
-        log(f"{topology}: {devices} chips from libtpu (no TPU attached: its warnings above about TPU_ACCELERATOR_TYPE "
-            "and TPU_WORKER_HOSTNAMES are harmless)")
     if not _host_devices_ready(devices, fresh):
         return _in_child(config_path, overrides=overrides, devices=devices, chip=chip, topology=topology,
                          preset=preset)
@@ -153,6 +151,8 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
     check_devices(config)
     mesh = run_mesh(config)
     if topology:
+        log(f"{topology}: {len(chips)} chips from libtpu (no TPU attached: its warnings above about "
+            "TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES are harmless)")
         mesh = _topology_mesh(config, mesh, topology, chips)
     run = abstract_run(config, mesh, preset=preset)
     log(f"{'program':<14}{'arguments':>11}{'outputs':>10}{'temps':>10}{'code':>8}{'held':>10}{'peak':>10}  "
