@@ -97,6 +97,10 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
         "step_s_median": step_s, "sample_s_median": median("perf/sample_s"),
         "reward_s_median": median("perf/reward_s"), "ref_s_median": median("perf/ref_s"), "train_s_median": train_s,
         "tokens_per_s": median("perf/sample_tokens") / step_s,
+        "train_tokens_per_s_median": median("perf/train_tokens_per_s"),
+        "completion_len_mean": median("completion/len_mean"),
+        # train.packing: the share of the bins' tokens that are real (learner.packing)
+        "pack_fill_median": median("perf/pack_fill") if config.train.packing else None,
         "flops_per_step": flops.total, "flops": dataclasses.asdict(flops),
         "peak_matmul_flops_per_s": peak, "peak_matmul_dtype": dtype,
         "mfu": flops.total / step_s / peak, "train_mfu": flops.update / train_s / peak,
