@@ -59,6 +59,7 @@ _UNSET = {"preset": "the config's model", "devices": "8, or the topology's chips
 def add_commands(sub) -> None:
     """`grpo-jax bench BENCHMARK`: one parser per benchmark (grpo_jax.tools.bench)."""
     from grpo_jax.tools import bench
+    from grpo_jax.tools.bench.memory import PROGRAMS as MEMORY_PROGRAMS
 
     parser = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
                                           "weights; grpo-step: whole GRPO steps of a run config, with MFU; "
@@ -89,6 +90,17 @@ def add_commands(sub) -> None:
                         help="compile with XLA:TPU for this TPU slice instead (libtpu, the tpu-compile extra; no TPU "
                              "needed), e.g. v5e:2x4 (a v5e-8), v5e:4x4, v6e:2x2, v5p:2x2x1; the config's mesh must "
                              "use every chip, and the chip is the name's")
+    memory.add_argument("--programs", type=_names, default=(), metavar="NAME,NAME,...",
+                        help=f"compile only these programs (of {', '.join(MEMORY_PROGRAMS)}; default: every one "
+                             "the run has); the others are listed in not_compiled")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """An argparse type: comma-separated names."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
 
 
 def _bench_command(which, name: str, fn, run, about: str) -> argparse.ArgumentParser:

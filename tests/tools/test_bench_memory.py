@@ -94,3 +94,12 @@ def test_a_critic_model_and_a_teacher_are_counted(tmp_path):
     # A 3-layer teacher of the 2-layer policy's width: more than the policy, less than twice it.
     assert distill["resident_bytes"]["params"] < distill["resident_bytes"]["teacher"] < \
         2 * distill["resident_bytes"]["params"]
+
+
+def test_programs_compiles_only_the_named_ones(tmp_path, capsys):
+    only = _bench(tmp_path, "only", "--devices", "8", "--programs", "train_step")
+    assert tuple(only["programs"]) == ("train_step",) and only["programs"]["train_step"]["temp_bytes"] > 0
+    assert only["not_compiled"] == {name: "not asked (--programs)" for name in ("sampler", "eval_sampler", "reference")}
+    assert only["peak_program"] == "train_step" and "not asked: --programs" in only["verdict_line"]
+    assert cli.main(["bench", "memory", "--config", write_config(tmp_path, CONFIG), "--programs", "train,sampler"]) == 2
+    assert "unknown train" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from grpo_jax.rollout.evaluation import prompts_per_call
 from grpo_jax.engine.sampling import static_program
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
+from grpo_jax.tools.bench.memory import NOT_ASKED, PROGRAMS
 from grpo_jax.tools.bench.parity import preset_config
 from grpo_jax.models.build import architecture, build_tokenizer, model_options
 from grpo_jax.trainer.prepare import add_run_adapters, evaluation_sampling
@@ -67,8 +69,14 @@ def model_shape(cfg, preset: str = "") -> tuple[TransformerConfig, str]:
     return load_model_config(cfg.path), str(cfg.path)
 
 
-def abstract_run(config: RunConfig, mesh, *, preset: str = "") -> AbstractRun:
-    """The run's programs lowered on abstract shapes over `mesh` (see the module docstring)."""
+def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collection[str] = ()) -> AbstractRun:
+    """The run's programs lowered on abstract shapes over `mesh` (see the module docstring); with
+    `programs` (names of `PROGRAMS`), only those: the others the run has are in `not_compiled` as
+    `NOT_ASKED` (a sampler at tens of thousands of tokens costs minutes to compile)."""
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"unknown program(s) {', '.join(unknown)}: choose among {', '.join(PROGRAMS)}")
+    asked = set(programs or PROGRAMS)
     model_config, source = model_shape(config.model, preset)
     model = nnx.eval_shape(functools.partial(_policy, config, model_config))
     graphdef, params, frozen = split_trainable(model)
@@ -85,22 +93,25 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "") -> AbstractRun:
     resident = _resident(config, parallel, state, frozen, batch, mesh)
     sampling = _sampling(config.sampling, model_config)
     eval_prompts = prompts_per_call(config.eval.num_prompts, mesh)
-    programs = {"sampler": (_sampler(model, sampling, config.data.prompts_per_step, mesh), ("params", "frozen")),
-                "eval_sampler": (_sampler(model, evaluation_sampling(sampling, config), eval_prompts, mesh),
-                                 ("params", "frozen"))}
+    # name -> (lowers it, the resident parts among its arguments), for the programs this run has.
+    ref_params = state.params if frozen is None else frozen
+    runs = {"sampler": (lambda: _sampler(model, sampling, config.data.prompts_per_step, mesh), ("params", "frozen")),
+            "eval_sampler": (lambda: _sampler(model, evaluation_sampling(sampling, config), eval_prompts, mesh),
+                             ("params", "frozen"))}
     not_compiled = {}
     if config.grpo.beta > 0:
-        ref_params = state.params if frozen is None else frozen
-        programs["reference"] = (parallel.lower_ref_logprobs(ref_params, batch),
-                                 ("reference" if frozen is None else "frozen", "batch_ids"))
+        runs["reference"] = (lambda: parallel.lower_ref_logprobs(ref_params, batch),
+                             ("reference" if frozen is None else "frozen", "batch_ids"))
     else:
         not_compiled["reference"] = "grpo.beta = 0: the run has no reference pass (--set grpo.beta=... to see one)"
     if teacher is not None:
-        programs["teacher"] = (parallel.lower_teacher_logprobs(batch), ("teacher", "batch_ids"))
-    programs["train_step"] = (parallel.lower_step(state, batch),
-                              ("params", "optimizer", "frozen", "batch_ids", "batch_rest"))
-    return AbstractRun(programs=programs, resident=resident, model=_model_summary(config, model_config, source, state,
-                                                                                  frozen),
+        runs["teacher"] = (lambda: parallel.lower_teacher_logprobs(batch), ("teacher", "batch_ids"))
+    runs["train_step"] = (lambda: parallel.lower_step(state, batch),
+                          ("params", "optimizer", "frozen", "batch_ids", "batch_rest"))
+    not_compiled.update({name: NOT_ASKED for name in runs if name not in asked})
+    lowered = {name: (lower(), parts) for name, (lower, parts) in runs.items() if name in asked}
+    return AbstractRun(programs=lowered, resident=resident, model=_model_summary(config, model_config, source, state,
+                                                                                 frozen),
                        workload=_workload(config, mesh, eval_prompts), not_compiled=not_compiled)
 
 

@@ -48,6 +48,9 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _HOST_DEVICES = 8  # without a topology
 TOPOLOGY_EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5e:4x8, v6e:2x2, v6e:2x4, v5p:2x2x1, v5p:2x2x2"
 INSTALL_TPU_COMPILER = "pip install 'grpo-jax[tpu-compile]' (jax[tpu]==0.10.2 with its libtpu, ~700 MB)"
+PROGRAMS = ("sampler", "eval_sampler", "reference", "teacher", "train_step")
+"""The programs a run can have, in the order they are compiled (`programs=` names some of them)."""
+NOT_ASKED = "not asked (--programs)"
 
 
 def _to_stderr(line: str) -> None:
@@ -55,7 +58,8 @@ def _to_stderr(line: str) -> None:
 
 
 def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0, chip: str = "",
-           topology: str = "", preset: str = "", log: Callable[[str], None] = _to_stderr) -> dict:
+           topology: str = "", preset: str = "", programs: Sequence[str] = (),
+           log: Callable[[str], None] = _to_stderr) -> dict:
     """Compile a run config's programs on abstract shapes and return each one's memory per device
     against a chip's HBM, with a verdict and the margin.
 
@@ -64,6 +68,8 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
     slice's chips, the chip taken from the name; the config's mesh must use every chip.
     The model's shape comes from `preset` (a name of `bench.PRESETS`, for a model whose files are
     not on this machine), else from the config (model.architecture, or model.path's config.json).
+    `programs`: only these of `PROGRAMS` are compiled (default: all the run has); the others are in
+    `not_compiled` as `NOT_ASKED`, and the verdict is of those compiled.
     JAX must run on as many host devices as the programs have devices (they stand in for them in
     the config's checks): in a process where JAX has not started yet this sets XLA_FLAGS; where it
     runs with another count, the measurement runs in a child process.
@@ -78,6 +84,9 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
     chip = chip or "v5e"
     if chip not in CHIPS:
         raise ConfigError(f"bench memory: unknown chip {chip!r}; choose one of {list(CHIPS)}")
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        raise ConfigError(f"bench memory --programs: unknown {', '.join(unknown)}; name some of {', '.join(PROGRAMS)}")
     devices = devices or _HOST_DEVICES
     if devices < 1:
         raise ConfigError(f"bench memory needs --devices >= 1, got {devices}")
@@ -91,8 +100,8 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
         devices = len(chips)
     if not _host_devices_ready(devices, fresh):
         return _in_child(config_path, overrides=overrides, devices=devices, chip=chip, topology=topology,
-                         preset=preset)
-    result = measure(config, chip=chip, preset=preset, log=log, topology=topology, chips=chips)
+                         preset=preset, programs=programs)
+    result = measure(config, chip=chip, preset=preset, log=log, topology=topology, chips=chips, programs=programs)
     return {"system": "grpo_jax", "version": grpo_jax.__version__, "config": str(config_path),
             "overrides": list(overrides), **result}
 
@@ -114,7 +123,7 @@ def with_device_count(flags: str, devices: int) -> str:
 
 
 def _in_child(config_path: str, *, overrides: Sequence[str], devices: int, chip: str, topology: str,
-              preset: str) -> dict:
+              preset: str, programs: Sequence[str]) -> dict:
     """`grpo-jax bench memory` in a fresh process (JAX cannot change its device count once started)."""
     from grpo_jax.config import ConfigError
 
@@ -123,7 +132,8 @@ def _in_child(config_path: str, *, overrides: Sequence[str], devices: int, chip:
         device_args = ["--topology", topology] if topology else ["--devices", str(devices)]
         cmd = [sys.executable, "-m", "grpo_jax", "bench", "memory", "--config", str(config_path),
                *device_args, "--chip", chip, "--output", out,
-               *([f"--preset={preset}"] if preset else []), *(f"--set={o}" for o in overrides)]
+               *([f"--preset={preset}"] if preset else []), *([f"--programs={','.join(programs)}"] if programs else []),
+               *(f"--set={o}" for o in overrides)]
         # Its table and any error go to this process's stderr; its JSON comes back in the file.
         done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
         if done.returncode:
@@ -135,10 +145,11 @@ def _in_child(config_path: str, *, overrides: Sequence[str], devices: int, chip:
 
 
 def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] = lambda line: None,
-            topology: str = "", chips: Sequence | None = None) -> dict:
-    """`memory` in this process: the JSON fields after the config's name. The programs are compiled
-    for this process's devices, or with `topology` for `chips` (its compile-only TPU devices, as
-    many as this process has host devices: those stand in for them in the config's checks)."""
+            topology: str = "", chips: Sequence | None = None, programs: Sequence[str] = ()) -> dict:
+    """`memory` in this process: the JSON fields after the config's name. The programs (`programs`
+    of them, or all) are compiled for this process's devices, or with `topology` for `chips` (its
+    compile-only TPU devices, as many as this process has host devices: those stand in for them in
+    the config's checks)."""
     import jax
 
     from grpo_jax.config import ConfigError
@@ -154,16 +165,22 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
         log(f"{topology}: {len(chips)} chips from libtpu (no TPU attached: its warnings above about "
             "TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES are harmless)")
         mesh = _topology_mesh(config, mesh, topology, chips)
-    run = abstract_run(config, mesh, preset=preset)
+    run = abstract_run(config, mesh, preset=preset, programs=programs)
+    if not run.programs:
+        raise ConfigError(f"bench memory --programs {','.join(programs)}: the run has none of them ("
+                          + "; ".join(f"{k}: {v}" for k, v in run.not_compiled.items() if v != NOT_ASKED) + ")")
     log(f"{'program':<14}{'arguments':>11}{'outputs':>10}{'temps':>10}{'code':>8}{'held':>10}{'peak':>10}  "
         f"GiB per device ({len(mesh.devices.flat)} devices, {chip}{', ' + topology if topology else ''})")
-    programs = {}
+    results = {}
     for name, (lowered, in_args) in run.programs.items():
         held = sum(v for part, v in run.resident.items() if part not in in_args)
-        programs[name] = compile_figures(lowered, held=held)
-        log(_line(name, programs[name]))
+        results[name] = compile_figures(lowered, held=held)
+        log(_line(name, results[name]))
     hbm = CHIPS[chip]
-    verdict, peak_program, peak, why = _verdict(programs, chip)
+    verdict, peak_program, peak, why = _verdict(results, chip)
+    skipped = [name for name, why_not in run.not_compiled.items() if why_not == NOT_ASKED]
+    if skipped:
+        why += f"; only {', '.join(results)} compiled ({', '.join(skipped)} not asked: --programs)"
     log(why)
     where = {"devices": len(mesh.devices.flat), "mesh": dict(mesh.shape), "chip": chip, "hbm_bytes": hbm}
     if topology:
@@ -176,7 +193,7 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
         note = "per device; XLA:CPU's buffer assignment for the run's shapes and shardings, not XLA:TPU's"
     note += "; flops and bytes_accessed count each loop's body once (layers, micro-batches, decode steps): a floor"
     return {**where, "model": run.model, "workload": run.workload, "resident_bytes": run.resident,
-            "programs": programs, "not_compiled": run.not_compiled, "peak_program": peak_program, "peak_bytes": peak,
+            "programs": results, "not_compiled": run.not_compiled, "peak_program": peak_program, "peak_bytes": peak,
             "margin_bytes": hbm - peak, "margin_frac": (hbm - peak) / hbm, "verdict": verdict, "verdict_line": why,
             "backend": backend, "note": note}
 
