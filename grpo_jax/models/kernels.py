@@ -79,7 +79,7 @@ def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
     docstring; positions are not read), `softcap`. Parent ids cannot be expressed with the kernel's
     equality segment ids: ValueError. Lengths are padded to whole blocks of 128 internally. `mesh`:
     run under shard_map (rows over data x fsdp, heads over tensor). Differentiable (the kernel's own
-    custom vjp, fused backward kernel).
+    custom vjp: a dk/dv kernel and a dq kernel, memory linear in the length).
     """
     del q_positions, kv_positions  # the window is index distance (module docstring)
     _check(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, impl="splash", parents=q_parent_ids,
@@ -201,8 +201,13 @@ def _splash_kernel(H: int, Tp: int, Sp: int, offset: int, causal: bool, window: 
     else:
         mask = splash.FullMask(shape)
     bq, bkv = _block(Tp), _block(Sp)
+    # The backward runs dq in a kernel of its own (two kernels, as MaxText's default). The fused
+    # backward computes dq inside the dk/dv kernel as one partial per key block, summed afterwards:
+    # a [Sp / bkv, H, Tp, D] array per row, quadratic in the length (Qwen3-0.6B's train step at 8,192
+    # tokens on v5e-8: 8 rows x 33 blocks x 16 heads x 8,192 x 128 = 8.25 GiB per chip, and XLA:TPU
+    # refused it at 16.28 GiB of temporaries).
     blocks = splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                               block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
+                               block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv, use_fused_bwd_kernel=False)
     return splash.make_splash_mha(splash.MultiHeadMask([mask] * H), block_sizes=blocks, head_shards=1,
                                   q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
 
