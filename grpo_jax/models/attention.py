@@ -27,6 +27,7 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 IMPLS = ("xla", "chunked", "splash", "gpu")
@@ -277,6 +278,9 @@ def _flash(plan: _Plan, q, k, v, ids):
 
 def _flash_fwd(plan: _Plan, q, k, v, ids):
     out, lse = _forward(plan, q, k, v, ids)
+    # Named, so a remat policy that saves "attention" (`model.remat: attention`) keeps what the
+    # backward pass reads instead of running the forward loops again to rebuild the log-sum-exp.
+    q, k, v, out, lse = (checkpoint_name(a, "attention") for a in (q, k, v, out, lse))
     return out, (q, k, v, ids, out, lse)
 
 

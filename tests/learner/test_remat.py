@@ -29,9 +29,9 @@ def _step(remat: str, batch: Batch):
 def test_every_remat_policy_gives_the_same_update_and_block_keeps_less():
     batch = long_batch()
     memory, params, metrics = {}, {}, {}
-    for remat in ("none", "block", "dots"):
+    for remat in ("none", "block", "dots", "attention"):
         memory[remat], params[remat], metrics[remat] = _step(remat, batch)
-    for remat in ("block", "dots"):
+    for remat in ("block", "dots", "attention"):
         for key in ("train/loss", "train/grad_norm"):
             np.testing.assert_allclose(float(metrics[remat][key]), float(metrics["none"][key]), rtol=1e-5)
         for a, b in zip(jax.tree.leaves(params[remat]), jax.tree.leaves(params["none"])):
@@ -41,10 +41,24 @@ def test_every_remat_policy_gives_the_same_update_and_block_keeps_less():
     # Measured (the tests' compile flags): none 9.7 MB, block 3.5 MB, dots 4.3 MB of temporaries.
     assert temps["block"] < 0.7 * temps["none"], temps
     assert temps["dots"] < temps["none"], temps
+    assert temps["attention"] < temps["none"], temps
+
+
+def test_remat_attention_never_reruns_the_chunked_forward():
+    # The chunked path's forward is one loop per layer; `remat: block` runs it again in the backward
+    # pass (one more loop per layer), `remat: attention` keeps its residuals and does not.
+    ids = jax.numpy.ones((1, 64), jax.numpy.int32)
+    loops = {}
+    for remat in ("none", "block", "attention"):
+        model = Transformer(tiny("qwen3", num_layers=2), rngs=nnx.Rngs(0), remat=remat, attention="chunked")
+        graphdef, params = nnx.split(model, nnx.Param)
+        grad = jax.grad(lambda p: nnx.merge(graphdef, p).hidden_states(ids).sum())
+        loops[remat] = jax.jit(grad).lower(params).as_text().count("stablehlo.while")
+    assert loops["attention"] == loops["none"] < loops["block"], loops
 
 
 def test_a_remat_that_is_not_a_choice_is_refused():
-    with pytest.raises(ValueError, match=r"model.remat='full' is not one of \['none', 'block', 'dots'\]"):
+    with pytest.raises(ValueError, match=r"model.remat='full' is not one of \['none', 'block', 'dots', 'attention'\]"):
         ModelConfig(tokenizer="char", architecture={"family": "qwen3"}, remat="full")
-    with pytest.raises(ValueError, match=r"remat=True is not one of \['none', 'block', 'dots'\]"):
+    with pytest.raises(ValueError, match=r"remat=True is not one of \['none', 'block', 'dots', 'attention'\]"):
         Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), remat=True)
