@@ -59,7 +59,7 @@ _UNSET = {"preset": "the config's model", "devices": "8, or the topology's chips
 def add_commands(sub) -> None:
     """`grpo-jax bench BENCHMARK`: one parser per benchmark (grpo_jax.tools.bench)."""
     from grpo_jax.tools import bench
-    from grpo_jax.tools.bench.memory import PROGRAMS as MEMORY_PROGRAMS
+    from grpo_jax.tools.bench.programs import PROGRAMS as MEMORY_PROGRAMS
 
     parser = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
                                           "weights; grpo-step: whole GRPO steps of a run config, with MFU; "

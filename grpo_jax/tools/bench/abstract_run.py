@@ -37,7 +37,7 @@ from grpo_jax.rollout.evaluation import prompts_per_call
 from grpo_jax.engine.sampling import static_program
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
-from grpo_jax.tools.bench.memory import NOT_ASKED, PROGRAMS
+from grpo_jax.tools.bench.programs import NOT_ASKED, PROGRAMS
 from grpo_jax.tools.bench.parity import preset_config
 from grpo_jax.models.build import architecture, build_tokenizer, model_options
 from grpo_jax.trainer.prepare import add_run_adapters, evaluation_sampling

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpo_jax
+from grpo_jax.tools.bench.programs import NOT_ASKED, PROGRAMS
 
 GIB = 1 << 30
 # HBM per chip (Cloud TPU's system architecture pages): the budget a run's programs are set against.
@@ -48,9 +49,6 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _HOST_DEVICES = 8  # without a topology
 TOPOLOGY_EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5e:4x8, v6e:2x2, v6e:2x4, v5p:2x2x1, v5p:2x2x2"
 INSTALL_TPU_COMPILER = "pip install 'grpo-jax[tpu-compile]' (jax[tpu]==0.10.2 with its libtpu, ~700 MB)"
-PROGRAMS = ("sampler", "eval_sampler", "reference", "teacher", "train_step")
-"""The programs a run can have, in the order they are compiled (`programs=` names some of them)."""
-NOT_ASKED = "not asked (--programs)"
 
 
 def _to_stderr(line: str) -> None:
