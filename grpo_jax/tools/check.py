@@ -64,7 +64,9 @@ def _check_run(config, say: Callable[[str], None]) -> None:
         f"{len(batch)}; the first held-out prompt is {len(first.prompt_ids)} tokens: {first.prompt_text[:80]!r}")
     specs = [*prepared.rewards, *prepared.eval.judges()]
     for spec in {s.name: s for s in specs}.values():
-        result = combine_rewards([spec], [first.prompt_text], [""], {k: [v] for k, v in first.fields.items()})
+        # The fields a run passes (rollout.source): the example's, and the completion's token count.
+        fields = {**{k: [v] for k, v in first.fields.items()}, "completion_tokens": [0]}
+        result = combine_rewards([spec], [first.prompt_text], [""], fields)
         if result.failures:
             missing = re.match(r"No module named '([\w.]+)'", result.messages[spec.name])
             if missing:

@@ -44,3 +44,11 @@ def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path, monkeypa
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "'math_accuracy'" in err and "needs the math-verify package: pip install math-verify" in err
+
+
+def test_a_reward_that_reads_the_completion_length_checks_out(tmp_path):
+    # overlong reads completion_tokens, which a run passes beside the example's fields (the pod configs use it).
+    rewards = "rewards=[{name: math_accuracy}, {name: overlong, kwargs: {max_length: 16, cache_length: 4}}]"
+    lines = check(config=ROOT / "configs" / "demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}", rewards],
+                  for_command="train", log=lambda line: None)
+    assert any("reward 'overlong': runs (an empty completion scores 0)" in line for line in lines), lines
