@@ -270,7 +270,7 @@ def test_gguf_names_resolve_to_the_installed_package_and_the_cli_prints_the_path
 
 
 @pytest.mark.parametrize("name", ["smollm2_135m_gsm8k_cpu", "gemma3_270m_arith_cpu", "qwen3_0.6b_gsm8k_v5e8",
-                                  "qwen3_1.7b_gsm8k_v5e32"])
+                                  "qwen3_1.7b_gsm8k_v5e32", "qwen3_1.7b_longreason_v5p8"])
 def test_the_real_model_configs_are_valid(name):
     from grpo_jax.rewards import build_rewards
 
