@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 from grpo_jax.config.checks import choice_in, positive
 
 DType = Literal["float32", "bfloat16"]
-Remat = Literal["none", "block", "dots", "attention"]
+Remat = Literal["none", "block", "dots", "attention", "offload"]
 Attention = Literal["auto", "xla", "chunked", "splash", "gpu"]
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES: tuple[str, ...] = get_args(DType)
@@ -46,7 +46,9 @@ class ModelConfig:
     # input, the layer recomputed in the backward pass (~1/3 more compute, activations of one layer);
     # dots: the weight matmuls' outputs, recomputing attention, norms and activations in between;
     # attention: q, k, v and attention's output, recomputing norms, projections' inputs and the MLP
-    # (attention, the part that grows with the length, never runs twice: long sequences).
+    # (attention, the part that grows with the length, never runs twice); offload: as block, with
+    # each layer's saved input in the host's pinned memory instead of HBM (16k-token rows: the 28
+    # saved inputs of Qwen3-0.6B were 7 GiB of a v5e's 16).
     # `grpo-jax bench memory` shows what each costs a run on its chips before it launches.
     remat: Remat = "none"
     # The attention implementation of the training, reference and prefill passes (decoding reads

@@ -212,7 +212,36 @@ def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array]
         a = a + p["o_bias"]
     if cfg.post_norms:
         a = rms_norm(a, p["attn_post_norm"], cfg)
-    x_XE = x_BTE.reshape(B * T, E) + a
+    x_BTE = x_BTE + a.reshape(B, T, E)
+    return x_BTE + mlp_block(x_BTE, p, cfg)
+
+
+# A layer's MLP over more than this many tokens of sequence runs in chunks of it (`mlp_block`).
+MLP_CHUNK = 4096
+
+
+def mlp_block(x_BTE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, chunk: int | None = None) -> jax.Array:
+    """The MLP block's output (norm, gated MLP, post-norm) on x [B, T, E], to be added to x.
+
+    Over more than `chunk` (default `MLP_CHUNK`) tokens of sequence it runs in rematerialised
+    chunks of the T axis (rows keep their sharding): a backward pass then holds one chunk's
+    [B, chunk, F] intermediates, not [B, T, F] (at 16k tokens of Qwen3-0.6B that is 8 rows x 16k x
+    3,072 x 2 bytes = 768 MiB per array, several of them), for one more forward of the MLP. The
+    result is the unchunked one's: each token's MLP reads only that token. A LoRA adapter with
+    dropout runs unchunked (its dropout mask is drawn over the whole call)."""
+    B, T, E = x_BTE.shape
+    chunk = MLP_CHUNK if chunk is None else chunk
+    if T <= chunk or "lora_dropout_key" in p:
+        return _mlp(x_BTE.reshape(B * T, E), p, cfg).reshape(B, T, E)
+    n = -(-T // chunk)
+    x_BCE = jnp.pad(x_BTE, ((0, 0), (0, n * chunk - T), (0, 0))) if n * chunk != T else x_BTE
+    x_NBCE = jnp.moveaxis(x_BCE.reshape(B, n, chunk, E), 1, 0)
+    one = jax.checkpoint(lambda x, w: _mlp(x.reshape(B * chunk, E), w, cfg).reshape(B, chunk, E), prevent_cse=False)
+    m_NBCE = jax.lax.map(lambda x: one(x, p), x_NBCE)
+    return jnp.moveaxis(m_NBCE, 0, 1).reshape(B, n * chunk, E)[:, :T]
+
+
+def _mlp(x_XE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig) -> jax.Array:
     h = rms_norm(x_XE, p["mlp_norm"], cfg)
     gate = _adapted(h, p, "gate_proj", jnp.einsum("xe,ef->xf", h, p["gate_proj"]))
     up = _adapted(h, p, "up_proj", jnp.einsum("xe,ef->xf", h, p["up_proj"]))
@@ -224,7 +253,7 @@ def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array]
         m = m + p["down_bias"]
     if cfg.post_norms:
         m = rms_norm(m, p["mlp_post_norm"], cfg)
-    return (x_XE + m).reshape(B, T, E)
+    return m
 
 
 def _activation(x: jax.Array, name: str) -> jax.Array:

@@ -45,7 +45,10 @@ JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # the backward pass never reruns attention, the part of a long sequence's layer that grows with T.
 REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                  "attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention")}
+                  "attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention"),
+                  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+                      names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+                      offload_src="device", offload_dst="pinned_host")}
 assert tuple(REMAT_POLICIES) == REMATS, "one policy per model.remat choice"
 assert ATTENTIONS == ("auto", *IMPLS), "one implementation per model.attention choice"
 
@@ -371,7 +374,7 @@ def run_layers(model: Transformer, body, x0, *, dropout_key: jax.Array | None = 
         body = _held_to(body, row_sharding)
         x0 = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, row_sharding), x0)
     if model.remat != "none":
-        body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[model.remat])
+        body = jax.checkpoint(_inputs_named(body), prevent_cse=False, policy=REMAT_POLICIES[model.remat])
     cfg, arrays = model.config, model.layers.arrays(dropout_key)
     if model.scan_layers:
         return jax.lax.scan(body, x0, (arrays, _kind_index(cfg)))
@@ -381,6 +384,15 @@ def run_layers(model: Transformer, body, x0, *, dropout_key: jax.Array | None = 
         x, y = body(x, ({n: a[l][0] for n, a in per_layer.items()}, cfg.kinds.index(kind)))
         ys.append(y)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys[0] is not None else None
+
+
+def _inputs_named(body):
+    """`body` whose input carry is named "layer_input" (`checkpoint_name`): what `model.remat:
+    offload` moves to host memory between the forward and the backward pass."""
+    def named(x, xs):
+        return body(jax.tree.map(lambda a: checkpoint_name(a, "layer_input"), x), xs)
+
+    return named
 
 
 def _held_to(body, sharding):

@@ -179,7 +179,7 @@ def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
     ("sampling.prompt_buckets=8", "sampling.prompt_buckets must be a list, got 8"),
     ("sampling.stop_token_ids=[2, two]", "sampling.stop_token_ids[1] must be an integer, got 'two'"),
     ("model.dtype=float16", "model.dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
-    ("model.remat=true", "model.remat must be one of ['none', 'block', 'dots', 'attention'], got True"),
+    ("model.remat=true", "model.remat must be one of ['none', 'block', 'dots', 'attention', 'offload'], got True"),
     ("grpo.sampler_is_mask=[1.2, 2.0]", "grpo.sampler_is_mask must be [low, high] with 0 <= low <= 1 <= high"),
     ("grpo.sampler_is_level=row", "grpo.sampler_is_level must be one of ['token', 'sequence'], got 'row'"),
     ("grpo.sampler_is_level=sequence", "set one of them too"),

@@ -29,9 +29,9 @@ def _step(remat: str, batch: Batch):
 def test_every_remat_policy_gives_the_same_update_and_block_keeps_less():
     batch = long_batch()
     memory, params, metrics = {}, {}, {}
-    for remat in ("none", "block", "dots", "attention"):
+    for remat in ("none", "block", "dots", "attention", "offload"):
         memory[remat], params[remat], metrics[remat] = _step(remat, batch)
-    for remat in ("block", "dots", "attention"):
+    for remat in ("block", "dots", "attention", "offload"):
         for key in ("train/loss", "train/grad_norm"):
             np.testing.assert_allclose(float(metrics[remat][key]), float(metrics["none"][key]), rtol=1e-5)
         for a, b in zip(jax.tree.leaves(params[remat]), jax.tree.leaves(params["none"])):
@@ -58,7 +58,36 @@ def test_remat_attention_never_reruns_the_chunked_forward():
 
 
 def test_a_remat_that_is_not_a_choice_is_refused():
-    with pytest.raises(ValueError, match=r"model.remat='full' is not one of \['none', 'block', 'dots', 'attention'\]"):
+    with pytest.raises(ValueError, match=r"model.remat='full' is not one of \['none', 'block', 'dots', 'attention', 'offload'\]"):
         ModelConfig(tokenizer="char", architecture={"family": "qwen3"}, remat="full")
-    with pytest.raises(ValueError, match=r"remat=True is not one of \['none', 'block', 'dots', 'attention'\]"):
+    with pytest.raises(ValueError, match=r"remat=True is not one of \['none', 'block', 'dots', 'attention', 'offload'\]"):
         Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), remat=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_an_mlp_run_in_chunks_of_the_sequence_equals_the_whole(family, monkeypatch):
+    # 300 tokens in chunks of 64 (the last one padded), under `remat: offload`: the logits and every
+    # gradient equal the unchunked MLP's (Gemma 3 adds the MLP's post-norm).
+    from grpo_jax.models import layers
+
+    cfg = tiny(family)
+    ids = jax.numpy.asarray(np.random.default_rng(1).integers(3, 256, (2, 300)), jax.numpy.int32)
+    w = jax.numpy.asarray(np.random.default_rng(2).normal(size=(2, 300, cfg.vocab_size)), jax.numpy.float32)
+    out = {}
+    for chunk in (64, 4096):
+        monkeypatch.setattr(layers, "MLP_CHUNK", chunk)
+        graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), remat="offload"), nnx.Param)
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(input_ids=ids)
+            return jax.numpy.sum(logits * w), logits
+
+        fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        out[chunk] = (fn(params), fn.lower(params).as_text().count("stablehlo.while"))
+    ((_, logits), grads), loops = out[64]
+    ((_, want), want_grads), want_loops = out[4096]
+    assert loops > want_loops, (loops, want_loops)  # the chunked MLP is a loop of its own
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() + 1e-6
