@@ -103,3 +103,19 @@ def test_programs_compiles_only_the_named_ones(tmp_path, capsys):
     assert only["peak_program"] == "train_step" and "not asked: --programs" in only["verdict_line"]
     assert cli.main(["bench", "memory", "--config", write_config(tmp_path, CONFIG), "--programs", "train,sampler"]) == 2
     assert "unknown train" in capsys.readouterr().err
+
+
+def test_a_packing_run_compiles_its_packed_passes_at_their_largest(tmp_path):
+    # train.packing: the train step and the reference pass are compiled with the packing plan of a
+    # step whose every row is as long as the run allows: one row per bin, bins of prompt + completion.
+    options = ("--devices", "8", "--programs", "train_step,reference", "--set", "train.micro_batches=2")
+    packed = _bench(tmp_path, "packed", *options, "--set", "train.packing=true")
+    plain = _bench(tmp_path, "plain", *options)
+    work = packed["workload"]
+    assert "packing" not in plain["workload"]
+    assert work["packing"]["bin_length"] == work["prompt_len"] + work["completion_len"]
+    assert work["packing"]["bins_per_micro_batch"] == work["rows"] // work["micro_batches"]
+    for name in ("train_step", "reference"):
+        p, q = packed["programs"][name], plain["programs"][name]
+        assert p["compiled"] and p["temp_bytes"] > 0
+        assert p["flops"] != q["flops"], name  # another program: the packed pass, not the plain one

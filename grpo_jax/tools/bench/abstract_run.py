@@ -22,10 +22,12 @@ from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from grpo_jax.config import RunConfig, SamplingConfig
 from grpo_jax.learner.optimizer import run_optimizer
+from grpo_jax.learner.packing import PackRows, plan_packing
 from grpo_jax.learner.parallel import Parallel, make_parallel
 from grpo_jax.learner.ppo import init_critic
 from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_trainable
@@ -90,6 +92,8 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
     parallel = make_parallel(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
                              frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
     batch = abstract_batch(config)
+    if parallel.packing is not None:
+        batch = batch.replace(packing=worst_packing(config, parallel, mesh))
     resident = _resident(config, parallel, state, frozen, batch, mesh)
     sampling = _sampling(config.sampling, model_config)
     eval_prompts = prompts_per_call(config.eval.num_prompts, mesh)
@@ -112,7 +116,7 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
     lowered = {name: (lower(), parts) for name, (lower, parts) in runs.items() if name in asked}
     return AbstractRun(programs=lowered, resident=resident, model=_model_summary(config, model_config, source, state,
                                                                                  frozen),
-                       workload=_workload(config, mesh, eval_prompts), not_compiled=not_compiled)
+                       workload=_workload(config, mesh, eval_prompts, batch.packing), not_compiled=not_compiled)
 
 
 def _policy(config: RunConfig, model_config: TransformerConfig) -> Transformer:
@@ -185,7 +189,8 @@ def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch
     placed = with_shardings(state, parallel.shardings)
     params = device_bytes(placed.params)
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
-    rows = {k: device_bytes(with_shardings(v, batch_sharding(mesh, v.ndim))) for k, v in fields.items()}
+    rows = {k: sum(device_bytes(with_shardings(a, batch_sharding(mesh, a.ndim))) for a in jax.tree.leaves(v))
+            for k, v in fields.items()}  # the packing plan: a few int32 per row
     return {"params": params, "optimizer": device_bytes(placed) - params,
             "frozen": 0 if frozen is None else device_bytes(frozen),
             "reference": params if config.grpo.beta > 0 and frozen is None else 0,
@@ -219,9 +224,24 @@ def _model_summary(config: RunConfig, model_config: TransformerConfig, source: s
             "param_dtype": m.param_dtype, "remat": m.remat, "scan_layers": m.scan_layers, "lora_rank": config.lora.rank}
 
 
-def _workload(config: RunConfig, mesh, eval_prompts: int) -> dict:
+def worst_packing(config: RunConfig, parallel: Parallel, mesh) -> PackRows:
+    """`train.packing`'s plan (as jax.ShapeDtypeStructs split over the mesh's rows) for a step whose
+    every row is as long as the run allows (the largest prompt bucket, `max_new_tokens`): one row per
+    bin at the default `train.pack_length`, the most bins a step's packed passes can have, so the
+    packed programs at their largest."""
+    N, G = config.data.prompts_per_step, config.sampling.group_size
+    R, P, M = N * G, max(config.sampling.prompt_buckets), config.sampling.max_new_tokens
+    layout = {k: v for k, v in parallel._pack_layout().items() if k != "place"}
+    plan = plan_packing(np.full(R, P), np.full(R, M), **parallel.packing, **layout)
+    rows = batch_sharding(mesh, 1)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.int32, sharding=rows), plan.rows)
+
+
+def _workload(config: RunConfig, mesh, eval_prompts: int, packing: PackRows | None = None) -> dict:
     N, G, micro = config.data.prompts_per_step, config.sampling.group_size, config.train.micro_batches
-    return {"prompts_per_step": N, "group_size": G, "rows": N * G, "prompt_len": max(config.sampling.prompt_buckets),
+    packed = {} if packing is None else {"packing": {"bins_per_micro_batch": packing.bins, "bin_length": packing.length,
+                                                     "shared_prompt": packing.shared}}
+    return {**packed, "prompts_per_step": N, "group_size": G, "rows": N * G, "prompt_len": max(config.sampling.prompt_buckets),
             "completion_len": config.sampling.max_new_tokens, "micro_batches": micro,
             "micro_batch_rows_per_device": N * G // rows_per_shard(mesh) // micro,
             "eval_prompts_per_call": eval_prompts, "eval_k": config.eval.k}

@@ -179,6 +179,9 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
     skipped = [name for name, why_not in run.not_compiled.items() if why_not == NOT_ASKED]
     if skipped:
         why += f"; only {', '.join(results)} compiled ({', '.join(skipped)} not asked: --programs)"
+    host = {name: f["host_temp_bytes"] for name, f in results.items() if f.get("host_temp_bytes")}
+    if host:
+        why += "; host memory (offloaded, per chip): " + ", ".join(f"{n} {b / GIB:.2f} GiB" for n, b in host.items())
     log(why)
     where = {"devices": len(mesh.devices.flat), "mesh": dict(mesh.shape), "chip": chip, "hbm_bytes": hbm}
     if topology:
@@ -277,6 +280,9 @@ def figures(analysis, *, held: int, compile_s: float) -> dict:
            "generated_code_bytes": a.generated_code_size_in_bytes, "held_bytes": int(held)}
     out["peak_bytes"] = (out["held_bytes"] + out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
                          + out["temp_bytes"] + out["generated_code_bytes"])
+    # `model.remat: offload` keeps each layer's input in the host's pinned memory between the
+    # forward and the backward pass: host RAM per chip, not HBM (0 where nothing is offloaded).
+    out["host_temp_bytes"] = int(getattr(a, "host_temp_size_in_bytes", 0) or 0)
     out["compile_s"] = round(compile_s, 2)
     return out
 
