@@ -22,6 +22,7 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, default_positions, finish_layer, qkv, rms_norm,
                                     rope_tables)
@@ -65,6 +66,8 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
         p = compute_dtype(p, dtype)
         qp, kp, vp = qkv(x_NPE, p, cfg, cos_YNPD[kind], sin_YNPD[kind])  # [N, P, H, D], [N, P, K, D] x 2
         qc, kc, vc = qkv(x_RTE, p, cfg, cos_YRTD[kind], sin_YRTD[kind])  # [R, T, H, D], [R, T, K, D] x 2
+        # Named as the plain pass names them (`model.remat: attention` keeps them).
+        qp, kp, vp, qc, kc, vc = (checkpoint_name(a, "qkv") for a in (qp, kp, vp, qc, kc, vc))
         out_NPHD = attention(qp, kp, vp, q_segment_ids=pseg_NP, kv_segment_ids=pseg_NP, q_positions=pos_NP,
                              kv_positions=pos_NP, kind=kind, cfg=cfg, impl=prompt_impl, mesh=mesh)
         # The prompt's keys and values are read by each of its G completions: [R, P + T, K, D].
@@ -73,6 +76,7 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
         out_RTHD = attention(qc, k_RSKD, v_RSKD, q_segment_ids=jnp.ones((R, T), jnp.int32), kv_segment_ids=kv_seg_RS,
                              q_positions=pos_RT, kv_positions=kv_pos_RS, kind=kind, cfg=cfg, impl=completion_impl,
                              mesh=mesh)
+        out_NPHD, out_RTHD = checkpoint_name(out_NPHD, "attention"), checkpoint_name(out_RTHD, "attention")
         return (finish_layer(x_NPE, out_NPHD, p, cfg), finish_layer(x_RTE, out_RTHD, p, cfg)), None
 
     x0 = (model.embed_tokens(prompt_ids), model.embed_tokens(completion_ids))

@@ -57,6 +57,29 @@ def test_remat_attention_never_reruns_the_chunked_forward():
     assert loops["attention"] == loops["none"] < loops["block"], loops
 
 
+def test_remat_attention_keeps_qkv_and_outputs_in_the_shared_prompt_pass():
+    # The train step's grouped pass names q/k/v and attention's outputs as the plain pass does, so
+    # `remat: attention` saves them there too (an attention without names of its own inside, as xla
+    # or the Pallas kernels, would otherwise keep what `block` keeps).
+    import contextlib
+    import io
+
+    from grpo_jax.models.grouped import grouped_hidden_states
+
+    ids = jax.numpy.ones((2, 64), jax.numpy.int32)
+    saved = {}
+    for remat in ("block", "attention"):
+        model = Transformer(tiny("qwen3", num_layers=2), rngs=nnx.Rngs(0), remat=remat, attention="xla")
+        graphdef, params = nnx.split(model, nnx.Param)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(
+                lambda p: grouped_hidden_states(nnx.merge(graphdef, p), ids[:1], None, ids)[1].sum(), params)
+        saved[remat] = len(out.getvalue().splitlines())
+    # q, k, v of the prompt and of the completions, and the two outputs: 8 more stacked residuals.
+    assert saved["attention"] == saved["block"] + 8, saved
+
+
 def test_a_remat_that_is_not_a_choice_is_refused():
     with pytest.raises(ValueError, match=r"model.remat='full' is not one of \['none', 'block', 'dots', 'attention', 'offload'\]"):
         ModelConfig(tokenizer="char", architecture={"family": "qwen3"}, remat="full")
