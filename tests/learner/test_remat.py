@@ -87,13 +87,12 @@ def test_a_remat_that_is_not_a_choice_is_refused():
         Transformer(tiny("qwen3"), rngs=nnx.Rngs(0), remat=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
-def test_an_mlp_run_in_chunks_of_the_sequence_equals_the_whole(family, monkeypatch):
+def test_an_mlp_run_in_chunks_of_the_sequence_equals_the_whole(monkeypatch):
     # 300 tokens in chunks of 64 (the last one padded), under `remat: offload`: the logits and every
-    # gradient equal the unchunked MLP's (Gemma 3 adds the MLP's post-norm).
+    # gradient equal the unchunked MLP's (Gemma 3: a GELU MLP with its post-norm).
     from grpo_jax.models import layers
 
-    cfg = tiny(family)
+    cfg = tiny("gemma3_text")
     ids = jax.numpy.asarray(np.random.default_rng(1).integers(3, 256, (2, 300)), jax.numpy.int32)
     w = jax.numpy.asarray(np.random.default_rng(2).normal(size=(2, 300, cfg.vocab_size)), jax.numpy.float32)
     out = {}
