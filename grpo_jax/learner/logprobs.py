@@ -64,7 +64,7 @@ def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, comp
     instead of R x (P + M), with the same result up to float rounding.
 
     dropout_key: apply the LoRA adapters' input dropout (the training pass; `Layers.arrays`).
-    row_sharding: where the activations' rows live on a mesh (`models.transformer.run_layers`).
+    row_sharding: where the activations' rows live on a mesh (`models.layer_scan.run_layers`).
     """
     prompt_ids_RP, prompt_mask_RP, completion_ids_RM = prompt_ids, prompt_mask, completion_ids
     chex.assert_rank([prompt_ids_RP, prompt_mask_RP, completion_ids_RM], 2)

@@ -161,7 +161,7 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     under pmap) come from key(seed) folded with s, m and d: a resumed run draws what an
     uninterrupted one would.
 
-    row_sharding: on a mesh, where the activations' rows live (`models.transformer.run_layers`)."""
+    row_sharding: on a mesh, where the activations' rows live (`models.layer_scan.run_layers`)."""
     check_batch(batch, micro_batches=micro_batches)
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
     objective = _objective(state, batch, ppo_config, distill_config, critic_graphdef)

@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, default_positions, finish_layer, qkv, rms_norm,
                                     rope_tables)
-from grpo_jax.models.transformer import compute_dtype, run_layers
+from grpo_jax.models.layer_scan import compute_dtype, run_layers
 
 
 def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None, completion_ids: jax.Array,

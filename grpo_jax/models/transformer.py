@@ -26,30 +26,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from grpo_jax.config import ATTENTIONS, REMATS
+from grpo_jax.config import ATTENTIONS
 from grpo_jax.models import lora
 from grpo_jax.models.attention import IMPLS
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.layer_scan import REMAT_POLICIES, compute_dtype, run_layers
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, decode_attention, default_positions,
                                     finish_layer, qkv, rms_norm, rope_tables, segment_positions, softcap)
 
 # The names of model.dtype / model.param_dtype (and reward models' dtype) as JAX dtypes.
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# model.remat -> what a layer keeps for its backward pass (a jax.checkpoint policy; "none": no
-# checkpoint at all). `dots_with_no_batch_dims_saveable` keeps the weight matmuls' outputs (the
-# projections and the MLP) and not attention's score and probability products, which are batched
-# over heads: those are recomputed, and they are the [B, H, T, T] arrays that grow with T^2.
-# "attention" keeps q/k/v and attention's output (named in `_run`) and recomputes norms and the MLP:
-# the backward pass never reruns attention, the part of a long sequence's layer that grows with T.
-REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveable,
-                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                  "attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention"),
-                  "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-                      names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
-                      offload_src="device", offload_dst="pinned_host")}
-assert tuple(REMAT_POLICIES) == REMATS, "one policy per model.remat choice"
 assert ATTENTIONS == ("auto", *IMPLS), "one implementation per model.attention choice"
 
 
@@ -350,60 +338,3 @@ class Transformer(nnx.Module):
         x_BTE, kv = run_layers(self, body, self.embed_tokens(input_ids_BT), dropout_key=dropout_key,
                                row_sharding=row_sharding)
         return rms_norm(x_BTE, self.final_norm[...], cfg), kv
-
-
-def compute_dtype(p: dict[str, jax.Array], dtype) -> dict[str, jax.Array]:
-    """One layer's arrays with the floating ones cast to the compute dtype (dropout keys stay as they are)."""
-    return {n: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a for n, a in p.items()}
-
-
-def run_layers(model: Transformer, body, x0, *, dropout_key: jax.Array | None = None, row_sharding=None):
-    """Run `body(x, (layer params, kind index)) -> (x, y)` over the model's layers -> (x, ys stacked
-    on a leading layers axis, or None), each layer under `model.remat`'s checkpoint policy (what its
-    backward pass recomputes; `REMAT_POLICIES`): one `lax.scan` when `model.scan_layers`, else
-    unrolled over per-layer weights (split from the stacked arrays with `jnp.split`, whose gradient
-    is one concatenation rather than a padded sum per layer).
-    `dropout_key`: see `Layers.arrays`.
-
-    `row_sharding` (a Sharding of the rows of x, e.g. split over the mesh's batch axes; None: let
-    XLA choose): every layer's input and output are held to it. Without it, XLA takes the split of
-    the embedding table's `embed` axis (fsdp) for the activations from the first lookup on, so each
-    device holds every row of a micro-batch in slices of E: the train step of Qwen3-1.7B on 32
-    devices needed 13.6 GiB of temporaries per device instead of 5.3 (`grpo-jax bench memory`)."""
-    if row_sharding is not None:
-        body = _held_to(body, row_sharding)
-        x0 = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, row_sharding), x0)
-    if model.remat != "none":
-        body = jax.checkpoint(_inputs_named(body), prevent_cse=False, policy=REMAT_POLICIES[model.remat])
-    cfg, arrays = model.config, model.layers.arrays(dropout_key)
-    if model.scan_layers:
-        return jax.lax.scan(body, x0, (arrays, _kind_index(cfg)))
-    per_layer = {n: jnp.split(a, cfg.num_layers) for n, a in arrays.items()}
-    x, ys = x0, []
-    for l, kind in enumerate(cfg.layer_types):
-        x, y = body(x, ({n: a[l][0] for n, a in per_layer.items()}, cfg.kinds.index(kind)))
-        ys.append(y)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys[0] is not None else None
-
-
-def _inputs_named(body):
-    """`body` whose input carry is named "layer_input" (`checkpoint_name`): what `model.remat:
-    offload` moves to host memory between the forward and the backward pass."""
-    def named(x, xs):
-        return body(jax.tree.map(lambda a: checkpoint_name(a, "layer_input"), x), xs)
-
-    return named
-
-
-def _held_to(body, sharding):
-    """`body` whose output carry (the layer's output x, one array or a tuple) keeps `sharding`."""
-    def held(x, xs):
-        x, y = body(x, xs)
-        return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), x), y
-
-    return held
-
-
-def _kind_index(cfg: TransformerConfig) -> jax.Array:
-    """int32 [L]: each layer's index into `cfg.kinds` (its attention kind: full / sliding)."""
-    return jnp.asarray([cfg.kinds.index(t) for t in cfg.layer_types], jnp.int32)
