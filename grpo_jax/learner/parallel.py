@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import RunConfig
 from grpo_jax.learner.grpo import GroupAdvantages
-from grpo_jax.learner.packing import pack_batch
+from grpo_jax.learner.packing import pack_batch, plan_packing
 from grpo_jax.learner.step_factory import TrainState
 from grpo_jax.learner.train_step import (Batch, bind_train_step, make_advantages_step, make_ref_logprobs_step,
                                          make_train_step)
@@ -97,6 +97,12 @@ class Parallel(abc.ABC):
         if self.packing is None:
             return batch, None
         return pack_batch(batch, **self.packing, **self._pack_layout())
+
+    def plan(self, prompt_len, completion_len):
+        """The packing plan (`packing.Plan`, host arrays) of rows of these lengths, laid out as this
+        run's step splits them (`grpo-jax bench memory` plans its largest step with it)."""
+        layout = {k: v for k, v in self._pack_layout().items() if k != "place"}
+        return plan_packing(prompt_len, completion_len, **self.packing, **layout)
 
     @abc.abstractmethod
     def _pack_layout(self) -> dict:

@@ -220,17 +220,17 @@ def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array]
 MLP_CHUNK = 4096
 
 
-def mlp_block(x_BTE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, chunk: int | None = None) -> jax.Array:
+def mlp_block(x_BTE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig) -> jax.Array:
     """The MLP block's output (norm, gated MLP, post-norm) on x [B, T, E], to be added to x.
 
-    Over more than `chunk` (default `MLP_CHUNK`) tokens of sequence it runs in rematerialised
+    Over more than `MLP_CHUNK` tokens of sequence it runs in rematerialised
     chunks of the T axis (rows keep their sharding): a backward pass then holds one chunk's
     [B, chunk, F] intermediates, not [B, T, F] (at 16k tokens of Qwen3-0.6B that is 8 rows x 16k x
     3,072 x 2 bytes = 768 MiB per array, several of them), for one more forward of the MLP. The
     result is the unchunked one's: each token's MLP reads only that token. A LoRA adapter with
     dropout runs unchunked (its dropout mask is drawn over the whole call)."""
     B, T, E = x_BTE.shape
-    chunk = MLP_CHUNK if chunk is None else chunk
+    chunk = MLP_CHUNK
     if T <= chunk or "lora_dropout_key" in p:
         return _mlp(x_BTE.reshape(B * T, E), p, cfg).reshape(B, T, E)
     n = -(-T // chunk)

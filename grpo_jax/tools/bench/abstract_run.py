@@ -27,7 +27,7 @@ from flax import nnx
 
 from grpo_jax.config import RunConfig, SamplingConfig
 from grpo_jax.learner.optimizer import run_optimizer
-from grpo_jax.learner.packing import PackRows, plan_packing
+from grpo_jax.learner.packing import PackRows
 from grpo_jax.learner.parallel import Parallel, make_parallel
 from grpo_jax.learner.ppo import init_critic
 from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_trainable
@@ -231,8 +231,7 @@ def worst_packing(config: RunConfig, parallel: Parallel, mesh) -> PackRows:
     packed programs at their largest."""
     N, G = config.data.prompts_per_step, config.sampling.group_size
     R, P, M = N * G, max(config.sampling.prompt_buckets), config.sampling.max_new_tokens
-    layout = {k: v for k, v in parallel._pack_layout().items() if k != "place"}
-    plan = plan_packing(np.full(R, P), np.full(R, M), **parallel.packing, **layout)
+    plan = parallel.plan(np.full(R, P), np.full(R, M))
     rows = batch_sharding(mesh, 1)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.int32, sharding=rows), plan.rows)
 
