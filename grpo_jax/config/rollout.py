@@ -11,7 +11,9 @@ from grpo_jax.config.checks import choice_in, non_negative, positive
 
 ChatTemplate = Literal["auto", "always", "never"]
 Overlong = Literal["skip", "truncate"]
-Engine = Literal["static", "continuous"]
+Engine = Literal["static", "continuous", "paged"]
+PagedAttention = Literal["auto", "gather", "pallas"]
+PAGED_ATTENTION: tuple[str, ...] = get_args(PagedAttention)
 ENGINES: tuple[str, ...] = get_args(Engine)
 CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
 OVERLONG: tuple[str, ...] = get_args(Overlong)
@@ -36,9 +38,19 @@ class SamplingConfig:
     attend_phases: int = 4
     # static: every row of a call decodes in lock-step until the longest is done. continuous: `slots`
     # decode slots (0 = one per row), each refilled with the next waiting sequence as soon as its
-    # own stops (grpo_jax.engine.continuous).
+    # own stops (grpo_jax.engine.continuous). paged: `slots` decode slots over a pool of cache
+    # pages (grpo_jax.engine.paged): a sequence holds pages for the tokens it has, not for
+    # max_new_tokens, so the same cache bytes run more sequences at once.
     engine: Engine = "static"
     slots: int = 0
+    # The paged engine's cache per row shard (data x fsdp), in bytes: every page, the prompts' and the
+    # sequences'. 0 = what the continuous engine reserves (every slot can hold a max-length sequence).
+    # Bytes, not pages, so two models or page sizes compare at equal memory.
+    kv_cache_bytes: int = 0
+    page_size: int = 16  # tokens per page (the TPU kernel prefers 64-256)
+    # gather: pure-JAX attention over each sequence's pages (any backend); pallas: JAX's TPU kernel
+    # ragged_paged_attention (head_dim % 128 == 0); auto: pallas on TPU where it applies, else gather.
+    paged_attention: PagedAttention = "auto"
     # With dynamic sampling, the continuous engine returns to the host every this many decode steps
     # to score the groups that finished (grpo_jax.rollout.stream).
     segment_steps: int = 16
@@ -46,6 +58,9 @@ class SamplingConfig:
     def __post_init__(self):
         choice_in("sampling", "engine", self.engine, ENGINES)
         positive("sampling", "segment_steps", self.segment_steps)
+        positive("sampling", "page_size", self.page_size)
+        non_negative("sampling", "kv_cache_bytes", self.kv_cache_bytes)
+        choice_in("sampling", "paged_attention", self.paged_attention, PAGED_ATTENTION)
         if self.slots < 0:
             raise ValueError(f"sampling.slots must be >= 0 (0 = one per sequence), got {self.slots}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

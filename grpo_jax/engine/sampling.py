@@ -44,6 +44,7 @@ from grpo_jax.models.transformer import Transformer
 from grpo_jax.engine.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
 from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.lockstep import lockstep_decode
+from grpo_jax.engine.paged import paged_program
 from grpo_jax.runtime.sharding import (batch_sharding, mesh_or_one_device, pow2_bucket, replicated, round_to_row_shards,
                                        shard_rows)
 
@@ -95,6 +96,8 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     rng = replicated_key(rng, mesh)
     if config.engine == "continuous":
         rollout, _ = continuous_program(graphdef, config, mesh)(state, ids, mask, rng)
+    elif config.engine == "paged":
+        rollout, _ = paged_program(graphdef, config, mesh)(state, ids, mask, rng)
     else:
         rollout = static_program(graphdef, config, share_prefill, mesh)(state, ids, mask, rng)
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)

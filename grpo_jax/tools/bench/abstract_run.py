@@ -36,6 +36,8 @@ from grpo_jax.models import load_config as load_model_config
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
+from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.paged import paged_program
 from grpo_jax.engine.sampling import static_program
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
@@ -207,13 +209,18 @@ def _sampling(sampling: SamplingConfig, model_config: TransformerConfig) -> Samp
 
 
 def _sampler(model, sampling: SamplingConfig, prompts: int, mesh) -> jax.stages.Lowered:
-    """The sampler `generate` runs for `prompts` prompts in the largest bucket, the model placed by
-    the rules (as `place_model` places it)."""
+    """The sampler `generate` runs (the config's engine) for `prompts` prompts in the largest bucket,
+    the model placed by the rules (as `place_model` places it)."""
     graphdef, state = nnx.split(model)
     state = with_shardings(state, param_shardings(state, mesh).shardings)
     ids = jax.ShapeDtypeStruct((prompts, max(sampling.prompt_buckets)), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return static_program(graphdef, sampling, True, mesh).lower(state, ids, ids, key)
+    if sampling.engine == "static":
+        return static_program(graphdef, sampling, True, mesh).lower(state, ids, ids, key)
+    if sampling.engine == "continuous":
+        return continuous_program(graphdef, sampling, mesh).lower(state, ids, ids, key)
+    with jax.set_mesh(mesh):  # a Pallas TPU kernel reads the chip from the ambient mesh when it is lowered
+        return paged_program(graphdef, sampling, mesh).lower(state, ids, ids, key)
 
 
 def _model_summary(config: RunConfig, model_config: TransformerConfig, source: str, state, frozen) -> dict:

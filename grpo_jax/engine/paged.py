@@ -1,0 +1,261 @@
+"""The paged engine (`sampling.engine: paged`): the continuous engine's slots over a pool of cache
+pages (grpo_jax.engine.pages). A sequence holds pages for the keys it has, not for max_new_tokens,
+so the same cache bytes hold more sequences at once on a long-tailed workload.
+
+One jitted program per call, all on device: the N prompts are prefilled once each into the prompt
+region, then one `lax.while_loop` whose step
+1. draws the next token of every occupied slot (each sequence's own uniforms, as `continuous`),
+2. records it and marks the sequences that stopped; their pages go back to the pool,
+3. takes a page for every continuing sequence whose next key starts a page (a new sequence's first
+   page is a copy of its prompt's partial last page); when the pool is short, **preempts the
+   youngest** sequences (most recently admitted) until it is not: their pages go back and they wait
+   to be admitted again and recomputed from their first token (vLLM's recompute policy: the least
+   work is lost and the oldest sequence always runs to its end, so the loop cannot livelock),
+4. feeds the continuing slots' tokens (`engine.paged_decode.paged_decode_step`),
+5. admits waiting sequences (lowest row first, so a preempted one goes before the new ones) into
+   the free slots while the pool keeps a page for every admission and one for every running
+   sequence: admitting never forces a preemption within the next page_size steps.
+Stopping admission alone would deadlock once the running sequences outgrow the pool, unless each
+reserved max_new_tokens up front (today's slot cache); hence both.
+
+Exact: a recomputed sequence re-draws with its own uniforms, so it regenerates the same tokens
+(greedy: identical; sampled: up to logit rounding) and a rollout does not depend on the number of
+pages, slots or preemptions. Its sampled rollout is the continuous engine's.
+
+Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Np prompts, Rb sequences per
+shard, M max new tokens, V vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.engine.continuous import draw_next, sequence_uniforms
+from grpo_jax.engine.draw import Rollout
+from grpo_jax.engine.pages import (PagedCache, copy_pages, create_cache, page_bytes, pages_needed, pop_pages,
+                                   prompt_table, push_pages)
+from grpo_jax.engine.paged_decode import choose_attention, paged_decode_step
+from grpo_jax.engine.state import EngineLayout, engine_layout
+from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
+
+STATS = ("steps", "slot_steps", "useful_slot_steps", "prefill_rows", "preemptions", "recomputed_tokens",
+         "page_steps", "pages_peak", "pool_pages")
+
+
+@flax.struct.dataclass
+class PagedState:
+    """The paged engine's loop state. Every array with a leading Z axis is split over the row shards."""
+
+    seq: jax.Array  # int32 [Z, J]: the shard-local sequence each slot decodes, -1 = empty
+    stamp: jax.Array  # int32 [Z, J]: when the slot's sequence was admitted (larger = younger)
+    cache: PagedCache
+    pending: jax.Array  # bool [Z, Rb]: waiting to be admitted (new, or preempted)
+    prompt_logits: jax.Array  # float32 [Z, Np, V]
+    logits: jax.Array  # float32 [Z, J, V]: what each slot draws its next token from
+    uniforms: jax.Array | None  # float32 [Z, Rb, M]; None at temperature 0
+    admissions: jax.Array  # int32 [Z]: admissions so far (the next stamp)
+    done: jax.Array  # int32 [Z]: sequences of the shard finished
+    tokens: jax.Array  # int32 [Z, Rb, M]
+    logprobs: jax.Array  # float32 [Z, Rb, M]
+    lengths: jax.Array  # int32 [Z, Rb]
+    truncated: jax.Array  # bool [Z, Rb]
+    counts: dict  # int32 scalars: steps, slot_steps, useful_slot_steps, preemptions, recomputed_tokens,
+    #               page_steps (pool pages held, summed over steps and shards), pages_peak
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLoop:
+    """What every step reads besides the state: layout, settings, the decode step, the phases' widths."""
+
+    lay: EngineLayout
+    config: SamplingConfig
+    decode: Callable  # (tokens [Z, J], cache, write [Z, J], phase=) -> (logits [Z, J, V], cache)
+    phase_columns: tuple[int, ...]
+    mesh: Mesh
+
+    def hold(self, x):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(BATCH)))
+
+
+@functools.lru_cache(maxsize=64)
+def paged_program(graphdef, config: SamplingConfig, mesh: Mesh):
+    """The jitted paged engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`
+    with stats `STATS` (int32 scalars), rows split over the mesh's (data, fsdp)."""
+    def rows(ndim):
+        return batch_sharding(mesh, ndim)
+
+    out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
+                  prompt_ids=rows(2), prompt_mask=rows(2))
+    stats = {k: replicated(mesh) for k in STATS}
+    return jax.jit(functools.partial(_engine, graphdef, config=config, mesh=mesh),
+                   in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=(out, stats))
+
+
+def pool_pages(model_config, dtype, config: SamplingConfig, *, prompt_slots: int, prompts: int, slots: int) -> int:
+    """Page ids per row shard for `sampling.kv_cache_bytes` (0: every slot can hold a max-length
+    sequence, the continuous engine's reservation). Raises ValueError below one max-length sequence."""
+    Tp, most = pages_needed(prompt_slots, config.max_new_tokens, config.page_size)
+    fixed = 1 + prompts * Tp
+    if not config.kv_cache_bytes:
+        return fixed + slots * most
+    each = page_bytes(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.page_size,
+                      jnp.dtype(dtype).itemsize)
+    pages = config.kv_cache_bytes // each
+    if pages < fixed + most:
+        raise ValueError(f"sampling.kv_cache_bytes={config.kv_cache_bytes} holds {pages} pages of {each} bytes per row "
+                         f"shard; the prompts take {fixed} and one sequence of max_new_tokens="
+                         f"{config.max_new_tokens} up to {most}: raise it to at least {(fixed + most) * each}")
+    return pages
+
+
+def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh) -> tuple[PagedLoop, PagedState]:
+    """Prefill the N prompts into the prompt region and admit each shard's first sequences."""
+    M = config.max_new_tokens
+    lay = engine_layout(ids_NP.shape[0], config, mesh)
+    Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
+    P = ids_NP.shape[1]
+    pages = pool_pages(model.config, model.dtype, config, prompt_slots=P, prompts=Np, slots=J)
+    impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, _ = model.prefill_kv(ids_NP, mask_NP)
+    cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
+                         max_new_tokens=M)
+    phases = max(1, min(config.attend_phases, cache.columns))
+    columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
+    decode = functools.partial(paged_decode_step, model, weights=model.layer_weights(), phase_columns=columns,
+                               impl=impl, mesh=mesh)
+    loop = PagedLoop(lay=lay, config=config, decode=decode, phase_columns=columns, mesh=mesh)
+    hold = loop.hold
+    rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
+    counts = {k: jnp.int32(0) for k in STATS if k not in ("prefill_rows", "pool_pages")}
+    st = PagedState(seq=hold(jnp.full((Z, J), -1, jnp.int32)), stamp=hold(jnp.zeros((Z, J), jnp.int32)),
+                    cache=jax.tree.map(hold, cache), pending=hold(jnp.ones((Z, Rb), jnp.bool_)),
+                    prompt_logits=hold(last_NV.reshape(Z, Np, -1)),
+                    logits=hold(jnp.zeros((Z, J, last_NV.shape[-1]), jnp.float32)),
+                    uniforms=hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None,
+                    admissions=jnp.zeros((Z,), jnp.int32), done=jnp.zeros((Z,), jnp.int32),
+                    tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
+                    logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
+                    lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
+                    counts=counts)
+    return loop, admit(loop, st)
+
+
+def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
+    model = nnx.merge(graphdef, state)
+    loop, st = start_paged(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
+    st = jax.lax.while_loop(lambda st: jnp.any(st.done < loop.lay.sequences), functools.partial(paged_step, loop), st)
+    return paged_rollout(st, ids_NP, mask_NP)
+
+
+def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:
+    """The loop state's outputs as a Rollout (row r = sequence r of the call) and the stats."""
+    Z, Rb, M = st.tokens.shape
+    lengths_R = st.lengths.reshape(Z * Rb)
+    mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
+    rollout = Rollout(tokens=st.tokens.reshape(-1, M), logprobs=st.logprobs.reshape(-1, M), mask=mask_RM,
+                      lengths=lengths_R, truncated=st.truncated.reshape(-1), prompt_ids=ids_NP, prompt_mask=mask_NP)
+    return rollout, {**st.counts, "prefill_rows": jnp.int32(ids_NP.shape[0]), "pool_pages": jnp.int32(st.cache.pool)}
+
+
+def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
+    """One step: draw, record, free the finished sequences' pages, take pages (preempting when
+    short), decode the continuing slots, admit waiting sequences."""
+    config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
+    seq_ZJ, cache = st.seq, st.cache
+    Z, J = seq_ZJ.shape
+    z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
+    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t
+    tok_ZJ, logp_ZJ = draw_next(loop, st)
+    at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)
+    tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
+    logprobs = st.logprobs.at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
+    stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
+    finished_ZJ = active_ZJ & (stopped_ZJ | (t_ZJ + 1 >= config.max_new_tokens))
+    ended_ZJ = jnp.where(finished_ZJ, seq_ZJ, Rb)
+    lengths = st.lengths.at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
+    truncated = st.truncated.at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
+
+    cache = push_pages(cache, cache.held_pages() & finished_ZJ[..., None])
+    going_ZJ = active_ZJ & ~finished_ZJ
+    pos_ZJ = cache.slot_len()
+    need_ZJ = going_ZJ & ((pos_ZJ % cache.page_size == 0) | (t_ZJ == 0))
+    preempted_ZJ = youngest_to_preempt(st.stamp, cache, going_ZJ, need_ZJ)
+    cache = push_pages(cache, cache.held_pages() & preempted_ZJ[..., None])
+    going_ZJ, need_ZJ = going_ZJ & ~preempted_ZJ, need_ZJ & ~preempted_ZJ
+    page_ZJ, cache = pop_pages(cache, need_ZJ)
+    col_ZJ = jnp.minimum(pos_ZJ // cache.page_size, cache.columns - 1)
+    old_ZJ = jnp.take_along_axis(cache.table, col_ZJ[..., None], axis=2)[..., 0]
+    cache = copy_pages(cache, old_ZJ, page_ZJ, need_ZJ & (t_ZJ == 0) & (pos_ZJ % cache.page_size != 0))
+    table = cache.table.at[z_Z1, jnp.arange(J)[None], jnp.where(need_ZJ, col_ZJ, cache.columns)].set(
+        page_ZJ, mode="drop")
+    write_ZJ = jnp.where(going_ZJ, jnp.where(need_ZJ, page_ZJ, old_ZJ), 0)
+    cache = cache.replace(table=table, slot_t=jnp.where(going_ZJ, t_ZJ, 0))
+    widest = -(-(jnp.max(jnp.where(going_ZJ, pos_ZJ, 0)) + 1) // cache.page_size)
+    phase = jnp.sum(jnp.asarray(loop.phase_columns) < widest, dtype=jnp.int32)
+    logits_ZJV, cache = loop.decode(tok_ZJ, cache, write_ZJ, phase=jnp.minimum(phase, len(loop.phase_columns) - 1))
+    cache = cache.replace(slot_t=jnp.where(going_ZJ, cache.slot_t, 0))
+
+    requeue_ZJ = jnp.where(preempted_ZJ, seq_ZJ, Rb)
+    c = st.counts
+    held = cache.pool - cache.nfree
+    counts = {**c, "steps": c["steps"] + 1, "slot_steps": c["slot_steps"] + active_ZJ.size,
+              "useful_slot_steps": c["useful_slot_steps"] + active_ZJ.sum(dtype=jnp.int32),
+              "preemptions": c["preemptions"] + preempted_ZJ.sum(dtype=jnp.int32),
+              "recomputed_tokens": c["recomputed_tokens"] + jnp.where(preempted_ZJ, t_ZJ + 1, 0).sum(dtype=jnp.int32),
+              "page_steps": c["page_steps"] + held.sum(dtype=jnp.int32),
+              "pages_peak": jnp.maximum(c["pages_peak"], held.max())}
+    st = st.replace(seq=hold(jnp.where(going_ZJ, seq_ZJ, -1)), cache=jax.tree.map(hold, cache),
+                    pending=hold(st.pending.at[z_Z1, requeue_ZJ].set(True, mode="drop")),
+                    logits=hold(logits_ZJV), done=st.done + finished_ZJ.sum(axis=1, dtype=jnp.int32),
+                    tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
+                    counts=counts)
+    return admit(loop, st)
+
+
+def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ) -> jax.Array:
+    """bool [Z, J]: the fewest youngest running sequences whose pages (and whose own need) cover the
+    shard's shortfall of pages this step; none where the pool suffices."""
+    held_ZJ = jnp.where(going_ZJ, cache.held_pages().sum(axis=2, dtype=jnp.int32), 0)
+    short_Z = need_ZJ.sum(axis=1, dtype=jnp.int32) - cache.nfree
+    order_ZJ = jnp.argsort(jnp.where(going_ZJ, -stamp_ZJ, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
+    gain_ZJ = jnp.take_along_axis(held_ZJ + need_ZJ.astype(jnp.int32), order_ZJ, axis=1)
+    gain_ZJ = jnp.concatenate([jnp.zeros_like(gain_ZJ[:, :1]), jnp.cumsum(gain_ZJ, axis=1)], axis=1)
+    k_Z = jnp.argmax(gain_ZJ >= short_Z[:, None], axis=1)  # 0 when nothing is short
+    rank_ZJ = jnp.argsort(order_ZJ, axis=1)
+    return going_ZJ & (rank_ZJ < k_Z[:, None])
+
+
+def admit(loop: PagedLoop, st: PagedState) -> PagedState:
+    """Fill the free slots with waiting sequences, lowest row first, while the pool keeps a page for
+    each admission (its first page at the next step) and one for each running sequence (at most
+    what it takes in the next page_size steps): admission does not run the pool dry at once, so
+    fewer sequences are preempted and recomputed than with a bare one-step reserve."""
+    hold, G, Rb = loop.hold, loop.config.group_size, loop.lay.sequences
+    cache = st.cache
+    Z, J = st.seq.shape
+    z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
+    running_ZJ = st.seq >= 0
+    allowed_Z = jnp.minimum(jnp.maximum(cache.nfree - running_ZJ.sum(axis=1), 0), st.pending.sum(axis=1))
+    rank_ZJ = jnp.cumsum(~running_ZJ, axis=1, dtype=jnp.int32) - 1
+    take_ZJ = ~running_ZJ & (rank_ZJ < allowed_Z[:, None])
+    order_ZR = jnp.argsort(~st.pending, axis=1, stable=True)  # waiting rows first, in row order
+    row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
+    seq_ZJ = jnp.where(take_ZJ, row_ZJ, st.seq)
+    prompt_ZJ = jnp.where(take_ZJ, row_ZJ // G, cache.slot_prompt)
+    table = jnp.where(take_ZJ[..., None], prompt_table(cache, prompt_ZJ), cache.table)
+    cache = cache.replace(table=table, slot_prompt=prompt_ZJ, slot_t=jnp.where(take_ZJ, 0, cache.slot_t))
+    first_ZJV = jax.vmap(lambda a, i: a[i])(st.prompt_logits, prompt_ZJ)
+    return st.replace(seq=hold(seq_ZJ), stamp=hold(jnp.where(take_ZJ, st.admissions[:, None] + rank_ZJ, st.stamp)),
+                      cache=jax.tree.map(hold, cache),
+                      pending=hold(st.pending.at[z_Z1, jnp.where(take_ZJ, row_ZJ, Rb)].set(False, mode="drop")),
+                      logits=hold(jnp.where(take_ZJ[..., None], first_ZJV, st.logits)),
+                      admissions=st.admissions + take_ZJ.sum(axis=1, dtype=jnp.int32))
