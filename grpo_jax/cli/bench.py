@@ -82,7 +82,7 @@ def add_commands(sub) -> None:
                                   "with no sweep option, every default sweep runs)")
     scaling.add_argument("--plot", default=None, help="the PNG (default: --output with .png)")
     _bench_command(which, "engine", bench.engine, functools.partial(call, bench.engine),
-                   "static (in batches of sampling.slots rows, and all rows at once) vs continuous engine (JSON, PNG)")
+                   "static (in batches of sampling.slots rows, and all rows at once) vs continuous vs paged engine (JSON, PNG)")
     memory = _bench_command(which, "memory", bench.memory, functools.partial(call, bench.memory),
                             "a run config's programs compiled on abstract shapes: memory per device against a "
                             "chip's HBM (XLA:CPU on host devices, or XLA:TPU for a --topology)")

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.continuous import draw_next, sequence_uniforms
+from grpo_jax.engine.continuous import draw_next, drain_widths, sequence_uniforms
 from grpo_jax.engine.draw import Rollout
 from grpo_jax.engine.pages import (PagedCache, copy_pages, create_cache, page_bytes, pages_needed, pop_pages,
                                    prompt_table, push_pages)
@@ -127,7 +127,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, _ = model.prefill_kv(ids_NP, mask_NP)
     cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
-                         max_new_tokens=M)
+                         max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
     phases = max(1, min(config.attend_phases, cache.columns))
     columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
     decode = functools.partial(paged_decode_step, model, weights=model.layer_weights(), phase_columns=columns,
@@ -152,8 +152,36 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
     model = nnx.merge(graphdef, state)
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
-    st = jax.lax.while_loop(lambda st: jnp.any(st.done < loop.lay.sequences), functools.partial(paged_step, loop), st)
+    widths = drain_widths(loop.lay.slots)
+    for i, width in enumerate(widths):
+        if width < loop.lay.slots:
+            loop, st = compact_paged(loop, st, width)
+        narrower = widths[i + 1] if i + 1 < len(widths) else 0
+        st = jax.lax.while_loop(functools.partial(_running, loop, narrower), functools.partial(paged_step, loop), st)
     return paged_rollout(st, ids_NP, mask_NP)
+
+
+def _running(loop: PagedLoop, narrower: int, st: PagedState) -> jax.Array:
+    """Go on at this width: sequences are left, and (when a `narrower` width follows) some are still
+    waiting or some shard has more than `narrower` in flight (`continuous.drain_widths`)."""
+    left = jnp.any(st.done < loop.lay.sequences)
+    if not narrower:
+        return left
+    return left & (jnp.any(st.pending) | (jnp.max(jnp.sum(st.seq >= 0, axis=1)) > narrower))
+
+
+def compact_paged(loop: PagedLoop, st: PagedState, width: int) -> tuple[PagedLoop, PagedState]:
+    """The drain: every shard's sequences in flight (at most `width`) into its first `width` slots.
+    Only their table rows and counters move; the pages stay where they are."""
+    keep_Zw = jnp.argsort(st.seq < 0, axis=1, stable=True)[:, :width]  # busy slots first, in order
+
+    def take(x_ZJ):
+        return loop.hold(jax.vmap(lambda a, i: a[i])(x_ZJ, keep_Zw))
+
+    c = st.cache
+    cache = c.replace(table=take(c.table), slot_prompt=take(c.slot_prompt), slot_t=take(c.slot_t))
+    loop = dataclasses.replace(loop, lay=dataclasses.replace(loop.lay, slots=width))
+    return loop, st.replace(seq=take(st.seq), stamp=take(st.stamp), cache=cache, logits=take(st.logits))
 
 
 def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:

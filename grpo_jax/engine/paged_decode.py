@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from grpo_jax.engine.pages import PagedCache
+from grpo_jax.engine.pages import PagedCache, write_token
 from grpo_jax.models.layers import NEG, finish_layer, qkv, rms_norm, rope_tables, softcap
 from grpo_jax.runtime.sharding import BATCH
 
@@ -48,28 +48,35 @@ def choose_attention(choice: str, cfg, dtype, page_size: int, mesh) -> str:
     return choice
 
 
-def gather_attention(q_XHD, kv_ZPSKD, table_ZJT, len_ZJ, *, window: int | None, scale: float,
-                     cap: float | None, dtype) -> jax.Array:
-    """One query per slot over its pages: q [X, H, D] (the token at key index len - 1), pages
-    [Z, Pg, Sg, 2K, D], table [Z, J, columns], len [Z, J] keys including this token -> [X, H, D]."""
+def gather_attention(q_XHD, pages: tuple[jax.Array, jax.Array], table_ZJT, len_ZJ, *, window: int | None,
+                     scale: float, cap: float | None, dtype) -> jax.Array:
+    """One query per slot over its pages: q [X, H, D] (the token at key index len - 1), pages in the
+    split layout (keys [Z, Pg, K, D, Sg], values [Z, Pg, K, Sg, D]), table [Z, J, Tb], len [Z, J]
+    keys including this token -> [X, H, D]. Scores and outputs are batched per (slot, page, head),
+    so the gathered pages are read in place; the softmax runs over every page's keys at once."""
+    keys, values = pages
     Z, J, T = table_ZJT.shape
-    Sg, K2, D = kv_ZPSKD.shape[2:]
-    X, H, K = Z * J, q_XHD.shape[1], K2 // 2
-    kv = jax.vmap(lambda a, t: a[t])(kv_ZPSKD, table_ZJT).reshape(X, T * Sg, K, 2, D)
-    q_XKQD = q_XHD.reshape(X, K, H // K, D)
-    s_XKQS = jnp.einsum("xkqd,xskd->xkqs", q_XKQD, kv[..., 0, :].astype(dtype), preferred_element_type=jnp.float32)
-    s_XKQS = softcap(s_XKQS * scale, cap)
-    j_S, n_X1 = jnp.arange(T * Sg), len_ZJ.reshape(X, 1)
-    mask_XS = j_S < n_X1
+    K, D, Sg = keys.shape[2:]
+    X, H = Z * J, q_XHD.shape[1]
+    k_XTKDS = jax.vmap(lambda a, t: a[t])(keys, table_ZJT).reshape(X, T, K, D, Sg).astype(dtype)
+    v_XTKSD = jax.vmap(lambda a, t: a[t])(values, table_ZJT).reshape(X, T, K, Sg, D).astype(dtype)
+    q_XTKQD = jnp.broadcast_to(q_XHD.reshape(X, 1, K, H // K, D), (X, T, K, H // K, D))
+    s = jnp.einsum("xtkqd,xtkds->xtkqs", q_XTKQD, k_XTKDS, preferred_element_type=jnp.float32)
+    s = softcap(s * scale, cap)
+    j_TS, n_X = jnp.arange(T * Sg).reshape(T, Sg), len_ZJ.reshape(X)
+    mask = j_TS[None] < n_X[:, None, None]
     if window is not None:
-        mask_XS &= (n_X1 - 1) - j_S < window
-    p_XKQS = jax.nn.softmax(jnp.where(mask_XS[:, None, None, :], s_XKQS, NEG), axis=-1).astype(dtype)
-    return jnp.einsum("xkqs,xskd->xkqd", p_XKQS, kv[..., 1, :].astype(dtype)).reshape(X, H, D)
+        mask &= (n_X[:, None, None] - 1) - j_TS[None] < window
+    s = jnp.where(mask[:, :, None, None, :], s, NEG)
+    e = jnp.exp(s - s.max(axis=(1, 4), keepdims=True))
+    o_XKQD = jnp.einsum("xtkqs,xtksd->xtkqd", e.astype(dtype), v_XTKSD, preferred_element_type=jnp.float32).sum(1)
+    return (o_XKQD / e.sum(axis=(1, 4))[..., None]).reshape(X, H, D)
 
 
-def kernel_attention(q_XHD, kv_ZPSKD, table_ZJT, len_ZJ, *, window: int | None, scale: float,
+def kernel_attention(q_XHD, pages: tuple[jax.Array], table_ZJT, len_ZJ, *, window: int | None, scale: float,
                      cap: float | None, mesh) -> jax.Array:
-    """`gather_attention` by JAX's TPU kernel, each row shard's slots over its own pages."""
+    """`gather_attention` by JAX's TPU kernel over the interleaved layout (pages [Z, Pg, Sg, 2K, D]),
+    each row shard's slots over its own pages."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     Z, J, T = table_ZJT.shape
@@ -87,7 +94,7 @@ def kernel_attention(q_XHD, kv_ZPSKD, table_ZJT, len_ZJ, *, window: int | None, 
 
     rows = PartitionSpec(BATCH)
     return jax.shard_map(shard, mesh=mesh, in_specs=(rows, rows, rows, rows), out_specs=rows,
-                         check_vma=False)(q_XHD, kv_ZPSKD, table_ZJT, len_ZJ)
+                         check_vma=False)(q_XHD, pages[0], table_ZJT, len_ZJ)
 
 
 def paged_decode_step(model, tokens_ZJ: jax.Array, cache: PagedCache, write_ZJ: jax.Array, *, phase: jax.Array,
@@ -118,8 +125,7 @@ def paged_decode_step(model, tokens_ZJ: jax.Array, cache: PagedCache, write_ZJ: 
     for l, kind in enumerate(cfg.layer_types):
         y = cfg.kinds.index(kind)
         q, k, v = qkv(x_X1E, weights[l], cfg, cos_YX1D[y], sin_YX1D[y])  # [X, 1, H, D], [X, 1, K, D]
-        new_ZJKD = jnp.stack([k[:, 0], v[:, 0]], axis=2).reshape(Z, J, -1, k.shape[-1]).astype(kv[l].dtype)
-        kv[l] = jax.vmap(lambda a, p, o, n: a.at[p, o].set(n))(kv[l], write_ZJ, offset_ZJ, new_ZJKD)
+        kv[l] = write_token(kv[l], write_ZJ, offset_ZJ, k.reshape(Z, J, *k.shape[2:]), v.reshape(Z, J, *v.shape[2:]))
         o_XHD = jax.lax.switch(phase, programs[kind], q[:, 0], kv[l], cache.table, pos_ZJ + 1)
         x_X1E = finish_layer(x_X1E, o_XHD.reshape(X, 1, *o_XHD.shape[1:]).astype(dtype), weights[l], cfg)
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]

@@ -17,7 +17,6 @@ pages, preemption and recompute of the youngest when the pool runs short.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +183,9 @@ def test_gather_attention_equals_the_tpu_kernels_reference():
         want = ref_ragged_paged_attention(q, kv, jnp.asarray(lengths), jnp.asarray(table),
                                           jnp.arange(J + 1, dtype=jnp.int32), jnp.array([J], jnp.int32),
                                           sm_scale=0.25, sliding_window=window, soft_cap=cap)
-        got = gather_attention(q, kv[None], jnp.asarray(table)[None], jnp.asarray(lengths)[None], window=window,
+        kv5 = kv.reshape(pages, Sg, K, 2, D)  # the split layout of the same pages
+        split = (kv5[..., 0, :].transpose(0, 2, 3, 1)[None], kv5[..., 1, :].transpose(0, 2, 1, 3)[None])
+        got = gather_attention(q, split, jnp.asarray(table)[None], jnp.asarray(lengths)[None], window=window,
                                scale=0.25, cap=cap, dtype=jnp.float32)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
 

@@ -26,7 +26,8 @@ OPTIONS = {"preset": "model shape", "dtype": "compute and parameter dtype", "ite
            "new_tokens": "generated tokens per row", "batch": "rows", "seq": "tokens per row",
            "steps": "timed steps", "warmup": "untimed steps before them",
            "devices": "host devices to compile for, one per chip", "chip": "the chip whose HBM the programs must fit",
-           "peer": "also time another system's engines on the same weights and prompts"}
+           "peer": "also time another system's engines on the same weights and prompts",
+           "paged_slots": "the paged engine's decode slots (0: 3 x sampling.slots) over the continuous engine's bytes"}
 CHOICES = {"preset": list(PRESETS), "dtype": ["float32", "bfloat16"], "chip": list(CHIPS), "peer": list(PEERS)}
 
 __all__ = ["CHIPS", "CHOICES", "OPTIONS", "PEERS", "PRESETS", "SCALING_AXES", "engine", "forward", "grpo_step", "memory",

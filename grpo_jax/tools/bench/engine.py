@@ -1,9 +1,11 @@
-"""`grpo-jax bench engine`: the static and continuous rollout engines on a run config's model and
-prompts, at the same KV-cache budget, as JSON (and a PNG next to it).
+"""`grpo-jax bench engine`: the static, continuous and paged rollout engines on a run config's model
+and prompts, at the same KV-cache budget, as JSON (and a PNG next to it).
 
 The comparison a memory-bound chip faces: with a KV budget of `sampling.slots` rows, the static
 engine runs `slots / G` prompts at a time, one batch after another (`static_batched`), and the
-continuous engine keeps `slots` slots busy over all sequences (`continuous`); beside them, the
+continuous engine keeps `slots` slots busy over all sequences (`continuous`), the paged engine
+runs `paged_slots` slots over a page pool of the continuous engine's cache bytes (`paged`:
+concurrent sequences, preemptions and page use reported); beside them, the
 static engine with every row at once (`static_all`, what a run does when the cache fits). Per
 engine: wall seconds (median of `iters` interleaved calls after a first call, whose compile is
 reported apart), useful tokens (the rollout's lengths: completion tokens up to and including the
@@ -64,6 +66,10 @@ def _figures(timing: dict, prefill: dict | None, kv: dict | None, max_new_tokens
         "prefill_s": None if prefill is None else round(median(prefill["times"]), 4),
         "kv_cache_bytes": kv, "lengths": length_stats(run.lengths, run.truncated, max_new_tokens),
         "sequence_lengths": run.lengths.tolist(),
+        # Sequences decoding at once, on average over the loop's steps (its own counts).
+        "concurrent_sequences": (round(run.engine_useful_slot_steps / run.draw_steps, 1)
+                                 if run.engine_useful_slot_steps and run.draw_steps else None),
+        **({"paging": run.paging} if run.paging else {}),
     }
 
 
@@ -78,31 +84,37 @@ def ratios(engines: dict, wall: str = "wall_s") -> dict:
 
     out = {"continuous_vs_static_batched": ratio("continuous", "static_batched"),
            "continuous_vs_static_all": ratio("continuous", "static_all"),
-           "static_all_vs_static_batched": ratio("static_all", "static_batched")}
+           "static_all_vs_static_batched": ratio("static_all", "static_batched"),
+           "paged_vs_continuous": ratio("paged", "continuous"), "paged_vs_static_batched": ratio("paged", "static_batched"),
+           "paged_vs_static_all": ratio("paged", "static_all")}
     if "transformers_cb" in engines:
         cb = max(("transformers_cb", "transformers_cb_auto"), key=tps)
         out.update({"continuous_vs_transformers_cb": ratio("continuous", cb), "transformers_cb_used": cb,
+                    "paged_vs_transformers_cb": ratio("paged", cb),
                     "continuous_vs_transformers_generate": ratio("continuous", "transformers_generate")})
     return out
 
 
 def engine(config_path: str, *, overrides: Sequence[str] = (), iters: int = 3, peer: str = "none",
-           output: str | None = None, log: Callable[[str], None] = _stderr) -> dict:
+           paged_slots: int = 0, output: str | None = None, log: Callable[[str], None] = _stderr) -> dict:
     """Time the engines on the config's model and first `data.prompts_per_step` prompts (module
-    docstring); `peer="transformers"` adds transformers' engines. `output` (the CLI's --output):
+    docstring); `peer="transformers"` adds transformers' engines; `paged_slots`: the paged engine's
+    decode slots (0: 3 x sampling.slots, at most one per sequence). `output` (the CLI's --output):
     the PNG is written next to it."""
     import jax
 
     from grpo_jax.config import ConfigError
     from grpo_jax.tools.bench import engine_runs as er
 
-    if iters < 1 or peer not in PEERS:
-        raise ConfigError(f"bench engine needs --iters >= 1 and --peer in {PEERS}, got {iters} and {peer!r}")
+    if iters < 1 or peer not in PEERS or paged_slots < 0:
+        raise ConfigError(f"bench engine needs --iters >= 1, --peer in {PEERS} and --paged-slots >= 0, got {iters}, "
+                          f"{peer!r} and {paged_slots}")
     source = _source()
     w = er.load_workload(config_path, overrides)
     log(f"bench engine: {w.description['prompts']} prompts x {w.sampling.group_size}, {w.slots} slots, "
         f"max_new_tokens {w.sampling.max_new_tokens}; {w.description['model']}")
-    runners, peer_info = er.engine_runners(w), None
+    paged_slots = min(paged_slots or 3 * w.slots, w.rows)
+    runners, peer_info = er.engine_runners(w, paged_slots), None
     if peer == "transformers":
         from grpo_jax.tools.bench.engine_peer import transformers_runners
 
@@ -132,7 +144,8 @@ def engine(config_path: str, *, overrides: Sequence[str] = (), iters: int = 3, p
         plot_engine([result], result["plot"])
     r = result["ratios"]
     log(f"bench engine: continuous / static batched {r['continuous_vs_static_batched']}, "
-        f"/ static all {r['continuous_vs_static_all']}")
+        f"/ static all {r['continuous_vs_static_all']}; paged ({paged_slots} slots) / continuous "
+        f"{r['paged_vs_continuous']}, / static batched {r['paged_vs_static_batched']}")
     return result
 
 

@@ -4,7 +4,9 @@ prompts), each as a callable that runs the whole workload once and returns its `
 - `static_batched`: the static engine on `slots / G` prompts (`slots` rows) at a time, one batch
   after another: the most a chip holds when its KV-cache budget is that of `slots` rows;
 - `static_all`: the static engine on every row at once (the default engine of a run today);
-- `continuous`: the continuous engine with `slots` decode slots over all sequences.
+- `continuous`: the continuous engine with `slots` decode slots over all sequences;
+- `paged`: the paged engine with the continuous engine's cache bytes as its page pool and
+  `paged_slots` decode slots (the pool, not the slots, bounds how many run at once).
 
 Beside them, what the figures need: each engine's prompt pass as a jitted prefill-only call, and
 its KV-cache bytes from the shapes of its own cache (`jax.eval_shape` of the calls that build it,
@@ -27,13 +29,15 @@ from grpo_jax.config import ConfigError, SamplingConfig, load_config
 from grpo_jax.models import Transformer
 from grpo_jax.engine.slots import SlotCache
 from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.pages import page_bytes, pages_needed
+from grpo_jax.engine.paged import paged_program
 from grpo_jax.engine.state import engine_layout
 from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.runtime.sharding import one_device_mesh
 from grpo_jax.models.build import build_model
 from grpo_jax.trainer.prepare import prepare
 
-ENGINES = ("static_batched", "static_all", "continuous")
+ENGINES = ("static_batched", "static_all", "continuous", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,7 @@ class EngineRun:
     slot_steps: int | None
     engine_useful_slot_steps: int | None = None  # the continuous engine's own count
     prefill_rows: int | None = None
+    paging: dict | None = None  # the paged engine's: preemptions, recomputed tokens, pages used
 
 
 def load_workload(config_path: str, overrides: Sequence[str]) -> Workload:
@@ -140,10 +145,34 @@ def _continuous(w: Workload) -> Callable[[], EngineRun]:
     return run
 
 
-def engine_runners(w: Workload) -> dict[str, Callable[[], EngineRun]]:
-    """ENGINES -> a callable that runs the whole workload once with that engine."""
+def _paged(w: Workload, slots: int, cache_bytes: int) -> Callable[[], EngineRun]:
+    """The paged engine's jitted program with a pool of `cache_bytes` and `slots` decode slots."""
+    config = dataclasses.replace(w.sampling, engine="paged", slots=slots, kv_cache_bytes=cache_bytes)
+    ids, mask = jnp.asarray(w.ids), jnp.asarray(w.mask)
+
+    def run() -> EngineRun:
+        graphdef, state = nnx.split(w.model)
+        rollout, stats = jax.block_until_ready(paged_program(graphdef, config, one_device_mesh())(state, ids, mask,
+                                                                                                   w.key))
+        st = {k: int(v) for k, v in stats.items()}
+        paging = {"slots": slots, "page_size": config.page_size, "pool_pages": st["pool_pages"],
+                  "preemptions": st["preemptions"], "recomputed_tokens": st["recomputed_tokens"],
+                  "pages_used_frac": round(st["page_steps"] / max(st["steps"] * st["pool_pages"], 1), 4),
+                  "pages_peak_frac": round(st["pages_peak"] / max(st["pool_pages"], 1), 4)}
+        return EngineRun(lengths=np.asarray(rollout.lengths), truncated=np.asarray(rollout.truncated),
+                         draw_steps=st["steps"], slot_steps=st["slot_steps"],
+                         engine_useful_slot_steps=st["useful_slot_steps"], prefill_rows=st["prefill_rows"],
+                         paging=paging)
+
+    return run
+
+
+def engine_runners(w: Workload, paged_slots: int) -> dict[str, Callable[[], EngineRun]]:
+    """ENGINES -> a callable that runs the whole workload once with that engine; the paged engine's
+    pool holds the continuous engine's cache bytes."""
     return {"static_batched": _static(w, w.slots // w.sampling.group_size),
-            "static_all": _static(w, w.ids.shape[0]), "continuous": _continuous(w)}
+            "static_all": _static(w, w.ids.shape[0]), "continuous": _continuous(w),
+            "paged": _paged(w, paged_slots, kv_cache_bytes(w)["continuous"]["total"])}
 
 
 def _prompt_passes(w: Workload):
@@ -183,7 +212,7 @@ def prefill_runners(w: Workload) -> dict[str, Callable[[], None]]:
         return run
 
     return {"static_batched": runner(static_pass, per), "static_all": runner(static_pass, N),
-            "continuous": runner(slot_pass, N)}
+            "continuous": runner(slot_pass, N), "paged": runner(slot_pass, N)}
 
 
 def _nbytes(arrays) -> int:
@@ -216,7 +245,14 @@ def kv_cache_bytes(w: Workload) -> dict[str, dict[str, int]]:
 
     shapes = {"static_batched": static_cache(min(N, w.slots // s.group_size)), "static_all": static_cache(N),
               "continuous": slot_cache()}
-    return {k: {"prompt": p, "generated": g, "total": p + g} for k, (p, g) in shapes.items()}
+    out = {k: {"prompt": p, "generated": g, "total": p + g} for k, (p, g) in shapes.items()}
+    # The paged engine's pool: the continuous engine's bytes in whole pages (prompt region + pool).
+    mc = w.model.config
+    page = page_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, s.page_size, jnp.dtype(w.model.dtype).itemsize)
+    prompt = (1 + N * pages_needed(P, s.max_new_tokens, s.page_size)[0]) * page
+    total = out["continuous"]["total"] // page * page
+    out["paged"] = {"prompt": prompt, "generated": total - prompt, "total": total}
+    return out
 
 
 def time_interleaved(runners: dict[str, Callable], iters: int, log: Callable[[str], None]) -> dict[str, dict]:
