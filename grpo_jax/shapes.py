@@ -24,6 +24,10 @@ The continuous engine (grpo_jax.engine.continuous, grpo_jax.engine.slots):
 - J  decode slots per shard; Np prompts per shard; Rb = Np*G sequences per shard
 - Mc a slot's capacity of fed tokens (max_new_tokens - 1, rounded up to whole attention phases)
 
+The paged engine (grpo_jax.engine.paged, grpo_jax.engine.pages):
+- Pg page ids per row shard (null page, prompt region, pool); Sg tokens per page (sampling.page_size)
+- Tb page-table columns per slot (ceil((P + M) / Sg)); Tp pages of one prompt (ceil(P / Sg))
+
 Multi-turn episodes in the engine's slots (grpo_jax.episodes):
 - U  the most environment tokens one answer may have (environment.max_env_tokens)
 """

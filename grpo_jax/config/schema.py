@@ -147,7 +147,8 @@ class RunConfig:
         if self.algorithm != "grpo":
             refused.append(f"algorithm: {self.algorithm} (multi-turn runs use algorithm: grpo)")
         if self.sampling.engine != "continuous":
-            refused.append("sampling.engine: static (episodes run in the continuous engine's slots: set continuous)")
+            refused.append(f"sampling.engine: {self.sampling.engine} (episodes run in the continuous engine's slots: "
+                           "set continuous)")
         if self.parallelism != "jit":
             refused.append("parallelism: pmap (use jit)")
         if self.train.dynamic_sampling:

@@ -108,7 +108,7 @@ def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
     model = nnx.merge(graphdef, state)
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     if lay.slots >= lay.sequences:
-        return _every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
+        return every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     loop, st = start_engine(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     widths = drain_widths(loop.lay.slots)
     for i, width in enumerate(widths):
@@ -183,7 +183,7 @@ def _rollout(st: EngineState, ids_NP, mask_NP):
     return rollout, stats
 
 
-def _every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
+def every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
     """Every sequence has a slot from the start (slots >= sequences on every shard): nothing can be
     refilled, so the engine is the lock-step loop (grpo_jax.engine.lockstep), which reads each
     prompt once per group of G rows instead of once per slot, drawing with each sequence's own

@@ -18,6 +18,9 @@ region, then one `lax.while_loop` whose step
 Stopping admission alone would deadlock once the running sequences outgrow the pool, unless each
 reserved max_new_tokens up front (today's slot cache); hence both.
 
+With a slot for every sequence and pages for all of them at max_new_tokens, nothing is paged: the
+call runs the lock-step loop, as the continuous engine does, with the same draws.
+
 Exact: a recomputed sequence re-draws with its own uniforms, so it regenerates the same tokens
 (greedy: identical; sampled: up to logit rounding) and a rollout does not depend on the number of
 pages, slots or preemptions. Its sampled rollout is the continuous engine's.
@@ -39,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.continuous import draw_next, drain_widths, sequence_uniforms
+from grpo_jax.engine.continuous import draw_next, drain_widths, every_sequence_at_once, sequence_uniforms
 from grpo_jax.engine.draw import Rollout
 from grpo_jax.engine.pages import (PagedCache, copy_pages, create_cache, page_bytes, pages_needed, pop_pages,
                                    prompt_table, push_pages)
@@ -48,7 +51,7 @@ from grpo_jax.engine.state import EngineLayout, engine_layout
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
 
 STATS = ("steps", "slot_steps", "useful_slot_steps", "prefill_rows", "preemptions", "recomputed_tokens",
-         "page_steps", "pages_peak", "pool_pages")
+         "page_steps", "pages_peak", "pool_pages", "shards")
 
 
 @flax.struct.dataclass
@@ -135,7 +138,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     loop = PagedLoop(lay=lay, config=config, decode=decode, phase_columns=columns, mesh=mesh)
     hold = loop.hold
     rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
-    counts = {k: jnp.int32(0) for k in STATS if k not in ("prefill_rows", "pool_pages")}
+    counts = {k: jnp.int32(0) for k in STATS if k not in ("prefill_rows", "pool_pages", "shards")}
     st = PagedState(seq=hold(jnp.full((Z, J), -1, jnp.int32)), stamp=hold(jnp.zeros((Z, J), jnp.int32)),
                     cache=jax.tree.map(hold, cache), pending=hold(jnp.ones((Z, Rb), jnp.bool_)),
                     prompt_logits=hold(last_NV.reshape(Z, Np, -1)),
@@ -151,6 +154,17 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
     model = nnx.merge(graphdef, state)
+    lay = engine_layout(ids_NP.shape[0], config, mesh)
+    Tp, most = pages_needed(ids_NP.shape[1], config.max_new_tokens, config.page_size)
+    pool = pool_pages(model.config, model.dtype, config, prompt_slots=ids_NP.shape[1], prompts=lay.prompts,
+                      slots=lay.slots) - 1 - lay.prompts * Tp
+    if lay.slots >= lay.sequences and pool >= lay.sequences * most:
+        # Every sequence has a slot and room for max_new_tokens: nothing to page, nothing to wait
+        # for. The lock-step loop (as the continuous engine's) draws the same rollout, faster.
+        rollout, stats = every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
+        held = {"page_steps": stats["steps"] * pool * lay.shards, "pages_peak": jnp.int32(pool)}  # all reserved
+        return rollout, {**stats, **held, "preemptions": jnp.int32(0), "recomputed_tokens": jnp.int32(0),
+                         "pool_pages": jnp.int32(pool), "shards": jnp.int32(lay.shards)}
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     widths = drain_widths(loop.lay.slots)
     for i, width in enumerate(widths):
@@ -191,7 +205,8 @@ def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:
     mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
     rollout = Rollout(tokens=st.tokens.reshape(-1, M), logprobs=st.logprobs.reshape(-1, M), mask=mask_RM,
                       lengths=lengths_R, truncated=st.truncated.reshape(-1), prompt_ids=ids_NP, prompt_mask=mask_NP)
-    return rollout, {**st.counts, "prefill_rows": jnp.int32(ids_NP.shape[0]), "pool_pages": jnp.int32(st.cache.pool)}
+    return rollout, {**st.counts, "prefill_rows": jnp.int32(ids_NP.shape[0]), "pool_pages": jnp.int32(st.cache.pool),
+                     "shards": jnp.int32(Z)}
 
 
 def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:

@@ -89,19 +89,38 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     hosts, pass either the same host arrays on every host or global arrays built from each host's
     rows (`grpo_jax.runtime.hosts.to_global`), and read the outputs with `grpo_jax.runtime.hosts.local_rows`.
     """
+    return generate_with_stats(model, prompts, config, rng, share_prefill=share_prefill, mesh=mesh)[0]
+
+
+def generate_with_stats(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array, *,
+                        share_prefill: bool = True, mesh=None) -> tuple[Rollout, dict]:
+    """`generate`, and the engine's own counts (int32 scalars on device; {} for the static engine):
+    steps, slot-steps, useful slot-steps, and for the paged engine its preemptions, recomputed
+    tokens and pages held (`engine.paged.STATS`)."""
     ids, mask = _prompt_arrays(prompts, config)
     graphdef, state = nnx.split(model)
     mesh = mesh_or_one_device(mesh, state)
     ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.runtime.hosts.to_global) stay where they are
     rng = replicated_key(rng, mesh)
+    stats = {}
     if config.engine == "continuous":
-        rollout, _ = continuous_program(graphdef, config, mesh)(state, ids, mask, rng)
+        rollout, stats = continuous_program(graphdef, config, mesh)(state, ids, mask, rng)
     elif config.engine == "paged":
-        rollout, _ = paged_program(graphdef, config, mesh)(state, ids, mask, rng)
+        rollout, stats = paged_program(graphdef, config, mesh)(state, ids, mask, rng)
     else:
         rollout = static_program(graphdef, config, share_prefill, mesh)(state, ids, mask, rng)
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
-    return rollout
+    return rollout, stats
+
+
+def engine_metrics(stats: dict) -> dict[str, float]:
+    """The run's `engine/*` metrics of one call's paged-engine counts: `engine/preemptions` and
+    `engine/pages_used_frac` (pool pages held, averaged over the loop's steps); {} for other engines."""
+    if "preemptions" not in stats:
+        return {}
+    s = {k: int(v) for k, v in jax.device_get(stats).items()}
+    return {"engine/preemptions": float(s["preemptions"]),
+            "engine/pages_used_frac": s["page_steps"] / max(s["steps"] * s["pool_pages"] * s["shards"], 1)}
 
 
 def greedy_completions(model: Transformer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,

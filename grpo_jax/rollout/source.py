@@ -31,7 +31,7 @@ from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, 
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
 from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
 from grpo_jax.engine.draw import SampleRows
-from grpo_jax.engine.sampling import generate, pad_prompts
+from grpo_jax.engine.sampling import engine_metrics, generate_with_stats, pad_prompts
 from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
                                     to_global)
@@ -138,6 +138,7 @@ class SyncSampler(RolloutSource):
         self.dynamic_sampling, self.max_resample_rounds = dynamic_sampling, max_resample_rounds
         # Dynamic sampling with the continuous engine over-samples in one pass (`_stream`).
         self.streaming = dynamic_sampling and self.sampling.engine == "continuous"
+        self._engine_rounds: list[dict] = []
         if self.streaming and reward_control != "none":
             raise ValueError("reward_control: random compares equal batches across hosts round by round; it "
                              "needs the static engine or train.dynamic_sampling off with sampling.engine continuous")
@@ -147,6 +148,7 @@ class SyncSampler(RolloutSource):
 
     def next(self, step: int) -> Trajectories:
         G = self.sampling.group_size
+        self._engine_rounds = []  # each round's engine/* metrics (the paged engine's)
         if self.streaming:
             c = self._stream(step)
         else:
@@ -156,7 +158,12 @@ class SyncSampler(RolloutSource):
         prompts = [ex.prompt_ids for ex in c.examples]
         prompt_ids, prompt_mask = pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets),
                                               self.sampling.pad_id)
-        return self._trajectories(c, prompt_ids, prompt_mask)
+        engine = {}
+        if self._engine_rounds:
+            engine = {"engine/preemptions": sum(r["engine/preemptions"] for r in self._engine_rounds),
+                      "engine/pages_used_frac": float(np.mean([r["engine/pages_used_frac"]
+                                                               for r in self._engine_rounds]))}
+        return self._trajectories(c, prompt_ids, prompt_mask, engine)
 
     def _trajectories(self, c: Collected, prompt_ids, prompt_mask, extra: dict | None = None) -> Trajectories:
         """The collected groups on the mesh with their prompts (ids and mask [N, P], one row per
@@ -176,8 +183,11 @@ class SyncSampler(RolloutSource):
         """One sampling round of this host's block of prompts: sampled on the mesh, scored here."""
         examples = self.prepared.train_stream.next_batch(self.share.size)
         t0 = time.perf_counter()
-        rollout = generate(self.model, to_global(self._prompt_arrays(examples), self.sample_mesh, self.share),
-                           self.sampling, step_key(self.rng, step, round_index), mesh=self.sample_mesh)
+        rollout, stats = generate_with_stats(
+            self.model, to_global(self._prompt_arrays(examples), self.sample_mesh, self.share), self.sampling,
+            step_key(self.rng, step, round_index), mesh=self.sample_mesh)
+        if metrics := engine_metrics(stats):
+            self._engine_rounds.append(metrics)
         rows = SampleRows.of(rollout, read=lambda arrays: local_rows(arrays, self.rows))
         return self._score(step, round_index, examples, rows, sample_s=time.perf_counter() - t0)
 

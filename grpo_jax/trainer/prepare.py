@@ -97,16 +97,23 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
 def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool) -> list[str]:
     """What a run says at start about engine settings it does not use as written: slots with the
     static engine, slots rounded up to the mesh's row shards, segment steps without over-sampling."""
+    defaults = SamplingConfig()
+    paging = [k for k in ("kv_cache_bytes", "page_size", "paged_attention")
+              if getattr(sampling, k) != getattr(defaults, k)]
+    notes = [f"sampling.{', '.join(paging)} not used: the {sampling.engine} engine has no pages (sampling.engine: "
+             "paged uses them)"] if paging and sampling.engine != "paged" else []
     if sampling.engine == "static":
-        return [f"sampling.slots={sampling.slots} is not used: the static engine decodes every row at once "
-                "(sampling.engine: continuous uses slots)"] if sampling.slots else []
-    notes = []
+        return notes + ([f"sampling.slots={sampling.slots} is not used: the static engine decodes every row at once "
+                         "(sampling.engine: continuous uses slots)"] if sampling.slots else [])
     shards = rows_per_shard(mesh)
     if sampling.slots % shards:
         notes.append(f"sampling.slots={sampling.slots} -> {-(-sampling.slots // shards) * shards}: an equal "
                      f"number of slots on each of the mesh's {shards} row shards")
     if not dynamic_sampling and sampling.segment_steps != SamplingConfig.segment_steps:
         notes.append("sampling.segment_steps is used by over-sampling only (train.dynamic_sampling)")
+    if dynamic_sampling and sampling.engine == "paged":
+        notes.append("train.dynamic_sampling with sampling.engine: paged resamples in whole rounds (over-sampling "
+                     "in one pass, sampling.segment_steps, runs in the continuous engine)")
     return notes
 
 

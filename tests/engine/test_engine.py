@@ -162,11 +162,19 @@ def test_a_run_says_which_engine_settings_it_does_not_use_as_written():
     assert engine_notes(config(engine="continuous", slots=8), mesh, dynamic_sampling=True) == []
     (segments,) = engine_notes(config(engine="continuous", segment_steps=4), mesh, dynamic_sampling=False)
     assert "over-sampling only" in segments
+    (pages,) = engine_notes(config(engine="continuous", slots=8, page_size=64), mesh, dynamic_sampling=False)
+    assert "sampling.page_size not used: the continuous engine has no pages" in pages
+    (rounds,) = engine_notes(config(engine="paged", slots=8, page_size=64), mesh, dynamic_sampling=True)
+    assert "resamples in whole rounds" in rounds
 
 
 def test_engine_settings_are_checked():
     with pytest.raises(ValueError, match="sampling.engine"):
-        SamplingConfig(engine="paged")
+        SamplingConfig(engine="vllm")
+    for bad, name in (({"page_size": 0}, "page_size"), ({"kv_cache_bytes": -1}, "kv_cache_bytes"),
+                      ({"paged_attention": "flash"}, "paged_attention")):
+        with pytest.raises(ValueError, match=f"sampling.{name}"):
+            SamplingConfig(**bad)
     with pytest.raises(ValueError, match="sampling.slots"):
         SamplingConfig(slots=-1)
 

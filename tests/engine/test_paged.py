@@ -102,7 +102,8 @@ def test_a_sampled_rollout_does_not_depend_on_pages_or_slots_and_is_the_continuo
     want = arrays(continuous)
     assert len(set(want["lengths"].tolist())) >= 4 and want["truncated"].any()
     preempted = 0
-    for page_size, slots, sequences in ((4, 9, 1.5), (16, 4, 0), (8, 32, 4)):
+    # (4, 0, 0): a slot and max_new_tokens of pages for every sequence: the lock-step loop.
+    for page_size, slots, sequences in ((4, 9, 1.5), (16, 4, 0), (8, 32, 4), (4, 0, 0)):
         rollout, stats = run(model, dataclasses.replace(
             cfg, engine="paged", slots=slots, page_size=page_size,
             kv_cache_bytes=sequences and cache_bytes(model, page_size=page_size, sequences=sequences)), key=7)
@@ -212,7 +213,6 @@ def test_the_tpu_kernel_compiles_in_the_engine_for_a_v5e_slice():
         lowered = paged_program(graphdef, cfg, mesh).lower(state, ids, ids, jax.eval_shape(lambda: jax.random.key(0)))
     compiled = lowered.compile()
     assert compiled.as_text().count("tpu_custom_call") >= shape.num_layers
-    assert compiled.memory_analysis().temp_size_in_bytes > 0
     with pytest.raises(ValueError, match="use gather"):
         paged_program(graphdef, dataclasses.replace(cfg, page_size=4), mesh).lower(
             state, ids, ids, jax.eval_shape(lambda: jax.random.key(0)))

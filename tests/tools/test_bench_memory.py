@@ -119,3 +119,14 @@ def test_a_packing_run_compiles_its_packed_passes_at_their_largest(tmp_path):
         p, q = packed["programs"][name], plain["programs"][name]
         assert p["compiled"] and p["temp_bytes"] > 0
         assert p["flops"] != q["flops"], name  # another program: the packed pass, not the plain one
+
+
+def test_the_paged_sampler_holds_the_pool_it_is_given(tmp_path):
+    # sampling.engine: paged: the sampler bench memory compiles is the paged engine, whose pages are
+    # sampling.kv_cache_bytes per row shard whatever the lengths: 4 MiB more pool, 4 MiB more per device.
+    options = ("--devices", "8", "--programs", "sampler", "--set", "sampling.engine=paged", "--set",
+               "sampling.page_size=4", "--set", "sampling.slots=8")
+    small, big = (_bench(tmp_path, f"paged{mib}", *options, "--set", f"sampling.kv_cache_bytes={mib << 20}")
+                  for mib in (4, 8))
+    grown = big["programs"]["sampler"]["temp_bytes"] - small["programs"]["sampler"]["temp_bytes"]
+    assert (4 << 20) * 0.99 <= grown <= (4 << 20) * 1.5

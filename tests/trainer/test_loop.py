@@ -311,3 +311,26 @@ def test_train_and_eval_fall_back_from_a_damaged_newest_checkpoint(run, tmp_path
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for key in ("train/loss", "reward/mean"):
         assert got[-1][key] == pytest.approx(ref[-1][key], abs=1e-6)
+
+
+def test_a_run_on_the_paged_engine_logs_its_pages(tmp_path):
+    """sampling.engine: paged in a run: a pool of one max-length sequence's pages for 16 slots (the
+    prompt region aside) preempts, and the step logs it with the pool's use."""
+    from grpo_jax.config import config_from_dict
+    from grpo_jax.engine.pages import page_bytes, pages_needed
+    from grpo_jax.trainer.loop import train
+
+    arch = CONFIG["model"]["architecture"]
+    pages = 1 + 8 * pages_needed(8, 3, 2)[0] + pages_needed(8, 3, 2)[1]
+    config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds"), "prompts_per_step": 8},
+              "sft": {"steps": 0},
+              "sampling": {**CONFIG["sampling"], "engine": "paged", "slots": 16, "page_size": 2,
+                           "kv_cache_bytes": pages * page_bytes(arch["num_layers"], arch["num_kv_heads"],
+                                                                arch["head_dim"], 2, 4)},
+              "train": {**CONFIG["train"], "steps": 1, "samples_every": 0},
+              "eval": {"num_prompts": 8, "k": 8}, "checkpoint": {}}
+    seen = []
+    train(config_from_dict(config), tmp_path / "run", hooks=[lambda step, m: seen.append(m)], log=lambda s: None)
+    (m,) = seen
+    assert m["engine/preemptions"] > 0 and 0 < m["engine/pages_used_frac"] <= 1
+    assert m["completion/len_mean"] > 0 and np.isfinite(m["train/loss"])
