@@ -18,8 +18,8 @@ region, then one `lax.while_loop` whose step
 Stopping admission alone would deadlock once the running sequences outgrow the pool, unless each
 reserved max_new_tokens up front (today's slot cache); hence both.
 
-With a slot for every sequence and pages for all of them at max_new_tokens, nothing is paged: the
-call runs the lock-step loop, as the continuous engine does, with the same draws.
+With a slot for every sequence and cache bytes for all of them at max_new_tokens (`lockstep_fits`),
+nothing is paged: the call runs the lock-step loop, as the continuous engine does, with the same draws.
 
 Exact: a recomputed sequence re-draws with its own uniforms, so it regenerates the same tokens
 (greedy: identical; sampled: up to logit rounding) and a rollout does not depend on the number of
@@ -120,6 +120,20 @@ def pool_pages(model_config, dtype, config: SamplingConfig, *, prompt_slots: int
     return pages
 
 
+def lockstep_fits(model, config: SamplingConfig, *, prompt_slots: int, lay: EngineLayout) -> bool:
+    """Whether `sampling.kv_cache_bytes` (0: yes) holds what the lock-step loop keeps per row shard:
+    every prompt's block and every sequence's max_new_tokens - 1 fed tokens (in whole attention
+    phases), the continuous engine's cache with a slot per sequence."""
+    if not config.kv_cache_bytes:
+        return True
+    mc = model.config
+    M1 = max(config.max_new_tokens - 1, 1)
+    phases = max(1, min(config.attend_phases, M1))
+    fed = -(-M1 // phases) * phases
+    per_token = page_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, jnp.dtype(model.dtype).itemsize)
+    return config.kv_cache_bytes >= per_token * (lay.prompts * prompt_slots + lay.sequences * fed)
+
+
 def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh) -> tuple[PagedLoop, PagedState]:
     """Prefill the N prompts into the prompt region and admit each shard's first sequences."""
     M = config.max_new_tokens
@@ -155,12 +169,13 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
     model = nnx.merge(graphdef, state)
     lay = engine_layout(ids_NP.shape[0], config, mesh)
-    Tp, most = pages_needed(ids_NP.shape[1], config.max_new_tokens, config.page_size)
+    Tp, _ = pages_needed(ids_NP.shape[1], config.max_new_tokens, config.page_size)
     pool = pool_pages(model.config, model.dtype, config, prompt_slots=ids_NP.shape[1], prompts=lay.prompts,
                       slots=lay.slots) - 1 - lay.prompts * Tp
-    if lay.slots >= lay.sequences and pool >= lay.sequences * most:
-        # Every sequence has a slot and room for max_new_tokens: nothing to page, nothing to wait
-        # for. The lock-step loop (as the continuous engine's) draws the same rollout, faster.
+    if lay.slots >= lay.sequences and lockstep_fits(model, config, prompt_slots=ids_NP.shape[1], lay=lay):
+        # Every sequence has a slot and the bytes hold the lock-step loop's cache (each sequence's
+        # max_new_tokens): nothing to page, nothing to wait for. The lock-step loop (as the
+        # continuous engine's) draws the same rollout, faster.
         rollout, stats = every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
         held = {"page_steps": stats["steps"] * pool * lay.shards, "pages_peak": jnp.int32(pool)}  # all reserved
         return rollout, {**stats, **held, "preemptions": jnp.int32(0), "recomputed_tokens": jnp.int32(0),
