@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,13 +111,21 @@ def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
     if lay.slots >= lay.sequences:
         return every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     loop, st = start_engine(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
+    st = drain_loop(loop, st, step=engine_step, running=_running, compact=compact)
+    return _rollout(st, ids_NP, mask_NP)
+
+
+def drain_loop(loop, st, *, step: Callable, running: Callable, compact: Callable):
+    """The engine's loop to its end: `step(loop, st)` while `running(loop, narrower, st)`, at each
+    width of `drain_widths` in turn, `compact(loop, st, width)` moving the sequences in flight into
+    the narrower slots between them (this engine's and the paged engine's)."""
     widths = drain_widths(loop.lay.slots)
     for i, width in enumerate(widths):
         if width < loop.lay.slots:
             loop, st = compact(loop, st, width)
         narrower = widths[i + 1] if i + 1 < len(widths) else 0
-        st = jax.lax.while_loop(functools.partial(_running, loop, narrower), functools.partial(engine_step, loop), st)
-    return _rollout(st, ids_NP, mask_NP)
+        st = jax.lax.while_loop(functools.partial(running, loop, narrower), functools.partial(step, loop), st)
+    return st
 
 
 DRAIN_HALVINGS, DRAIN_MIN_SLOTS = 1, 8
@@ -228,12 +237,15 @@ def draw_next(loop: EngineLoop, st: EngineState) -> tuple[jax.Array, jax.Array]:
     return tok_X.reshape(Z, J), logp_X.reshape(Z, J)
 
 
-def engine_step(loop: EngineLoop, st: EngineState) -> EngineState:
-    """One engine step: draw, record, decode the continuing slots, refill the free ones."""
-    config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
-    seq_ZJ, cache = st.seq, st.cache
+def draw_and_record(loop, st) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """Draw every occupied slot's next token and record it in its sequence's row -> (tokens
+    [Z, J], finished [Z, J] (a stop token, or max_new_tokens reached), the outputs tokens,
+    logprobs, lengths and truncated with the draws written). `st`: this engine's or the paged
+    engine's state (seq, cache.slot_t, the outputs)."""
+    config, Rb = loop.config, loop.lay.sequences
+    seq_ZJ, t_ZJ = st.seq, st.cache.slot_t
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
-    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t  # slot_t: the index of the token drawn now
+    active_ZJ = seq_ZJ >= 0
     tok_ZJ, logp_ZJ = draw_next(loop, st)
     at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)  # an empty slot's writes fall outside and are dropped
     tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
@@ -243,6 +255,15 @@ def engine_step(loop: EngineLoop, st: EngineState) -> EngineState:
     ended_ZJ = jnp.where(finished_ZJ, seq_ZJ, Rb)
     lengths = st.lengths.at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
     truncated = st.truncated.at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
+    return tok_ZJ, finished_ZJ, (tokens, logprobs, lengths, truncated)
+
+
+def engine_step(loop: EngineLoop, st: EngineState) -> EngineState:
+    """One engine step: draw, record, decode the continuing slots, refill the free ones."""
+    hold = loop.hold
+    seq_ZJ, cache = st.seq, st.cache
+    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t  # slot_t: the index of the token drawn now
+    tok_ZJ, finished_ZJ, (tokens, logprobs, lengths, truncated) = draw_and_record(loop, st)
 
     # Feed the continuing slots' tokens (the others feed into slot 0 of a block nobody reads).
     going_ZJ = active_ZJ & ~finished_ZJ

@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.continuous import draw_next, drain_widths, every_sequence_at_once, sequence_uniforms
+from grpo_jax.engine.continuous import draw_and_record, drain_loop, every_sequence_at_once, sequence_uniforms
 from grpo_jax.engine.draw import Rollout
 from grpo_jax.engine.pages import (PagedCache, copy_pages, create_cache, page_bytes, pages_needed, pop_pages,
                                    prompt_table, push_pages)
@@ -181,12 +181,7 @@ def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
         return rollout, {**stats, **held, "preemptions": jnp.int32(0), "recomputed_tokens": jnp.int32(0),
                          "pool_pages": jnp.int32(pool), "shards": jnp.int32(lay.shards)}
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
-    widths = drain_widths(loop.lay.slots)
-    for i, width in enumerate(widths):
-        if width < loop.lay.slots:
-            loop, st = compact_paged(loop, st, width)
-        narrower = widths[i + 1] if i + 1 < len(widths) else 0
-        st = jax.lax.while_loop(functools.partial(_running, loop, narrower), functools.partial(paged_step, loop), st)
+    st = drain_loop(loop, st, step=paged_step, running=_running, compact=compact_paged)
     return paged_rollout(st, ids_NP, mask_NP)
 
 
@@ -227,20 +222,12 @@ def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:
 def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     """One step: draw, record, free the finished sequences' pages, take pages (preempting when
     short), decode the continuing slots, admit waiting sequences."""
-    config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
+    hold, Rb = loop.hold, loop.lay.sequences
     seq_ZJ, cache = st.seq, st.cache
     Z, J = seq_ZJ.shape
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
     active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t
-    tok_ZJ, logp_ZJ = draw_next(loop, st)
-    at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)
-    tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
-    logprobs = st.logprobs.at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
-    stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
-    finished_ZJ = active_ZJ & (stopped_ZJ | (t_ZJ + 1 >= config.max_new_tokens))
-    ended_ZJ = jnp.where(finished_ZJ, seq_ZJ, Rb)
-    lengths = st.lengths.at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
-    truncated = st.truncated.at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
+    tok_ZJ, finished_ZJ, (tokens, logprobs, lengths, truncated) = draw_and_record(loop, st)
 
     cache = push_pages(cache, cache.held_pages() & finished_ZJ[..., None])
     going_ZJ = active_ZJ & ~finished_ZJ
