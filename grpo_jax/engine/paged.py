@@ -169,17 +169,14 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
     model = nnx.merge(graphdef, state)
     lay = engine_layout(ids_NP.shape[0], config, mesh)
-    Tp, _ = pages_needed(ids_NP.shape[1], config.max_new_tokens, config.page_size)
-    pool = pool_pages(model.config, model.dtype, config, prompt_slots=ids_NP.shape[1], prompts=lay.prompts,
-                      slots=lay.slots) - 1 - lay.prompts * Tp
     if lay.slots >= lay.sequences and lockstep_fits(model, config, prompt_slots=ids_NP.shape[1], lay=lay):
         # Every sequence has a slot and the bytes hold the lock-step loop's cache (each sequence's
         # max_new_tokens): nothing to page, nothing to wait for. The lock-step loop (as the
-        # continuous engine's) draws the same rollout, faster.
+        # continuous engine's) draws the same rollout, faster. It has no pages: pool_pages 0.
         rollout, stats = every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
-        held = {"page_steps": stats["steps"] * pool * lay.shards, "pages_peak": jnp.int32(pool)}  # all reserved
-        return rollout, {**stats, **held, "preemptions": jnp.int32(0), "recomputed_tokens": jnp.int32(0),
-                         "pool_pages": jnp.int32(pool), "shards": jnp.int32(lay.shards)}
+        none = {k: jnp.int32(0) for k in ("preemptions", "recomputed_tokens", "page_steps", "pages_peak",
+                                          "pool_pages")}
+        return rollout, {**stats, **none, "shards": jnp.int32(lay.shards)}
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
     st = drain_loop(loop, st, step=paged_step, running=_running, compact=compact_paged)
     return paged_rollout(st, ids_NP, mask_NP)

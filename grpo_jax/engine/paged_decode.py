@@ -41,6 +41,9 @@ def choose_attention(choice: str, cfg, dtype, page_size: int, mesh) -> str:
     on_tpu = mesh.devices.flat[0].platform == "tpu"
     if choice == "auto":
         return "pallas" if on_tpu and kernel_applies(cfg, dtype, page_size) else "gather"
+    if choice == "pallas" and not on_tpu:
+        raise ValueError(f"sampling.paged_attention=pallas runs JAX's TPU kernel, and the mesh's devices are "
+                         f"{mesh.devices.flat[0].platform}: use gather (or auto)")
     if choice == "pallas" and not kernel_applies(cfg, dtype, page_size):
         raise ValueError(f"sampling.paged_attention=pallas: the TPU kernel needs head_dim % 128 == 0, a tileable "
                          f"2 x num_kv_heads and page_size % 8 == 0 (head_dim {cfg.head_dim}, {cfg.num_kv_heads} "

@@ -115,12 +115,15 @@ def generate_with_stats(model: Transformer, prompts, config: SamplingConfig, rng
 
 def engine_metrics(stats: dict) -> dict[str, float]:
     """The run's `engine/*` metrics of one call's paged-engine counts: `engine/preemptions` and
-    `engine/pages_used_frac` (pool pages held, averaged over the loop's steps); {} for other engines."""
+    `engine/pages_used_frac` (pool pages held, averaged over the loop's steps; absent when the call
+    ran the lock-step loop, which has no pages); {} for other engines."""
     if "preemptions" not in stats:
         return {}
     s = {k: int(v) for k, v in jax.device_get(stats).items()}
-    return {"engine/preemptions": float(s["preemptions"]),
-            "engine/pages_used_frac": s["page_steps"] / max(s["steps"] * s["pool_pages"] * s["shards"], 1)}
+    out = {"engine/preemptions": float(s["preemptions"])}
+    if s["pool_pages"]:
+        out["engine/pages_used_frac"] = s["page_steps"] / max(s["steps"] * s["pool_pages"] * s["shards"], 1)
+    return out
 
 
 def greedy_completions(model: Transformer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,

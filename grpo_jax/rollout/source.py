@@ -160,9 +160,10 @@ class SyncSampler(RolloutSource):
                                               self.sampling.pad_id)
         engine = {}
         if self._engine_rounds:
-            engine = {"engine/preemptions": sum(r["engine/preemptions"] for r in self._engine_rounds),
-                      "engine/pages_used_frac": float(np.mean([r["engine/pages_used_frac"]
-                                                               for r in self._engine_rounds]))}
+            engine = {"engine/preemptions": sum(r["engine/preemptions"] for r in self._engine_rounds)}
+            used = [r["engine/pages_used_frac"] for r in self._engine_rounds if "engine/pages_used_frac" in r]
+            if used:  # rounds on the lock-step loop have no pages
+                engine["engine/pages_used_frac"] = float(np.mean(used))
         return self._trajectories(c, prompt_ids, prompt_mask, engine)
 
     def _trajectories(self, c: Collected, prompt_ids, prompt_mask, extra: dict | None = None) -> Trajectories:

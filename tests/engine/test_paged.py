@@ -168,6 +168,8 @@ def test_prompt_pages_do_not_grow_with_the_group_and_a_cache_too_small_is_refuse
                                      kv_cache_bytes=byts))
         pools[G] = stats["pool_pages"]
     assert pools[1] == pools[8] == 2 * pages_needed(8, M, 4)[1]
+    with pytest.raises(ValueError, match="paged_attention=pallas runs JAX's TPU kernel"):
+        run(model, config(group_size=2, temperature=0.0, engine="paged", slots=4, page_size=8, paged_attention="pallas"))
     with pytest.raises(ValueError, match="raise it to at least"):
         run(model, config(group_size=2, temperature=0.0, engine="paged", slots=4, page_size=4,
                           kv_cache_bytes=cache_bytes(model, page_size=4, sequences=0.5)))

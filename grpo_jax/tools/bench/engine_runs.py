@@ -157,8 +157,10 @@ def _paged(w: Workload, slots: int, cache_bytes: int) -> Callable[[], EngineRun]
         st = {k: int(v) for k, v in stats.items()}
         paging = {"slots": slots, "page_size": config.page_size, "pool_pages": st["pool_pages"],
                   "preemptions": st["preemptions"], "recomputed_tokens": st["recomputed_tokens"],
-                  "pages_used_frac": round(st["page_steps"] / max(st["steps"] * st["pool_pages"] * st["shards"], 1), 4),
-                  "pages_peak_frac": round(st["pages_peak"] / max(st["pool_pages"], 1), 4)}
+                  # None: the call ran the lock-step loop, which has no pages.
+                  "pages_used_frac": (round(st["page_steps"] / (st["steps"] * st["pool_pages"] * st["shards"]), 4)
+                                      if st["pool_pages"] else None),
+                  "pages_peak_frac": round(st["pages_peak"] / st["pool_pages"], 4) if st["pool_pages"] else None}
         return EngineRun(lengths=np.asarray(rollout.lengths), truncated=np.asarray(rollout.truncated),
                          draw_steps=st["steps"], slot_steps=st["slot_steps"],
                          engine_useful_slot_steps=st["useful_slot_steps"], prefill_rows=st["prefill_rows"],
