@@ -146,9 +146,9 @@ class RunConfig:
         refused = []
         if self.algorithm != "grpo":
             refused.append(f"algorithm: {self.algorithm} (multi-turn runs use algorithm: grpo)")
-        if self.sampling.engine != "continuous":
-            refused.append(f"sampling.engine: {self.sampling.engine} (episodes run in the continuous engine's slots: "
-                           "set continuous)")
+        if self.sampling.engine == "static":
+            refused.append("sampling.engine: static (episodes run in the slots of the continuous or paged engine: "
+                           "set one of them)")
         if self.parallelism != "jit":
             refused.append("parallelism: pmap (use jit)")
         if self.train.dynamic_sampling:

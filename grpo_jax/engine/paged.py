@@ -145,11 +145,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, _ = model.prefill_kv(ids_NP, mask_NP)
     cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
                          max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
-    phases = max(1, min(config.attend_phases, cache.columns))
-    columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
-    decode = functools.partial(paged_decode_step, model, weights=model.layer_weights(), phase_columns=columns,
-                               impl=impl, mesh=mesh)
-    loop = PagedLoop(lay=lay, config=config, decode=decode, phase_columns=columns, mesh=mesh)
+    loop = paged_loop(model, config, mesh, lay, cache)
     hold = loop.hold
     rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
     counts = {k: jnp.int32(0) for k in STATS if k not in ("prefill_rows", "pool_pages", "shards")}
@@ -164,6 +160,17 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
                     lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
                     counts=counts)
     return loop, admit(loop, st)
+
+
+def paged_loop(model, config: SamplingConfig, mesh: Mesh, lay: EngineLayout, cache: PagedCache) -> PagedLoop:
+    """The loop's constants for `cache` (its layout says the attention: interleaved = the TPU
+    kernel, split = gather), also for a state started in an earlier call (episodes' segments)."""
+    phases = max(1, min(config.attend_phases, cache.columns))
+    columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
+    impl = "pallas" if len(cache.kv[0]) == 1 else "gather"
+    decode = functools.partial(paged_decode_step, model, weights=model.layer_weights(), phase_columns=columns,
+                               impl=impl, mesh=mesh)
+    return PagedLoop(lay=lay, config=config, decode=decode, phase_columns=columns, mesh=mesh)
 
 
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
@@ -220,41 +227,20 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     """One step: draw, record, free the finished sequences' pages, take pages (preempting when
     short), decode the continuing slots, admit waiting sequences."""
     hold, Rb = loop.hold, loop.lay.sequences
-    seq_ZJ, cache = st.seq, st.cache
-    Z, J = seq_ZJ.shape
-    z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
-    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t
+    seq_ZJ = st.seq
+    z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    active_ZJ, t_ZJ = seq_ZJ >= 0, st.cache.slot_t
     tok_ZJ, finished_ZJ, (tokens, logprobs, lengths, truncated) = draw_and_record(loop, st)
 
-    cache = push_pages(cache, cache.held_pages() & finished_ZJ[..., None])
+    cache = push_pages(st.cache, st.cache.held_pages() & finished_ZJ[..., None])
     going_ZJ = active_ZJ & ~finished_ZJ
-    pos_ZJ = cache.slot_len()
-    need_ZJ = going_ZJ & ((pos_ZJ % cache.page_size == 0) | (t_ZJ == 0))
-    preempted_ZJ = youngest_to_preempt(st.stamp, cache, going_ZJ, need_ZJ)
-    cache = push_pages(cache, cache.held_pages() & preempted_ZJ[..., None])
-    going_ZJ, need_ZJ = going_ZJ & ~preempted_ZJ, need_ZJ & ~preempted_ZJ
-    page_ZJ, cache = pop_pages(cache, need_ZJ)
-    col_ZJ = jnp.minimum(pos_ZJ // cache.page_size, cache.columns - 1)
-    old_ZJ = jnp.take_along_axis(cache.table, col_ZJ[..., None], axis=2)[..., 0]
-    cache = copy_pages(cache, old_ZJ, page_ZJ, need_ZJ & (t_ZJ == 0) & (pos_ZJ % cache.page_size != 0))
-    table = cache.table.at[z_Z1, jnp.arange(J)[None], jnp.where(need_ZJ, col_ZJ, cache.columns)].set(
-        page_ZJ, mode="drop")
-    write_ZJ = jnp.where(going_ZJ, jnp.where(need_ZJ, page_ZJ, old_ZJ), 0)
-    cache = cache.replace(table=table, slot_t=jnp.where(going_ZJ, t_ZJ, 0))
-    widest = -(-(jnp.max(jnp.where(going_ZJ, pos_ZJ, 0)) + 1) // cache.page_size)
-    phase = jnp.sum(jnp.asarray(loop.phase_columns) < widest, dtype=jnp.int32)
-    logits_ZJV, cache = loop.decode(tok_ZJ, cache, write_ZJ, phase=jnp.minimum(phase, len(loop.phase_columns) - 1))
+    cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, going_ZJ, going_ZJ)
+    going_ZJ = going_ZJ & ~preempted_ZJ
+    logits_ZJV, cache = feed(loop, tok_ZJ, cache, going_ZJ, write_ZJ)
     cache = cache.replace(slot_t=jnp.where(going_ZJ, cache.slot_t, 0))
 
     requeue_ZJ = jnp.where(preempted_ZJ, seq_ZJ, Rb)
-    c = st.counts
-    held = cache.pool - cache.nfree
-    counts = {**c, "steps": c["steps"] + 1, "slot_steps": c["slot_steps"] + active_ZJ.size,
-              "useful_slot_steps": c["useful_slot_steps"] + active_ZJ.sum(dtype=jnp.int32),
-              "preemptions": c["preemptions"] + preempted_ZJ.sum(dtype=jnp.int32),
-              "recomputed_tokens": c["recomputed_tokens"] + jnp.where(preempted_ZJ, t_ZJ + 1, 0).sum(dtype=jnp.int32),
-              "page_steps": c["page_steps"] + held.sum(dtype=jnp.int32),
-              "pages_peak": jnp.maximum(c["pages_peak"], held.max())}
+    counts = count_step(st.counts, cache, active_ZJ, active_ZJ, preempted_ZJ, t_ZJ + 1)
     st = st.replace(seq=hold(jnp.where(going_ZJ, seq_ZJ, -1)), cache=jax.tree.map(hold, cache),
                     pending=hold(st.pending.at[z_Z1, requeue_ZJ].set(True, mode="drop")),
                     logits=hold(logits_ZJV), done=st.done + finished_ZJ.sum(axis=1, dtype=jnp.int32),
@@ -263,9 +249,56 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     return admit(loop, st)
 
 
+def take_pages(stamp_ZJ, cache: PagedCache, candidates_ZJ, going_ZJ) -> tuple[PagedCache, jax.Array, jax.Array]:
+    """Pages for this step's writes: a page for every `going` slot whose next key starts a page (a
+    new sequence's first page a copy of its prompt's partial last page), preempting the youngest
+    of `candidates` (the slots whose pages may be taken back, `going` among them) when the pool is
+    short -> (the cache, int32 [Z, J] the page each slot writes to (0, the null page, for the
+    slots not going), bool [Z, J] the preempted slots, whose pages are back in the pool)."""
+    Z, J = going_ZJ.shape
+    t_ZJ, pos_ZJ = cache.slot_t, cache.slot_len()
+    need_ZJ = going_ZJ & ((pos_ZJ % cache.page_size == 0) | (t_ZJ == 0))
+    preempted_ZJ = youngest_to_preempt(stamp_ZJ, cache, candidates_ZJ, need_ZJ)
+    cache = push_pages(cache, cache.held_pages() & preempted_ZJ[..., None])
+    going_ZJ, need_ZJ = going_ZJ & ~preempted_ZJ, need_ZJ & ~preempted_ZJ
+    page_ZJ, cache = pop_pages(cache, need_ZJ)
+    col_ZJ = jnp.minimum(pos_ZJ // cache.page_size, cache.columns - 1)
+    old_ZJ = jnp.take_along_axis(cache.table, col_ZJ[..., None], axis=2)[..., 0]
+    cache = copy_pages(cache, old_ZJ, page_ZJ, need_ZJ & (t_ZJ == 0) & (pos_ZJ % cache.page_size != 0))
+    z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
+    table = cache.table.at[z_Z1, jnp.arange(J)[None], jnp.where(need_ZJ, col_ZJ, cache.columns)].set(
+        page_ZJ, mode="drop")
+    return cache.replace(table=table), jnp.where(going_ZJ, jnp.where(need_ZJ, page_ZJ, old_ZJ), 0), preempted_ZJ
+
+
+def feed(loop: PagedLoop, tok_ZJ, cache: PagedCache, going_ZJ, write_ZJ) -> tuple[jax.Array, PagedCache]:
+    """Decode the `going` slots' tokens into their pages (`write_ZJ`, from `take_pages`) ->
+    (logits [Z, J, V], the cache with slot_t + 1 where going, as it was elsewhere). The other
+    slots feed at their prompt's end into the null page; attention reads the phase of the longest
+    sequence going."""
+    t_ZJ = cache.slot_t
+    cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, 0))
+    widest = -(-(jnp.max(jnp.where(going_ZJ, cache.slot_len(), 0)) + 1) // cache.page_size)
+    phase = jnp.sum(jnp.asarray(loop.phase_columns) < widest, dtype=jnp.int32)
+    logits_ZJV, cache = loop.decode(tok_ZJ, cache, write_ZJ, phase=jnp.minimum(phase, len(loop.phase_columns) - 1))
+    return logits_ZJV, cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ + 1, t_ZJ))
+
+
+def count_step(c: dict, cache: PagedCache, active_ZJ, useful_ZJ, preempted_ZJ, lost_ZJ) -> dict:
+    """The stats after a step: `useful` slots drew a token; `lost`: tokens a preempted slot's
+    sequence will recompute."""
+    held = cache.pool - cache.nfree
+    return {**c, "steps": c["steps"] + 1, "slot_steps": c["slot_steps"] + active_ZJ.size,
+            "useful_slot_steps": c["useful_slot_steps"] + useful_ZJ.sum(dtype=jnp.int32),
+            "preemptions": c["preemptions"] + preempted_ZJ.sum(dtype=jnp.int32),
+            "recomputed_tokens": c["recomputed_tokens"] + jnp.where(preempted_ZJ, lost_ZJ, 0).sum(dtype=jnp.int32),
+            "page_steps": c["page_steps"] + held.sum(dtype=jnp.int32),
+            "pages_peak": jnp.maximum(c["pages_peak"], held.max())}
+
+
 def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ) -> jax.Array:
-    """bool [Z, J]: the fewest youngest running sequences whose pages (and whose own need) cover the
-    shard's shortfall of pages this step; none where the pool suffices."""
+    """bool [Z, J]: the fewest youngest of the `going_ZJ` sequences whose pages (and whose own
+    need) cover the shard's shortfall of pages this step; none where the pool suffices."""
     held_ZJ = jnp.where(going_ZJ, cache.held_pages().sum(axis=2, dtype=jnp.int32), 0)
     short_Z = need_ZJ.sum(axis=1, dtype=jnp.int32) - cache.nfree
     order_ZJ = jnp.argsort(jnp.where(going_ZJ, -stamp_ZJ, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
@@ -281,23 +314,30 @@ def admit(loop: PagedLoop, st: PagedState) -> PagedState:
     each admission (its first page at the next step) and one for each running sequence (at most
     what it takes in the next page_size steps): admission does not run the pool dry at once, so
     fewer sequences are preempted and recomputed than with a bare one-step reserve."""
-    hold, G, Rb = loop.hold, loop.config.group_size, loop.lay.sequences
-    cache = st.cache
+    hold, Rb = loop.hold, loop.lay.sequences
     Z, J = st.seq.shape
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
     running_ZJ = st.seq >= 0
-    allowed_Z = jnp.minimum(jnp.maximum(cache.nfree - running_ZJ.sum(axis=1), 0), st.pending.sum(axis=1))
+    allowed_Z = jnp.minimum(jnp.maximum(st.cache.nfree - running_ZJ.sum(axis=1), 0), st.pending.sum(axis=1))
     rank_ZJ = jnp.cumsum(~running_ZJ, axis=1, dtype=jnp.int32) - 1
     take_ZJ = ~running_ZJ & (rank_ZJ < allowed_Z[:, None])
     order_ZR = jnp.argsort(~st.pending, axis=1, stable=True)  # waiting rows first, in row order
     row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
-    seq_ZJ = jnp.where(take_ZJ, row_ZJ, st.seq)
-    prompt_ZJ = jnp.where(take_ZJ, row_ZJ // G, cache.slot_prompt)
+    st = seat(st, take_ZJ, row_ZJ, loop.config.group_size)
+    st = st.replace(pending=st.pending.at[z_Z1, jnp.where(take_ZJ, row_ZJ, Rb)].set(False, mode="drop"))
+    return st.replace(seq=hold(st.seq), stamp=hold(st.stamp), cache=jax.tree.map(hold, st.cache),
+                      pending=hold(st.pending), logits=hold(st.logits))
+
+
+def seat(st: PagedState, take_ZJ, row_ZJ, group_size: int) -> PagedState:
+    """Slots `take_ZJ` (empty) start sequence `row_ZJ` from its first token: its prompt's pages in
+    its table, its prompt's logits to draw from, a new (youngest) stamp."""
+    cache = st.cache
+    prompt_ZJ = jnp.where(take_ZJ, row_ZJ // group_size, cache.slot_prompt)
     table = jnp.where(take_ZJ[..., None], prompt_table(cache, prompt_ZJ), cache.table)
     cache = cache.replace(table=table, slot_prompt=prompt_ZJ, slot_t=jnp.where(take_ZJ, 0, cache.slot_t))
     first_ZJV = jax.vmap(lambda a, i: a[i])(st.prompt_logits, prompt_ZJ)
-    return st.replace(seq=hold(seq_ZJ), stamp=hold(jnp.where(take_ZJ, st.admissions[:, None] + rank_ZJ, st.stamp)),
-                      cache=jax.tree.map(hold, cache),
-                      pending=hold(st.pending.at[z_Z1, jnp.where(take_ZJ, row_ZJ, Rb)].set(False, mode="drop")),
-                      logits=hold(jnp.where(take_ZJ[..., None], first_ZJV, st.logits)),
+    stamp_ZJ = st.admissions[:, None] + jnp.cumsum(take_ZJ, axis=1, dtype=jnp.int32) - 1
+    return st.replace(seq=jnp.where(take_ZJ, row_ZJ, st.seq), stamp=jnp.where(take_ZJ, stamp_ZJ, st.stamp),
+                      cache=cache, logits=jnp.where(take_ZJ[..., None], first_ZJV, st.logits),
                       admissions=st.admissions + take_ZJ.sum(axis=1, dtype=jnp.int32))

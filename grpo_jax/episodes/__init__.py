@@ -1,7 +1,8 @@
-"""Multi-turn episodes over the continuous engine's slots: one episode on the host (`episode`: its
-environment's calls on their own threads, its limits), its messages as tokens that extend the
-trajectory (`transcript`), the engine programs that pause a slot at a turn's end and feed the
-environment's answer (`turns`), the host's side between segments (`host`) and the driver that runs
+"""Multi-turn episodes over the continuous or paged engine's slots: one episode on the host
+(`episode`: its environment's calls on their own threads, its limits), its messages as tokens that
+extend the trajectory (`transcript`), the engine programs that pause a slot at a turn's end and
+feed the environment's answer (`turns`; on pages, with preemption and replay: `paged_turns`), the
+host's side between segments (`host`) and the driver that runs
 a batch of episodes (`runner`). The environments themselves live in grpo_jax.env."""
 
 from grpo_jax.episodes.episode import EpisodeLimits

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from grpo_jax.episodes.turns import PAUSED, TurnState
+from grpo_jax.episodes.turns import PAUSED
 
 
 class Answers:
@@ -57,11 +57,12 @@ class EpisodeHost:
         self.parked, self.parked_t = {}, {}
         self.ready = [{} for _ in range(shards)]  # per shard: episode -> the tokens to feed on loading
 
-    def answer(self, ts: TurnState) -> Answers:
-        """What the engine is told after a segment (`turns.host_update`, `turns.move_slots`)."""
+    def answer(self, ts) -> Answers:
+        """What the engine is told after a segment (`turns.host_update`, `turns.move_slots`; `ts`
+        the continuous or the paged engine's turn state, read through its `host_view`)."""
         self.polls += 1
         st = ts.engine
-        seq, mode, t, nxt = (np.asarray(x) for x in (st.seq, ts.mode, st.cache.slot_t, st.admitted))
+        seq, mode, t, queued = (np.asarray(x) for x in ts.host_view())
         Z, J = seq.shape
         out = Answers(Z, J, self.U)
         out.ended[:] = self._poll_parked(Z)
@@ -73,7 +74,7 @@ class EpisodeHost:
             return tuple(trajectories)
 
         for z in range(Z):
-            waiting = int(nxt[z]) < self.Rb or bool(self.ready[z])
+            waiting = bool(queued[z]) or bool(self.ready[z])
             taken = {s for r, s in self.parked.items() if r // self.Rb == z}
             spots = [s for s in range(J) if s not in taken]
             for j in np.flatnonzero(seq[z] >= 0):

@@ -27,8 +27,9 @@ from grpo_jax.config import SamplingConfig
 from grpo_jax.episodes.episode import Episode, EpisodeLimits
 from grpo_jax.episodes.transcript import encode
 from grpo_jax.engine.draw import SampleRows
-from grpo_jax.engine.sampling import pad_prompts
+from grpo_jax.engine.sampling import engine_metrics, pad_prompts
 from grpo_jax.episodes.host import EpisodeHost
+from grpo_jax.episodes.paged_turns import paged_turn_programs
 from grpo_jax.episodes.turns import turn_programs
 from grpo_jax.runtime.sharding import mesh_or_one_device
 
@@ -47,6 +48,7 @@ class EpisodeBatch:
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
     parks: int = 0  # times an episode left its slot while its environment worked
+    engine: dict = dataclasses.field(default_factory=dict)  # the paged engine's counts (`engine.paged.STATS`)
 
     def rows(self, pad_id: int) -> SampleRows:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
@@ -72,7 +74,8 @@ class EpisodeBatch:
         """env/turns_mean, env/tool_calls_mean, env/errors (episodes), env/time_s (environment
         seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean,
         env/template_fallbacks (episodes), env/parks (episodes moved out of their slot while their
-        environment worked, counted per move)."""
+        environment worked, counted per move), and on the paged engine `engine/preemptions` and
+        `engine/pages_used_frac` (`engine.sampling.engine_metrics`)."""
         eps = self.episodes
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
                 "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
@@ -83,7 +86,7 @@ class EpisodeBatch:
                 # Episodes whose chat template broke the extension property at some turn (the
                 # new messages were rendered alone: grpo_jax.episodes.transcript).
                 "env/template_fallbacks": float(sum(not ep.exact for ep in eps)),
-                "env/parks": float(self.parks)}
+                "env/parks": float(self.parks), **engine_metrics(self.engine)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +142,8 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     T, U = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    start, advance, update, move = turn_programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
+    programs = paged_turn_programs if config.engine == "paged" else turn_programs
+    start, advance, update, move = programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
     st = start(state, ids, mask, rng)
     shards = st.engine.seq.shape[0]
     host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park)
@@ -157,7 +161,10 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     for ep in episodes:
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
-    return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, parks=host.parks, **out)
+    engine = {}
+    if config.engine == "paged":
+        engine = {**st.engine.counts, "pool_pages": st.engine.cache.pool, "shards": shards}
+    return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, parks=host.parks, engine=engine, **out)
 
 
 def _open(episodes: list[Episode], G: int) -> list[list[int]]:

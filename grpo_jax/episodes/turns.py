@@ -69,6 +69,12 @@ class TurnState:
     env: jax.Array  # bool [Z, Rb, M]: the position holds an environment token (log-prob 0, no loss)
     park: Parking
 
+    def host_view(self) -> tuple:
+        """What the host reads after a segment (grpo_jax.episodes.host): per slot its episode (-1:
+        empty), mode and trajectory position, and per shard whether episodes wait for a slot."""
+        e = self.engine
+        return e.seq, self.mode, e.cache.slot_t, e.admitted < e.tokens.shape[1]
+
 
 def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh, capacity: int,
                 env_tokens: int) -> tuple:
@@ -89,18 +95,57 @@ def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 
 def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
     """One engine step of episodes: draw or force, record, end turns, feed, refill freed slots."""
+    hold = loop.hold
+    seq_ZJ, t_ZJ = ts.engine.seq, ts.engine.cache.slot_t
+    active_ZJ = seq_ZJ >= 0
+    tok_ZJ, emitting_ZJ, ended_ZJ, ts = emit_tokens(loop, budget, ts)
+    st = ts.engine
+
+    # Feed every emitted token (a turn's last one too); other slots write past their block (dropped).
+    feeding_ZJ = emitting_ZJ & ~ended_ZJ
+    cache = st.cache
+    capacity = cache.capacity
+    cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ, capacity))
+    phase = jnp.max(jnp.where(feeding_ZJ, t_ZJ, 0)) // loop.phase_size
+    logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
+    cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ + 1, t_ZJ))
+    logits_ZJV = jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)
+
+    st, fill_ZJ = refill(loop, st, seq_ZJ, cache, logits_ZJV, ended_ZJ)
+    reset_ZJ = fill_ZJ | ended_ZJ
+    st = st.replace(steps=st.steps + 1, useful=st.useful + emitting_ZJ.sum(dtype=jnp.int32),
+                    slot_steps=st.slot_steps + active_ZJ.size)
+    return ts.replace(engine=st, mode=hold(jnp.where(reset_ZJ, SAMPLING, ts.mode)),
+                      model_tokens=hold(jnp.where(reset_ZJ, 0, ts.model_tokens)),
+                      forced_n=hold(jnp.where(reset_ZJ, 0, ts.forced_n)),
+                      forced_i=hold(jnp.where(reset_ZJ, 0, ts.forced_i)), release=hold(ts.release & ~ended_ZJ))
+
+
+def emit_tokens(loop, budget: int, ts, replaying_ZJ=None) -> tuple:
+    """Every occupied slot's token this step: drawn (sampling), the next forced one (forcing), or,
+    for `replaying_ZJ` slots (the paged engine's recompute), the one its trajectory already holds.
+    Records the drawn and forced ones (tokens, log-probs (0 when forced), env, lengths), counts the
+    model's tokens and ends turns (a stop token or `budget` model tokens: paused) -> (tokens
+    [Z, J], emitting [Z, J] (drawn or forced), ended [Z, J] (the trajectory's capacity, or the
+    host released it), the state with outputs, env, mode, model_tokens and forced_i updated).
+    `ts`: this module's TurnState or the paged engine's (grpo_jax.episodes.paged_turns)."""
     config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
     st = ts.engine
-    seq_ZJ, cache, mode_ZJ = st.seq, st.cache, ts.mode
+    seq_ZJ, mode_ZJ, t_ZJ = st.seq, ts.mode, st.cache.slot_t
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
-    active_ZJ, t_ZJ = seq_ZJ >= 0, cache.slot_t
-    sampling_ZJ, forcing_ZJ = active_ZJ & (mode_ZJ == SAMPLING), active_ZJ & (mode_ZJ == FORCING)
+    active_ZJ = seq_ZJ >= 0
+    free_ZJ = active_ZJ if replaying_ZJ is None else active_ZJ & ~replaying_ZJ
+    sampling_ZJ, forcing_ZJ = free_ZJ & (mode_ZJ == SAMPLING), free_ZJ & (mode_ZJ == FORCING)
     drawn_ZJ, logp_ZJ = draw_next(loop, st)
     i_ZJ = jnp.minimum(ts.forced_i, ts.forced.shape[-1] - 1)
     tok_ZJ = jnp.where(forcing_ZJ, jnp.take_along_axis(ts.forced, i_ZJ[..., None], axis=2)[..., 0], drawn_ZJ)
+    if replaying_ZJ is not None:
+        at_ZJ = jnp.minimum(t_ZJ, st.tokens.shape[2] - 1)
+        recorded_ZJ = jax.vmap(lambda a, s, t: a[s, t])(st.tokens, jnp.maximum(seq_ZJ, 0), at_ZJ)
+        tok_ZJ = jnp.where(replaying_ZJ, recorded_ZJ, tok_ZJ)
     logp_ZJ = jnp.where(forcing_ZJ, 0.0, logp_ZJ)
     emitting_ZJ = sampling_ZJ | forcing_ZJ
-    at_ZJ = jnp.where(emitting_ZJ, seq_ZJ, Rb)  # writes of paused and empty slots are dropped
+    at_ZJ = jnp.where(emitting_ZJ, seq_ZJ, Rb)  # writes of paused, replaying and empty slots are dropped
     tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
     logprobs = st.logprobs.at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
     env = ts.env.at[z_Z1, at_ZJ, t_ZJ].set(forcing_ZJ, mode="drop")
@@ -114,25 +159,9 @@ def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
     truncated = st.truncated.at[z_Z1, jnp.where(full_ZJ, seq_ZJ, Rb)].set(True, mode="drop")
     forced_i_ZJ = ts.forced_i + forcing_ZJ
     mode_ZJ = jnp.where(turn_end_ZJ, PAUSED, jnp.where(forcing_ZJ & (forced_i_ZJ >= ts.forced_n), SAMPLING, mode_ZJ))
-
-    # Feed every emitted token (a turn's last one too); other slots write past their block (dropped).
-    feeding_ZJ = emitting_ZJ & ~ended_ZJ
-    capacity = cache.capacity
-    cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ, capacity))
-    phase = jnp.max(jnp.where(feeding_ZJ, t_ZJ, 0)) // loop.phase_size
-    logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
-    cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ + 1, t_ZJ))
-    logits_ZJV = jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)
-
-    st, fill_ZJ = refill(loop, st, seq_ZJ, cache, logits_ZJV, ended_ZJ)
-    reset_ZJ = fill_ZJ | ended_ZJ
-    st = st.replace(tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
-                    steps=st.steps + 1, useful=st.useful + emitting_ZJ.sum(dtype=jnp.int32),
-                    slot_steps=st.slot_steps + active_ZJ.size)
-    return ts.replace(engine=st, env=hold(env), mode=hold(jnp.where(reset_ZJ, SAMPLING, mode_ZJ)),
-                      model_tokens=hold(jnp.where(reset_ZJ, 0, model_tokens_ZJ)),
-                      forced_n=hold(jnp.where(reset_ZJ, 0, ts.forced_n)),
-                      forced_i=hold(jnp.where(reset_ZJ, 0, forced_i_ZJ)), release=hold(ts.release & ~ended_ZJ))
+    st = st.replace(tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated))
+    return tok_ZJ, emitting_ZJ, ended_ZJ, ts.replace(engine=st, env=hold(env), mode=mode_ZJ,
+                                                     model_tokens=model_tokens_ZJ, forced_i=forced_i_ZJ)
 
 
 def host_update(ts: TurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ) -> TurnState:

@@ -22,7 +22,7 @@ from grpo_jax.data.tokenizer import char_tokenizer
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.episodes.episode import EpisodeLimits
-from grpo_jax.episodes.runner import run_episodes
+from grpo_jax.episodes.runner import run_episodes, trajectory_capacity
 
 TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
@@ -168,6 +168,29 @@ def test_slow_environment_steps_overlap_with_decoding_and_free_their_slots(model
         np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
 
 
+def test_episodes_on_the_paged_engine_are_the_continuous_engines(model):
+    """On pages, a slow environment's episode parks (its pages go back) and replays its trajectory
+    when it returns, and a pool of about one trajectory preempts and replays others: the
+    trajectories, log-probs and transcripts are the continuous engine's, and the run counts it."""
+    from grpo_jax.engine.pages import page_bytes, pages_needed
+
+    cfg = model.config
+    Tp, most = pages_needed(40, trajectory_capacity(LIMITS), 8)
+    pool = (1 + len(EXAMPLES) * Tp + most) * page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, 4)
+    want = run(model, lambda: Scripted(delay_s=0.3))
+    parked = run(model, lambda: Scripted(delay_s=0.3), engine="paged", page_size=8, kv_cache_bytes=pool)
+    # Without parking the paused episodes keep their pages: the pool runs short.
+    kept = run(model, lambda: Scripted(delay_s=0.3), park=False, engine="paged", page_size=8, kv_cache_bytes=pool)
+    assert parked.parks >= 1 and kept.metrics()["engine/preemptions"] > 0, (parked.metrics(), kept.metrics())
+    assert 0 < parked.metrics()["engine/pages_used_frac"] <= 1
+    for got in (parked, kept):
+        for name in ("tokens", "lengths", "env"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+        assert [ep.transcript for ep in got.episodes] == [ep.transcript for ep in want.episodes]
+    assert "engine/preemptions" not in want.metrics()
+
+
 def test_padding_examples_play_no_episode(model):
     """Evaluation fills its last chunk with copies of a prompt: those episodes never open an
     environment and leave their slot at the host's first look (one segment), and the real ones are
@@ -194,17 +217,18 @@ def test_episodes_on_a_mesh_equal_one_device(model):
     examples = [*EXAMPLES, {"prompt": "Subtract 1 from 9."}]
     limits = EpisodeLimits(max_turns=2, max_env_tokens=40, max_model_tokens=16, timeout_s=10.0)
 
-    def go(m, mesh):
-        return run_episodes(m, examples, TOK, lambda: Scripted(delay_s=0.3), config(slots=4, max_new_tokens=16),
+    def go(m, mesh, **kw):
+        return run_episodes(m, examples, TOK, lambda: Scripted(delay_s=0.3), config(slots=4, max_new_tokens=16, **kw),
                             limits, jax.random.key(5), segment_steps=4, mesh=mesh)
 
     alone = go(model, None)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = Transformer(tiny("qwen3", vocab_size=len(TOK)), rngs=nnx.Rngs(0))
     place_model(sharded, mesh)
-    split = go(sharded, mesh)
-    assert split.parks > 0  # one slot per shard: a slow environment's episode makes way for its shard-mate
-    for name in ("tokens", "lengths", "env"):
-        np.testing.assert_array_equal(getattr(split, name), getattr(alone, name), err_msg=name)
-    np.testing.assert_allclose(split.logprobs, alone.logprobs, atol=1e-5)
-    assert [ep.transcript for ep in split.episodes] == [ep.transcript for ep in alone.episodes]
+    # The paged engine's too: each row shard its own pool, its own preempted and parked episodes.
+    for split in (go(sharded, mesh), go(sharded, mesh, engine="paged", page_size=8)):
+        assert split.parks > 0  # one slot per shard: a slow environment's episode makes way for its shard-mate
+        for name in ("tokens", "lengths", "env"):
+            np.testing.assert_array_equal(getattr(split, name), getattr(alone, name), err_msg=name)
+        np.testing.assert_allclose(split.logprobs, alone.logprobs, atol=1e-5)
+        assert [ep.transcript for ep in split.episodes] == [ep.transcript for ep in alone.episodes]

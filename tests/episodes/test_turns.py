@@ -2,7 +2,10 @@
 environment tokens fed through the decode steps between model turns, earlier turns never
 recomputed. The trajectory's sampled log-probs equal a teacher-forced pass over prompt and whole
 trajectory, environment positions are marked and carry log-prob 0, a turn cut at a tool call
-continues from the cut, and none of it depends on the number of slots or the host's timing."""
+continues from the cut, and none of it depends on the number of slots or the host's timing.
+On the paged engine (grpo_jax.episodes.paged_turns) the episodes are the continuous engine's,
+token for token, with a pool so short that episodes are preempted and replayed, paused ones too,
+and every page is back in the pool at the end."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from grpo_jax.config import SamplingConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import pad_prompts
+from grpo_jax.engine.pages import page_bytes, pages_needed
+from grpo_jax.episodes.paged_turns import paged_turn_programs
 from grpo_jax.episodes.turns import PAUSED, turn_programs
 from grpo_jax.runtime.sharding import one_device_mesh
 
@@ -29,19 +34,30 @@ def model():
     return Transformer(tiny("qwen3"), rngs=nnx.Rngs(0))
 
 
-def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int = 2):
+def pool_bytes(model, page_size: int, trajectories: float) -> int:
+    """A paged pool of the prompts' pages and `trajectories` whole trajectories' pages."""
+    cfg = model.config
+    Tp, most = pages_needed(8, CAPACITY, page_size)
+    pages = 1 + len(PROMPTS) * Tp + int(trajectories * most)
+    return pages * page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, 4)
+
+
+def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int = 2, stops=tuple(range(3, 60)),
+        **paged):
     """Episodes of `turns` model turns; with `cut_at`, a first turn longer than that is cut there
-    (as at a tool call's closing tag)."""
-    cfg = SamplingConfig(group_size=2, max_new_tokens=BUDGET, temperature=1.0, stop_token_ids=tuple(range(3, 60)),
-                         prompt_buckets=(8,), pad_token_id=0, engine="continuous", slots=slots)
+    (as at a tool call's closing tag). `paged`: page_size and kv_cache_bytes, on the paged engine."""
+    cfg = SamplingConfig(group_size=2, max_new_tokens=BUDGET, temperature=1.0, stop_token_ids=stops,
+                         prompt_buckets=(8,), pad_token_id=0, engine="paged" if paged else "continuous", slots=slots,
+                         **paged)
     graphdef, state = nnx.split(model)
-    start, advance, update, _ = turn_programs(graphdef, cfg, one_device_mesh(), CAPACITY, ENV_TOKENS)
+    programs = paged_turn_programs if paged else turn_programs
+    start, advance, update, _ = programs(graphdef, cfg, one_device_mesh(), CAPACITY, ENV_TOKENS)
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     st = start(state, ids, mask, jax.random.key(4))
     done_turns, turn_start = {}, {}
     while True:
         st = advance(state, st, segment)
-        seq, mode, t = (np.array(x)[0] for x in (st.engine.seq, st.mode, st.engine.cache.slot_t))
+        seq, mode, t = (np.array(x)[0] for x in st.host_view()[:3])
         if int(np.asarray(st.engine.done).min()) == len(PROMPTS) * 2:
             break
         J = seq.shape[0]
@@ -64,6 +80,10 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
         st = update(st, release, forced, n, rewind)
     out = {k: np.asarray(x)[0] for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs),
                                             ("env", st.env), ("lengths", st.engine.lengths))}
+    if paged:
+        cache = st.engine.cache
+        out["pages_back"] = int(cache.nfree[0]) == cache.pool
+        out["stats"] = {k: int(v) for k, v in st.engine.counts.items()}
     return out, ids, mask, done_turns
 
 
@@ -107,3 +127,27 @@ def test_a_turn_cut_at_a_tool_call_continues_from_the_cut(model):
     check_trajectories(model, out, ids, mask)
     cut = run(model, slots=3, segment=1, cut_at=2)[0]  # cut at other times: some turns had stopped
     np.testing.assert_array_equal(cut["lengths"], out["lengths"])
+
+
+def assert_same_episodes(got, want):
+    np.testing.assert_array_equal(got["lengths"], want["lengths"])
+    live = np.arange(CAPACITY)[None] < want["lengths"][:, None]
+    for key in ("tokens", "env"):
+        np.testing.assert_array_equal(np.where(live, got[key], 0), np.where(live, want[key], 0), err_msg=key)
+
+
+def test_episodes_on_pages_are_the_continuous_engines_with_preemption_and_cuts(model):
+    """A pool of one trajectory's pages for 3 slots (turns of up to 14 tokens: fewer stop tokens):
+    episodes are preempted and replayed from their recorded tokens; the trajectories are token for
+    token the continuous engine's, with turns cut too (a rewind gives back the pages above the
+    cut), and every page comes back."""
+    stops = tuple(range(3, 20))
+    for cut_at in (None, 2):
+        want = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops)[0]
+        out, ids, mask, done_turns = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops, page_size=4,
+                                         kv_cache_bytes=pool_bytes(model, 4, 1.0))
+        assert set(done_turns.values()) == {2}
+        assert out["stats"]["preemptions"] > 0 and out["stats"]["recomputed_tokens"] > 0, out["stats"]
+        assert out["pages_back"]
+        assert_same_episodes(out, want)
+        check_trajectories(model, out, ids, mask)

@@ -51,8 +51,9 @@ def episode_config(tmp_path_factory):
     # Turns end at a digit or <eos> (about 1 draw in 9 of the untrained model): most episodes reach
     # a second turn after the tool's answer.
     stops = [tok.convert_tokens_to_ids(c) for c in "0123456789"] + [tok.eos_token_id]
-    cfg["sampling"].update(group_size=4, max_new_tokens=16, prompt_buckets=[32], engine="continuous", slots=8,
-                           stop_token_ids=stops)
+    # The paged engine (its episodes are token for token the continuous engine's: tests/episodes).
+    cfg["sampling"].update(group_size=4, max_new_tokens=16, prompt_buckets=[32], engine="paged", page_size=8,
+                           slots=8, stop_token_ids=stops)
     cfg["sft"] = {"steps": 0}
     cfg["train"].update(steps=4, samples_every=1)
     cfg["eval"] = {"every": 0, "num_prompts": 4, "k": 2}
@@ -86,6 +87,7 @@ def test_grpo_trains_on_every_model_turn_and_no_environment_token(episode_run):
         assert m["health/sampler_train_logprob_diff"] < 1e-5
         assert np.isfinite(m["train/loss"]) and np.isfinite(m["kl/k3"])
         assert m["completion/len_max"] <= 16  # the model's tokens, not the trajectory's
+        assert m["engine/preemptions"] == 0 and 0 < m["engine/pages_used_frac"] < 1  # pages for what exists
     evals = [r for r in rows if "eval/accuracy" in r]
     assert evals and all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -121,7 +123,7 @@ def test_an_environment_the_run_cannot_use_is_refused_before_sampling(episode_co
     static["sampling"]["engine"] = "static"
     static["data"]["chat_template"] = "never"
     static["sampling"]["min_new_tokens"] = 2
-    with pytest.raises(ConfigError, match="continuous engine.*min_new_tokens.*chat_template: never"):
+    with pytest.raises(ConfigError, match="continuous or paged engine.*min_new_tokens.*chat_template: never"):
         load_config(write_config(tmp_path, static))
 
 

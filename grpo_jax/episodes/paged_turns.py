@@ -1,0 +1,237 @@
+"""Multi-turn episodes on the paged engine (`sampling.engine: paged`): the turns of
+grpo_jax.episodes.turns (sampling, forcing the environment's tokens, paused while the host works)
+in the paged engine's slots (grpo_jax.engine.paged), so an episode holds cache pages for the
+tokens its trajectory has, not for the trajectory's capacity.
+
+What differs from the continuous engine's episodes:
+- **Leaving a slot gives the pages back.** An episode leaves its slot when the pool runs short
+  (preempted, the youngest first, as the paged engine preempts sequences, paused episodes too: a
+  paused episode holds pages and waits for its environment) or when the host parks it (its
+  environment is slow and episodes wait for a slot). Its turn state (mode, the environment tokens
+  still to feed, its model-token count and trajectory position) is saved per episode (`Saved`)
+  and its pages go back to the pool, so the pool only ever holds pages of episodes in slots and
+  the oldest one in a slot always has room (the pool holds at least one whole trajectory).
+- **Returning replays.** A preempted episode waits to be admitted again; a parked one is loaded by
+  the host into a free slot. Either way it starts over from its prompt and feeds its recorded
+  trajectory, model and environment tokens alike, one per step (`replay_to`: no draw, nothing
+  recorded), then goes on in the mode it left in. Its tokens and log-probs are the ones recorded
+  before it left, so a rollout does not depend on the pool, the slots or the preemptions.
+- The host sees through the replay (`host_view`: the position it left at, the mode it will
+  resume in), so grpo_jax.episodes.host drives both engines the same way.
+
+Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Rb episodes per shard, U the
+most environment tokens one answer may have, M the trajectory capacity, Tb table columns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo_jax.config import SamplingConfig
+from grpo_jax.engine.pages import push_pages
+from grpo_jax.engine.paged import (PagedState, admit, count_step, feed, paged_loop, seat, start_paged,
+                                   take_pages)
+from grpo_jax.engine.state import engine_layout
+from grpo_jax.episodes.turns import FORCING, PAUSED, emit_tokens
+
+TURN = ("mode", "forced_n", "forced_i", "model_tokens")  # a slot's turn state, saved per episode
+
+
+@flax.struct.dataclass
+class Saved:
+    """Per episode, its turn state when it last left a slot (zeros: a new episode)."""
+
+    t: jax.Array  # int32 [Z, Rb]: its trajectory's tokens (what it replays on return)
+    mode: jax.Array  # int32 [Z, Rb]
+    forced: jax.Array  # int32 [Z, Rb, U]
+    forced_n: jax.Array  # int32 [Z, Rb]
+    forced_i: jax.Array  # int32 [Z, Rb]
+    model_tokens: jax.Array  # int32 [Z, Rb]
+
+
+@flax.struct.dataclass
+class PagedTurnState:
+    """The loop state of episodes on pages: the paged engine's (its M the trajectory capacity),
+    each slot's turn (as `turns.TurnState`), how far it replays, the saved turns and the spots."""
+
+    engine: PagedState
+    mode: jax.Array  # int32 [Z, J]: SAMPLING, FORCING or PAUSED (after the replay, if one runs)
+    forced: jax.Array  # int32 [Z, J, U]
+    forced_n: jax.Array  # int32 [Z, J]
+    forced_i: jax.Array  # int32 [Z, J]
+    model_tokens: jax.Array  # int32 [Z, J]
+    release: jax.Array  # bool [Z, J]
+    replay_to: jax.Array  # int32 [Z, J]: the slot feeds recorded tokens while slot_t < replay_to
+    env: jax.Array  # bool [Z, Rb, M]
+    saved: Saved
+    spots: jax.Array  # int32 [Z, J]: the episode the host parked at each spot, -1 = free
+
+    def position(self) -> jax.Array:
+        """int32 [Z, J]: each slot's trajectory tokens, replayed or not (the host's `t`)."""
+        return jnp.maximum(self.engine.cache.slot_t, self.replay_to)
+
+    def host_view(self) -> tuple:
+        """As `turns.TurnState.host_view`: a replaying slot shows where it left and the mode it resumes in."""
+        e = self.engine
+        return e.seq, self.mode, self.position(), jnp.any(e.pending, axis=1)
+
+
+def start_paged_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh, capacity: int,
+                      env_tokens: int) -> PagedTurnState:
+    """Prefill the prompts into pages and admit the first episodes (`start_paged` with a trajectory
+    of `capacity` tokens)."""
+    loop, st = start_paged(model, ids_NP, mask_NP, rng, config=dataclasses.replace(config, max_new_tokens=capacity),
+                           mesh=mesh)
+    Z, J = st.seq.shape
+    Rb = st.tokens.shape[1]
+    hold, zeros = loop.hold, functools.partial(jnp.zeros, dtype=jnp.int32)
+    saved = Saved(t=hold(zeros((Z, Rb))), mode=hold(zeros((Z, Rb))), forced=hold(zeros((Z, Rb, env_tokens))),
+                  forced_n=hold(zeros((Z, Rb))), forced_i=hold(zeros((Z, Rb))), model_tokens=hold(zeros((Z, Rb))))
+    return PagedTurnState(engine=st, mode=hold(zeros((Z, J))), forced=hold(zeros((Z, J, env_tokens))),
+                          forced_n=hold(zeros((Z, J))), forced_i=hold(zeros((Z, J))),
+                          model_tokens=hold(zeros((Z, J))), release=hold(jnp.zeros((Z, J), jnp.bool_)),
+                          replay_to=hold(zeros((Z, J))), env=hold(jnp.zeros(st.tokens.shape, jnp.bool_)),
+                          saved=saved, spots=hold(jnp.full((Z, J), -1, jnp.int32)))
+
+
+def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
+    """One step: replay, draw or force; record; end turns; free ended episodes' pages; take pages
+    (preempting the youngest, paused ones too, when short); feed; admit waiting episodes."""
+    hold, Rb = loop.hold, loop.lay.sequences
+    seq_ZJ, t_ZJ = ts.engine.seq, ts.engine.cache.slot_t
+    active_ZJ = seq_ZJ >= 0
+    replaying_ZJ = active_ZJ & (t_ZJ < ts.replay_to)
+    tok_ZJ, emitting_ZJ, ended_ZJ, ts = emit_tokens(loop, budget, ts, replaying_ZJ)
+    st = ts.engine
+
+    feeding_ZJ = (emitting_ZJ | replaying_ZJ) & ~ended_ZJ
+    cache = push_pages(st.cache, st.cache.held_pages() & ended_ZJ[..., None])
+    cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, active_ZJ & ~ended_ZJ, feeding_ZJ)
+    feeding_ZJ = feeding_ZJ & ~preempted_ZJ
+    logits_ZJV, cache = feed(loop, tok_ZJ, cache, feeding_ZJ, write_ZJ)
+    gone_ZJ = ended_ZJ | preempted_ZJ
+
+    # A preempted episode leaves as if its token were fed: it replays it on return.
+    position_ZJ = jnp.maximum(t_ZJ + emitting_ZJ, ts.replay_to)
+    saved = save(ts, preempted_ZJ, position_ZJ)
+    z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    counts = count_step(st.counts, cache, active_ZJ, emitting_ZJ, preempted_ZJ, position_ZJ)
+    st = st.replace(seq=hold(jnp.where(gone_ZJ, -1, seq_ZJ)), cache=jax.tree.map(hold, cache.replace(
+                        slot_t=jnp.where(gone_ZJ, 0, cache.slot_t))),
+                    pending=hold(st.pending.at[z_Z1, jnp.where(preempted_ZJ, seq_ZJ, Rb)].set(True, mode="drop")),
+                    logits=hold(jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)),
+                    done=st.done + ended_ZJ.sum(axis=1, dtype=jnp.int32), counts=counts)
+    before_ZJ = st.seq
+    st = admit(loop, st)
+    ts = ts.replace(engine=st, saved=saved, release=ts.release & ~ended_ZJ)
+    ts = restore(ts, (before_ZJ < 0) & (st.seq >= 0))
+    return ts.replace(env=hold(ts.env), saved=jax.tree.map(hold, ts.saved),
+                      **{k: hold(getattr(ts, k)) for k in (*TURN, "forced", "release", "replay_to")})
+
+
+def save(ts: PagedTurnState, leaving_ZJ, position_ZJ) -> Saved:
+    """The saved turns with those of the `leaving_ZJ` slots' episodes written (`position_ZJ`: the
+    trajectory tokens each one replays on return)."""
+    st, sv = ts.engine, ts.saved
+    z_Z1 = jnp.arange(st.seq.shape[0], dtype=jnp.int32)[:, None]
+    at_ZJ = jnp.where(leaving_ZJ, st.seq, sv.t.shape[1])
+
+    def put(dst, src):
+        return dst.at[z_Z1, at_ZJ].set(src, mode="drop")
+
+    return Saved(t=put(sv.t, position_ZJ), forced=put(sv.forced, ts.forced),
+                 **{k: put(getattr(sv, k), getattr(ts, k)) for k in TURN})
+
+
+def restore(ts: PagedTurnState, take_ZJ) -> PagedTurnState:
+    """Slots `take_ZJ` (just seated with their episode, `paged.seat`) take its saved turn: they
+    replay its trajectory, then go on in its mode."""
+    st, sv = ts.engine, ts.saved
+    row_ZJ = jnp.maximum(st.seq, 0)
+
+    def get(slot, per_episode):
+        got = jax.vmap(lambda a, i: a[i])(per_episode, row_ZJ)
+        return jnp.where(take_ZJ.reshape(take_ZJ.shape + (1,) * (got.ndim - 2)), got, slot)
+
+    return ts.replace(replay_to=get(ts.replay_to, sv.t), forced=get(ts.forced, sv.forced),
+                      release=ts.release & ~take_ZJ, **{k: get(getattr(ts, k), getattr(sv, k)) for k in TURN})
+
+
+def host_update_paged(ts: PagedTurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ) -> PagedTurnState:
+    """`turns.host_update` on pages: a rewind (a turn cut at the tool call's closing tag) also gives
+    back the pages above the cut and ends a replay there."""
+    st = ts.engine
+    cache = st.cache
+    position_ZJ = ts.position()
+    rewound_ZJ = rewind_ZJ >= 0
+    t_ZJ = jnp.where(rewound_ZJ, rewind_ZJ, position_ZJ)
+    held_ZJT = cache.held_pages()
+    cache = cache.replace(slot_t=jnp.minimum(cache.slot_t, t_ZJ))
+    drop_ZJT = held_ZJT & ~cache.held_pages()
+    cache = push_pages(cache, drop_ZJT)
+    cache = cache.replace(table=jnp.where(drop_ZJT, 0, cache.table))
+    inject_ZJ = forced_n_ZJ > 0
+    z_Z1 = jnp.arange(t_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    at_ZJ = jnp.where(rewound_ZJ, st.seq, st.tokens.shape[1])
+    st = st.replace(cache=cache, lengths=st.lengths.at[z_Z1, at_ZJ].set(t_ZJ, mode="drop"))
+    return ts.replace(engine=st, replay_to=jnp.minimum(ts.replay_to, t_ZJ),
+                      mode=jnp.where(inject_ZJ, FORCING, jnp.where(rewound_ZJ, PAUSED, ts.mode)),
+                      release=ts.release | release_ZJ, model_tokens=ts.model_tokens - (position_ZJ - t_ZJ),
+                      forced=jnp.where(inject_ZJ[..., None], forced_ZJU, ts.forced),
+                      forced_n=jnp.where(inject_ZJ, forced_n_ZJ, ts.forced_n),
+                      forced_i=jnp.where(inject_ZJ, 0, ts.forced_i))
+
+
+def move_paged(ts: PagedTurnState, park_to_ZJ, load_from_ZJ, ended_Z, *, group_size: int) -> PagedTurnState:
+    """`turns.move_slots` on pages: a parked episode saves its turn and gives its pages back (its
+    spot only names it); a loaded one is seated and replays its trajectory."""
+    st = ts.engine
+    Z, J = st.seq.shape
+    z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
+    parking_ZJ, loading_ZJ = park_to_ZJ >= 0, load_from_ZJ >= 0
+    saved = save(ts, parking_ZJ, ts.position())
+    cache = push_pages(st.cache, st.cache.held_pages() & parking_ZJ[..., None])
+    spots = ts.spots.at[z_Z1, jnp.where(parking_ZJ, park_to_ZJ, J)].set(st.seq, mode="drop")
+    row_ZJ = jnp.take_along_axis(spots, jnp.maximum(load_from_ZJ, 0), axis=1)
+    spots = spots.at[z_Z1, jnp.where(loading_ZJ, load_from_ZJ, J)].set(-1, mode="drop")
+    st = st.replace(seq=jnp.where(parking_ZJ, -1, st.seq), cache=cache.replace(
+        slot_t=jnp.where(parking_ZJ, 0, cache.slot_t)), done=st.done + ended_Z)
+    st = seat(st, loading_ZJ, row_ZJ, group_size)
+    return restore(ts.replace(engine=st, saved=saved, spots=spots), loading_ZJ)
+
+
+@functools.lru_cache(maxsize=16)
+def paged_turn_programs(graphdef, config: SamplingConfig, mesh: Mesh, capacity: int, env_tokens: int):
+    """`turns.turn_programs` for `sampling.engine: paged`: (start, advance, update, move), jitted."""
+    budget = config.max_new_tokens
+    big = dataclasses.replace(config, max_new_tokens=capacity)
+
+    def start(state, ids, mask, rng):
+        return start_paged_turns(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh,
+                                 capacity=capacity, env_tokens=env_tokens)
+
+    def advance(state, ts: PagedTurnState, steps):
+        e = ts.engine
+        lay = engine_layout(e.prompt_logits.shape[0] * e.prompt_logits.shape[1], big, mesh)
+        loop = paged_loop(nnx.merge(graphdef, state), big, mesh, lay, e.cache)
+        Rb, end = lay.sequences, e.counts["steps"] + steps
+
+        def going(s: PagedTurnState):
+            e = s.engine
+            busy = (e.seq >= 0) & ((s.mode != PAUSED) | (e.cache.slot_t < s.replay_to))
+            running = jnp.sum(e.seq >= 0, axis=1)
+            admissible = jnp.any(e.seq < 0, axis=1) & jnp.any(e.pending, axis=1) & (e.cache.nfree > running)
+            progress = jnp.any(busy) | jnp.any(admissible) | jnp.any(s.release)
+            return jnp.any(e.done < Rb) & (e.counts["steps"] < end) & progress
+        return jax.lax.while_loop(going, functools.partial(paged_turn_step, loop, budget), ts)
+
+    move = functools.partial(move_paged, group_size=config.group_size)
+    return (jax.jit(start), jax.jit(advance, donate_argnums=1), jax.jit(host_update_paged, donate_argnums=0),
+            jax.jit(move, donate_argnums=0))
