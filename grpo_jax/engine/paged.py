@@ -309,11 +309,12 @@ def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ) -> jax.A
     return going_ZJ & (rank_ZJ < k_Z[:, None])
 
 
-def admit(loop: PagedLoop, st: PagedState) -> PagedState:
+def admit(loop: PagedLoop, st: PagedState, later_ZR=None) -> PagedState:
     """Fill the free slots with waiting sequences, lowest row first, while the pool keeps a page for
     each admission (its first page at the next step) and one for each running sequence (at most
     what it takes in the next page_size steps): admission does not run the pool dry at once, so
-    fewer sequences are preempted and recomputed than with a bare one-step reserve."""
+    fewer sequences are preempted and recomputed than with a bare one-step reserve. `later_ZR`
+    (bool [Z, Rb]): waiting rows that go after the others (episodes waiting on their environment)."""
     hold, Rb = loop.hold, loop.lay.sequences
     Z, J = st.seq.shape
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
@@ -321,7 +322,8 @@ def admit(loop: PagedLoop, st: PagedState) -> PagedState:
     allowed_Z = jnp.minimum(jnp.maximum(st.cache.nfree - running_ZJ.sum(axis=1), 0), st.pending.sum(axis=1))
     rank_ZJ = jnp.cumsum(~running_ZJ, axis=1, dtype=jnp.int32) - 1
     take_ZJ = ~running_ZJ & (rank_ZJ < allowed_Z[:, None])
-    order_ZR = jnp.argsort(~st.pending, axis=1, stable=True)  # waiting rows first, in row order
+    rank_ZR = jnp.where(st.pending, 0 if later_ZR is None else later_ZR.astype(jnp.int32), 2)
+    order_ZR = jnp.argsort(rank_ZR, axis=1, stable=True)  # waiting rows first, in row order
     row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
     st = seat(st, take_ZJ, row_ZJ, loop.config.group_size)
     st = st.replace(pending=st.pending.at[z_Z1, jnp.where(take_ZJ, row_ZJ, Rb)].set(False, mode="drop"))

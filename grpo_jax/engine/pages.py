@@ -73,11 +73,15 @@ class PagedCache:
 
     def held_pages(self) -> jax.Array:
         """bool [Z, J, Tb]: the table entries that are the slot's own (private) pages."""
-        n_ZJ = self.slot_len() - self.slot_t
-        first = n_ZJ // self.page_size
-        last = (n_ZJ + self.slot_t - 1) // self.page_size
-        c = jnp.arange(self.columns)
-        return (c >= first[..., None]) & (c <= last[..., None]) & (self.slot_t[..., None] > 0)
+        return private_columns(self.slot_len() - self.slot_t, self.slot_t, self.page_size, self.columns)
+
+
+def private_columns(n_ZJ, t_ZJ, page_size: int, columns: int) -> jax.Array:
+    """bool [Z, J, Tb]: the table columns of a sequence's own pages, n prompt tokens and t fed
+    tokens: n//Sg .. (n+t-1)//Sg, none while t == 0."""
+    c = jnp.arange(columns)
+    first, last = n_ZJ // page_size, (n_ZJ + t_ZJ - 1) // page_size
+    return (c >= first[..., None]) & (c <= last[..., None]) & (t_ZJ[..., None] > 0)
 
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, itemsize: int) -> int:
@@ -154,13 +158,15 @@ def prompt_table(cache: PagedCache, prompt_ZJ: jax.Array) -> jax.Array:
     return jnp.where(c * cache.page_size < n_ZJ[..., None], ids, 0).astype(jnp.int32)
 
 
-def push_pages(cache: PagedCache, give_ZJT: jax.Array) -> PagedCache:
-    """Return the table entries marked in `give_ZJT` (bool [Z, J, Tb]) to the free stack."""
+def push_pages(cache: PagedCache, give_ZJT: jax.Array, table_ZJT: jax.Array | None = None) -> PagedCache:
+    """Return the entries marked in `give_ZJT` (bool [Z, J, Tb]) of the slots' table (or of
+    `table_ZJT`, e.g. parked episodes' tables) to the free stack."""
     Z = give_ZJT.shape[0]
     give = give_ZJT.reshape(Z, -1)
     at = cache.nfree[:, None] + jnp.cumsum(give, axis=1, dtype=jnp.int32) - 1
     at = jnp.where(give, at, cache.pages)  # the others fall outside and are dropped
-    free = jax.vmap(lambda f, i, p: f.at[i].set(p, mode="drop"))(cache.free, at, cache.table.reshape(Z, -1))
+    table = cache.table if table_ZJT is None else table_ZJT
+    free = jax.vmap(lambda f, i, p: f.at[i].set(p, mode="drop"))(cache.free, at, table.reshape(Z, -1))
     return cache.replace(free=free, nfree=cache.nfree + give.sum(axis=1, dtype=jnp.int32))
 
 

@@ -22,7 +22,7 @@ class Answers:
         self.release, self.forced = np.zeros((Z, J), bool), np.zeros((Z, J, U), np.int32)
         self.n, self.rewind = np.zeros((Z, J), np.int32), np.full((Z, J), -1, np.int32)
         self.park_to, self.load_from = np.full((Z, J), -1, np.int32), np.full((Z, J), -1, np.int32)
-        self.ended = np.zeros(Z, np.int32)
+        self.ended = np.zeros((Z, J), bool)  # parked episodes the host ended, by spot
 
     def feed(self, z: int, j: int, ids) -> None:
         self.forced[z, j, :len(ids)], self.n[z, j] = ids, len(ids)
@@ -65,7 +65,7 @@ class EpisodeHost:
         seq, mode, t, queued = (np.asarray(x) for x in ts.host_view())
         Z, J = seq.shape
         out = Answers(Z, J, self.U)
-        out.ended[:] = self._poll_parked(Z)
+        self._poll_parked(out.ended)
         trajectories = []
 
         def rows():  # the generated tokens and log-probs of every episode, read once per poll if needed
@@ -126,21 +126,19 @@ class EpisodeHost:
         else:
             self.calls[r], self.since[r] = call, self.polls
 
-    def _poll_parked(self, Z: int) -> np.ndarray:
-        """Answer the parked episodes whose environment is done -> per shard, how many of them
-        ended (their spots are free again; the others' tokens wait in `ready` for a slot)."""
-        ended = np.zeros(Z, np.int32)
+    def _poll_parked(self, ended: np.ndarray) -> None:
+        """Answer the parked episodes whose environment is done: those that ended are marked in
+        `ended` (bool [Z, J], by spot: free again), the others' tokens wait in `ready` for a slot."""
         for r in [r for r in self.parked if r in self.calls]:
             ep = self.episodes[r]
             if not self.calls[r].ready(ep.limits.timeout_s):
                 continue
             fed = ep.respond(self.calls.pop(r))
             if fed is None:
-                del self.parked[r], self.parked_t[r]
-                ended[r // self.Rb] += 1
+                ended[r // self.Rb, self.parked.pop(r)] = True
+                del self.parked_t[r]
             else:
                 self.ready[r // self.Rb][r] = fed
-        return ended
 
     def waiting_on_environments(self) -> bool:
         return bool(self.calls)

@@ -4,18 +4,22 @@ in the paged engine's slots (grpo_jax.engine.paged), so an episode holds cache p
 tokens its trajectory has, not for the trajectory's capacity.
 
 What differs from the continuous engine's episodes:
-- **Leaving a slot gives the pages back.** An episode leaves its slot when the pool runs short
-  (preempted, the youngest first, as the paged engine preempts sequences, paused episodes too: a
-  paused episode holds pages and waits for its environment) or when the host parks it (its
-  environment is slow and episodes wait for a slot). Its turn state (mode, the environment tokens
-  still to feed, its model-token count and trajectory position) is saved per episode (`Saved`)
-  and its pages go back to the pool, so the pool only ever holds pages of episodes in slots and
-  the oldest one in a slot always has room (the pool holds at least one whole trajectory).
-- **Returning replays.** A preempted episode waits to be admitted again; a parked one is loaded by
-  the host into a free slot. Either way it starts over from its prompt and feeds its recorded
-  trajectory, model and environment tokens alike, one per step (`replay_to`: no draw, nothing
-  recorded), then goes on in the mode it left in. Its tokens and log-probs are the ones recorded
-  before it left, so a rollout does not depend on the pool, the slots or the preemptions.
+- **Parking costs no memory.** The host parks an episode whose environment is slow while others
+  wait for a slot: its turn state (mode, the environment tokens still to feed, its model-token
+  count, its trajectory position) is saved per episode (`Saved`) and its table row goes to the
+  spot (`spot_table`, `spot_t`); its pages stay where they are, so loading it back is a table-row
+  move, not a copy (the continuous engine keeps a second cache for its parking spots).
+- **Running short.** When a step needs more pages than are free, the parked episodes' pages go
+  back first (idle work, the fewest spots that cover the shortfall), then the youngest episodes in
+  slots are preempted, as the paged engine preempts sequences, paused ones too (a paused episode
+  holds pages while its environment works). A preempted episode saves its turn, gives its pages
+  back and waits to be admitted again. The pool can take back every page not in the oldest
+  episode's table and holds at least one whole trajectory, so the oldest always has room.
+- **Returning without pages replays.** A preempted episode, or a parked one whose pages were taken
+  back, starts over from its prompt and feeds its recorded trajectory, model and environment tokens
+  alike, one per step (`replay_to`: no draw, nothing recorded), then goes on in the mode it left
+  in. Its tokens and log-probs are the ones recorded before it left, so a rollout does not depend
+  on the pool, the slots, the parking or the preemptions.
 - The host sees through the replay (`host_view`: the position it left at, the mode it will
   resume in), so grpo_jax.episodes.host drives both engines the same way.
 
@@ -35,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.pages import push_pages
+from grpo_jax.engine.pages import private_columns, push_pages
 from grpo_jax.engine.paged import (PagedState, admit, count_step, feed, paged_loop, seat, start_paged,
                                    take_pages)
 from grpo_jax.engine.state import engine_layout
@@ -72,6 +76,8 @@ class PagedTurnState:
     env: jax.Array  # bool [Z, Rb, M]
     saved: Saved
     spots: jax.Array  # int32 [Z, J]: the episode the host parked at each spot, -1 = free
+    spot_table: jax.Array  # int32 [Z, J, Tb]: its table row when it left its slot
+    spot_t: jax.Array  # int32 [Z, J]: the fed tokens its pages hold (0: none, taken back or never)
 
     def position(self) -> jax.Array:
         """int32 [Z, J]: each slot's trajectory tokens, replayed or not (the host's `t`)."""
@@ -98,7 +104,8 @@ def start_paged_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
                           forced_n=hold(zeros((Z, J))), forced_i=hold(zeros((Z, J))),
                           model_tokens=hold(zeros((Z, J))), release=hold(jnp.zeros((Z, J), jnp.bool_)),
                           replay_to=hold(zeros((Z, J))), env=hold(jnp.zeros(st.tokens.shape, jnp.bool_)),
-                          saved=saved, spots=hold(jnp.full((Z, J), -1, jnp.int32)))
+                          saved=saved, spots=hold(jnp.full((Z, J), -1, jnp.int32)),
+                          spot_table=hold(jnp.zeros_like(st.cache.table)), spot_t=hold(zeros((Z, J))))
 
 
 def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
@@ -113,6 +120,7 @@ def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
 
     feeding_ZJ = (emitting_ZJ | replaying_ZJ) & ~ended_ZJ
     cache = push_pages(st.cache, st.cache.held_pages() & ended_ZJ[..., None])
+    cache, lost_ZJ, ts = reclaim_parked(ts, cache, feeding_ZJ, loop.config.group_size)
     cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, active_ZJ & ~ended_ZJ, feeding_ZJ)
     feeding_ZJ = feeding_ZJ & ~preempted_ZJ
     logits_ZJV, cache = feed(loop, tok_ZJ, cache, feeding_ZJ, write_ZJ)
@@ -123,17 +131,41 @@ def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
     saved = save(ts, preempted_ZJ, position_ZJ)
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
     counts = count_step(st.counts, cache, active_ZJ, emitting_ZJ, preempted_ZJ, position_ZJ)
+    counts = {**counts, "preemptions": counts["preemptions"] + (lost_ZJ > 0).sum(dtype=jnp.int32),
+              "recomputed_tokens": counts["recomputed_tokens"] + lost_ZJ.sum(dtype=jnp.int32)}
     st = st.replace(seq=hold(jnp.where(gone_ZJ, -1, seq_ZJ)), cache=jax.tree.map(hold, cache.replace(
                         slot_t=jnp.where(gone_ZJ, 0, cache.slot_t))),
                     pending=hold(st.pending.at[z_Z1, jnp.where(preempted_ZJ, seq_ZJ, Rb)].set(True, mode="drop")),
                     logits=hold(jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)),
                     done=st.done + ended_ZJ.sum(axis=1, dtype=jnp.int32), counts=counts)
     before_ZJ = st.seq
-    st = admit(loop, st)
+    st = admit(loop, st, later_ZR=(saved.mode == PAUSED) & (saved.t > 0))  # those that would only wait
     ts = ts.replace(engine=st, saved=saved, release=ts.release & ~ended_ZJ)
     ts = restore(ts, (before_ZJ < 0) & (st.seq >= 0))
     return ts.replace(env=hold(ts.env), saved=jax.tree.map(hold, ts.saved),
                       **{k: hold(getattr(ts, k)) for k in (*TURN, "forced", "release", "replay_to")})
+
+
+def spot_pages(ts: PagedTurnState, cache, group_size: int) -> jax.Array:
+    """bool [Z, J, Tb]: the entries of each spot's table that are its parked episode's own pages."""
+    prompt_ZJ = jnp.maximum(ts.spots, 0) // group_size
+    n_ZJ = jax.vmap(lambda n, i: n[i])(cache.prompt_len, prompt_ZJ)
+    return private_columns(n_ZJ, jnp.where(ts.spots >= 0, ts.spot_t, 0), cache.page_size, cache.columns)
+
+
+def reclaim_parked(ts: PagedTurnState, cache, feeding_ZJ, group_size: int) -> tuple:
+    """When this step needs more pages than are free, the parked episodes' pages go back first, the
+    fewest spots (in spot order) that cover the shortfall, or all of them -> (the cache, int32
+    [Z, J] the tokens each spot's episode now replays on return (0: not taken), the turn state
+    with those spots' pages gone)."""
+    pos_ZJ = cache.slot_len()
+    need_ZJ = feeding_ZJ & ((pos_ZJ % cache.page_size == 0) | (cache.slot_t == 0))
+    short_Z = need_ZJ.sum(axis=1, dtype=jnp.int32) - cache.nfree
+    held_ZJT = spot_pages(ts, cache, group_size)
+    gain_ZJ = held_ZJT.sum(axis=2, dtype=jnp.int32)
+    take_ZJ = (gain_ZJ > 0) & (jnp.cumsum(gain_ZJ, axis=1) - gain_ZJ < short_Z[:, None])
+    cache = push_pages(cache, held_ZJT & take_ZJ[..., None], ts.spot_table)
+    return cache, jnp.where(take_ZJ, ts.spot_t, 0), ts.replace(spot_t=jnp.where(take_ZJ, 0, ts.spot_t))
 
 
 def save(ts: PagedTurnState, leaving_ZJ, position_ZJ) -> Saved:
@@ -189,22 +221,40 @@ def host_update_paged(ts: PagedTurnState, release_ZJ, forced_ZJU, forced_n_ZJ, r
                       forced_i=jnp.where(inject_ZJ, 0, ts.forced_i))
 
 
-def move_paged(ts: PagedTurnState, park_to_ZJ, load_from_ZJ, ended_Z, *, group_size: int) -> PagedTurnState:
-    """`turns.move_slots` on pages: a parked episode saves its turn and gives its pages back (its
-    spot only names it); a loaded one is seated and replays its trajectory."""
+def move_paged(ts: PagedTurnState, park_to_ZJ, load_from_ZJ, ended_ZJ, *, group_size: int) -> PagedTurnState:
+    """`turns.move_slots` on pages: a parked episode saves its turn and leaves its table row at its
+    spot, its pages held; a loaded one takes the row back (and replays whatever its pages no longer
+    hold: all of it if the pool took them back). A parked episode the host ended (`ended_ZJ`, by
+    spot) gives its pages back. The host parks only paused episodes and feeds each loaded one the
+    environment's tokens at once, so no loaded slot draws from stale logits."""
     st = ts.engine
+    cache = st.cache
     Z, J = st.seq.shape
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
     parking_ZJ, loading_ZJ = park_to_ZJ >= 0, load_from_ZJ >= 0
-    saved = save(ts, parking_ZJ, ts.position())
-    cache = push_pages(st.cache, st.cache.held_pages() & parking_ZJ[..., None])
-    spots = ts.spots.at[z_Z1, jnp.where(parking_ZJ, park_to_ZJ, J)].set(st.seq, mode="drop")
-    row_ZJ = jnp.take_along_axis(spots, jnp.maximum(load_from_ZJ, 0), axis=1)
-    spots = spots.at[z_Z1, jnp.where(loading_ZJ, load_from_ZJ, J)].set(-1, mode="drop")
+    cache = push_pages(cache, spot_pages(ts, cache, group_size) & ended_ZJ[..., None], ts.spot_table)
+    spot_ZJ = jnp.where(parking_ZJ, park_to_ZJ, J)  # J: dropped
+
+    def park(spots, x):
+        return spots.at[z_Z1, spot_ZJ].set(x, mode="drop")
+
+    ts = ts.replace(saved=save(ts, parking_ZJ, ts.position()), spots=park(jnp.where(ended_ZJ, -1, ts.spots), st.seq),
+                    spot_table=park(ts.spot_table, cache.table), spot_t=park(jnp.where(ended_ZJ, 0, ts.spot_t), cache.slot_t))
+
+    def back(spots):  # what the spot each loading slot loads from holds
+        return jax.vmap(lambda a, i: a[i])(spots, jnp.maximum(load_from_ZJ, 0))
+
+    row_ZJ, table_ZJT, t_ZJ = back(ts.spots), back(ts.spot_table), back(ts.spot_t)
     st = st.replace(seq=jnp.where(parking_ZJ, -1, st.seq), cache=cache.replace(
-        slot_t=jnp.where(parking_ZJ, 0, cache.slot_t)), done=st.done + ended_Z)
+        slot_t=jnp.where(parking_ZJ, 0, cache.slot_t)), done=st.done + ended_ZJ.sum(axis=1, dtype=jnp.int32))
     st = seat(st, loading_ZJ, row_ZJ, group_size)
-    return restore(ts.replace(engine=st, saved=saved, spots=spots), loading_ZJ)
+    kept_ZJ = loading_ZJ & (t_ZJ > 0)  # its pages are still its own
+    c = st.cache
+    st = st.replace(cache=c.replace(table=jnp.where(kept_ZJ[..., None], table_ZJT, c.table),
+                                    slot_t=jnp.where(kept_ZJ, t_ZJ, c.slot_t)))
+    freed_ZJ = jnp.zeros((Z, J), jnp.bool_).at[z_Z1, jnp.where(loading_ZJ, load_from_ZJ, J)].set(True, mode="drop")
+    ts = ts.replace(engine=st, spots=jnp.where(freed_ZJ, -1, ts.spots), spot_t=jnp.where(freed_ZJ, 0, ts.spot_t))
+    return restore(ts, loading_ZJ)
 
 
 @functools.lru_cache(maxsize=16)

@@ -163,7 +163,9 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
             ep.done = ep.truncated = True
     engine = {}
     if config.engine == "paged":
-        engine = {**st.engine.counts, "pool_pages": st.engine.cache.pool, "shards": shards}
+        cache = st.engine.cache
+        engine = {**st.engine.counts, "pool_pages": cache.pool, "shards": shards,
+                  "pages_held_at_end": int((cache.pool - np.asarray(cache.nfree)).sum())}
     return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, parks=host.parks, engine=engine, **out)
 
 

@@ -186,13 +186,13 @@ def host_update(ts: TurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ) -
                       forced_i=jnp.where(inject_ZJ, 0, ts.forced_i))
 
 
-def move_slots(ts: TurnState, park_to_ZJ, load_from_ZJ, ended_Z) -> TurnState:
+def move_slots(ts: TurnState, park_to_ZJ, load_from_ZJ, ended_ZJ) -> TurnState:
     """Park and load, between segments: slot j with `park_to[j]` = p >= 0 moves its episode to
     parking spot p (its cache block, position, prompt and model-token count) and is left free for
     the next waiting episode; a free slot with `load_from[j]` = p >= 0 takes the episode parked at
     p, exactly as it left (the host then gives it the environment's tokens, `host_update`).
-    `ended_Z`: parked episodes the host ended without loading them (counted done). A spot is never
-    parked into and loaded from in one call."""
+    `ended_ZJ` (bool, by spot): parked episodes the host ended without loading them (counted
+    done). A spot is never parked into and loaded from in one call."""
     st, park = ts.engine, ts.park
     cache = st.cache
     Z, J = st.seq.shape
@@ -227,7 +227,7 @@ def move_slots(ts: TurnState, park_to_ZJ, load_from_ZJ, ended_Z) -> TurnState:
                           slot_t=jnp.where(loading_ZJ, back(parked.t), cache.slot_t),
                           slot_prompt=jnp.where(loading_ZJ, back(parked.prompt), cache.slot_prompt))
     seq_ZJ = jnp.where(loading_ZJ, back(parked.seq), jnp.where(parking_ZJ, -1, st.seq))
-    st = st.replace(cache=cache, seq=seq_ZJ, done=st.done + ended_Z)
+    st = st.replace(cache=cache, seq=seq_ZJ, done=st.done + ended_ZJ.sum(axis=1, dtype=jnp.int32))
     return ts.replace(engine=st, park=parked.replace(seq=jnp.where(freed_ZJ, -1, parked.seq)),
                       model_tokens=jnp.where(loading_ZJ, back(parked.model_tokens), ts.model_tokens),
                       mode=jnp.where(loading_ZJ | parking_ZJ, PAUSED, ts.mode))

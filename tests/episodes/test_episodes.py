@@ -169,9 +169,10 @@ def test_slow_environment_steps_overlap_with_decoding_and_free_their_slots(model
 
 
 def test_episodes_on_the_paged_engine_are_the_continuous_engines(model):
-    """On pages, a slow environment's episode parks (its pages go back) and replays its trajectory
-    when it returns, and a pool of about one trajectory preempts and replays others: the
-    trajectories, log-probs and transcripts are the continuous engine's, and the run counts it."""
+    """On pages, a slow environment's episode parks (its pages held at the spot, taken back when the
+    pool runs short: then it replays its trajectory on return), and a pool of about one trajectory
+    preempts and replays others: the trajectories, log-probs and transcripts are the continuous
+    engine's, the run counts it, and every page is back in the pool at the end."""
     from grpo_jax.engine.pages import page_bytes, pages_needed
 
     cfg = model.config
@@ -184,6 +185,7 @@ def test_episodes_on_the_paged_engine_are_the_continuous_engines(model):
     assert parked.parks >= 1 and kept.metrics()["engine/preemptions"] > 0, (parked.metrics(), kept.metrics())
     assert 0 < parked.metrics()["engine/pages_used_frac"] <= 1
     for got in (parked, kept):
+        assert got.engine["pages_held_at_end"] == 0
         for name in ("tokens", "lengths", "env"):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
