@@ -62,6 +62,7 @@ class PagedState:
     stamp: jax.Array  # int32 [Z, J]: when the slot's sequence was admitted (larger = younger)
     cache: PagedCache
     pending: jax.Array  # bool [Z, Rb]: waiting to be admitted (new, or preempted)
+    started: jax.Array  # bool [Z, Rb]: admitted at least once
     prompt_logits: jax.Array  # float32 [Z, Np, V]
     logits: jax.Array  # float32 [Z, J, V]: what each slot draws its next token from
     uniforms: jax.Array | None  # float32 [Z, Rb, M]; None at temperature 0
@@ -151,6 +152,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     counts = {k: jnp.int32(0) for k in STATS if k not in ("prefill_rows", "pool_pages", "shards")}
     st = PagedState(seq=hold(jnp.full((Z, J), -1, jnp.int32)), stamp=hold(jnp.zeros((Z, J), jnp.int32)),
                     cache=jax.tree.map(hold, cache), pending=hold(jnp.ones((Z, Rb), jnp.bool_)),
+                    started=hold(jnp.zeros((Z, Rb), jnp.bool_)),
                     prompt_logits=hold(last_NV.reshape(Z, Np, -1)),
                     logits=hold(jnp.zeros((Z, J, last_NV.shape[-1]), jnp.float32)),
                     uniforms=hold(sequence_uniforms(rng, rows_ZR, M)) if config.temperature > 0 else None,
@@ -326,9 +328,11 @@ def admit(loop: PagedLoop, st: PagedState, later_ZR=None) -> PagedState:
     order_ZR = jnp.argsort(rank_ZR, axis=1, stable=True)  # waiting rows first, in row order
     row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
     st = seat(st, take_ZJ, row_ZJ, loop.config.group_size)
-    st = st.replace(pending=st.pending.at[z_Z1, jnp.where(take_ZJ, row_ZJ, Rb)].set(False, mode="drop"))
+    at_ZJ = jnp.where(take_ZJ, row_ZJ, Rb)
+    st = st.replace(pending=st.pending.at[z_Z1, at_ZJ].set(False, mode="drop"),
+                    started=st.started.at[z_Z1, at_ZJ].set(True, mode="drop"))
     return st.replace(seq=hold(st.seq), stamp=hold(st.stamp), cache=jax.tree.map(hold, st.cache),
-                      pending=hold(st.pending), logits=hold(st.logits))
+                      pending=hold(st.pending), started=hold(st.started), logits=hold(st.logits))
 
 
 def seat(st: PagedState, take_ZJ, row_ZJ, group_size: int) -> PagedState:

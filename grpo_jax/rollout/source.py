@@ -136,12 +136,12 @@ class SyncSampler(RolloutSource):
         self.seed, self.rng = seed, jax.random.key(seed)
         self.shared_prompt, self.reward_control = shared_prompt, reward_control
         self.dynamic_sampling, self.max_resample_rounds = dynamic_sampling, max_resample_rounds
-        # Dynamic sampling with the continuous engine over-samples in one pass (`_stream`).
-        self.streaming = dynamic_sampling and self.sampling.engine == "continuous"
+        # Dynamic sampling with the continuous or paged engine over-samples in one pass (`_stream`).
+        self.streaming = dynamic_sampling and self.sampling.engine in ("continuous", "paged")
         self._engine_rounds: list[dict] = []
         if self.streaming and reward_control != "none":
             raise ValueError("reward_control: random compares equal batches across hosts round by round; it "
-                             "needs the static engine or train.dynamic_sampling off with sampling.engine continuous")
+                             "needs the static engine or train.dynamic_sampling off with sampling.engine continuous or paged")
 
     def sync(self, params: nnx.State) -> None:
         nnx.update(self.model, params)
@@ -197,7 +197,7 @@ class SyncSampler(RolloutSource):
         return pad_prompts(prompts, common_bucket(prompts, self.sampling.prompt_buckets), self.sampling.pad_id)
 
     def _stream(self, step: int) -> Collected:
-        """Over-sampling in one pass (`rollout.stream`): the continuous engine gets as many
+        """Over-sampling in one pass (`rollout.stream`): the continuous or paged engine gets as many
         candidate prompts as the resampling rounds could have drawn (1 + max_resample_rounds
         times the step's), and stops once every host has its informative groups."""
         G = self.sampling.group_size
@@ -216,7 +216,10 @@ class SyncSampler(RolloutSource):
             rows = SampleRows.concat([stream.group_rows(int(i)) for i in new])
             return self._score(step, 0, [examples[int(i)] for i in new], rows, sample_s=0.0)
 
-        return stream_collect(stream, score, num_groups=self.share.size, group_size=G, any_short=any_host)
+        collected = stream_collect(stream, score, num_groups=self.share.size, group_size=G, any_short=any_host)
+        if metrics := engine_metrics(stream.engine_stats):
+            self._engine_rounds.append(metrics)
+        return collected
 
     def _score(self, step: int, round_index: int, examples, rows: SampleRows, *, sample_s: float) -> Round:
         """Decode and score sampled groups of this host (`rows`: G rows per example)."""

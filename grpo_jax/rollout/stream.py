@@ -1,5 +1,5 @@
-"""The continuous engine driven from the host in segments, for over-sampling: DAPO's dynamic
-sampling in one pass instead of resampling rounds.
+"""The continuous (or paged) engine driven from the host in segments, for over-sampling: DAPO's
+dynamic sampling in one pass instead of resampling rounds.
 
 `EngineStream` prefills a step's candidate prompts once (more than the step needs), then runs the
 engine's loop `segment_steps` decode steps at a time (`advance`): the slots keep admitting the
@@ -8,8 +8,10 @@ candidates' sequences in order, and after each segment the host reads which grou
 stop as soon as it has enough informative groups. What is still in flight then is dropped: one
 pass, no second round trip, and candidates never admitted cost only their prefill.
 
-`oversample` is that caller for a training step (grpo_jax.rollout.source uses it when
-`sampling.engine: continuous` and `train.dynamic_sampling` are both set).
+`stream_collect` is that caller for a training step (grpo_jax.rollout.source uses it when
+`sampling.engine` is continuous or paged and `train.dynamic_sampling` is set). On the paged engine
+the candidates' sequences are admitted by free pages and may be preempted and recomputed, as in a
+whole call (grpo_jax.engine.paged); a group has finished when all G sequences have.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
 from grpo_jax.engine.continuous import engine_step, start_engine
-from grpo_jax.engine.state import EngineState, resume_loop
+from grpo_jax.engine.paged import paged_loop, paged_step, start_paged
+from grpo_jax.engine.state import engine_layout, resume_loop
 from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
 
 FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
@@ -38,27 +41,46 @@ FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
 
 @functools.lru_cache(maxsize=16)
 def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
-    """(start, advance, outputs), jitted: start(state, ids [N, P], mask, key) -> EngineState;
-    advance(state, EngineState, steps) -> the EngineState after up to `steps` more steps (fewer
+    """(start, advance, outputs), jitted: start(state, ids [N, P], mask, key) -> EngineState (the
+    paged engine's PagedState with `sampling.engine: paged`); advance(state, EngineState, steps) ->
+    the EngineState after up to `steps` more steps (fewer
     when every sequence is done); outputs(EngineState) -> tokens, logprobs [R, M], lengths,
     truncated, admitted [R] (rows split over the mesh's batch axes) and the useful slot-steps."""
 
+    paged = config.engine == "paged"
+
     def start(state, ids, mask, rng):
-        return start_engine(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh)[1]
+        begin = start_paged if paged else start_engine
+        return begin(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh)[1]
 
-    def advance(state, st: EngineState, steps):
-        loop = resume_loop(nnx.merge(graphdef, state), config, mesh, st)
-        end = st.steps + steps
-        return jax.lax.while_loop(lambda s: jnp.any(s.done < loop.lay.sequences) & (s.steps < end),
-                                  functools.partial(engine_step, loop), st)
+    def advance(state, st, steps):
+        model = nnx.merge(graphdef, state)
+        if paged:
+            e = st.prompt_logits
+            lay = engine_layout(e.shape[0] * e.shape[1], config, mesh)
+            loop, step = paged_loop(model, config, mesh, lay, st.cache), paged_step
 
-    def outputs(st: EngineState):
+            def steps_of(s):
+                return s.counts["steps"]
+        else:
+            loop, step = resume_loop(model, config, mesh, st), engine_step
+
+            def steps_of(s):
+                return s.steps
+        end = steps_of(st) + steps
+        return jax.lax.while_loop(lambda s: jnp.any(s.done < loop.lay.sequences) & (steps_of(s) < end),
+                                  functools.partial(step, loop), st)
+
+    def outputs(st):
         Z, Rb, M = st.tokens.shape
-        admitted_ZR = jnp.arange(Rb)[None] < st.admitted[:, None]  # the sequence has entered a slot
+        if paged:
+            admitted_ZR, useful = st.started, st.counts["useful_slot_steps"]
+        else:
+            admitted_ZR, useful = jnp.arange(Rb)[None] < st.admitted[:, None], st.useful  # has entered a slot
         rows = {"tokens": st.tokens.reshape(Z * Rb, M), "logprobs": st.logprobs.reshape(Z * Rb, M),
                 "lengths": st.lengths.reshape(Z * Rb), "truncated": st.truncated.reshape(Z * Rb),
                 "admitted": admitted_ZR.reshape(Z * Rb)}
-        return rows, st.useful
+        return rows, useful
 
     rows = {k: batch_sharding(mesh, 2 if k in ("tokens", "logprobs") else 1) for k in FIELDS}
     return (jax.jit(start, in_shardings=(None, batch_sharding(mesh, 2), batch_sharding(mesh, 2), None)),
@@ -66,7 +88,7 @@ def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
 
 
 class EngineStream:
-    """One step's candidates in the continuous engine, advanced a segment at a time from the host.
+    """One step's candidates in the continuous (or paged) engine, advanced a segment at a time from the host.
 
     `prompts`: (ids [N, P], mask [N, P]) as `generate` takes them (global arrays on several hosts);
     `read(rows) -> dict` turns the engine's outputs (a dict of `FIELDS`, rows split over the
@@ -121,6 +143,14 @@ class EngineStream:
         """Tokens drawn so far by the slots, finished groups or not: this host's share (the count
         covers every host's slots; with several hosts each reports an equal part of it)."""
         return float(self.counts[0]) / jax.process_count()
+
+    @property
+    def engine_stats(self) -> dict:
+        """The paged engine's counts so far (`engine.paged.STATS`, for `engine_metrics`); {} for the
+        continuous engine."""
+        if self.config.engine != "paged":
+            return {}
+        return {**self.st.counts, "pool_pages": self.st.cache.pool, "shards": self.st.seq.shape[0]}
 
     @property
     def admitted_groups(self) -> int:

@@ -111,9 +111,6 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
                      f"number of slots on each of the mesh's {shards} row shards")
     if not dynamic_sampling and sampling.segment_steps != SamplingConfig.segment_steps:
         notes.append("sampling.segment_steps is used by over-sampling only (train.dynamic_sampling)")
-    if dynamic_sampling and sampling.engine == "paged":
-        notes.append("train.dynamic_sampling with sampling.engine: paged resamples in whole rounds (over-sampling "
-                     "in one pass, sampling.segment_steps, runs in the continuous engine)")
     return notes
 
 

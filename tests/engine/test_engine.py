@@ -164,8 +164,7 @@ def test_a_run_says_which_engine_settings_it_does_not_use_as_written():
     assert "over-sampling only" in segments
     (pages,) = engine_notes(config(engine="continuous", slots=8, page_size=64), mesh, dynamic_sampling=False)
     assert "sampling.page_size not used: the continuous engine has no pages" in pages
-    (rounds,) = engine_notes(config(engine="paged", slots=8, page_size=64), mesh, dynamic_sampling=True)
-    assert "resamples in whole rounds" in rounds
+    assert engine_notes(config(engine="paged", slots=8, page_size=64), mesh, dynamic_sampling=True) == []
 
 
 def test_engine_settings_are_checked():
@@ -199,6 +198,16 @@ def fake_scores(informative: set[int], G: int):
     return score
 
 
+def pool_bytes(model, *, page_size: int, sequences: float) -> int:
+    """Paged-engine bytes for the prompt region of `PROMPTS` and `sequences` max-length sequences' pages."""
+    from grpo_jax.engine.pages import page_bytes, pages_needed
+
+    c = model.config
+    Tp, most = pages_needed(8, M, page_size)
+    pages = 1 + len(PROMPTS) * Tp + int(sequences * most)
+    return pages * page_bytes(c.num_layers, c.num_kv_heads, c.head_dim, page_size, 4)
+
+
 def stream_over(model, cfg, informative, num_groups, segment_steps=2):
     from grpo_jax.rollout.stream import EngineStream, stream_collect
 
@@ -208,10 +217,16 @@ def stream_over(model, cfg, informative, num_groups, segment_steps=2):
                                   group_size=cfg.group_size)
 
 
-def test_over_sampling_stops_at_the_informative_groups_it_needs_in_one_pass(model):
+@pytest.mark.parametrize("engine", ["continuous", "paged"])
+def test_over_sampling_stops_at_the_informative_groups_it_needs_in_one_pass(model, engine):
+    """The paged engine's with a pool of two sequences' pages for 5 slots: sequences wait for pages
+    and are preempted, and the chosen groups are still what the one-shot engine samples."""
     G = 4
-    cfg = config(group_size=G, temperature=1.0, stop_token_ids=tuple(range(3, 40)), engine="continuous", slots=5)
+    paged = {"page_size": 4, "kv_cache_bytes": pool_bytes(model, page_size=4, sequences=2)} if engine == "paged" else {}
+    cfg = config(group_size=G, temperature=1.0, stop_token_ids=tuple(range(3, 40)), engine=engine, slots=5, **paged)
     stream, c = stream_over(model, cfg, informative={1, 2, 5, 6, 7}, num_groups=3)
+    if engine == "paged":
+        assert stream.engine_stats["preemptions"] > 0
     chosen = [ex.index for ex in c.examples]
     assert len(chosen) == len(set(chosen)) == 3 and set(chosen) <= {1, 2, 5, 6, 7}  # no group twice
     assert not np.isnan(c.rewards).any()

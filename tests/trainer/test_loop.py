@@ -160,16 +160,17 @@ def test_dynamic_sampling_drops_uniform_groups_and_fills_without_gradient(tmp_pa
         assert m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
 
 
-def test_the_continuous_engine_over_samples_in_one_pass(tmp_path):
-    """Dynamic sampling with the continuous engine: one pass over 1 + max_resample_rounds times the
-    step's prompts as candidates. Every group is uniform here (as above), so the engine runs every
-    candidate to the end and the batch is all filler, without gradient."""
+@pytest.mark.parametrize("engine", ["continuous", "paged"])
+def test_the_continuous_engine_over_samples_in_one_pass(tmp_path, engine):
+    """Dynamic sampling with the continuous (or paged) engine: one pass over 1 + max_resample_rounds
+    times the step's prompts as candidates. Every group is uniform here (as above), so the engine
+    runs every candidate to the end and the batch is all filler, without gradient."""
     from grpo_jax.config import config_from_dict
     from grpo_jax.trainer.loop import train
 
     config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds"), "prompts_per_step": 8},
               "rewards": [{"name": "format"}], "sft": {"steps": 0},
-              "sampling": {**CONFIG["sampling"], "engine": "continuous", "slots": 16, "segment_steps": 2},
+              "sampling": {**CONFIG["sampling"], "engine": engine, "slots": 16, "segment_steps": 2},
               "train": {**CONFIG["train"], "steps": 1, "dynamic_sampling": True, "max_resample_rounds": 2,
                         "samples_every": 0},
               "eval": {"num_prompts": 8, "k": 8}, "checkpoint": {}}
@@ -180,6 +181,7 @@ def test_the_continuous_engine_over_samples_in_one_pass(tmp_path):
     assert m["dynamic/admitted_groups"] == m["dynamic/finished_groups"] == m["dynamic/dropped_groups"] == 24
     assert m["dynamic/kept_groups"] == 0 and m["dynamic/filled_groups"] == 8 and m["dynamic/in_flight_dropped"] == 0
     assert m["train/grad_norm"] == 0.0 and m["perf/sample_tokens"] > 0
+    assert ("engine/preemptions" in m) == (engine == "paged")
 
 
 def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, tmp_path, capsys):
