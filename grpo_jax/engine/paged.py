@@ -251,16 +251,18 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     return admit(loop, st)
 
 
-def take_pages(stamp_ZJ, cache: PagedCache, candidates_ZJ, going_ZJ) -> tuple[PagedCache, jax.Array, jax.Array]:
+def take_pages(stamp_ZJ, cache: PagedCache, candidates_ZJ, going_ZJ,
+               idle_ZJ=None) -> tuple[PagedCache, jax.Array, jax.Array]:
     """Pages for this step's writes: a page for every `going` slot whose next key starts a page (a
     new sequence's first page a copy of its prompt's partial last page), preempting the youngest
     of `candidates` (the slots whose pages may be taken back, `going` among them) when the pool is
-    short -> (the cache, int32 [Z, J] the page each slot writes to (0, the null page, for the
-    slots not going), bool [Z, J] the preempted slots, whose pages are back in the pool)."""
+    short (`idle_ZJ` among them first: episodes waiting on their environment) -> (the cache, int32
+    [Z, J] the page each slot writes to (0, the null page, for the slots not going), bool [Z, J]
+    the preempted slots, whose pages are back in the pool)."""
     Z, J = going_ZJ.shape
     t_ZJ, pos_ZJ = cache.slot_t, cache.slot_len()
     need_ZJ = going_ZJ & ((pos_ZJ % cache.page_size == 0) | (t_ZJ == 0))
-    preempted_ZJ = youngest_to_preempt(stamp_ZJ, cache, candidates_ZJ, need_ZJ)
+    preempted_ZJ = youngest_to_preempt(stamp_ZJ, cache, candidates_ZJ, need_ZJ, idle_ZJ)
     cache = push_pages(cache, cache.held_pages() & preempted_ZJ[..., None])
     going_ZJ, need_ZJ = going_ZJ & ~preempted_ZJ, need_ZJ & ~preempted_ZJ
     page_ZJ, cache = pop_pages(cache, need_ZJ)
@@ -298,12 +300,14 @@ def count_step(c: dict, cache: PagedCache, active_ZJ, useful_ZJ, preempted_ZJ, l
             "pages_peak": jnp.maximum(c["pages_peak"], held.max())}
 
 
-def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ) -> jax.Array:
-    """bool [Z, J]: the fewest youngest of the `going_ZJ` sequences whose pages (and whose own
-    need) cover the shard's shortfall of pages this step; none where the pool suffices."""
+def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ, idle_ZJ=None) -> jax.Array:
+    """bool [Z, J]: the fewest youngest of the `going_ZJ` sequences (the `idle_ZJ` ones before
+    the others) whose pages (and whose own need) cover the shard's shortfall of pages this step;
+    none where the pool suffices."""
     held_ZJ = jnp.where(going_ZJ, cache.held_pages().sum(axis=2, dtype=jnp.int32), 0)
     short_Z = need_ZJ.sum(axis=1, dtype=jnp.int32) - cache.nfree
-    order_ZJ = jnp.argsort(jnp.where(going_ZJ, -stamp_ZJ, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
+    key_ZJ = -stamp_ZJ if idle_ZJ is None else jnp.where(idle_ZJ, -stamp_ZJ - 2 ** 30, -stamp_ZJ)
+    order_ZJ = jnp.argsort(jnp.where(going_ZJ, key_ZJ, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
     gain_ZJ = jnp.take_along_axis(held_ZJ + need_ZJ.astype(jnp.int32), order_ZJ, axis=1)
     gain_ZJ = jnp.concatenate([jnp.zeros_like(gain_ZJ[:, :1]), jnp.cumsum(gain_ZJ, axis=1)], axis=1)
     k_Z = jnp.argmax(gain_ZJ >= short_Z[:, None], axis=1)  # 0 when nothing is short
@@ -311,21 +315,21 @@ def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ) -> jax.A
     return going_ZJ & (rank_ZJ < k_Z[:, None])
 
 
-def admit(loop: PagedLoop, st: PagedState, later_ZR=None) -> PagedState:
+def admit(loop: PagedLoop, st: PagedState, blocked_ZR=None) -> PagedState:
     """Fill the free slots with waiting sequences, lowest row first, while the pool keeps a page for
     each admission (its first page at the next step) and one for each running sequence (at most
     what it takes in the next page_size steps): admission does not run the pool dry at once, so
-    fewer sequences are preempted and recomputed than with a bare one-step reserve. `later_ZR`
-    (bool [Z, Rb]): waiting rows that go after the others (episodes waiting on their environment)."""
+    fewer sequences are preempted and recomputed than with a bare one-step reserve. `blocked_ZR`
+    (bool [Z, Rb]): waiting rows not admitted now (episodes waiting on their environment)."""
     hold, Rb = loop.hold, loop.lay.sequences
     Z, J = st.seq.shape
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
     running_ZJ = st.seq >= 0
-    allowed_Z = jnp.minimum(jnp.maximum(st.cache.nfree - running_ZJ.sum(axis=1), 0), st.pending.sum(axis=1))
+    ready_ZR = st.pending if blocked_ZR is None else st.pending & ~blocked_ZR
+    allowed_Z = jnp.minimum(jnp.maximum(st.cache.nfree - running_ZJ.sum(axis=1), 0), ready_ZR.sum(axis=1))
     rank_ZJ = jnp.cumsum(~running_ZJ, axis=1, dtype=jnp.int32) - 1
     take_ZJ = ~running_ZJ & (rank_ZJ < allowed_Z[:, None])
-    rank_ZR = jnp.where(st.pending, 0 if later_ZR is None else later_ZR.astype(jnp.int32), 2)
-    order_ZR = jnp.argsort(rank_ZR, axis=1, stable=True)  # waiting rows first, in row order
+    order_ZR = jnp.argsort(~ready_ZR, axis=1, stable=True)  # waiting rows first, in row order
     row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
     st = seat(st, take_ZJ, row_ZJ, loop.config.group_size)
     at_ZJ = jnp.where(take_ZJ, row_ZJ, Rb)

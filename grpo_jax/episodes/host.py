@@ -16,20 +16,32 @@ from grpo_jax.episodes.turns import PAUSED
 
 
 class Answers:
-    """The arrays of one poll: for `host_update` and for `move_slots`."""
+    """The arrays of one poll: for `host_update` and for `move_slots`. `Rb` > 0 (the paged
+    engine): also answers by episode, for episodes the engine preempted while their environment
+    worked (`paged_turns.host_update_paged`)."""
 
-    def __init__(self, Z: int, J: int, U: int):
+    def __init__(self, Z: int, J: int, U: int, Rb: int = 0):
         self.release, self.forced = np.zeros((Z, J), bool), np.zeros((Z, J, U), np.int32)
         self.n, self.rewind = np.zeros((Z, J), np.int32), np.full((Z, J), -1, np.int32)
         self.park_to, self.load_from = np.full((Z, J), -1, np.int32), np.full((Z, J), -1, np.int32)
         self.ended = np.zeros((Z, J), bool)  # parked episodes the host ended, by spot
+        self.by_episode = Rb > 0
+        self.ep_forced, self.ep_n = np.zeros((Z, Rb, U), np.int32), np.zeros((Z, Rb), np.int32)
+        self.ep_end, self.ep_rewind = np.zeros((Z, Rb), bool), np.full((Z, Rb), -1, np.int32)
 
     def feed(self, z: int, j: int, ids) -> None:
         self.forced[z, j, :len(ids)], self.n[z, j] = ids, len(ids)
 
+    def at_slot(self, z: int, j: int) -> Target:
+        return Target(self, z, j, by_episode=False)
+
+    def at_episode(self, z: int, i: int) -> Target:
+        return Target(self, z, i, by_episode=True)
+
     @property
     def update_args(self) -> tuple:
-        return self.release, self.forced, self.n, self.rewind
+        by_episode = (self.ep_forced, self.ep_n, self.ep_end, self.ep_rewind) if self.by_episode else ()
+        return self.release, self.forced, self.n, self.rewind, *by_episode
 
     @property
     def move_args(self) -> tuple | None:
@@ -39,20 +51,44 @@ class Answers:
     @property
     def quiet(self) -> bool:
         """Nothing for the engine: no slot released, fed, rewound or moved."""
-        return not (self.release.any() or (self.n > 0).any() or (self.rewind >= 0).any()) and self.move_args is None
+        return not (self.release.any() or (self.n > 0).any() or (self.rewind >= 0).any() or (self.ep_n > 0).any()
+                    or self.ep_end.any() or (self.ep_rewind >= 0).any()) and self.move_args is None
+
+
+class Target:
+    """Where one answer goes: a slot (z, j), or an episode (z, i) out of its slot (the paged engine)."""
+
+    def __init__(self, out: Answers, z: int, k: int, *, by_episode: bool):
+        self.out, self.z, self.k, self.by_episode = out, z, k, by_episode
+
+    def feed(self, ids) -> None:
+        if self.by_episode:
+            self.out.ep_forced[self.z, self.k, :len(ids)], self.out.ep_n[self.z, self.k] = ids, len(ids)
+        else:
+            self.out.feed(self.z, self.k, ids)
+
+    def release(self) -> None:
+        (self.out.ep_end if self.by_episode else self.out.release)[self.z, self.k] = True
+
+    def rewind(self, t: int) -> None:
+        (self.out.ep_rewind if self.by_episode else self.out.rewind)[self.z, self.k] = t
 
 
 class EpisodeHost:
     """Per episode: where its current turn starts, the environment call in flight and the poll it
     started at, and for a parked episode its spot, its position and its answer waiting for a slot.
     `park`: move an episode out of its slot when its environment is still working one poll after
-    its turn ended and other episodes of its shard wait for a slot."""
+    its turn ended and other episodes of its shard wait for a slot. `by_episode` (the paged
+    engine): an episode preempted while its environment worked is in no slot; its answer goes to
+    the engine by episode."""
 
-    def __init__(self, episodes, tokenizer, stop_ids, env_tokens: int, *, shards: int = 1, park: bool = True):
+    def __init__(self, episodes, tokenizer, stop_ids, env_tokens: int, *, shards: int = 1, park: bool = True,
+                 by_episode: bool = False):
         self.episodes, self.tokenizer, self.stop_ids, self.U = episodes, tokenizer, set(stop_ids), env_tokens
         self.Rb = len(episodes) // shards
         self.turn_start = [0] * len(episodes)
         self.calls, self.since = {}, {}
+        self.by_episode = by_episode
         self.park, self.parks, self.polls = park, 0, 0
         self.parked, self.parked_t = {}, {}
         self.ready = [{} for _ in range(shards)]  # per shard: episode -> the tokens to feed on loading
@@ -64,7 +100,7 @@ class EpisodeHost:
         st = ts.engine
         seq, mode, t, queued = (np.asarray(x) for x in ts.host_view())
         Z, J = seq.shape
-        out = Answers(Z, J, self.U)
+        out = Answers(Z, J, self.U, self.Rb if self.by_episode else 0)
         self._poll_parked(out.ended)
         trajectories = []
 
@@ -79,7 +115,7 @@ class EpisodeHost:
             spots = [s for s in range(J) if s not in taken]
             for j in np.flatnonzero(seq[z] >= 0):
                 r = z * self.Rb + int(seq[z, j])
-                self._slot(out, z, int(j), r, int(t[z, j]), bool(mode[z, j] == PAUSED), rows,
+                self._slot(out.at_slot(z, int(j)), r, int(t[z, j]), bool(mode[z, j] == PAUSED), rows,
                            spots if self.park and waiting else [])
             # Answered parked episodes go back into the free slots and those just vacated.
             for j in [*np.flatnonzero(seq[z] < 0), *np.flatnonzero(out.park_to[z] >= 0)]:
@@ -90,26 +126,29 @@ class EpisodeHost:
                 out.load_from[z, j] = self.parked.pop(r)
                 out.feed(z, j, fed)
                 self.turn_start[r] = self.parked_t.pop(r) + len(fed)
+        if self.by_episode:
+            self._preempted(out, ts, seq, rows)
         return out
 
-    def _slot(self, out: Answers, z: int, j: int, r: int, t: int, paused: bool, rows, spots: list) -> None:
-        """One occupied slot: its environment's answer, its turn's end, or (slow environment) its move."""
+    def _slot(self, to: Target, r: int, t: int, paused: bool, rows, spots: list) -> None:
+        """One episode in a slot (or out of one, `to`): its environment's answer, its turn's end, or
+        (slow environment, in a slot) its move to a parking spot."""
         ep = self.episodes[r]
         if r in self.calls:
             if not self.calls[r].ready(ep.limits.timeout_s):
                 if spots and self.since[r] < self.polls:
-                    out.park_to[z, j] = self.parked[r] = spots.pop(0)
+                    to.out.park_to[to.z, to.k] = self.parked[r] = spots.pop(0)
                     self.parked_t[r], self.parks = t, self.parks + 1
                 return
             fed = ep.respond(self.calls.pop(r))
             if fed is None:
-                out.release[z, j] = True
+                to.release()
             else:
-                out.feed(z, j, fed)
+                to.feed(fed)
                 self.turn_start[r] = t + len(fed)
             return
         if ep.error is not None:
-            out.release[z, j] = True
+            to.release()
             return
         tokens, logprobs = rows()
         end = self._turn_end(r, t, paused, tokens[r])
@@ -117,14 +156,24 @@ class EpisodeHost:
             return
         cut = end < t  # at the tool call's closing tag, not at a stop token
         if cut:
-            out.rewind[z, j] = end
+            to.rewind(end)
         turn = tokens[r, self.turn_start[r]:end]
         call = ep.add_turn(turn.tolist(), logprobs[r, self.turn_start[r]:end].tolist(),
                            stopped=not cut and bool(turn.size) and int(turn[-1]) in self.stop_ids)
         if call is None:
-            out.release[z, j] = True
+            to.release()
         else:
             self.calls[r], self.since[r] = call, self.polls
+
+    def _preempted(self, out: Answers, ts, seq: np.ndarray, rows) -> None:
+        """Episodes the paged engine preempted out of their slot, answered by episode as a slot
+        would be (their turn's end, the tool call's cut, the environment's answer)."""
+        ep_mode, ep_t, out_of_slot = (np.asarray(x) for x in ts.episode_view())
+        in_slots = {z * self.Rb + int(seq[z, j]) for z, j in zip(*np.nonzero(seq >= 0))}
+        for z, i in zip(*np.nonzero(out_of_slot)):
+            r = z * self.Rb + int(i)
+            if r not in in_slots and r not in self.parked and not self.episodes[r].done:
+                self._slot(out.at_episode(int(z), int(i)), r, int(ep_t[z, i]), bool(ep_mode[z, i] == PAUSED), rows, [])
 
     def _poll_parked(self, ended: np.ndarray) -> None:
         """Answer the parked episodes whose environment is done: those that ended are marked in

@@ -146,7 +146,8 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     start, advance, update, move = programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
     st = start(state, ids, mask, rng)
     shards = st.engine.seq.shape[0]
-    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park)
+    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park,
+                       by_episode=config.engine == "paged")
     while int(np.asarray(st.engine.done).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
         answers = host.answer(st)

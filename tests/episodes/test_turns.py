@@ -54,36 +54,48 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
     start, advance, update, _ = programs(graphdef, cfg, one_device_mesh(), CAPACITY, ENV_TOKENS)
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     st = start(state, ids, mask, jax.random.key(4))
-    done_turns, turn_start = {}, {}
+    done_turns, turn_start, off_slot = {}, {}, [0]
+    R = len(PROMPTS) * 2
     while True:
         st = advance(state, st, segment)
         seq, mode, t = (np.array(x)[0] for x in st.host_view()[:3])
-        if int(np.asarray(st.engine.done).min()) == len(PROMPTS) * 2:
+        if int(np.asarray(st.engine.done).min()) == R:
             break
         J = seq.shape[0]
-        release, forced = np.zeros((1, J), bool), np.zeros((1, J, ENV_TOKENS), np.int32)
-        n, rewind = np.zeros((1, J), np.int32), np.full((1, J), -1, np.int32)
-        for j in np.flatnonzero(seq >= 0):
-            r = int(seq[j])
+        # Per slot, and on pages per episode (those preempted out of their slot): release or end,
+        # forced tokens and their count, rewind.
+        slot = [np.zeros((1, J), bool), np.zeros((1, J, ENV_TOKENS), np.int32), np.zeros((1, J), np.int32),
+                np.full((1, J), -1, np.int32)]
+        episode = [np.zeros((1, R), bool), np.zeros((1, R, ENV_TOKENS), np.int32), np.zeros((1, R), np.int32),
+                   np.full((1, R), -1, np.int32)]
+        places = [(int(seq[j]), int(t[j]), mode[j], slot, j) for j in np.flatnonzero(seq >= 0)]
+        if paged:
+            ep_mode, ep_t, out_of_slot = (np.asarray(x)[0] for x in st.episode_view())
+            places += [(int(i), int(ep_t[i]), ep_mode[i], episode, i) for i in np.flatnonzero(out_of_slot)]
+        for r, t_r, mode_r, (release, forced, n, rewind), k in places:
             start_t = turn_start.setdefault(r, 0)
-            cut = cut_at is not None and done_turns.get(r, 0) == 0 and t[j] - start_t > cut_at
-            if mode[j] != PAUSED and not cut:
+            cut = cut_at is not None and done_turns.get(r, 0) == 0 and t_r - start_t > cut_at
+            if mode_r != PAUSED and not cut:
                 continue
+            off_slot[0] += rewind is episode[3]
             if cut:
-                rewind[0, j] = t[j] = start_t + cut_at
+                rewind[0, k] = t_r = start_t + cut_at
             done_turns[r] = done_turns.get(r, 0) + 1
             if done_turns[r] < turns:
-                forced[0, j, :len(FORCED)], n[0, j] = FORCED, len(FORCED)
-                turn_start[r] = int(t[j]) + len(FORCED)
+                forced[0, k, :len(FORCED)], n[0, k] = FORCED, len(FORCED)
+                turn_start[r] = t_r + len(FORCED)
             else:
-                release[0, j] = True
-        st = update(st, release, forced, n, rewind)
+                release[0, k] = True
+        release, forced, n, rewind = slot
+        ep_end, ep_forced, ep_n, ep_rewind = episode
+        st = update(st, release, forced, n, rewind, *((ep_forced, ep_n, ep_end, ep_rewind) if paged else ()))
     out = {k: np.asarray(x)[0] for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs),
                                             ("env", st.env), ("lengths", st.engine.lengths))}
     if paged:
         cache = st.engine.cache
         out["pages_back"] = int(cache.nfree[0]) == cache.pool
         out["stats"] = {k: int(v) for k, v in st.engine.counts.items()}
+        out["answered_out_of_slot"] = off_slot[0]
     return out, ids, mask, done_turns
 
 
@@ -140,7 +152,8 @@ def test_episodes_on_pages_are_the_continuous_engines_with_preemption_and_cuts(m
     """A pool of one trajectory's pages for 3 slots (turns of up to 14 tokens: fewer stop tokens):
     episodes are preempted and replayed from their recorded tokens; the trajectories are token for
     token the continuous engine's, with turns cut too (a rewind gives back the pages above the
-    cut), and every page comes back."""
+    cut), and every page comes back. An episode preempted while paused is answered out of its
+    slot (by episode) and admitted again only then."""
     stops = tuple(range(3, 20))
     for cut_at in (None, 2):
         want = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops)[0]
@@ -149,5 +162,7 @@ def test_episodes_on_pages_are_the_continuous_engines_with_preemption_and_cuts(m
         assert set(done_turns.values()) == {2}
         assert out["stats"]["preemptions"] > 0 and out["stats"]["recomputed_tokens"] > 0, out["stats"]
         assert out["pages_back"]
+        if cut_at is None:
+            assert out["answered_out_of_slot"] > 0
         assert_same_episodes(out, want)
         check_trajectories(model, out, ids, mask)
