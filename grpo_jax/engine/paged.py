@@ -135,6 +135,13 @@ def lockstep_fits(model, config: SamplingConfig, *, prompt_slots: int, lay: Engi
     return config.kv_cache_bytes >= per_token * (lay.prompts * prompt_slots + lay.sequences * fed)
 
 
+def resume_paged(model, config: SamplingConfig, mesh: Mesh, st: PagedState) -> PagedLoop:
+    """The loop's constants for a state started in an earlier call (`start_paged`), for a segment
+    of the loop run in its own call (over-sampling's stream, episodes)."""
+    lay = engine_layout(st.prompt_logits.shape[0] * st.prompt_logits.shape[1], config, mesh)
+    return paged_loop(model, config, mesh, lay, st.cache)
+
+
 def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh) -> tuple[PagedLoop, PagedState]:
     """Prefill the N prompts into the prompt region and admit each shard's first sequences."""
     M = config.max_new_tokens
@@ -166,7 +173,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 
 def paged_loop(model, config: SamplingConfig, mesh: Mesh, lay: EngineLayout, cache: PagedCache) -> PagedLoop:
     """The loop's constants for `cache` (its layout says the attention: interleaved = the TPU
-    kernel, split = gather), also for a state started in an earlier call (episodes' segments)."""
+    kernel, split = gather)."""
     phases = max(1, min(config.attend_phases, cache.columns))
     columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
     impl = "pallas" if len(cache.kv[0]) == 1 else "gather"
@@ -261,7 +268,7 @@ def take_pages(stamp_ZJ, cache: PagedCache, candidates_ZJ, going_ZJ,
     the preempted slots, whose pages are back in the pool)."""
     Z, J = going_ZJ.shape
     t_ZJ, pos_ZJ = cache.slot_t, cache.slot_len()
-    need_ZJ = going_ZJ & ((pos_ZJ % cache.page_size == 0) | (t_ZJ == 0))
+    need_ZJ = page_needs(cache, going_ZJ)
     preempted_ZJ = youngest_to_preempt(stamp_ZJ, cache, candidates_ZJ, need_ZJ, idle_ZJ)
     cache = push_pages(cache, cache.held_pages() & preempted_ZJ[..., None])
     going_ZJ, need_ZJ = going_ZJ & ~preempted_ZJ, need_ZJ & ~preempted_ZJ
@@ -273,6 +280,12 @@ def take_pages(stamp_ZJ, cache: PagedCache, candidates_ZJ, going_ZJ,
     table = cache.table.at[z_Z1, jnp.arange(J)[None], jnp.where(need_ZJ, col_ZJ, cache.columns)].set(
         page_ZJ, mode="drop")
     return cache.replace(table=table), jnp.where(going_ZJ, jnp.where(need_ZJ, page_ZJ, old_ZJ), 0), preempted_ZJ
+
+
+def page_needs(cache: PagedCache, going_ZJ) -> jax.Array:
+    """bool [Z, J]: the `going` slots whose next key starts a page (a sequence's first fed token
+    always: its first page is its own copy of the prompt's partial last page)."""
+    return going_ZJ & ((cache.slot_len() % cache.page_size == 0) | (cache.slot_t == 0))
 
 
 def feed(loop: PagedLoop, tok_ZJ, cache: PagedCache, going_ZJ, write_ZJ) -> tuple[jax.Array, PagedCache]:

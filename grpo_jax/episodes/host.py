@@ -127,7 +127,7 @@ class EpisodeHost:
                 out.feed(z, j, fed)
                 self.turn_start[r] = self.parked_t.pop(r) + len(fed)
         if self.by_episode:
-            self._preempted(out, ts, seq, rows)
+            self._preempted(out, ts, rows)
         return out
 
     def _slot(self, to: Target, r: int, t: int, paused: bool, rows, spots: list) -> None:
@@ -165,15 +165,14 @@ class EpisodeHost:
         else:
             self.calls[r], self.since[r] = call, self.polls
 
-    def _preempted(self, out: Answers, ts, seq: np.ndarray, rows) -> None:
-        """Episodes the paged engine preempted out of their slot, answered by episode as a slot
-        would be (their turn's end, the tool call's cut, the environment's answer)."""
+    def _preempted(self, out: Answers, ts, rows) -> None:
+        """Episodes the paged engine preempted out of their slot (waiting to be admitted again:
+        neither in a slot nor parked), answered by episode as a slot would be (their turn's end, the
+        tool call's cut, the environment's answer)."""
         ep_mode, ep_t, out_of_slot = (np.asarray(x) for x in ts.episode_view())
-        in_slots = {z * self.Rb + int(seq[z, j]) for z, j in zip(*np.nonzero(seq >= 0))}
         for z, i in zip(*np.nonzero(out_of_slot)):
             r = z * self.Rb + int(i)
-            if r not in in_slots and r not in self.parked and not self.episodes[r].done:
-                self._slot(out.at_episode(int(z), int(i)), r, int(ep_t[z, i]), bool(ep_mode[z, i] == PAUSED), rows, [])
+            self._slot(out.at_episode(int(z), int(i)), r, int(ep_t[z, i]), bool(ep_mode[z, i] == PAUSED), rows, [])
 
     def _poll_parked(self, ended: np.ndarray) -> None:
         """Answer the parked episodes whose environment is done: those that ended are marked in

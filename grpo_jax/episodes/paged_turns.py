@@ -15,8 +15,8 @@ What differs from the continuous engine's episodes:
   as the paged engine preempts sequences. A preempted episode saves its turn, gives its pages back
   and waits to be admitted again; one preempted while paused is admitted only once the host has
   answered it, by episode (`episode_view`, `host_update_paged`), so it does not come back only to
-  wait. (Preempting the youngest running ones first, with paused ones holding their pages, cost a
-  test workload 31 preemptions and 834 recomputed tokens for 189 sampled; paused first, 5 and 134.)
+  wait (preempting the youngest running ones first while paused ones kept their pages made a short
+  pool churn: the preempted episode came back as the youngest and was preempted again).
   The pool can take back every page not in the oldest running episode's table and holds at least
   one whole trajectory, so the oldest always has room.
 - **Returning without pages replays.** A preempted episode, or a parked one whose pages were taken
@@ -44,9 +44,8 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.pages import private_columns, push_pages
-from grpo_jax.engine.paged import (PagedState, admit, count_step, feed, paged_loop, seat, start_paged,
+from grpo_jax.engine.paged import (PagedState, admit, count_step, feed, page_needs, resume_paged, seat, start_paged,
                                    take_pages)
-from grpo_jax.engine.state import engine_layout
 from grpo_jax.episodes.turns import FORCING, PAUSED, emit_tokens
 
 TURN = ("mode", "forced_n", "forced_i", "model_tokens")  # a slot's turn state, saved per episode
@@ -90,7 +89,7 @@ class PagedTurnState:
     def blocked(self) -> jax.Array:
         """bool [Z, Rb]: episodes out of their slot that wait on their environment (preempted while
         paused): not admitted until the host answers them (by episode, `host_update_paged`)."""
-        return self.engine.pending & (self.saved.mode == PAUSED)
+        return blocked(self.engine.pending, self.saved)
 
     def host_view(self) -> tuple:
         """As `turns.TurnState.host_view`: a replaying slot shows where it left and the mode it resumes in."""
@@ -102,6 +101,11 @@ class PagedTurnState:
         mode, its trajectory position, and whether it is out of a slot after it started."""
         e = self.engine
         return self.saved.mode, self.saved.t, e.pending & e.started
+
+
+def blocked(pending_ZR, saved: Saved) -> jax.Array:
+    """`PagedTurnState.blocked` of these pending episodes and saved turns."""
+    return pending_ZR & (saved.mode == PAUSED)
 
 
 def start_paged_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh, capacity: int,
@@ -125,7 +129,8 @@ def start_paged_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
 
 def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
     """One step: replay, draw or force; record; end turns; free ended episodes' pages; take pages
-    (preempting the youngest, paused ones too, when short); feed; admit waiting episodes."""
+    (when short: parked episodes' pages, then paused episodes', then the youngest running ones');
+    feed; admit waiting episodes (not those waiting on their environment)."""
     hold, Rb = loop.hold, loop.lay.sequences
     seq_ZJ, t_ZJ = ts.engine.seq, ts.engine.cache.slot_t
     active_ZJ = seq_ZJ >= 0
@@ -155,7 +160,7 @@ def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
                     logits=hold(jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)),
                     done=st.done + ended_ZJ.sum(axis=1, dtype=jnp.int32), counts=counts)
     before_ZJ = st.seq
-    st = admit(loop, st, blocked_ZR=st.pending & (saved.mode == PAUSED))
+    st = admit(loop, st, blocked_ZR=blocked(st.pending, saved))
     ts = ts.replace(engine=st, saved=saved, release=ts.release & ~ended_ZJ)
     ts = restore(ts, (before_ZJ < 0) & (st.seq >= 0))
     return ts.replace(env=hold(ts.env), saved=jax.tree.map(hold, ts.saved),
@@ -174,9 +179,7 @@ def reclaim_parked(ts: PagedTurnState, cache, feeding_ZJ, group_size: int) -> tu
     fewest spots (in spot order) that cover the shortfall, or all of them -> (the cache, int32
     [Z, J] the tokens each spot's episode now replays on return (0: not taken), the turn state
     with those spots' pages gone)."""
-    pos_ZJ = cache.slot_len()
-    need_ZJ = feeding_ZJ & ((pos_ZJ % cache.page_size == 0) | (cache.slot_t == 0))
-    short_Z = need_ZJ.sum(axis=1, dtype=jnp.int32) - cache.nfree
+    short_Z = page_needs(cache, feeding_ZJ).sum(axis=1, dtype=jnp.int32) - cache.nfree
     held_ZJT = spot_pages(ts, cache, group_size)
     gain_ZJ = held_ZJT.sum(axis=2, dtype=jnp.int32)
     take_ZJ = (gain_ZJ > 0) & (jnp.cumsum(gain_ZJ, axis=1) - gain_ZJ < short_Z[:, None])
@@ -297,10 +300,8 @@ def paged_turn_programs(graphdef, config: SamplingConfig, mesh: Mesh, capacity: 
                                  capacity=capacity, env_tokens=env_tokens)
 
     def advance(state, ts: PagedTurnState, steps):
-        e = ts.engine
-        lay = engine_layout(e.prompt_logits.shape[0] * e.prompt_logits.shape[1], big, mesh)
-        loop = paged_loop(nnx.merge(graphdef, state), big, mesh, lay, e.cache)
-        Rb, end = lay.sequences, e.counts["steps"] + steps
+        loop = resume_paged(nnx.merge(graphdef, state), big, mesh, ts.engine)
+        Rb, end = loop.lay.sequences, ts.engine.counts["steps"] + steps
 
         def going(s: PagedTurnState):
             e = s.engine

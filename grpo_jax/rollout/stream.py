@@ -32,8 +32,8 @@ from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
 from grpo_jax.engine.continuous import engine_step, start_engine
-from grpo_jax.engine.paged import paged_loop, paged_step, start_paged
-from grpo_jax.engine.state import engine_layout, resume_loop
+from grpo_jax.engine.paged import paged_step, resume_paged, start_paged
+from grpo_jax.engine.state import resume_loop
 from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
 
 FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
@@ -56,9 +56,7 @@ def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
     def advance(state, st, steps):
         model = nnx.merge(graphdef, state)
         if paged:
-            e = st.prompt_logits
-            lay = engine_layout(e.shape[0] * e.shape[1], config, mesh)
-            loop, step = paged_loop(model, config, mesh, lay, st.cache), paged_step
+            loop, step = resume_paged(model, config, mesh, st), paged_step
 
             def steps_of(s):
                 return s.counts["steps"]
