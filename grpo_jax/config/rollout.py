@@ -36,12 +36,14 @@ class SamplingConfig:
     # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
     # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
     attend_phases: int = 4
-    # static: every row of a call decodes in lock-step until the longest is done. continuous: `slots`
-    # decode slots (0 = one per row), each refilled with the next waiting sequence as soon as its
-    # own stops (grpo_jax.engine.continuous). paged: `slots` decode slots over a pool of cache
-    # pages (grpo_jax.engine.paged): a sequence holds pages for the tokens it has, not for
-    # max_new_tokens, so the same cache bytes run more sequences at once.
-    engine: Engine = "static"
+    # paged (the default): `slots` decode slots (0 = one per row) over a pool of cache pages
+    # (grpo_jax.engine.paged): a sequence holds pages for the tokens it has, not for max_new_tokens,
+    # so the same cache bytes run more sequences at once; with a slot and max-length cache for every
+    # row (slots 0, kv_cache_bytes 0) it runs the lock-step loop. continuous: `slots` slots, each
+    # reserving max_new_tokens of cache and refilled with the next waiting sequence as soon as its own
+    # stops (grpo_jax.engine.continuous). static: every row of a call decodes in lock-step until the
+    # longest is done, one uniform per step for all rows (how runs before round 4 sampled).
+    engine: Engine = "paged"
     slots: int = 0
     # The paged engine's cache per row shard (data x fsdp), in bytes: every page, the prompts' and the
     # sequences'. 0 = what the continuous engine reserves (every slot can hold a max-length sequence).

@@ -97,6 +97,10 @@ def generate_with_stats(model: Transformer, prompts, config: SamplingConfig, rng
     """`generate`, and the engine's own counts (int32 scalars on device; {} for the static engine):
     steps, slot-steps, useful slot-steps, and for the paged engine its preemptions, recomputed
     tokens and pages held (`engine.paged.STATS`)."""
+    if not share_prefill and config.engine != "static":
+        raise ValueError(f"share_prefill=False is the static engine's reference path (every prompt repeated G times "
+                         f"before prefill); the {config.engine} engine always prefills each prompt once: pass a config "
+                         "with engine='static'")
     ids, mask = _prompt_arrays(prompts, config)
     graphdef, state = nnx.split(model)
     mesh = mesh_or_one_device(mesh, state)

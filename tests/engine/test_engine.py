@@ -37,7 +37,7 @@ def model():
 
 
 def config(**kw) -> SamplingConfig:
-    return SamplingConfig(**{"max_new_tokens": M, "prompt_buckets": (8,), "pad_token_id": 0, **kw})
+    return SamplingConfig(**{"max_new_tokens": M, "prompt_buckets": (8,), "pad_token_id": 0, "engine": "static", **kw})
 
 
 def arrays(rollout) -> dict[str, np.ndarray]:

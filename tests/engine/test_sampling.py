@@ -68,9 +68,13 @@ def test_logprobs_equal_teacher_forced_pass(models):
 
 def test_shared_prefill_equals_repeated_prompts(models):
     _, ours = models
-    cfg = SamplingConfig(group_size=4, max_new_tokens=12, temperature=1.0, top_k=20, prompt_buckets=(8,))
+    cfg = SamplingConfig(group_size=4, max_new_tokens=12, temperature=1.0, top_k=20, prompt_buckets=(8,),
+                         engine="static")
     shared = generate(ours, PROMPTS, cfg, jax.random.key(2))
     repeated = generate(ours, PROMPTS, cfg, jax.random.key(2), share_prefill=False)
+    with pytest.raises(ValueError, match="share_prefill=False is the static engine's reference path"):
+        generate(ours, PROMPTS, SamplingConfig(**{**cfg.__dict__, "engine": "paged"}), jax.random.key(2),
+                 share_prefill=False)
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(repeated.tokens))
     np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(repeated.mask))
     # fp32 in another summation order: the error grows with the value (1e-5 relative seen on one CPU)

@@ -144,8 +144,10 @@ def test_dynamic_sampling_drops_uniform_groups_and_fills_without_gradient(tmp_pa
     # Three-character completions never have the reasoning the format reward asks for: every group
     # is uniform (all 0), every round is dropped, the batch is all filler, and the update carries no
     # gradient. In pmap mode (8 local devices, one prompt each), so the trainer's pmap path runs
-    # end to end too (its update equals the jit mode's in tests/learner/test_parallel.py).
+    # end to end too (its update equals the jit mode's in tests/learner/test_parallel.py). The static
+    # engine resamples in rounds (the others over-sample in one pass: the test below).
     config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds"), "prompts_per_step": 8},
+              "sampling": {**CONFIG.get("sampling", {}), "engine": "static"},
               "rewards": [{"name": "format"}],
               "sft": {"steps": 0}, "parallelism": "pmap",
               "train": {**CONFIG["train"], "steps": 2, "dynamic_sampling": True, "max_resample_rounds": 2,

@@ -1,6 +1,6 @@
 """Multi-host training: two processes with 4 CPU devices each (jax.distributed on localhost, gloo
 collectives) end exactly where one process with 8 devices ends, on a (2, 2, 2) mesh, with the static
-sampler and with the continuous engine.
+sampler and with the paged engine (the default, its page loop: fewer slots than rows).
 
 Both runs are the demo config shortened to a 2-step warm start and 2 GRPO steps, each process in
 its own interpreter (tests/multihost_worker.py: its own device count), all started at once. On
@@ -36,12 +36,13 @@ WORKER = ROOT / "tests" / "multihost_worker.py"
 STEPS = 2
 PROMPTS = 32  # the demo's data.prompts_per_step
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
-# The continuous engine's 64 slots (16 per row shard) for the 256 rows of a step: refills happen.
-ENGINE = ["sampling.engine=continuous", "sampling.slots=64"]
+STATIC = ["sampling.engine=static"]
+# The paged engine's 64 slots (16 per row shard) for the 256 rows of a step: refills happen.
+ENGINE = ["sampling.engine=paged", "sampling.slots=64"]
 # name: (devices per process, processes, overrides)
 # The sampler on 4 of the devices (2 per process), the learner on the other 4, one step stale.
 SPLIT = ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "rollout.sampler_devices=4", "rollout.staleness=1"]
-RUNS = {"mesh": (8, 1, MESH), "multi": (4, 2, MESH), "cmesh": (8, 1, MESH + ENGINE), "cmulti": (4, 2, MESH + ENGINE),
+RUNS = {"mesh": (8, 1, MESH + STATIC), "multi": (4, 2, MESH + STATIC), "cmesh": (8, 1, MESH + ENGINE), "cmulti": (4, 2, MESH + ENGINE),
         "smesh": (8, 1, SPLIT), "smulti": (4, 2, SPLIT)}
 
 
@@ -158,7 +159,7 @@ def test_two_processes_end_with_the_parameters_of_one_process_on_eight_devices(r
     assert ref["metrics"][-1]["kl/k3"] > 0 and min(m["groups/frac_zero_std"] for m in ref["metrics"]) < 1
 
 
-def test_the_continuous_engine_on_two_processes_ends_where_one_process_ends(runs):
+def test_the_paged_engine_on_two_processes_ends_where_one_process_ends(runs):
     """Each host's engine fills its own slots from its own prompts; the finished groups are put
     together as the static engine's are, so two processes train exactly as one on eight devices."""
     p0, p1 = params(runs["cmulti"], "final"), params(runs["cmulti1"], "final")

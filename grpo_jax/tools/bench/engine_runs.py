@@ -3,7 +3,7 @@ prompts), each as a callable that runs the whole workload once and returns its `
 
 - `static_batched`: the static engine on `slots / G` prompts (`slots` rows) at a time, one batch
   after another: the most a chip holds when its KV-cache budget is that of `slots` rows;
-- `static_all`: the static engine on every row at once (the default engine of a run today);
+- `static_all`: the static engine on every row at once (the default engine before round 4);
 - `continuous`: the continuous engine with `slots` decode slots over all sequences;
 - `paged`: the paged engine with the continuous engine's cache bytes as its page pool and
   `paged_slots` decode slots (the pool, not the slots, bounds how many run at once).
