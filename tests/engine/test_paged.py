@@ -10,8 +10,9 @@ pages, preemption and recompute of the youngest when the pool runs short.
   pages disjoint and together the pool, every page back at the end;
 - prompt pages do not grow with G; a cache below one max-length sequence is refused;
 - the gather attention equals JAX's reference for the TPU kernel (ragged lengths, GQA, pages in
-  random order, sliding window, soft cap), and the TPU kernel compiles for a v5e slice in the
-  engine's decode step with libtpu.
+  random order, sliding window, soft cap) and the TPU kernel itself, run under shard_map by the TPU
+  interpreter on CPU (two mends to JAX 0.10.2's interpreter: tests/engine/pallas_interpret.py); the
+  TPU kernel compiles for a v5e slice in the engine's decode step with libtpu.
 """
 
 from __future__ import annotations
@@ -193,6 +194,40 @@ def test_gather_attention_equals_the_tpu_kernels_reference():
         got = gather_attention(q, split, jnp.asarray(table)[None], jnp.asarray(lengths)[None], window=window,
                                scale=0.25, cap=cap, dtype=jnp.float32)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
+def test_the_tpu_kernel_in_interpret_mode_equals_the_gather_path():
+    """`kernel_attention` (JAX's TPU kernel under shard_map, each of 2 row shards over its own pages) run
+    by the TPU interpreter on CPU equals `gather_attention` on the same pages: ragged lengths (1 to
+    a full table), GQA 2:1, page tables in random order, with and without a window and soft cap."""
+    from jax.experimental.pallas import tpu as pltpu
+    from pallas_interpret import mend_masked_stores, mend_reshaped_loads
+
+    from grpo_jax.config import MeshConfig
+    from grpo_jax.engine.paged_decode import kernel_attention
+    from grpo_jax.runtime.sharding import make_mesh
+
+    mend_reshaped_loads()
+    mend_masked_stores()
+    rng = np.random.default_rng(1)
+    Z, J, H, K, D, Sg, T, pages = 2, 3, 4, 2, 128, 8, 4, 16  # the kernel needs head_dim % 128, Sg % 8
+    lengths = np.array([[1, 17, 32], [9, 8, 25]], np.int32)
+    table = np.stack([rng.permutation(np.arange(1, pages))[:J * T].reshape(J, T) for _ in range(Z)]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(Z * J, H, D)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(Z, pages, Sg, 2 * K, D)), jnp.float32)  # interleaved: k0 v0 k1 v1
+    kv6 = kv.reshape(Z, pages, Sg, K, 2, D)
+    split = (kv6[..., 0, :].transpose(0, 1, 3, 4, 2), kv6[..., 1, :].transpose(0, 1, 3, 2, 4))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=1), jax.devices()[:2])
+    for window, cap in ((None, None), (6, 3.0)):
+        want = gather_attention(q, split, jnp.asarray(table), jnp.asarray(lengths), window=window, scale=D ** -0.5,
+                                cap=cap, dtype=jnp.float32)
+        with pltpu.force_tpu_interpret_mode():
+            got = kernel_attention(q, (kv,), jnp.asarray(table), jnp.asarray(lengths), window=window,
+                                   scale=D ** -0.5, cap=cap, mesh=mesh)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, err_msg=f"{window=} {cap=}")
+        # A table read in the wrong order is caught.
+        assert np.abs(np.asarray(gather_attention(q, split, jnp.asarray(table[..., ::-1]), jnp.asarray(lengths),
+                      window=window, scale=D ** -0.5, cap=cap, dtype=jnp.float32)) - np.asarray(got)).max() > 0.1
 
 
 @pytest.mark.slow
