@@ -2,7 +2,9 @@
 `rewards:`, `sampling:`, `grpo:`, `ppo:`, `distill:`, `lora:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
 `distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown
 key fails with the valid keys of its section and the nearest match;
-`--set section.key=value` overrides are parsed as YAML scalars and go through the same checks.
+`--set section.key=value` overrides are parsed as YAML scalars and go through the same checks
+(`section.key.a.b=value` sets a key inside a mapping setting). A key given twice in one mapping is
+refused (PyYAML would keep the last), and so is a file that is not UTF-8.
 Imports nothing of JAX, Flax, optax, orbax, transformers or TFDS."""
 
 from __future__ import annotations
@@ -41,6 +43,29 @@ _TOP_LEVEL = (*_SECTIONS, "rewards", *_SCALARS)
 
 class ConfigError(ValueError):
     """A configuration file or override that cannot become a RunConfig."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is refused: PyYAML keeps
+    the last silently, so a setting written twice would be half ignored."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} at line {key_node.start_mark.line + 1}: give each key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text -> Python values, duplicate keys refused; a ConfigError naming `where` otherwise."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
 
 
 def did_you_mean(name: object, options: Iterable[str]) -> str:
@@ -184,7 +209,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, sections: 
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
-        value = yaml.safe_load(text) if text else None
+        value = parse_yaml(text, f"--set {item!r}") if text else None
         parts = key.strip().split(".")
         if len(parts) == 1:
             if parts[0] not in top_level:
@@ -201,8 +226,31 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, sections: 
         else:
             if parts[0] not in sections:
                 raise unknown_key(parts[0], "the config's top level", top_level)
-            raise ConfigError(f"--set {key}: use section.key (one dot), e.g. train.steps=10")
+            _set_nested(raw, sections, parts, value, key)
     return raw
+
+
+def _set_nested(raw: dict[str, Any], sections: Mapping[str, type], parts: list[str], value: Any, key: str) -> None:
+    """`--set section.field.a.b=v`: into a mapping field (data.builder_kwargs, environment.kwargs, ...)."""
+    section, name, *path = parts
+    fields = {f.name: f for f in dataclasses.fields(sections[section]) if f.init}
+    if name not in fields:
+        raise unknown_key(name, section, fields)
+    if "Mapping" not in str(fields[name].type):
+        raise ConfigError(f"--set {key}: {section}.{name} is not a mapping setting; set it whole "
+                          f"({section}.{name}=...)")
+    raw[section] = dict(raw.get(section) or {})
+    node = raw[section]
+    for i, part in enumerate([name, *path[:-1]]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, Mapping):
+            raise ConfigError(f"--set {key}: {'.'.join([section, name, *path][:i + 2])} is {child!r}, not a mapping "
+                              "to set a key in")
+        node[part] = dict(child)
+        node = node[part]
+    node[path[-1]] = value
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
@@ -210,9 +258,11 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass a YAML file such as configs/demo_cpu.yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); save it "
+                          "as UTF-8") from None
+    raw = parse_yaml(text, str(path)) or {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path} must hold a mapping of sections (model:, data:, ...)")
     return dict(raw)

@@ -90,6 +90,34 @@ def test_missing_or_malformed_file(tmp_path):
         load_config(bad)
 
 
+def test_a_file_that_is_not_utf8_or_gives_a_key_twice_is_one_line_and_exit_2(tmp_path, capsys):
+    from grpo_jax import cli
+
+    cases = {"latin1.yaml": ("train:\n  steps: 3 # caf\xe9\n".encode("latin-1"), "is not UTF-8 text (byte 23: b'\\xe9'); save it as UTF-8"),
+             "twice.yaml": (b"train:\n  steps: 3\n  learning_rate: 0.1\n  steps: 4\n",
+                            "duplicate key 'steps' at line 4: give each key once")}
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        rc = cli.main(["train", "--config", str(tmp_path / name), "--output", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and err.count("\n") == 1, err
+    # The same key in two mappings is fine.
+    (tmp_path / "ok.yaml").write_text("train: {steps: 3}\nsft: {steps: 2}\n")
+    assert load_config(tmp_path / "ok.yaml").sft.steps == 2
+
+
+def test_set_reaches_nested_keys_of_mapping_settings(tmp_path):
+    config = load_config(write(tmp_path, {**BASE, "data": {"builder_kwargs": {"num_train": 50}}}),
+                         ["data.builder_kwargs.seed=3", "environment.name=calculator",
+                          "environment.kwargs.limits.digits=4"])
+    assert dict(config.data.builder_kwargs) == {"num_train": 50, "seed": 3}
+    assert config.environment.kwargs["limits"] == {"digits": 4}
+    with pytest.raises(ConfigError, match="did you mean 'builder_kwargs'"):
+        load_config(write(tmp_path, BASE), ["data.builder_kwarg.seed=3"])
+    with pytest.raises(ConfigError, match="data.builder_kwargs.seed is 3, not a mapping to set a key in"):
+        apply_overrides({"data": {"builder_kwargs": {"seed": 3}}}, ["data.builder_kwargs.seed.x=1"])
+
+
 def test_distributed_section(tmp_path):
     config = load_config(write(tmp_path, BASE), ["distributed.enabled=true", "distributed.num_processes=2",
                                                  "distributed.process_id=1",
@@ -197,6 +225,8 @@ def test_a_shared_prompt_pass_needs_micro_batches_of_whole_groups(tmp_path):
      "'require_reasoning'?)"),
     ("rewards=[{name: no_such_module_xyz:fn}]", "rewards[0].name: reward 'no_such_module_xyz:fn': importing "
      "'no_such_module_xyz' failed: ModuleNotFoundError"),
+    ("train.steps=[1,", "--set 'train.steps=[1,' is not valid YAML: while parsing a flow node"),
+    ("data.template.a=3", "--set data.template.a: data.template is not a mapping setting; set it whole"),
 ])
 def test_a_wrong_value_is_one_line_naming_its_key_before_anything_runs(tmp_path, capsys, override, message):
     from grpo_jax import cli
