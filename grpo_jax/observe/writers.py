@@ -252,7 +252,16 @@ class MetricsWriter(Closing):
         """Drop the records with `step > last_kept_step` from metrics.jsonl and samples.jsonl, and
         tell TensorBoard to discard its events past that step. Returns how many metric records
         were dropped. Use it when resuming from a checkpoint taken after `last_kept_step`."""
-        last_kept_step = _check_step(last_kept_step)
+        return self._keep_through(_check_step(last_kept_step))
+
+    def start_over(self) -> int:
+        """Drop every record (and TensorBoard's events): a run that starts from scratch in a
+        directory whose earlier attempt stopped before its first checkpoint logs its steps once."""
+        if not any(p.exists() and p.stat().st_size for p in (self._metrics_path, self._samples_path)):
+            return 0
+        return self._keep_through(-1)
+
+    def _keep_through(self, last_kept_step: int) -> int:
         dropped = 0
         for path in (self._metrics_path, self._samples_path):
             if path in self._files:

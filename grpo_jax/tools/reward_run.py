@@ -30,6 +30,7 @@ from grpo_jax.models.reward_model import save_reward_model
 from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.runtime.sharding import make_mesh, mesh_devices, on_mesh, round_to_row_shards
 from grpo_jax.tools.reward_training import Pairs, encode_pairs, evaluate_pairs, read_rows
+from grpo_jax.runtime.run_lock import RunLock
 from grpo_jax.trainer.checkpoint import Checkpointer, NothingRestores, first_restorable
 from grpo_jax.trainer.hooks import Hook, StepInfo
 from grpo_jax.trainer.loop import run_steps
@@ -154,19 +155,16 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
     """Train (see the module docstring); returns the last evaluation's metrics (or, when a stop
     signal ended the run, where to resume it)."""
     out, t = Path(output), config.train
-    checkpointer = Checkpointer(out / "checkpoints", keep=config.checkpoint.keep)
-    try:
+    with RunLock(out, log=log), Checkpointer(out / "checkpoints", keep=config.checkpoint.keep) as checkpointer:
         saved = checkpointer.all_steps()
         if saved and not t.resume:
             raise ConfigError(f"{out} already holds checkpoints (newest: step {saved[0]}); resume it "
                               "(train.resume: true) or choose another --output")
+        out.mkdir(parents=True, exist_ok=True)
         if not saved:  # a resumed run keeps the config.yaml it started with
             (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-        out.mkdir(parents=True, exist_ok=True)
         with StopSignals(log, every_minutes=config.checkpoint.every_minutes) as signals:
             return _train(checkpointer, saved, build_run(config, out, log), signals, log)
-    finally:
-        checkpointer.close()
 
 
 def _train(checkpointer: Checkpointer, saved: list[int], run: RMRun, signals: StopSignals, log) -> dict:

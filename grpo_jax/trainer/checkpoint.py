@@ -134,6 +134,12 @@ class Checkpointer:
         self._manager.wait_until_finished()
         self._manager.close()
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 @dataclasses.dataclass(frozen=True)
 class RunFiles:

@@ -26,20 +26,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import yaml
-
-from grpo_jax.config import ConfigError, RunConfig, config_to_dict
+from grpo_jax.config import ConfigError, RunConfig
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.rewards.watch import RewardWatch
 from grpo_jax.rollout.evaluation import evaluate_run
 from grpo_jax.learner.feed import StepSource
 from grpo_jax.runtime.hosts import any_host, is_primary
+from grpo_jax.runtime.run_lock import RunLock
 from grpo_jax.runtime.storage import RunDirectory
 from grpo_jax.trainer.checkpoint import Checkpointer, checkpoint_hook
 from grpo_jax.trainer.hooks import Hook, MetricHook, StepInfo
 from grpo_jax.trainer.preemption import StoppedBeforeStart, StopSignals, stop_report
-from grpo_jax.trainer.prepare import Prepared, model_json, prepare, write_model_files
+from grpo_jax.trainer.prepare import Prepared, model_json, open_run_dir, prepare
 from grpo_jax.trainer.resume import restore_state, resumable_steps
 from grpo_jax.trainer.setup import Built, build
 
@@ -88,44 +86,34 @@ class Trainer:
         self.state = None
 
     def run(self) -> dict:
-        cfg, candidates = self.config, []
+        cfg = self.config
         with self.signals:
             self.prepared = prepare(cfg)
             for note in self.prepared.notes:
                 self.log(note)
-            checkpointer = Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep)  # every process
-            try:
-                steps = checkpointer.all_steps()
-                if steps and not cfg.train.resume:
-                    raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {steps[0]}); resume "
-                                      "it (train.resume: true) or choose another --output")
-                if steps:  # every reason to refuse the restart is found before anything is written
-                    if self.primary:
-                        self.storage.pull()  # a remote run's model/config.json, to compare
-                    candidates = resumable_steps(checkpointer, steps, prepared=self.prepared, run_dir=self.run_dir,
-                                                 model_json=model_json(self.prepared), where=str(self.storage),
-                                                 warn=self.log)
-                self.signals.stop_point()  # before anything is written
-                self._open_run_dir()
-                return self._run(checkpointer, candidates)
-            except StoppedBeforeStart as stop:
-                return self._stopped(checkpointer, None, str(stop), resuming=bool(candidates))
-            finally:
-                checkpointer.close()
+            # One run per directory: process 0 holds its lock from before the checkpoint check to the end.
+            with RunLock(self.storage.target, log=self.log, hold=self.primary), \
+                    Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep) as checkpointer:
+                return self._start_or_resume(checkpointer)
 
-    def _open_run_dir(self) -> None:
-        """Write the run's config and model files (after the checkpoint check: a refused start
-        leaves an existing run directory as it was)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_count() > 1 and not self.storage.remote:
-            self.log(f"run directory {self.run_dir} is a local path: every host must see the same directory "
-                     "(a shared file system), or each host's checkpoint shards land on its own disk; use gs://...")
-        if self.storage.remote:
-            self.log(f"run directory {self.storage}: checkpoints written there, logs staged in {self.run_dir} and "
-                     "uploaded at every checkpoint")
-        if self.primary:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
-            write_model_files(self.prepared, self.run_dir / "model")
+    def _start_or_resume(self, checkpointer: Checkpointer) -> dict:
+        cfg, candidates = self.config, []
+        try:
+            steps = checkpointer.all_steps()
+            if steps and not cfg.train.resume:
+                raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {steps[0]}); resume "
+                                  "it (train.resume: true) or choose another --output")
+            if steps:  # every reason to refuse the restart is found before anything is written
+                if self.primary:
+                    self.storage.pull()  # a remote run's model/config.json, to compare
+                candidates = resumable_steps(checkpointer, steps, prepared=self.prepared, run_dir=self.run_dir,
+                                             model_json=model_json(self.prepared), where=str(self.storage),
+                                             warn=self.log)
+            self.signals.stop_point()  # before anything is written
+            open_run_dir(self.prepared, self.storage, primary=self.primary, resuming=bool(candidates), log=self.log)
+            return self._run(checkpointer, candidates)
+        except StoppedBeforeStart as stop:
+            return self._stopped(checkpointer, None, str(stop), resuming=bool(candidates))
 
     def _start(self, checkpointer: Checkpointer, candidates: list[int]) -> tuple[Any, int | None]:
         """(state, the step it resumes after) with the pieces built and the evaluations so far (a
@@ -159,6 +147,8 @@ class Trainer:
         if self.writer is not None and resume_from is not None:
             self.writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
         elif self.writer is not None:
+            if dropped := self.writer.start_over():  # an earlier start stopped before its first checkpoint
+                self.log(f"{self.storage}: the logs of {dropped} steps of a start without a checkpoint are dropped")
             self.writer.write(0, self.evals[0][1])
         self.bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
                                initial=min(first - 1, cfg.train.steps))

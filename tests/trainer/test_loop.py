@@ -4,6 +4,10 @@ fails before anything is compiled."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -207,8 +211,26 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
     assert "cannot resume step 20 with this config: sampler state was saved by a sampler with other settings" \
         in capsys.readouterr().err
     assert snapshot(copy) == before
+    # A live run holding the directory (a process on this host, its lease fresh) refuses the start.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    host = socket.gethostname()
+    try:
+        (copy / "run.lock").write_text(json.dumps({"pid": holder.pid, "host": host, "token": "theirs",
+                                                   "renewed": time.time(), "started": time.time()}))
+        assert cli.main(["train", "--config", path, "--output", str(copy)]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by a live run (process {holder.pid} on host {host}, started " in err, err
+        assert err.count("\n") == 1 and snapshot(copy) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its process gone, the lock is stale: the same command takes it over and resumes.
     assert cli.main(["train", "--config", path, "--output", str(copy)]) == 0
+    assert f"taking over the lock of a run that is gone (process {holder.pid} on host {host}" \
+        in capsys.readouterr().err
+    assert not (copy / "run.lock").exists()  # given back at the end
     assert_same_run(out, copy)  # steps 21-33 logged once, not twice
+    assert (copy / "config.yaml").read_bytes() == before["config.yaml"]
 
 
 def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeypatch):
