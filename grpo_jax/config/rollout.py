@@ -95,15 +95,23 @@ class SamplingConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Prompts: a TFDS dataset (project builders `arithmetic`, `countdown`, `word_problems`, or `gsm8k`) and how rows
-    become prompt tokens (the tokenizer's chat template when it has one, else `template`)."""
+    """Prompts: a TFDS dataset (project builders `arithmetic`, `countdown`, `word_problems`, or `gsm8k`)
+    by `name`, or your own rows by `path` (grpo_jax.data.files: JSONL, JSON, CSV, Parquet, a
+    `datasets` save_to_disk directory, a TFDS directory), and how rows become prompt tokens (the
+    tokenizer's chat template when it has one, else `template`; or a chat in `messages_field`)."""
 
     name: str = "arithmetic"
+    path: str | None = None  # your own data; replaces `name` and the builder settings
+    eval_path: str | None = None  # held-out rows from another file (else the dataset's eval_split,
+    eval_fraction: float | None = None  # else this fraction of the rows, 0.1 when not set,
+    split_seed: int = 0  # drawn with this seed)
+    answer_field: str | None = "answer"  # the reference answer rewards receive as `answer`; null: none
+    messages_field: str | None = None  # a field holding the prompt as a chat: [{role, content}, ...]
     builder_config: str | None = None  # TFDS builder config name
     # Synthetic builders: overrides of the config's fields (num_train, seed, digits, ops, formats, ...);
     # each distinct set is built into its own directory.
     builder_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    data_dir: str = "data/tfds"
+    data_dir: str = "data/tfds"  # prepared TFDS data; `path`'s Arrow cache goes in data_dir/files
     manual_dir: str | None = None  # gsm8k offline: the directory holding its jsonl files
     train_split: str = "train"
     eval_split: str = "test"
@@ -119,6 +127,21 @@ class DataConfig:
         choice_in("data", "overlong", self.overlong, OVERLONG)
         positive("data", "max_prompt_tokens", self.max_prompt_tokens)
         positive("data", "prompts_per_step", self.prompts_per_step)
+        if self.path is not None:
+            builder = [k for k, v, default in (("name", self.name, "arithmetic"), ("builder_config", self.builder_config,
+                       None), ("builder_kwargs", dict(self.builder_kwargs), {}), ("manual_dir", self.manual_dir, None))
+                       if v != default]
+            if builder:
+                raise ValueError(f"data.path reads your own rows; data.{builder[0]} names a built-in dataset's setting: "
+                                 "set one of them")
+        elif self.eval_path is not None or self.eval_fraction is not None:
+            raise ValueError("data.eval_path and data.eval_fraction are for data.path's rows; a built-in "
+                             "dataset's held-out rows are its data.eval_split")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ValueError(f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.messages_field is not None and self.template != "{question}":
+            raise ValueError(f"data.messages_field {self.messages_field!r} takes the prompt from a chat; "
+                             f"data.template {self.template!r} would format another: set one of them")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,7 @@ checkpointable per-process sampler, prompt formatting, and a character-level tok
 
 ```
 load_source(name, split, data_dir=...)   rows as dicts (TFDS array_record, no TensorFlow)
+load_path(path, eval_path=...)           your own rows (JSONL/JSON/CSV/Parquet, save_to_disk, TFDS dir)
 IndexSampler(len(source), seed=...)      shuffled, sharded, resumable index order
 PromptFormatter(tokenizer, ...)          row -> prompt ids (chat template or str.format)
 PromptStream(source, sampler, fmt)       next_batch(n) -> [Example], state_dict()
@@ -11,6 +12,7 @@ PromptStream(source, sampler, fmt)       next_batch(n) -> [Example], state_dict(
 
 from grpo_jax.data.arithmetic import Arithmetic, ArithmeticConfig
 from grpo_jax.data.countdown import Countdown, CountdownConfig
+from grpo_jax.data.files import FileSource, load_path
 from grpo_jax.data.gsm8k import Gsm8kLocal
 from grpo_jax.data.prompts import Prompt, PromptFormatter
 from grpo_jax.data.sampler import IndexSampler
@@ -29,6 +31,7 @@ __all__ = [
     "CountdownConfig",
     "DataSource",
     "Example",
+    "FileSource",
     "first_usable",
     "Gsm8kLocal",
     "IndexSampler",
@@ -38,6 +41,7 @@ __all__ = [
     "SyntheticConfig",
     "char_tokenizer",
     "load_source",
+    "load_path",
     "WordProblems",
     "WordProblemsConfig",
 ]

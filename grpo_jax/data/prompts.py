@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 _SCALAR = (str, int, float)
+INVALID = "__grpo_jax_invalid_row__"  # a row its reader could not read (grpo_jax.data.files): the value says why
 
 
 class Prompt(NamedTuple):
@@ -49,6 +50,11 @@ class PromptFormatter:
     the model continues: the question's final sentence and the chat template's assistant
     header are at the end, while the start is usually instructions and context.
 
+    `messages_field` names a field holding the prompt as a chat (a list of {"role", "content"}
+    messages ending with a user or tool turn; a chat template required) or as text, in place of
+    `template`; `system_prompt` is added to a chat that has no system message of its own. With
+    `answer_field`, a row without that field (or with null) is malformed: rewards need it.
+
     `stats` counts formatted, skipped_overlong, skipped_malformed (missing field, wrong type,
     template error, empty text) and truncated; `last_skip_reason` says why the last row was
     skipped.
@@ -63,6 +69,8 @@ class PromptFormatter:
         system_prompt: str | None = None,
         chat_template: Literal["auto", "always", "never"] = "auto",
         overlong: Literal["skip", "truncate"] = "skip",
+        messages_field: str | None = None,
+        answer_field: str | None = None,
     ):
         if chat_template not in ("auto", "always", "never"):
             raise ValueError(f"chat_template must be 'auto', 'always' or 'never', got {chat_template!r}")
@@ -82,7 +90,10 @@ class PromptFormatter:
         self.use_chat = has_chat and chat_template != "never"
         self.max_prompt_tokens = int(max_prompt_tokens)
         self.overlong = overlong
-        self.prompt_fields = _template_fields(template) if template is not None else frozenset({"prompt"})
+        self.messages_field = messages_field if messages_field is not None else (None if template else "prompt")
+        self.answer_field = answer_field
+        self.prompt_fields = (frozenset({self.messages_field}) if self.messages_field is not None
+                              else _template_fields(template))
         self.stats = {"formatted": 0, "skipped_overlong": 0, "skipped_malformed": 0, "truncated": 0}
         self.last_skip_reason: str | None = None
 
@@ -114,8 +125,13 @@ class PromptFormatter:
         """The prompt's messages (system prompt first, if any); raises _Malformed for a bad row."""
         if not isinstance(row, Mapping):
             raise _Malformed(f"row is a {type(row).__name__}, not a dict")
-        if self.template is None:
-            messages = self._messages_from_prompt(row)
+        if INVALID in row:
+            raise _Malformed(str(row[INVALID]))
+        if self.answer_field is not None and row.get(self.answer_field) is None:
+            raise _Malformed(f"row has no {self.answer_field!r} (missing or null): data.answer_field's reference "
+                             "answer")
+        if self.messages_field is not None:
+            messages = self._messages_from_field(row, self.messages_field)
         else:
             for field in self.prompt_fields:
                 if field not in row:
@@ -134,16 +150,19 @@ class PromptFormatter:
             messages = [{"role": "user", "content": content}]
         if not any(m["content"].strip() for m in messages):
             raise _Malformed("the prompt is empty")
-        if self.system_prompt is not None:
+        if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return messages
 
-    def _messages_from_prompt(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
-        prompt = row.get("prompt")
+    def _messages_from_field(self, row: Mapping[str, Any], field: str) -> list[dict[str, str]]:
+        """A chat (or plain text) in `row[field]`; it must end with a user (or tool) turn."""
+        prompt = row.get(field)
+        if prompt is None:
+            raise _Malformed(f"row has no {field!r} (missing or null)")
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
         if not self.use_chat:
-            raise _Malformed("row's 'prompt' is not text (message lists need a chat template)")
+            raise _Malformed(f"row's {field!r} is not text (message lists need a chat template)")
         if (
             isinstance(prompt, list)
             and prompt
@@ -152,8 +171,10 @@ class PromptFormatter:
                 for m in prompt
             )
         ):
+            if prompt[-1]["role"] == "assistant":
+                raise _Malformed(f"row's {field!r} ends with an assistant turn; a prompt ends where the model answers")
             return [{"role": m["role"], "content": m["content"]} for m in prompt]
-        raise _Malformed("row's 'prompt' is neither text nor a list of {'role', 'content'} messages")
+        raise _Malformed(f"row's {field!r} is neither text nor a list of {{'role', 'content'}} messages")
 
     def _truncate(self, ids: list[int]) -> tuple[list[int], list[int]]:
         """(kept ids, kept ids without the leading BOS): the text of a truncated prompt is the

@@ -24,8 +24,12 @@ class Example:
 def example_fields(row: dict[str, Any], formatter: PromptFormatter, prompt) -> dict[str, Any]:
     """What reward functions get beside (prompts, completions): the row's fields the prompt
     template did not read, and `prompt_messages`, the prompt's messages before any chat template
-    (a reward model applies its own)."""
-    return {**{k: v for k, v in row.items() if k not in formatter.prompt_fields}, "prompt_messages": prompt.messages}
+    (a reward model applies its own); the formatter's `answer_field` (data.answer_field) is also
+    passed as `answer`."""
+    fields = {k: v for k, v in row.items() if k not in formatter.prompt_fields}
+    if formatter.answer_field not in (None, "answer"):
+        fields["answer"] = row[formatter.answer_field]
+    return {**fields, "prompt_messages": prompt.messages}
 
 
 def first_usable(source: Sequence[dict[str, Any]], formatter: PromptFormatter, n: int) -> tuple[list[Example], int]:

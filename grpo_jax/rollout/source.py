@@ -253,6 +253,7 @@ class SyncSampler(RolloutSource):
         local = ("dynamic/rounds", "dynamic/segments", "sample_s", "reward_s")
         counts = sum_over_shares({**{k: v for k, v in c.stats.items() if k not in local},
                                   **{f"data/{k}": v for k, v in stats.items()}}, self.share)
+        counts["data/skipped_rows"] = counts["data/skipped_malformed"] + counts["data/skipped_overlong"]
         sample_tokens = counts.pop("sample_tokens")
         G = self.sampling.group_size
         health, pass_rates = rollout_health(

@@ -60,20 +60,25 @@ def _check_run(config, say: Callable[[str], None]) -> None:
     say(f"check: tokenizer: {len(tok)} tokens, prompts {'through its chat template' if template else 'as plain text'}")
     first = prepared.eval.examples[0]
     batch = prepared.train_stream.next_batch(prepared.share.size)
-    say(f"check: data: {config.data.name!r}, {len(prepared.eval.examples)} held-out prompts, a train batch of "
+    say(f"check: data: {config.data.path or config.data.name!r}, {len(prepared.eval.examples)} held-out prompts, a train batch of "
         f"{len(batch)}; the first held-out prompt is {len(first.prompt_ids)} tokens: {first.prompt_text[:80]!r}")
     specs = [*prepared.rewards, *prepared.eval.judges()]
+    few = prepared.eval.examples[:4]  # a batch of several: a reward returning the wrong number of values shows
     for spec in {s.name: s for s in specs}.values():
-        # The fields a run passes (rollout.source): the example's, and the completion's token count.
-        fields = {**{k: [v] for k, v in first.fields.items()}, "completion_tokens": [0]}
-        result = combine_rewards([spec], [first.prompt_text], [""], fields)
+        # The fields a run passes (rollout.source): the examples', and the completions' token counts.
+        fields = {**{k: [e.fields[k] for e in few] for k in first.fields}, "completion_tokens": [0] * len(few)}
+        try:
+            result = combine_rewards([spec], [e.prompt_text for e in few], [""] * len(few), fields)
+        except ValueError as e:  # a wrong number of values, or a value that is not a number
+            raise ConfigError(f"rewards: on {len(few)} held-out examples with empty completions: {e}") from None
         if result.failures:
             missing = re.match(r"No module named '([\w.]+)'", result.messages[spec.name])
             if missing:
                 raise MissingPackage(needs(missing.group(1)))
             raise ConfigError(f"rewards: {spec.name!r} raised on an empty completion of a held-out example: "
                               f"{result.messages[spec.name]}")
-        say(f"check: reward {spec.name!r}: runs (an empty completion scores {float(result.total[0]):.3g})")
+        say(f"check: reward {spec.name!r}: runs on {len(few)} held-out examples (an empty completion scores "
+            f"{float(result.total[0]):.3g})")
     for note in prepared.notes:
         say(f"check: {note}")
 

@@ -203,15 +203,14 @@ def _streams(config: RunConfig, tokenizer, mesh: Mesh, notes: list[str]) -> dict
     def formatter():  # one per stream: each counts what it skipped
         return data.PromptFormatter(tokenizer, template=d.template, system_prompt=d.system_prompt,
                                     chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens,
-                                    overlong=d.overlong)
+                                    overlong=d.overlong, messages_field=d.messages_field, answer_field=d.answer_field)
 
-    source_kwargs = dict(data_dir=d.data_dir, manual_dir=d.manual_dir, builder_config=d.builder_config,
-                         **d.builder_kwargs)
-    try:
-        train_source = data.load_source(d.name, d.train_split, **source_kwargs)
-        eval_source = data.load_source(d.name, d.eval_split, **source_kwargs)
-    except (ValueError, TypeError) as e:  # a dataset name, split or builder setting the user chose
-        raise ConfigError(f"data: {e}") from None
+    if d.messages_field is not None and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"data.messages_field {d.messages_field!r}: the tokenizer has no chat template to render "
+                          "the chats with; use a model whose tokenizer has one, or data.template")
+    train_source, eval_source = data_sources(d, notes)
+    if d.path is not None:  # your own rows: their faults found before any model loads
+        check_rows(train_source, formatter(), d, notes)
 
     # Each host reads only its block of every batch (see grpo_jax.runtime.hosts): its share of the
     # data sampler, dealt in blocks of its share's size, so the hosts' blocks side by side are the
@@ -236,6 +235,42 @@ def _streams(config: RunConfig, tokenizer, mesh: Mesh, notes: list[str]) -> dict
                      f"{d.eval_split!r} split has {len(eval_source)} rows, {rejected} of them unusable (too long or "
                      "missing template fields); each prompt is evaluated once")
     return dict(train_stream=train_stream, share=share, sft_stream=sft_stream, eval_examples=eval_examples)
+
+
+def data_sources(d, notes: list[str]) -> tuple[Any, Any]:
+    """(train rows, held-out rows): `data.path`'s (grpo_jax.data.files) or a built-in dataset's."""
+    try:
+        if d.path is not None:
+            train, held, note = data.load_path(d.path, train_split=d.train_split, eval_split=d.eval_split,
+                                               eval_path=d.eval_path, eval_fraction=d.eval_fraction,
+                                               split_seed=d.split_seed, cache_dir=Path(d.data_dir) / "files")
+            notes.extend([note] if note else [])
+            return train, held
+        kwargs = dict(data_dir=d.data_dir, manual_dir=d.manual_dir, builder_config=d.builder_config,
+                      **d.builder_kwargs)
+        return data.load_source(d.name, d.train_split, **kwargs), data.load_source(d.name, d.eval_split, **kwargs)
+    except (ValueError, TypeError, FileNotFoundError) as e:  # a dataset name, split, file or builder setting
+        raise ConfigError(f"data: {e}") from None
+
+
+def check_rows(source: data.FileSource, formatter, d, notes: list[str], *, limit: int = 256, shown: int = 3) -> None:
+    """Format the first `limit` rows as training will: no usable row is an error before any model
+    loads; skipped ones are a note with the first few reasons."""
+    columns = source.columns  # a FileSource (data.path)
+    if columns and d.answer_field is not None and d.answer_field not in columns:
+        raise ConfigError(f"data.answer_field {d.answer_field!r} is not a field of {source.name} (fields: "
+                          f"{', '.join(columns)}); name the reference answer's field, or set data.answer_field: "
+                          "null for rewards that need none")
+    n, reasons = min(limit, len(source)), []
+    for i in range(n):
+        if formatter.encode(source[i]) is None:
+            reasons.append(f"row {i}: {formatter.last_skip_reason}")
+    if n and len(reasons) == n:
+        raise ConfigError(f"data: none of the first {n} rows of {source.name} makes a usable prompt: "
+                          + "; ".join(reasons[:shown]))
+    if reasons:
+        notes.append(f"data: {len(reasons)} of the first {n} rows of {source.name} are skipped and counted "
+                     f"(data/skipped_rows): " + "; ".join(reasons[:shown]))
 
 
 def model_json(prepared: Prepared) -> dict:
