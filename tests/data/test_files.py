@@ -21,13 +21,13 @@ from tests.runs import CONFIG, write_config
 ROWS = [{"question": f"{a}+{b}=", "answer": str(a + b), "level": a % 3} for a in range(5) for b in range(4)]
 
 
-def _write_all(tmp_path) -> dict[str, str]:
-    """The same 20 rows in every format data.path reads."""
-    ds = datasets.Dataset.from_list(ROWS)
+def _write_all(tmp_path, rows=ROWS) -> dict[str, str]:
+    """The same rows in every format data.path reads."""
+    ds = datasets.Dataset.from_list(rows)
     paths = {"jsonl": tmp_path / "rows.jsonl", "json": tmp_path / "rows.json", "csv": tmp_path / "rows.csv",
              "parquet": tmp_path / "rows.parquet", "save_to_disk": tmp_path / "saved"}
-    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    paths["json"].write_text(json.dumps(ROWS, indent=1))
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths["json"].write_text(json.dumps(rows, indent=1))
     ds.to_csv(paths["csv"], index=False)
     ds.to_parquet(paths["parquet"])
     ds.save_to_disk(paths["save_to_disk"])
@@ -115,13 +115,26 @@ def test_bad_lines_cost_only_themselves_and_a_file_of_bad_rows_is_one_error(tmp_
 
 REWARD = '''
 def difficulty_bonus(prompts, completions, answer, level, **kw):
-    assert all(isinstance(a, str) for a in answer), answer      # data.answer_field's values, as `answer`
+    assert all(a is not None for a in answer), answer           # data.answer_field's values, as `answer`
     return [0.1 * lvl for lvl in level]                         # another field of the row, by name
 
 
 def one_value(prompts, completions, **kw):
     return [0.0]
 '''
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role[0] }}:{{ m.content }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+
+
+def _run_config(tmp_path, data: dict, rewards: list[dict]) -> dict:
+    """Two steps of the tiny model (tests/runs.py) on `data`, prompts through a chat template."""
+    return {**CONFIG, "model": {**CONFIG["model"], "chat_template": CHAT_TEMPLATE},
+            "data": {"eval_fraction": 0.2, "data_dir": str(tmp_path / "d"), "max_prompt_tokens": 12,
+                     "prompts_per_step": 8, **data},
+            "rewards": rewards, "sampling": {**CONFIG["sampling"], "prompt_buckets": [12]},
+            "sft": {"steps": 0}, "train": {**CONFIG["train"], "steps": 2},
+            "eval": {"every": 0, "num_prompts": 4, "k": 2}, "checkpoint": {"every": 0}}
 
 
 def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tmp_path, capsys):
@@ -131,14 +144,9 @@ def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tm
     lines[3::5] = ["{broken"] * len(lines[3::5])  # every fifth line is not JSON: skipped and counted
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "my_rewards.py").write_text(REWARD)
-    config = {**CONFIG, "model": {**CONFIG["model"], "chat_template": (
-        "{% for m in messages %}{{ m.role[0] }}:{{ m.content }};{% endfor %}{% if add_generation_prompt %}a:{% endif %}")},
-        "data": {"path": str(tmp_path / "train.jsonl"), "messages_field": "chat", "answer_field": "solution",
-                 "eval_fraction": 0.2, "data_dir": str(tmp_path / "d"), "max_prompt_tokens": 12, "prompts_per_step": 8},
-        "rewards": [{"name": "math_accuracy"}, {"name": f"{tmp_path}/my_rewards.py:difficulty_bonus", "weight": 1.0}],
-        "sampling": {**CONFIG["sampling"], "prompt_buckets": [12]},
-        "sft": {"steps": 0}, "train": {**CONFIG["train"], "steps": 2},
-        "eval": {"every": 0, "num_prompts": 4, "k": 2}, "checkpoint": {"every": 0}}
+    config = _run_config(tmp_path, {"path": str(tmp_path / "train.jsonl"), "messages_field": "chat",
+                                    "answer_field": "solution"},
+                         [{"name": "math_accuracy"}, {"name": f"{tmp_path}/my_rewards.py:difficulty_bonus"}])
     path = write_config(tmp_path, config)
     assert cli.main(["check", "--config", path]) == 0
     out = capsys.readouterr().out
@@ -153,3 +161,25 @@ def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tm
     last = read_metrics(tmp_path / "run")[-1]
     assert last["data/skipped_rows"] == last["data/skipped_malformed"] > 0, last
     assert last[f"reward/{tmp_path}/my_rewards.py:difficulty_bonus/mean"] > 0  # the level field reached it
+    capsys.readouterr()
+    # A file of nothing but bad rows: one line, exit 2, before any model loads; no run directory.
+    (tmp_path / "train.jsonl").write_text("{broken\n" * 12)
+    assert cli.main(["train", "--config", path, "--output", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "none of the first 10 rows" in err and "line 1: not JSON" in err, err
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet", "json", "save_to_disk"])
+def test_each_format_trains_two_steps_counting_its_malformed_rows(tmp_path, kind):
+    rows = [dict(r) for r in ROWS * 2]
+    for r in rows[2::4]:
+        r["question"] = ""  # an empty prompt: skipped and counted
+    (tmp_path / "my_rewards.py").write_text(REWARD)
+    path = _write_all(tmp_path, rows)[kind]
+    config = _run_config(tmp_path, {"path": path, "template": "{question}"},
+                         [{"name": "math_accuracy"}, {"name": f"{tmp_path}/my_rewards.py:difficulty_bonus"}])
+    assert cli.main(["train", "--config", write_config(tmp_path, config), "--output", str(tmp_path / "run")]) == 0
+    last = read_metrics(tmp_path / "run")[-1]
+    assert last["data/skipped_rows"] == last["data/skipped_malformed"] > 0, last
+    assert last[f"reward/{tmp_path}/my_rewards.py:difficulty_bonus/mean"] > 0
