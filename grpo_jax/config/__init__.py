@@ -19,13 +19,13 @@ from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTr
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
 from grpo_jax.config.schema import RunConfig
-from grpo_jax.config.training import (CheckpointConfig, DistributedConfig, MeshConfig, OptimizerConfig, SFTConfig,
+from grpo_jax.config.training import (CheckpointConfig, DistributedConfig, LogConfig, MeshConfig, OptimizerConfig, SFTConfig,
                                       TrainConfig)
 
 __all__ = [
     "ATTENTIONS", "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "REMATS", "SCALES",
     "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EnvironmentConfig", "Estimator", "EvalConfig", "GRPOConfig",
-    "DistillConfig", "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "OptimizerConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
+    "DistillConfig", "LogConfig", "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "OptimizerConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SamplingConfig", "Scale", "SFTConfig", "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict",
     "config_to_dict", "did_you_mean", "load_config", "load_rm_config", "unknown_key", "PreferenceDataConfig",
     "RMRunConfig", "RMTrainConfig",

@@ -27,11 +27,11 @@ from grpo_jax.config.model import LoRAConfig, ModelConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
 from grpo_jax.config.schema import RunConfig
-from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
+from grpo_jax.config.training import CheckpointConfig, DistributedConfig, LogConfig, MeshConfig, SFTConfig, TrainConfig
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
-    "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig,
+    "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
     "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig, "distill": DistillConfig,
     "lora": LoRAConfig, "environment": EnvironmentConfig, "rollout": RolloutConfig,
 }

@@ -12,7 +12,7 @@ from grpo_jax.config.checks import check_micro_batches, choice_in
 from grpo_jax.config.model import LoRAConfig, ModelConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
-from grpo_jax.config.training import CheckpointConfig, DistributedConfig, MeshConfig, SFTConfig, TrainConfig
+from grpo_jax.config.training import CheckpointConfig, DistributedConfig, LogConfig, MeshConfig, SFTConfig, TrainConfig
 
 Parallelism = Literal["jit", "pmap"]
 Algorithm = Literal["grpo", "ppo", "distill"]
@@ -35,6 +35,7 @@ class RunConfig:
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     parallelism: Parallelism = "jit"
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)

@@ -4,7 +4,8 @@ warm start), `checkpoint:`, `mesh:` (device mesh sizes) and `distributed:` (mult
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
 from grpo_jax.config.checks import choice_in, non_negative, positive
 
@@ -184,3 +185,26 @@ class DistributedConfig:
             raise ValueError(f"distributed.num_processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and self.num_processes is not None and not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"distributed.process_id={self.process_id} is not in [0, {self.num_processes})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """What a run reports besides metrics.jsonl and TensorBoard (grpo_jax.observe).
+
+    `every`: off a terminal (nohup, a pod's log file), one line per `every` steps with the step,
+    reward, accuracy, KL, tokens/s, seconds per step and ETA (0: none; a terminal gets the progress
+    bar instead). `wandb`: Weights & Biases, the keyword arguments of `wandb.init` (project, entity,
+    name, tags, mode: `offline` writes RUN_DIR/wandb for `wandb sync`); null: off. `mlflow`: MLflow,
+    `{tracking_uri, experiment, run_name}` (tracking_uri `file:RUN_DIR/mlruns` when not given); null: off.
+    """
+
+    every: int = 1
+    wandb: Mapping[str, Any] | None = None
+    mlflow: Mapping[str, Any] | None = None
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ValueError(f"log.every must be >= 0, got {self.every}")
+        unknown = set(self.mlflow or {}) - {"tracking_uri", "experiment", "run_name"}
+        if unknown:
+            raise ValueError(f"log.mlflow: unknown keys {sorted(unknown)}; valid: experiment, run_name, tracking_uri")

@@ -153,8 +153,9 @@ class MetricsWriter(Closing):
     `truncate_after(last_kept_step)` to drop what the interrupted run wrote after that step.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, trackers: Sequence = ()):
         self.run_dir = Path(run_dir)
+        self._trackers = list(trackers)  # grpo_jax.observe.trackers: W&B, MLflow
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / METRICS_FILE
         self._samples_path = self.run_dir / SAMPLES_FILE
@@ -207,6 +208,8 @@ class MetricsWriter(Closing):
                       for k, v in record.items() if k != "step"]
             self._tb_event(step, summary=summary_pb2.Summary(value=values))
             self._tb.flush()
+        for tracker in self._trackers:
+            tracker.write(step, record)
 
     def write_histogram(self, step: int, tag: str, values, *, bins: int = 10,
                         value_range: tuple[float, float] | None = None) -> None:
@@ -294,6 +297,8 @@ class MetricsWriter(Closing):
         self._files.clear()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         self._closed = True
 
 

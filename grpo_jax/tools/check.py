@@ -12,6 +12,7 @@ virtualenv that has the package without its test extra (.ci/run).
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,6 +80,10 @@ def _check_run(config, say: Callable[[str], None]) -> None:
                               f"{result.messages[spec.name]}")
         say(f"check: reward {spec.name!r}: runs on {len(few)} held-out examples (an empty completion scores "
             f"{float(result.total[0]):.3g})")
+    for key, module in (("wandb", "wandb"), ("mlflow", "mlflow")):  # log.wandb / log.mlflow: installed?
+        if getattr(config.log, key) is not None:
+            importlib.import_module(module)
+            say(f"check: log.{key}: {module} is installed")
     for note in prepared.notes:
         say(f"check: {note}")
 

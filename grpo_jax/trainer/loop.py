@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo_jax.config import ConfigError, RunConfig
+from grpo_jax.config import ConfigError, RunConfig, config_to_dict
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
+from grpo_jax.observe.trackers import open_trackers
 from grpo_jax.rewards.watch import RewardWatch
 from grpo_jax.rollout.evaluation import evaluate_run
 from grpo_jax.learner.feed import StepSource
@@ -143,7 +144,8 @@ class Trainer:
         cfg, signals = self.config, self.signals
         state, resume_from = self._start(checkpointer, candidates)
         b, first = self.built, (resume_from or 0) + 1
-        self.writer = MetricsWriter(self.run_dir) if self.primary else None
+        self.writer = MetricsWriter(self.run_dir, trackers=open_trackers(
+            cfg.log, self.run_dir, config_to_dict(cfg), log=self.log)) if self.primary else None
         if self.writer is not None and resume_from is not None:
             self.writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
         elif self.writer is not None:
@@ -151,7 +153,8 @@ class Trainer:
                 self.log(f"{self.storage}: the logs of {dropped} steps of a start without a checkpoint are dropped")
             self.writer.write(0, self.evals[0][1])
         self.bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
-                               initial=min(first - 1, cfg.train.steps))
+                               initial=min(first - 1, cfg.train.steps), every=cfg.log.every,
+                               start=self.evals[-1][1] if self.evals else None)
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
 

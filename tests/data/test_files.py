@@ -7,6 +7,7 @@ name, its other fields reaching a user reward, checked first by `grpo-jax check`
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import pytest
@@ -147,9 +148,13 @@ def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tm
     config = _run_config(tmp_path, {"path": str(tmp_path / "train.jsonl"), "messages_field": "chat",
                                     "answer_field": "solution"},
                          [{"name": "math_accuracy"}, {"name": f"{tmp_path}/my_rewards.py:difficulty_bonus"}])
+    # Off a terminal, one line per step; W&B and MLflow in their offline modes beside metrics.jsonl.
+    config["train"]["progress"] = True
+    config["log"] = {"every": 1, "wandb": {"mode": "offline"}, "mlflow": {}}
     path = write_config(tmp_path, config)
     assert cli.main(["check", "--config", path]) == 0
     out = capsys.readouterr().out
+    assert "log.wandb: wandb is installed" in out and "log.mlflow: mlflow is installed" in out
     assert "held out for evaluation (data.eval_fraction 0.2" in out and "are skipped and counted" in out, out
     assert "difficulty_bonus': runs on 4 held-out examples" in out, out
     # A reward returning one value for a batch: found by check, one line, exit 2.
@@ -161,7 +166,21 @@ def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tm
     last = read_metrics(tmp_path / "run")[-1]
     assert last["data/skipped_rows"] == last["data/skipped_malformed"] > 0, last
     assert last[f"reward/{tmp_path}/my_rewards.py:difficulty_bonus/mean"] > 0  # the level field reached it
-    capsys.readouterr()
+    err = capsys.readouterr().err
+    steps = [line for line in err.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all(re.fullmatch(
+        rf"step {i}/2 \| reward [-\d.e]+ \| acc [\d.]+ \| kl [-\d.e]+ \| tok/s [\d.k]+ \| [\d.]+ s/step \| ETA "
+        r"\d+:\d\d:\d\d", line) for i, line in enumerate(steps, 1)), err
+    assert re.search(r"^wandb: run \w+: offline in .*, upload with `wandb sync ", err, re.M), err
+    assert "mlflow: run " in err and "Creating initial MLflow" not in err and "wandb: WARNING" not in err
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    history = client.get_metric_history((tmp_path / "run" / "mlflow_run_id").read_text(), "data/skipped_rows")
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["data/skipped_rows"])
+                                                   for r in read_metrics(tmp_path / "run") if "data/skipped_rows" in r]
+    (wandb_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"data/skipped_rows" in wandb_file.read_bytes()
     # A file of nothing but bad rows: one line, exit 2, before any model loads; no run directory.
     (tmp_path / "train.jsonl").write_text("{broken\n" * 12)
     assert cli.main(["train", "--config", path, "--output", str(tmp_path / "refused")]) == 2

@@ -230,13 +230,23 @@ def test_progress_bar_shows_step_reward_accuracy_and_survives_gaps():
     assert text.rstrip().endswith("acc 0.5 | kl - | tok/s -]")  # last eval kept, missing shown as -
 
 
-def test_progress_bar_off_when_asked_or_not_a_terminal():
-    for kwargs in ({"enabled": False, "tty_only": False}, {}):  # StringIO is not a terminal
+def test_progress_is_off_when_asked_and_plain_lines_every_n_steps_off_a_terminal(monkeypatch):
+    for kwargs in ({"enabled": False, "tty_only": False}, {"enabled": False}, {"every": 0}):
         out = io.StringIO()
         bar = ProgressBar(10, file=out, **kwargs)
         assert not bar.enabled
         bar.update(1, {"reward/mean": 0.5})
         bar.close()
         assert out.getvalue() == ""
+    clock = iter([100.0, 103.0, 105.0, 107.0, 109.0, 119.0])  # the bar's start, then steps 1-5
+    monkeypatch.setattr("grpo_jax.observe.progress.time.perf_counter", lambda: next(clock))
+    out = io.StringIO()  # not a terminal: a line every 2 steps and at the last, no bar
+    with ProgressBar(5, file=out, every=2, start={"eval/accuracy": 0.25}) as bar:
+        for step in range(1, 6):
+            bar.update(step, {"reward/mean": 0.1 * step, "kl/k3": 0.01, "perf/sample_tokens_per_s": 2000.0})
+    assert out.getvalue().splitlines() == [
+        "step 2/5 | reward 0.2 | acc 0.25 | kl 0.01 | tok/s 2000 | 2.50 s/step | ETA 0:00:08",
+        "step 4/5 | reward 0.4 | acc 0.25 | kl 0.01 | tok/s 2000 | 2.25 s/step | ETA 0:00:02",
+        "step 5/5 | reward 0.5 | acc 0.25 | kl 0.01 | tok/s 2000 | 3.80 s/step | ETA 0:00:00"]
     with pytest.raises(ValueError, match="initial"):
         ProgressBar(5, initial=6)
