@@ -38,8 +38,9 @@ def _report(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:  # unreadable metrics, no chromium for the screenshot
         raise UsageError(str(e)) from e
     for f in flags:
-        print(f"flag: {f.title}: {f.evidence}", file=sys.stderr)
-    print(json.dumps({"report": str(path), "flags": [f.key for f in flags],
+        print(f"{'flag' if f.level == 'failure' else 'notice'}: {f.title}: {f.evidence}", file=sys.stderr)
+    print(json.dumps({"report": str(path), "flags": [f.key for f in flags if f.level == "failure"],
+                      "notices": [f.key for f in flags if f.level != "failure"],
                       **({"screenshot": str(shot)} if shot else {})}))
     return 0
 

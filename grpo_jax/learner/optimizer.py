@@ -39,6 +39,12 @@ def _schedule(config: OptimizerConfig):
     return config.learning_rate
 
 
+def learning_rate_at(config: OptimizerConfig, step: int) -> float:
+    """The learning rate of update `step` (1-based: its schedule's count is step - 1)."""
+    schedule = _schedule(config)
+    return float(schedule(max(step - 1, 0))) if callable(schedule) else float(schedule)
+
+
 def _constant(config: OptimizerConfig, learning_rate: float) -> OptimizerConfig:
     """`config` at a constant `learning_rate` (its clipping, weight decay and Adam's settings kept)."""
     return dataclasses.replace(config, learning_rate=learning_rate, lr_schedule="constant", warmup_steps=0)

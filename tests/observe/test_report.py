@@ -115,7 +115,8 @@ def test_the_cli_writes_the_report_and_names_the_flags(tmp_path):
     out = tmp_path / "page.html"
     proc = subprocess.run([sys.executable, "-m", "grpo_jax", "report", str(run), "--out", str(out)],
                           capture_output=True, text=True, check=True)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"report": str(out), "flags": ["kl_drift"]}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"report": str(out), "flags": ["kl_drift"],
+                                                                "notices": []}
     assert "flag: KL drift" in proc.stderr
     missing = subprocess.run([sys.executable, "-m", "grpo_jax", "report", str(tmp_path / "nope")],
                              capture_output=True, text=True)
@@ -136,3 +137,49 @@ def test_headless_chromium_renders_the_report(tmp_path):
     # The flag's box is drawn in its red border colour (#c0392b), and the page is not blank.
     assert np.any(np.all(np.abs(image - [0xC0, 0x39, 0x2B]) < 8, axis=-1))
     assert image.std() > 20
+
+
+def _eval_steps(r, values):
+    if "eval/accuracy" in r:
+        r.update(values(r["step"]))
+
+
+@pytest.mark.parametrize("key, change", [
+    ("entropy_falling", lambda r: r.update({"policy/entropy": 1.0 - 0.55 * r["step"] / 60})),
+    ("dead_groups_share", lambda r: r.update({"groups/frac_zero_std": 0.28})),
+    ("sampler_drift_rising", lambda r: r.update({"health/sampler_train_logprob_diff": 1e-4 * (1 + r["step"] / 6)})),
+    ("verifier_accuracy_falling", lambda r: _eval_steps(r, lambda s: {"eval/verifier_accuracy": 0.6 - abs(s - 20) / 200})),
+    ("heldout_below_best", lambda r: r.update({"reward/mean": 0.5}) or _eval_steps(
+        r, lambda s: {"eval/accuracy": 0.7 if s == 30 else 0.62})),
+])
+def test_each_notice_is_raised_alone_below_the_failures(key, change):
+    records = healthy_records()
+    for r in records[1:]:
+        change(r)
+    flags = diagnose(records, eval_samples=400)
+    assert [(f.key, f.level) for f in flags] == [(key, "notice")], flags
+    if key == "heldout_below_best":  # 0.08 below its best: 2.4 standard errors at 400 samples, 0.5 at 20
+        assert "2.4 standard errors" in flags[0].evidence and diagnose(records, eval_samples=20) == []
+
+
+def test_the_page_states_its_thresholds_shows_samples_and_smoothed_curves(tmp_path):
+    from grpo_jax.observe.health_checks import THRESHOLDS
+    from grpo_jax.observe.report import ema
+
+    records = healthy_records()
+    for r in records[1:]:
+        r.update({"groups/frac_zero_std": 0.28, "train/loss": 0.1, "train/grad_norm": 1.0,
+                  "perf/sample_tokens_per_s": 1000.0, "perf/step_s": 2.0})
+    run = _write(tmp_path, "notices", records)
+    with MetricsWriter(run, tensorboard=False) as w:
+        for step in (10, 20, 30, 40):
+            w.write_samples(step, [{"prompt": f"p{step}<b>", "completion": f"c{step}", "reward": 0.5}])
+    (run / "config.yaml").write_text("train: {learning_rate: 0.001, warmup_steps: 10, steps: 60}\n")
+    path, flags = write_report(run_dir=run)
+    page = path.read_text()
+    assert [f.key for f in flags] == ["dead_groups_share"] and "data-notice='dead_groups_share'" in page
+    assert "id='no-flags'" in page and "Notices (1)" in page
+    assert all(f"<code>{key}</code>" in page for key, _, _ in THRESHOLDS) and "above 25%" in page
+    assert "p10&lt;b&gt;" in page and "c30" in page and "c40" in page and "c20" not in page  # first, middle, last
+    assert "alt='Learning rate'" in page and "alt='Throughput (tokens/s)'" in page and "alt='Loss'" in page
+    np.testing.assert_allclose(ema(np.array([1.0, np.nan, 2.0, 2.0]), 0.5), [1.0, 1.0, 1.5, 1.75])
