@@ -108,7 +108,10 @@ class PromptFormatter:
         except _Malformed as e:
             return self._skip("skipped_malformed", str(e))
         if self.use_chat:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template that refuses this row's chat (roles, order): this row only
+                return self._skip("skipped_malformed", f"the chat template failed on the row: {type(e).__name__}: {e}")
         else:
             text = "\n\n".join(m["content"] for m in messages)
         ids = list(self.tokenizer.encode(text, add_special_tokens=not self.use_chat))

@@ -386,7 +386,13 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
 
     path, out = Path(path), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError) as e:  # gguf's reader on a cut file: a reshape or index error
+        from grpo_jax.config import ConfigError
+
+        raise ConfigError(f"GGUF file {path} ({path.stat().st_size:,} bytes) cannot be read ({type(e).__name__}: "
+                          f"{e}); a truncated or damaged download? fetch it again") from None
     config = hf_config(reader)
     save_file(hf_tensors(reader, config), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))

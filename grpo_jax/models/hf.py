@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from grpo_jax.config import ConfigError
 from grpo_jax.models import lora
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.gguf import hf_dir, is_gguf
@@ -109,9 +111,13 @@ class TensorReader:
             fp = path / f
             if not fp.exists():
                 raise FileNotFoundError(f"{index.name} lists {f}, which is missing from {path}")
-            with safe_open(fp, framework="numpy") as h:
-                for k in h.keys():
-                    self.location[k] = str(fp)
+            try:
+                with safe_open(fp, framework="numpy") as h:
+                    for k in h.keys():
+                        self.location[k] = str(fp)
+            except SafetensorError as e:
+                raise ConfigError(f"{fp} ({fp.stat().st_size:,} bytes) cannot be read: {e}; a truncated or "
+                                  "damaged download? fetch it again") from None
         self._handles: dict[str, object] = {}
 
     def names(self) -> set[str]:
@@ -162,6 +168,12 @@ def model_dir(path: str | os.PathLike) -> Path:
 
 def load_config(path: str | os.PathLike) -> TransformerConfig:
     """The TransformerConfig of a model path's config.json (any path `model_dir` takes)."""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not Path(path).exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist here; if it is a Hugging Face Hub ID, note that runs read "
+            "local files only (nothing is downloaded at run time): fetch it "
+            f"where there is network (`hf download {path} --local-dir models/{Path(path).name}`, or "
+            f"save_pretrained), copy the directory here and set model.path: models/{Path(path).name}")
     path = model_dir(path)
     if not path.is_dir():
         raise FileNotFoundError(

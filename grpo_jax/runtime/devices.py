@@ -103,3 +103,36 @@ def sampler_mesh(config: RunConfig):
     weights replicated), or None when it samples on the learner's mesh."""
     devices = device_split(config)[0]
     return make_mesh(MeshConfig(data=len(devices), fsdp=1, tensor=1), devices) if devices else None
+
+
+def device_memory_bytes() -> tuple[int, str]:
+    """(bytes all devices hold together, what that is): each accelerator's `bytes_limit`; on CPU
+    the host's physical memory."""
+    import os
+
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.devices() if d.platform != "cpu"]
+    if limits and all(limits):
+        return int(sum(limits)), f"all {len(limits)} {jax.devices()[0].device_kind} devices together"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+
+
+def check_capacity(config: RunConfig, model_config, *, capacity: tuple[int, str] | None = None) -> None:
+    """Refuse, before XLA is asked to allocate it, a batch whose sampler needs more memory than every
+    device together holds: a lower bound (the keys and values of every sequence at full length, and
+    one step's logits) that XLA could only meet by aborting the process."""
+    s, d, m = config.sampling, config.data, model_config
+    rows = d.prompts_per_step * s.group_size
+    tokens = d.max_prompt_tokens + s.max_new_tokens
+    itemsize = {"float32": 4, "bfloat16": 2}[config.model.dtype if config.model else "float32"]
+    kv = rows * tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * itemsize
+    if s.kv_cache_bytes:  # a paged pool of this size holds what fits of them at once
+        kv = min(kv, s.kv_cache_bytes * max(len(jax.devices()), 1))
+    logits = rows * m.vocab_size * 4
+    total, where = capacity or device_memory_bytes()
+    if kv + logits > total:
+        gib = 2**30
+        raise ConfigError(
+            f"this batch cannot fit: data.prompts_per_step {d.prompts_per_step} x sampling.group_size {s.group_size} "
+            f"= {rows:,} sequences of up to {tokens} tokens need at least {(kv + logits) / gib:,.1f} GiB for their "
+            f"keys and values ({kv / gib:,.1f} GiB) and one step's logits ({logits / gib:,.1f} GiB), more than the "
+            f"{total / gib:,.1f} GiB of {where}; lower sampling.group_size, data.prompts_per_step or the lengths")

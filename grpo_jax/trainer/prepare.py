@@ -21,6 +21,7 @@ from grpo_jax.config import ConfigError, ModelConfig, RunConfig, SamplingConfig,
 from grpo_jax.data.stream import PromptStream
 from grpo_jax.engine.sampling import greedy_completions
 from grpo_jax.models import Transformer, TransformerConfig, config_to_hf, load_config
+from grpo_jax.models.hf import TensorReader
 from grpo_jax.models.build import architecture, build_tokenizer
 from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.lora import add_adapters
@@ -29,7 +30,7 @@ from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.episodes.episode import EpisodeLimits
 from grpo_jax.env.registry import environment_factory
 from grpo_jax.episodes.runner import EpisodeRunner
-from grpo_jax.runtime.devices import check_devices, run_mesh, sampler_mesh
+from grpo_jax.runtime.devices import check_capacity, check_devices, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import rows_per_shard
 from grpo_jax.runtime.storage import is_remote
@@ -131,6 +132,8 @@ def prepare(config: RunConfig) -> Prepared:
                           "GRPO needs sampling, use a temperature > 0")
     check_devices(config)
     tokenizer, model_config = _model_inputs(config.model)
+    check_capacity(config, model_config)
+    check_chat_template(tokenizer, config.data)
     side = {"distill.teacher": config.distill.teacher if config.algorithm == "distill" else None,
             "ppo.critic_path": config.ppo.critic_path if config.algorithm == "ppo" else None}
     side_notes = []
@@ -186,6 +189,8 @@ def _model_inputs(cfg: ModelConfig) -> tuple[Any, TransformerConfig]:
         local = not is_gguf(cfg.path) and not is_remote(cfg.path)
         if local and not any(Path(cfg.path).glob("*.safetensors")):
             raise FileNotFoundError(f"model.path {cfg.path!r} has no *.safetensors weights")
+        if local:
+            TensorReader(Path(cfg.path)).close()  # every weight file's header: a truncated download fails here
     tokenizer = build_tokenizer(cfg)
     if cfg.path is None:
         model_config = architecture(cfg.architecture, tokenizer)
@@ -193,6 +198,18 @@ def _model_inputs(cfg: ModelConfig) -> tuple[Any, TransformerConfig]:
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
                           f"{model_config.vocab_size}; use the model's own tokenizer")
     return tokenizer, model_config
+
+
+def check_chat_template(tokenizer, d) -> None:
+    """The tokenizer's chat template renders a one-message chat (a template with a syntax error, or
+    one that raises, is a config error here rather than a skipped row each time)."""
+    if d.chat_template == "never" or not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja's errors (TemplateSyntaxError, TemplateError, ...) vary
+        raise ConfigError(f"the chat template fails to render a one-message chat: {type(e).__name__}: {e}; fix "
+                          "model.chat_template (or the tokenizer's), or set data.chat_template: never") from None
 
 
 def _streams(config: RunConfig, tokenizer, mesh: Mesh, notes: list[str]) -> dict[str, Any]:

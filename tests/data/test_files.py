@@ -202,3 +202,15 @@ def test_each_format_trains_two_steps_counting_its_malformed_rows(tmp_path, kind
     last = read_metrics(tmp_path / "run")[-1]
     assert last["data/skipped_rows"] == last["data/skipped_malformed"] > 0, last
     assert last[f"reward/{tmp_path}/my_rewards.py:difficulty_bonus/mean"] > 0
+
+
+def test_a_chat_the_template_refuses_costs_only_its_row():
+    tok = char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}"
+                         "{% endif %}{{ m.content }};{% endfor %}")
+    fmt = PromptFormatter(tok, template=None, messages_field="chat", max_prompt_tokens=32)
+    assert fmt.encode({"chat": [{"role": "user", "content": "1+1="}]}).text == "1+1=;"
+    assert fmt.encode({"chat": [{"role": "system", "content": "x"}, {"role": "user", "content": "2+2="}]}) is None
+    assert fmt.last_skip_reason == "the chat template failed on the row: TemplateError: no system role"
+    assert fmt.encode({"chat": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) is None
+    assert "ends with an assistant turn" in fmt.last_skip_reason and fmt.stats["skipped_malformed"] == 2
