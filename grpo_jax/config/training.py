@@ -195,7 +195,8 @@ class LogConfig:
     reward, accuracy, KL, tokens/s, seconds per step and ETA (0: none; a terminal gets the progress
     bar instead). `wandb`: Weights & Biases, the keyword arguments of `wandb.init` (project, entity,
     name, tags, mode: `offline` writes RUN_DIR/wandb for `wandb sync`); null: off. `mlflow`: MLflow,
-    `{tracking_uri, experiment, run_name}` (tracking_uri `file:RUN_DIR/mlruns` when not given); null: off.
+    `{tracking_uri, experiment, run_name}` (when not given: SQLite in RUN_DIR/mlflow.db, artifacts in
+    RUN_DIR/mlflow_artifacts); null: off.
     """
 
     every: int = 1

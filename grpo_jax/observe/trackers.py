@@ -99,7 +99,9 @@ class MlflowTracker(Tracker):
         self._client = client = MlflowClient(tracking_uri=uri)
         experiment = options.get("experiment", "grpo_jax")
         found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        # With the default store, artifacts (the config) go beside it, not into the working directory.
+        artifacts = None if options.get("tracking_uri") else (run_dir / "mlflow_artifacts").resolve().as_uri()
+        experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifacts)
         saved = run_dir / "mlflow_run_id"
         if saved.exists():  # a resumed run continues its MLflow run
             self._run_id = saved.read_text().strip()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import datasets
 import pytest
@@ -179,6 +180,7 @@ def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tm
     history = client.get_metric_history((tmp_path / "run" / "mlflow_run_id").read_text(), "data/skipped_rows")
     assert [(m.step, m.value) for m in history] == [(r["step"], r["data/skipped_rows"])
                                                    for r in read_metrics(tmp_path / "run") if "data/skipped_rows" in r]
+    assert (tmp_path / "run" / "mlflow_artifacts").is_dir() and not Path("mlruns").exists()  # nothing in the cwd
     (wandb_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"data/skipped_rows" in wandb_file.read_bytes()
     # A file of nothing but bad rows: one line, exit 2, before any model loads; no run directory.
