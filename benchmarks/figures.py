@@ -27,7 +27,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md")
-BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures:(?P=name) -->)", re.S)
+# A block's markers may be indented (inside a list item): its lines get the same indent.
+BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+                   r"(?P<close>^(?P=indent)<!-- /figures:(?P=name) -->)", re.S | re.M)
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -91,7 +93,93 @@ def render_toc() -> str:
     return "\n".join(["**Contents**", "", *lines]) + "\n"
 
 
+def render_tools() -> str:
+    """The tool demos: held-out accuracy before and after GRPO, with and without the tool."""
+    def acc(name: str) -> str:
+        e = _evals(RESULTS / "tools" / name / "metrics.jsonl")
+        return f"{e[0]['eval/accuracy']:.3f} -> **{e[-1]['eval/accuracy']:.3f}**"
+
+    steps = {n: _evals(RESULTS / "tools" / n / "metrics.jsonl")[-1]["step"] for n in ("tools", "smol_tools")}
+    return ("| demo | with the tool | without (same warm start rows and steps, same GRPO steps) |\n|---|---|---|\n"
+            f"| `configs/demo_cpu_tools.yaml`: the tiny char model, 4-digit sums and products, {steps['tools']} steps "
+            f"| {acc('tools')} | {acc('no_tools')} |\n"
+            f"| `configs/smollm2_135m_tools_cpu.yaml`: SmolLM2-135M-Instruct, word problems, {steps['smol_tools']} steps "
+            f"| {acc('smol_tools')} | {acc('smol_no_tools')} |\n\n"
+            "(runs: `benchmarks/results/tools/{tools,no_tools,smol_tools,smol_no_tools}/`)\n")
+
+
+def render_paged() -> str:
+    """The paged engine's headline figures (README "Sampling")."""
+    d = RESULTS / "engine_paged"
+    static = json.loads((d / "memory" / "sampler_16k_static.json").read_text())["programs"]["sampler"]
+    paged = json.loads((d / "memory" / "sampler_16k_paged.json").read_text())
+    tail, fixed = (json.loads((d / f).read_text()) for f in ("long_tail.json", "peers.json"))
+    held = tail["engines"]["paged"]["concurrent_sequences"] / tail["engines"]["continuous"]["concurrent_sequences"]
+    lt, fx, gib = tail["ratios"], fixed["ratios"], 2**30
+    return (f"once (long completions on a chip): Qwen3-0.6B's 16k-token sampler on a v5e-8 needs "
+            f"{static['required_bytes'] / gib:.2f} GiB of\ncache per chip with the static engine and compiles in "
+            f"{paged['peak_bytes'] / gib:.2f} GiB with an 8 GiB pool. On this CPU,\n"
+            f"where a decode step costs in proportion to its slots, it held {held:.1f}x the sequences at once at the\n"
+            f"continuous engine's bytes but ran {lt['paged_vs_continuous']:.2f}x its speed on a long tail "
+            f"({lt['paged_vs_static_batched']:.2f}x the static engine in\nbatches), and matched static on fixed lengths "
+            "(\"Paged engine\" in `benchmarks/RESULTS.md`; `benchmarks/results/engine_paged/`).\n"
+            "Multi-turn episodes (below) and one-pass over-sampling run on it too. It is the default because it\n"
+            f"is at least as fast as `static` on both the fixed-length and the long-tailed workloads "
+            f"({fx['paged_vs_static_batched']:.2f}x and\n{lt['paged_vs_static_batched']:.2f}x the static engine in "
+            f"batches, {fx['paged_vs_static_all']:.2f}x and {lt['paged_vs_static_all']:.2f}x with every row at once).\n")
+
+
+def _engine_label(key: str, e: dict, w: dict) -> str:
+    rows, slots = w["rows"], w.get("slots") or w["rows"]
+    paging, settings = e.get("paging") or {}, e.get("settings") or {}
+    lockstep = ": lock-step" if (paging.get("slots") or slots) >= rows else ""
+    return {"static_batched": f"static batched ({rows // slots} x {slots} rows)" if slots < rows else "static batched (= all)",
+            "static_all": f"static all ({rows} rows)",
+            "continuous": f"continuous ({slots} slots{lockstep})",
+            "paged": f"paged ({paging.get('slots')} slots{lockstep or ', pages of ' + str(paging.get('page_size'))})",
+            "transformers_cb": f"transformers `generate_batch` ({settings.get('max_requests_per_batch')} requests, "
+                               f"{settings.get('num_blocks')} pages of {settings.get('page_size')})",
+            "transformers_generate": f"transformers `generate` ({rows} rows)"}.get(key, key)
+
+
+def _engine_rows(path: Path, workload: str) -> list[str]:
+    """One table row per engine of a `grpo-jax bench engine` result (its own sizing of transformers' left out)."""
+    data = json.loads(path.read_text())
+    w, engines = data["workload"], {k: v for k, v in data["engines"].items() if k != "transformers_cb_auto"}
+    best = max(e["useful_tokens_per_s"] for k, e in engines.items() if not k.startswith("transformers"))
+    rows = []
+    for i, (key, e) in enumerate(engines.items()):
+        paging = e.get("paging")
+        kv = e["kv_cache_bytes"]["total"] if isinstance(e["kv_cache_bytes"], dict) else e["kv_cache_bytes"]
+        lockstep = paging and paging["slots"] >= w["rows"]
+        pages = ("" if not paging else "none (no pages)" if lockstep
+                 else f"{paging['pages_used_frac']:.0%} / {paging['pages_peak_frac']:.0%}")
+        rate = f"{e['useful_tokens_per_s']:,.0f}"
+        cells = [workload if i == 0 else "", _engine_label(key, e, w), f"{e['wall_s']:.2f} ({e['wall_s_min']:.2f})",
+                 f"**{rate}**" if e["useful_tokens_per_s"] == best else rate,
+                 "" if e["slot_utilisation"] is None else f"{e['slot_utilisation']:.1%}".replace("100.0%", "100%"),
+                 "" if e["draw_steps"] is None else f"{e['draw_steps']:,}",
+                 "" if e["concurrent_sequences"] is None else f"{e['concurrent_sequences']:g}",
+                 "" if kv is None else f"{kv / 2**20:.0f}", pages, "" if not paging else str(paging["preemptions"])]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def render_engine_paged() -> str:
+    """RESULTS.md's paged-engine table: the long tail and the fixed-length peers' workload."""
+    d = RESULTS / "engine_paged"
+    tail, fixed = (json.loads((d / f).read_text())["workload"] for f in ("long_tail.json", "peers.json"))
+    head = ["| workload | engine | wall s (fastest) | useful tok/s | slot util. | draw steps | in flight (mean) | "
+            "KV MiB | pages used / peak | preemptions |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    return "\n".join(head + _engine_rows(d / "long_tail.json", f"long tail ({tail['rows']} seqs, M "
+                                                                 f"{tail['max_new_tokens']})")
+                     + _engine_rows(d / "peers.json", f"fixed {fixed['max_new_tokens']} ({fixed['rows']} rows)")) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "engine-paged": render_engine_paged,
+    "tools": render_tools,
+    "paged": render_paged,
     "toc": render_toc,
     "quickstart": render_quickstart,
     "ci": render_ci,
@@ -107,10 +195,11 @@ def rewrite(text: str, where: str) -> tuple[str, list[str]]:
         name = m.group("name")
         if name not in BLOCKS:
             raise SystemExit(f"{where}: block {name!r} has no render function in benchmarks/figures.py")
-        body = BLOCKS[name]()
+        body = "".join(m.group("indent") + line if line.strip() else line
+                       for line in BLOCKS[name]().splitlines(keepends=True))
         if body != m.group("body"):
             changed.append(name)
-        return m.group(1) + body + m.group(4)
+        return m.group("indent") + m.group("open") + body + m.group("close")
 
     return BLOCK.sub(fill, text), changed
 

@@ -20,7 +20,10 @@ def test_every_figure_block_is_what_its_result_files_give(capsys):
     figures = _figures()
     assert figures.main(["--check"]) == 0, capsys.readouterr().err
     readme = (ROOT / "README.md").read_text()
-    assert {m.group("name") for m in figures.BLOCK.finditer(readme)} >= {"toc", "quickstart", "ci", "lora-demo"}
+    assert {m.group("name") for m in figures.BLOCK.finditer(readme)} >= {"toc", "quickstart", "ci", "lora-demo",
+                                                                         "tools", "paged"}
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert {m.group("name") for m in figures.BLOCK.finditer(results)} >= {"engine-paged"}
 
 
 def test_a_figure_edited_by_hand_is_found():
