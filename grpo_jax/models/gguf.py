@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from grpo_jax.config import ConfigError
 from grpo_jax.runtime.storage import cache_dir
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -389,8 +390,6 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     try:
         reader = GGUFReader(str(path))
     except (ValueError, IndexError, KeyError, OSError) as e:  # gguf's reader on a cut file: a reshape or index error
-        from grpo_jax.config import ConfigError
-
         raise ConfigError(f"GGUF file {path} ({path.stat().st_size:,} bytes) cannot be read ({type(e).__name__}: "
                           f"{e}); a truncated or damaged download? fetch it again") from None
     config = hf_config(reader)
