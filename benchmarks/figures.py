@@ -176,7 +176,79 @@ def render_engine_paged() -> str:
                      + _engine_rows(d / "peers.json", f"fixed {fixed['max_new_tokens']} ({fixed['rows']} rows)")) + "\n"
 
 
+def _lora_bench() -> dict[str, dict]:
+    """The LoRA benchmark (results/lora): per kind (full, lora), the median over its three runs of each
+    run's medians, and the first run's memory accounting."""
+    import statistics
+
+    out = {}
+    for kind in ("full", "lora"):
+        runs = [json.loads(p.read_text()) for p in sorted((RESULTS / "lora").glob(f"cpu_grpo_step_{kind}_*.json"))]
+        out[kind] = {k: statistics.median(r[k] for r in runs)
+                     for k in ("step_s_median", "sample_s_median", "ref_s_median", "train_s_median")}
+        out[kind]["memory"] = runs[0]["memory"]
+    return out
+
+
+def render_lora_speed() -> str:
+    b = _lora_bench()
+    full, lora = b["full"], b["lora"]
+    share = lora["memory"]["trainable_params_bytes"] / lora["memory"]["frozen_params_bytes"]
+    step = lora["step_s_median"] / full["step_s_median"]
+    update = lora["train_s_median"] / full["train_s_median"]
+    return (f"On the benchmark workload (`benchmarks/RESULTS.md`, `benchmarks/results/lora/`) rank-16 adapters make the "
+            f"update {1 - update:.0%} faster\nand the step {1 - step:.0%}; the state is {1 + 3 * share:.2f} copies of the "
+            "weights' size against 4 for a full fine-tune with\na KL reference (the reference copy alone is one of them: "
+            f"{full['memory']['reference_params_bytes'] / 1e6:.1f} MB there, 5.0 GB for a 1.24B model).\n")
+
+
+def render_lora_table() -> str:
+    b = _lora_bench()
+    full, lora = b["full"], b["lora"]
+    fm, lm = full["memory"], lora["memory"]
+    rows = [("step s (median of the 3 runs' medians)", "step_s_median"), ("sampling s", "sample_s_median"),
+            ("reference log-probs s", "ref_s_median"), ("update s", "train_s_median")]
+    lines = ["| | full | LoRA r16 | LoRA / full |", "|---|---|---|---|"]
+    lines += [f"| {label} | {full[k]:.2f} | {lora[k]:.2f} | {lora[k] / full[k]:.2f} |" for label, k in rows]
+    mb = lambda n: f"{n / 1e6:.3g} MB"  # noqa: E731
+    lines += [f"| trainable parameters | {mb(fm['trainable_params_bytes'])} | {mb(lm['trainable_params_bytes'])} | "
+              f"{lm['trainable_params_bytes'] / fm['trainable_params_bytes']:.3f} |",
+              f"| AdamW state | {mb(fm['optimizer_state_bytes'])} | {mb(lm['optimizer_state_bytes'])} | "
+              f"{lm['optimizer_state_bytes'] / fm['optimizer_state_bytes']:.3f} |",
+              f"| KL reference copy | {mb(fm['reference_params_bytes'])} | 0 (the frozen base, adapters off) | 0 |",
+              f"| peak RSS of the process | {fm['peak_rss_bytes'] / 1e9:.2f} GB | {lm['peak_rss_bytes'] / 1e9:.2f} GB | "
+              f"{lm['peak_rss_bytes'] / fm['peak_rss_bytes']:.2f} |"]
+    return "\n".join(lines) + "\n"
+
+
+def render_chunked() -> str:
+    """README "Long sequences": the chunked attention's speed against XLA's at the longest length measured."""
+    rows = json.loads((RESULTS / "attention" / "cpu.json").read_text())["rows"]
+    top = max(rows, key=lambda r: r["tokens"])
+    diff = max(c["max_abs_diff"] for r in rows for c in r["chunked"].values())
+    return ("- `chunked`: flash-style online softmax in pure JAX with its own backward pass, O(T x block)\n"
+            f"  memory, on any backend (on CPU {top['best_speedup_vs_xla']:.1f}x faster than `xla` at {top['tokens']:,} "
+            f"tokens, results within {diff:.0e}:\n  `benchmarks/results/attention/cpu.json`);\n")
+
+
+def render_packing() -> str:
+    """README "Long sequences": packed against padded, the update and the whole step, over the pairs of runs."""
+    ratios = []
+    for padded in sorted((RESULTS / "packing").glob("packing_false*.json")):
+        packed = json.loads(padded.with_name(padded.name.replace("false", "true")).read_text())
+        padded = json.loads(padded.read_text())
+        ratios.append((padded["train_s_median"] / packed["train_s_median"], padded["step_s_median"] / packed["step_s_median"]))
+    update, step = sorted(r[0] for r in ratios), sorted(r[1] for r in ratios)
+    return ("(`benchmarks/configs/grpo_long_tail.yaml`) the update ran "
+            f"{update[0]:.2f}-{update[-1]:.2f}x and the whole step\n{step[0]:.2f}-{step[-1]:.2f}x faster over "
+            f"{len(ratios)} pairs of runs (the machine's noise is that wide; RESULTS.md, `benchmarks/results/packing/`).\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "chunked": render_chunked,
+    "packing": render_packing,
+    "lora-speed": render_lora_speed,
+    "lora-table": render_lora_table,
     "engine-paged": render_engine_paged,
     "tools": render_tools,
     "paged": render_paged,
