@@ -244,7 +244,20 @@ def render_packing() -> str:
             f"{len(ratios)} pairs of runs (the machine's noise is that wide; RESULTS.md, `benchmarks/results/packing/`).\n")
 
 
+def render_pipeline() -> str:
+    """README "Rollouts on their own devices": the split and stale layout against shared and synchronous."""
+    runs = {r["name"]: r for r in json.loads((RESULTS / "pipeline" / "peers" / "summary.json").read_text())}
+    base, split, both = runs["shared_k0"], runs["split_k0"], runs["split_k1"]
+    return ("Measured on 2 cores with 8 emulated devices (`benchmarks/RESULTS.md`, \"Pipelined runs\";\n"
+            "`benchmarks/results/pipeline/peers/summary.json`): the peers' workload with the sampler on 4 devices and the "
+            f"learner on 4, one step stale, ran {base['step_s'] / both['step_s']:.2f}x the\nsteps per second of all 8 "
+            f"shared and synchronous ({base['step_s'] / split['step_s']:.2f}x from the split alone, "
+            f"{split['step_s'] / both['step_s']:.2f}x more from the\noverlap), the weight copy "
+            f"{both['weight_sync_s'] * 1e3:.0f} ms ({both['weight_sync_s'] / both['step_s']:.1%} of a step).\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "pipeline": render_pipeline,
     "chunked": render_chunked,
     "packing": render_packing,
     "lora-speed": render_lora_speed,
