@@ -256,7 +256,26 @@ def render_pipeline() -> str:
             f"{both['weight_sync_s'] * 1e3:.0f} ms ({both['weight_sync_s'] / both['step_s']:.1%} of a step).\n")
 
 
+def render_engine_paged_gpu() -> str:
+    """RESULTS.md: the engines on a lent NVIDIA H200 (results/engine_paged/gpu)."""
+    d = RESULTS / "engine_paged" / "gpu"
+    lines = ["| workload (H200, jax " + json.loads((d / "long_tail_gpu.json").read_text())["jax_version"] + ") | "
+             "static batched tok/s | static all tok/s | continuous tok/s | paged tok/s (in flight) | "
+             "paged / continuous | paged / static batched |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, label in (("long_tail_gpu", "long tail, 4 layers, hidden 256"),
+                        ("long_tail_gpu_h1024", "long tail, 8 layers, hidden 1024"),
+                        ("peers_gpu", "fixed 128 (64 rows), 4 layers, hidden 256")):
+        data = json.loads((d / f"{name}.json").read_text())
+        e, r = data["engines"], data["ratios"]
+        lines.append(f"| {label} | {e['static_batched']['useful_tokens_per_s']:,.0f} | "
+                     f"{e['static_all']['useful_tokens_per_s']:,.0f} | {e['continuous']['useful_tokens_per_s']:,.0f} | "
+                     f"{e['paged']['useful_tokens_per_s']:,.0f} ({e['paged']['concurrent_sequences']:g}) | "
+                     f"**{r['paged_vs_continuous']:.2f}x** | {r['paged_vs_static_batched']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "engine-paged-gpu": render_engine_paged_gpu,
     "pipeline": render_pipeline,
     "chunked": render_chunked,
     "packing": render_packing,
