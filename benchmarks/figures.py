@@ -142,7 +142,7 @@ def _engine_label(key: str, e: dict, w: dict) -> str:
             "transformers_generate": f"transformers `generate` ({rows} rows)"}.get(key, key)
 
 
-def _engine_rows(path: Path, workload: str) -> list[str]:
+def _engine_rows(path: Path, workload: str | None, *, rate: str = ",.0f", prefill: bool = False) -> list[str]:
     """One table row per engine of a `grpo-jax bench engine` result (its own sizing of transformers' left out)."""
     data = json.loads(path.read_text())
     w, engines = data["workload"], {k: v for k, v in data["engines"].items() if k != "transformers_cb_auto"}
@@ -154,13 +154,14 @@ def _engine_rows(path: Path, workload: str) -> list[str]:
         lockstep = paging and paging["slots"] >= w["rows"]
         pages = ("" if not paging else "none (no pages)" if lockstep
                  else f"{paging['pages_used_frac']:.0%} / {paging['pages_peak_frac']:.0%}")
-        rate = f"{e['useful_tokens_per_s']:,.0f}"
+        tps = format(e["useful_tokens_per_s"], rate)
         cells = [workload if i == 0 else "", _engine_label(key, e, w), f"{e['wall_s']:.2f} ({e['wall_s_min']:.2f})",
-                 f"**{rate}**" if e["useful_tokens_per_s"] == best else rate,
+                 f"**{tps}**" if e["useful_tokens_per_s"] == best else tps,
                  "" if e["slot_utilisation"] is None else f"{e['slot_utilisation']:.1%}".replace("100.0%", "100%"),
                  "" if e["draw_steps"] is None else f"{e['draw_steps']:,}",
                  "" if e["concurrent_sequences"] is None else f"{e['concurrent_sequences']:g}",
                  "" if kv is None else f"{kv / 2**20:.0f}", pages, "" if not paging else str(paging["preemptions"])]
+        cells = cells[workload is None:] + ([f"{e['prefill_s']:.2f}"] if prefill else [])
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -274,7 +275,16 @@ def render_engine_paged_gpu() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_engine_smollm2() -> str:
+    """RESULTS.md's real-run table: the engines on SmolLM2-135M-Instruct (results/engine_paged/smollm2.json)."""
+    head = ["| engine | wall s (fastest) | useful tok/s | slot util. | draw steps | in flight (mean) | KV MiB | "
+            "pages used / peak | preemptions | prefill s |", "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    return "\n".join(head + _engine_rows(RESULTS / "engine_paged" / "smollm2.json", None, rate=".1f",
+                                          prefill=True)) + "\n"
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "engine-smollm2": render_engine_smollm2,
     "engine-paged-gpu": render_engine_paged_gpu,
     "pipeline": render_pipeline,
     "chunked": render_chunked,
