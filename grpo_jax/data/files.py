@@ -167,15 +167,13 @@ def _read_directory(path: Path, key: str) -> Any:
 
 
 def _split_of(data: Any, split: str, where: str) -> FileSource:
-    """One named split of a DatasetDict or TFDS builder, or a whole Dataset."""
+    """One named split of a DatasetDict or a TFDS builder (the datasets with named splits)."""
     import datasets
 
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
             raise ValueError(f"{where} has no split {split!r}; its splits: {sorted(data)}")
         return FileSource(data[split], name=where, split=split, columns=data[split].column_names)
-    if isinstance(data, (datasets.Dataset, _JsonRows)) or not hasattr(data, "as_data_source"):
-        return FileSource(data, name=where, split=split, columns=getattr(data, "column_names", ()))
     if split.split("[", 1)[0] not in data.info.splits:
         raise ValueError(f"{where} has no split {split!r}; its splits: {sorted(data.info.splits)}")
     try:

@@ -118,16 +118,19 @@ def device_memory_bytes() -> tuple[int, str]:
 
 def check_capacity(config: RunConfig, model_config, *, capacity: tuple[int, str] | None = None) -> None:
     """Refuse, before XLA is asked to allocate it, a batch whose sampler needs more memory than every
-    device together holds: a lower bound (the keys and values of every sequence at full length, and
-    one step's logits) that XLA could only meet by aborting the process."""
+    device together holds: a lower bound (the keys and values of the sequences decoding at once at
+    full length, and one step's logits) that XLA could only meet by aborting the process. A lower
+    bound whatever the mesh: the continuous and paged engines decode at least `slots` rows at once
+    (per row shard, of which there is at least one), a paged pool holds at least `kv_cache_bytes`."""
     s, d, m = config.sampling, config.data, model_config
     rows = d.prompts_per_step * s.group_size
+    held = min(rows, s.slots) if s.engine != "static" and s.slots else rows  # rows decoding at once
     tokens = d.max_prompt_tokens + s.max_new_tokens
     itemsize = {"float32": 4, "bfloat16": 2}[config.model.dtype if config.model else "float32"]
-    kv = rows * tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * itemsize
-    if s.kv_cache_bytes:  # a paged pool of this size holds what fits of them at once
-        kv = min(kv, s.kv_cache_bytes * max(len(jax.devices()), 1))
-    logits = rows * m.vocab_size * 4
+    kv = held * tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * itemsize
+    if s.engine == "paged" and s.kv_cache_bytes:  # the pool holds what fits of them at once
+        kv = min(kv, s.kv_cache_bytes)
+    logits = held * m.vocab_size * 4
     total, where = capacity or device_memory_bytes()
     if kv + logits > total:
         gib = 2**30

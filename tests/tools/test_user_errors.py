@@ -4,6 +4,7 @@ file, a chat template that does not render, a Hugging Face Hub ID as model.path.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import tempfile
@@ -77,3 +78,10 @@ def test_the_capacity_check_counts_what_the_sampler_holds():
     check_capacity(config, model_config, capacity=(need, "a device"))
     with pytest.raises(ValueError, match="more than the 0.0 GiB of a device"):
         check_capacity(config, model_config, capacity=(need - 1, "a device"))
+    # With 16 slots the engine decodes 16 rows at once, not 256: the bound is theirs, and a static
+    # engine, which decodes every row at once, is still held to all of them.
+    slots = dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, slots=16))
+    check_capacity(slots, model_config, capacity=(need // 16, "a device"))
+    static = dataclasses.replace(slots, sampling=dataclasses.replace(slots.sampling, engine="static"))
+    with pytest.raises(ValueError, match="cannot fit"):
+        check_capacity(static, model_config, capacity=(need // 16, "a device"))
