@@ -10,7 +10,8 @@ A figure block is marked in the Markdown, and everything between its markers is 
 exits 1 naming each block whose text differs from what its files give (tests/test_figures.py runs
 it, so a figure edited by hand, or a result file replaced without rerunning this, fails CI). To add
 a figure: commit its result file, add a render function to BLOCKS, put the markers where it goes,
-run the script.
+run the script. Render functions for more parts live in benchmarks/figure_blocks/ (one module
+per part, each with its own BLOCKS).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from figure_blocks import all_blocks  # noqa: E402  (benchmarks/figure_blocks: the other render functions)
+
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md")
 # A block's markers may be indented (inside a list item): its lines get the same indent.
@@ -299,6 +303,9 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "ci": render_ci,
     "lora-demo": render_lora_demo,
 }
+if clash := set(BLOCKS) & set(all_blocks()):
+    raise SystemExit(f"figure blocks defined twice: {sorted(clash)}")
+BLOCKS.update(all_blocks())
 
 
 def rewrite(text: str, where: str) -> tuple[str, list[str]]:
