@@ -12,11 +12,11 @@ from typing import Any, TextIO
 from grpo_jax.observe.writers import Closing, format_value
 
 
-def _first(metrics: Mapping[str, Any], keys: Sequence[str]) -> Any:
-    for k in keys:
-        if k in metrics:
-            return metrics[k]
-    return None
+# (label, metric keys: the first present is shown, kept: whether a step without them shows the last
+# value (a held-out accuracy, measured every eval.every steps) rather than `-`).
+POLICY_FIELDS = (("reward", ("reward/mean",), False), ("acc", ("eval/accuracy",), True),
+                 ("kl", ("kl/k3", "kl/k1"), False),
+                 ("tok/s", ("perf/sample_tokens_per_s", "perf/train_tokens_per_s"), False))
 
 
 class ProgressBar(Closing):
@@ -27,12 +27,14 @@ class ProgressBar(Closing):
     (`step 40/400 | reward 0.412 | acc 0.520 | kl 0.0031 | tok/s 1,234 | 3.21 s/step | ETA 0:19:16`;
     `every=0`: none). Seconds per step are the mean of the last ten steps' wall time; the ETA is
     that times the steps left. `update` never raises on missing or NaN metrics: they are shown as
-    `-` and `nan`. `start`: the metrics known before the first update (an evaluation's).
+    `-` and `nan`. `start`: the metrics known before the first update (an evaluation's). `fields`:
+    what is shown, as (label, metric keys, kept) (default: a policy run's, POLICY_FIELDS).
     """
 
     def __init__(self, total_steps: int, *, enabled: bool = True, initial: int = 0,
                  file: TextIO | None = None, tty_only: bool = True, every: int = 1,
-                 start: Mapping[str, Any] | None = None):
+                 start: Mapping[str, Any] | None = None,
+                 fields: Sequence[tuple[str, Sequence[str], bool]] = POLICY_FIELDS):
         if total_steps < 0 or not 0 <= initial <= total_steps:
             raise ValueError(f"need 0 <= initial ({initial}) <= total_steps ({total_steps})")
         file = sys.stderr if file is None else file
@@ -45,7 +47,8 @@ class ProgressBar(Closing):
         self._file, self._every, self._total, self._n = file, int(every), total_steps, initial
         self._times: list[float] = []
         self._last = time.perf_counter()
-        self._accuracy: Any = None
+        self._spec = tuple((label, tuple(keys), bool(kept)) for label, keys, kept in fields)
+        self._shown: dict[str, Any] = {}
         self._fields(start or {})  # the metrics before the first step (the step-0 evaluation's accuracy)
         self._bar = None
         if self.enabled:
@@ -56,11 +59,11 @@ class ProgressBar(Closing):
                              dynamic_ncols=True, mininterval=0, leave=True)
 
     def _fields(self, metrics: Mapping[str, Any]) -> list[tuple[str, Any]]:
-        if "eval/accuracy" in metrics:
-            self._accuracy = metrics["eval/accuracy"]
-        return [("reward", _first(metrics, ("reward/mean",))), ("acc", self._accuracy),
-                ("kl", _first(metrics, ("kl/k3", "kl/k1"))),
-                ("tok/s", _first(metrics, ("perf/sample_tokens_per_s", "perf/train_tokens_per_s")))]
+        for label, keys, kept in self._spec:
+            present = [k for k in keys if k in metrics]
+            if present or not kept:
+                self._shown[label] = metrics[present[0]] if present else None
+        return [(label, self._shown.get(label)) for label, _, _ in self._spec]
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Move the bar to `step` (steps completed so far) and show the headline metrics."""

@@ -186,14 +186,16 @@ def _train(checkpointer: Checkpointer, saved: list[int], run: RMRun, signals: St
             signals.saved()
         return stop
 
-    with MetricsWriter(run.out) as writer, ProgressBar(t.steps, enabled=t.progress, initial=resumed or 0) as bar:
+    with MetricsWriter(run.out) as writer, ProgressBar(
+            t.steps, enabled=t.progress, initial=resumed or 0, start=last["eval"],
+            fields=(("loss", ("rm/loss",), False), ("acc", ("rm/accuracy",), False),
+                    ("held-out pairs", ("rm/pair_accuracy",), True))) as bar:
         if resumed is None:
             writer.write(0, last["eval"])
         else:
             writer.truncate_after(resumed)  # what the interrupted run wrote after its last checkpoint
         hooks = [Hook(evaluate, every=t.eval_every, at_last=True), Hook(lambda i: writer.write(i.step, i.metrics)),
-                 Hook(lambda i: bar.update(i.step, {"reward/mean": i.metrics["rm/accuracy"],
-                                                    "eval/accuracy": last["eval"]["rm/pair_accuracy"]})),
+                 Hook(lambda i: bar.update(i.step, {**i.metrics, **last["eval"]})),
                  Hook(save)]
         learner = PairLearner(run.train_step, max_consecutive_skips=t.max_consecutive_skips)
         state, stopped_at = run_steps(source, learner, state, range((resumed or 0) + 1, t.steps + 1), hooks)

@@ -250,3 +250,15 @@ def test_progress_is_off_when_asked_and_plain_lines_every_n_steps_off_a_terminal
         "step 5/5 | reward 0.5 | acc 0.25 | kl 0.01 | tok/s 2000 | 3.80 s/step | ETA 0:00:00"]
     with pytest.raises(ValueError, match="initial"):
         ProgressBar(5, initial=6)
+
+
+def test_progress_shows_the_fields_it_is_given():
+    """train-rm's line: its own loss and accuracy, the held-out pair accuracy kept between evaluations."""
+    out = io.StringIO()
+    fields = (("loss", ("rm/loss",), False), ("held-out pairs", ("rm/pair_accuracy",), True))
+    with ProgressBar(2, file=out, start={"rm/pair_accuracy": 0.5}, fields=fields) as bar:
+        bar.update(1, {"rm/loss": 0.69, "reward/mean": 1.0})
+        bar.update(2, {"rm/pair_accuracy": 0.75})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 1/2 | loss 0.69 | held-out pairs 0.5 | ") and "reward" not in lines[0]
+    assert lines[1].startswith("step 2/2 | loss - | held-out pairs 0.75 | ")
