@@ -37,7 +37,7 @@ def _update_rate(g: dict) -> float:
 def render_peers() -> str:
     """RESULTS.md "Whole GRPO step": the table of both runs, MFU, the peak's range and FLOPs per step
     (results/peers/, results/peers_64rows/; the peak's range also over results/peers_first/)."""
-    rows, faster = [], []
+    rows = []
     runs = {r: _peers(r) for r in ("peers", "peers_64rows")}
     for run, systems in runs.items():
         base, mb = systems["grpo_jax"]["step_s_median"], systems["grpo_jax"]["workload"]["micro_batch_rows"]
@@ -72,7 +72,7 @@ def render_history() -> str:
     """RESULTS.md "How the step got here": the first run of 2026-12-01 and the current one
     (results/peers_first/, results/peers/)."""
     rows = []
-    for run, when, what in (("peers_first", "2026-12-01, first runs (the second's files: `results/peers_first/`)",
+    for run, when, what in (("peers_first", "2026-12-01, first runs (the second of two: `results/peers_first/`)",
                              "prompt computed once per group (`train.shared_prompt`)"),
                             ("peers", "2026-12-01, this table", "16-row micro-batches, unrolled layers")):
         p = _peers(run)
