@@ -33,9 +33,9 @@ def _bold(s: str, on: bool) -> str:
     return f"**{s}**" if on else s
 
 
-def _table(head: list[str], rows: list[list[str]]) -> str:
+def _table(head: list[str], rows: list[list[str]], align: str | None = None) -> str:
     """figure_blocks.table with an empty cell written `| |`, as the docs write it."""
-    text = table(head, rows)
+    text = table(head, rows, align)
     while "|  |" in text:
         text = text.replace("|  |", "| |")
     return text
