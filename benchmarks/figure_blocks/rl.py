@@ -58,7 +58,7 @@ reward-model critic {vapo_rm}. With two updates per batch GRPO {grpo_mu2_mmm} ag
 [{cispo_mu2_lo}, {cispo_mu2_hi}]. No run collapsed (largest accuracy fall between evaluations {fall:.3f}){skipped}. Critic explained variance in the second half: PPO {ev_ppo}, VAPO {ev_vapo}, VAPO-RM {ev_vapo_rm}; at the
 end of the 50-step value warm-up {wu_vapo} and {wu_vapo_rm}: **the target of 0.3 after warm-up is not met**
 (why, and what was tried: stability.md). Gemma 3 270M (12 steps, 3 seeds, from about {g_start:.2f}):
-GRPO {g_grpo_mmm}, PPO with a head {g_ppo_mmm} (last on every seed), VAPO {g_vapo}
+GRPO {g_grpo_mmm}, PPO with a head {g_ppo_mmm} ({g_ppo_rank}), VAPO {g_vapo}
 [{g_vapo_lo}, {g_vapo_hi}] (first of the three on every seed, with a critic that explained nothing: EV {g_ev});
 DAPO {g_dapo} ({g_dapo_x:.0f}x the tokens), Dr. GRPO {g_dr_grpo}, CISPO (seed 0) {g_cispo} (= GRPO). Every seed:
 stability.md.
@@ -84,6 +84,13 @@ def render_stability_v2() -> str:
                g_ev=_f(g["vapo"]["explained_variance_late"]["mean"]),
                **{f"ev_{n}": _f(v[n]["explained_variance_late"]["mean"]) for n in ("ppo", "vapo", "vapo_rm")},
                **{f"wu_{n}": _f(v[n]["explained_variance_warmup_end"]["mean"], ".3f") for n in ("vapo", "vapo_rm")})
+    final = {(r["variant"], r["seed"]): r["eval_final"] for r in gs["runs"]}
+    seeds = sorted({n for _, n in final})
+    last = [n for n in seeds if final["ppo", n] == min(x for (_, m), x in final.items() if m == n)]
+    lowest = g["ppo"]["eval_final"]["mean"] == min(stat["eval_final"]["mean"] for stat in g.values())
+    out["g_ppo_rank"] = ("last on every seed" if last == seeds else
+                         f"last on seed{'s' * (len(last) > 1)} {' and '.join(map(str, last))}"
+                         + (", lowest on average" if lowest else ""))
     return _V2.format(**out)
 
 
