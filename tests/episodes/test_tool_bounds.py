@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from grpo_jax.data.tokenizer import char_tokenizer
 from grpo_jax.env.calculator import Calculator, CalculatorError, calculate, format_value
 from grpo_jax.episodes.episode import Episode, EpisodeLimits
+from grpo_jax.episodes.host import TagSearch
 
 HERMES = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -61,3 +63,45 @@ def test_json_arguments_that_break_the_parser_are_the_episodes_tool_error(call, 
         answers.append(ep.history[-1]["content"])
     assert answers[0].startswith("error: ") and error in answers[0], answers[0]
     assert answers[1] == "42"
+
+
+def tag_search_work(n: int, tag: str = "</tool_call>", every: int = 16) -> tuple[int, int]:
+    """A turn of `n` tokens that ends with `tag` (then tokens the model drew past it), searched as
+    the host does after each segment of `every` tokens -> (where the search put the turn's end,
+    the token ids it decoded)."""
+    text = ("x = 12 * 7 " * n)[:n - len(tag)] + tag + " and more"
+    tokens = np.asarray(TOK(text, add_special_tokens=False)["input_ids"])
+    search, end, t = TagSearch(TOK, tag), None, 0
+    while end is None:
+        t = min(len(tokens), t + every)
+        end = search.end(tokens, 0, t)
+    return end, search.decoded
+
+
+def test_the_tool_tag_search_does_work_linear_in_the_turns_length():
+    """The work counted (token ids decoded), not timed: 8 times the turn is about 8 times the work
+    (a search that decodes the turn at every poll, or each prefix at the end, does 64 times)."""
+    (end, small), (end8, large) = tag_search_work(512), tag_search_work(8 * 512)
+    assert (end, end8) == (512, 8 * 512)
+    assert large < 12 * small and large < 8 * (8 * 512), (small, large)
+
+
+@pytest.mark.parametrize("every", [1, 5, 64])
+def test_the_tool_tag_search_finds_the_fewest_tokens_holding_the_tag(every):
+    """Against the definition (the shortest prefix of the turn whose text holds the tag), for a
+    tag anywhere, written across polls, or absent; a new start is a new turn."""
+    tag, rng = "</calculator>", np.random.default_rng(every)
+    search = TagSearch(TOK, tag)
+    for trial in range(12):
+        text = "".join(rng.choice(list("<>/ calcutor12\n"), size=int(rng.integers(0, 80))))
+        at = int(rng.integers(0, len(text) + 1))
+        text = text[:at] + (tag if trial % 4 else "") + text[at:]
+        start = trial * 3  # tokens of earlier turns before this one's
+        tokens = np.asarray([7] * start + TOK(text, add_special_tokens=False)["input_ids"])
+        expected = next((start + k for k in range(1, len(tokens) - start + 1)
+                         if tag in TOK.decode(tokens[start:start + k].tolist(), skip_special_tokens=False)), None)
+        found, t = None, start
+        while found is None and t < len(tokens):
+            t = min(len(tokens), t + every)
+            found = search.end(tokens, start, t)
+        assert found == expected, (text, found, expected)
