@@ -73,6 +73,8 @@ def test_memory_outside_the_caps_fails_its_program_alone_and_scores_0():
     assert "[error: exit status 1]" in answer["content"] and "Function not implemented" in answer["content"]
     shared = run_sandboxed(textwrap.dedent(SHARED_MEMORY), timeout_s=20)  # on /dev/shm: the tmpfs caps it
     assert shared.status == "ok" and shared.stdout == "ok\n", shared
+    with pytest.raises(ValueError, match="max_procs must be >= 2"):
+        PythonTool(max_procs=1)
 
 
 @pytest.mark.skipif(memory_filter() is None, reason="no seccomp filter for this machine's ABI")
