@@ -6,8 +6,11 @@ call is the final answer, which the run's `rewards` score.
 The evaluator (`calculate`) parses with `ast` and walks an allow-list: numbers, + - * / // % **,
 unary + and -, parentheses. Everything else (names, attributes, calls, subscripts, strings,
 comparisons) is refused, and so are inputs over 200 characters, exponents whose result would pass
-10^100, and results past 10^300; nothing is ever `eval`-ed. Values are exact (fractions) and
-printed as integers or as decimals of up to 10 places.
+10^100, results past 10^300, and any value whose exact fraction would need more than 10,000 digits
+in its numerator or denominator (`(1.0000001 ** 10000) ** 10000` is near 1 but would take 7 * 10^8
+digits): sizes are bounded before a power is computed, so an evaluation takes milliseconds whatever
+the model writes. Nothing is ever `eval`-ed. Values are exact (fractions) and printed as integers
+or as decimals of up to 10 places.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from grpo_jax.env.tool_calls import ToolEnvironment
 MAX_EXPRESSION_CHARS = 200
 MAX_RESULT_DIGITS = 300
 MAX_POWER_DIGITS = 100
+MAX_EXACT_DIGITS = 10_000  # of a value's numerator or denominator: bounds the cost of every operation
+_MAX_EXACT_BITS = math.ceil(MAX_EXACT_DIGITS * math.log2(10))
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
@@ -39,6 +44,17 @@ def _digits(x: Fraction) -> float:
     return math.log10(abs(x.numerator)) - math.log10(x.denominator)
 
 
+def _bits(x: Fraction) -> int:
+    """The size of x's exact representation: the longer of its numerator and denominator, in bits."""
+    return max(x.numerator.bit_length(), x.denominator.bit_length())
+
+
+def _exact(x: Fraction) -> Fraction:
+    if _bits(x) > _MAX_EXACT_BITS:
+        raise CalculatorError(f"the exact value would have more than {MAX_EXACT_DIGITS} digits")
+    return x
+
+
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
     if exponent.denominator != 1:
         raise CalculatorError("only whole-number exponents are supported")
@@ -46,6 +62,8 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
         raise CalculatorError("division by zero")
     if abs(exponent) * max(abs(_digits(base)), 0.0) > MAX_POWER_DIGITS or abs(exponent) > 10_000:
         raise CalculatorError(f"the result of ** would have more than {MAX_POWER_DIGITS} digits")
+    if abs(exponent) * _bits(base) > _MAX_EXACT_BITS:  # checked before computing: the power is one long C call
+        raise CalculatorError(f"the exact result of ** would have more than {MAX_EXACT_DIGITS} digits")
     return base ** int(exponent)
 
 
@@ -69,7 +87,7 @@ def _value(node: ast.AST) -> Fraction:
             result = Fraction(_BINARY[type(node.op)](left, right))
         if _digits(result) > MAX_RESULT_DIGITS:
             raise CalculatorError(f"the result has more than {MAX_RESULT_DIGITS} digits")
-        return result
+        return _exact(result)
     raise CalculatorError(f"{type(node).__name__} is not allowed: numbers, + - * / // % ** and parentheses only")
 
 

@@ -36,6 +36,21 @@ class ToolCallError(ValueError):
     """A tool call the model wrote that cannot be run (the message is the tool's answer)."""
 
 
+def _json(text: str, what: str):
+    """`text` parsed as JSON, or ToolCallError saying why not: malformed JSON, brackets nested past
+    the parser's recursion limit (RecursionError) or an integer of more than 4,300 digits (Python's
+    limit on converting one: a ValueError that is not a JSONDecodeError). The model wrote it; any
+    text it writes is the episode's tool error, never an exception that leaves the episode."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"{what} is not JSON ({e.msg})") from None
+    except RecursionError:
+        raise ToolCallError(f"{what} nests brackets too deeply") from None
+    except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ToolCallError(f"{what} is not usable JSON ({str(e).split(';')[0]})") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolSpec:
     """One tool: its `name` (the tag, or the function's name), the single string `argument` its
@@ -78,19 +93,17 @@ class ToolSpec:
             return None
         end = completion.find(CALL_CLOSE, start)
         body = completion[start + len(CALL_OPEN):end if end >= 0 else len(completion)]
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            raise ToolCallError(f"the tool call is not JSON ({e.msg})") from None
+        call = _json(body, "the tool call")
         if not isinstance(call, dict) or call.get("name") != self.name:
             name = call.get("name") if isinstance(call, dict) else None
-            raise ToolCallError(f"unknown tool {name!r}; the tool is {self.name!r}")
+            shown = repr(name)[:100] if name is None or isinstance(name, str) else f"a JSON {type(name).__name__}"
+            raise ToolCallError(f"unknown tool {shown}; the tool is {self.name!r}")
         arguments = call.get("arguments")
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
+                arguments = _json(arguments, "the arguments")
+            except ToolCallError:
+                pass  # answered below: what the arguments must be
         if not isinstance(arguments, dict) or not isinstance(arguments.get(self.argument), str):
             raise ToolCallError(f"{self.name} takes {{\"{self.argument}\": <string>}} as its arguments")
         return arguments[self.argument]

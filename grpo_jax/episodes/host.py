@@ -74,6 +74,45 @@ class Target:
         (self.out.ep_rewind if self.by_episode else self.out.rewind)[self.z, self.k] = t
 
 
+class TagSearch:
+    """Where one episode's current turn first holds its environment's tool-call closing tag `tag`:
+    the fewest tokens from the turn's start whose text contains it. Polled after every segment,
+    it decodes only what is new since the last poll, with a margin of `window` tokens before it (a
+    tag written across two polls), so a turn's search costs work linear in its length: a whole
+    turn decoded at every poll, then each of its prefixes, was quadratic (seconds at 4k tokens).
+    `window`: tokens enough to hold the tag even at four tokens a character (byte-level pieces)."""
+
+    def __init__(self, tokenizer, tag: str):
+        self.tokenizer, self.tag = tokenizer, tag
+        self.window = 4 * len(tag) + 8
+        self.start = self.seen = -1
+        self.decoded = 0  # token ids decoded so far (the work; tests count it)
+
+    def _text(self, tokens, a: int, b: int) -> str:
+        self.decoded += b - a
+        return self.tokenizer.decode(tokens[a:b].tolist(), skip_special_tokens=False)
+
+    def end(self, tokens, start: int, t: int) -> int | None:
+        """The position just after the tag in `tokens` (the turn's first `t - start` tokens from
+        `start`), or None while the turn does not hold it. A new `start` is a new turn."""
+        if start != self.start:
+            self.start = self.seen = start
+        if t <= self.seen:
+            return None
+        lo = max(start, self.seen - self.window)
+        if self.tag not in self._text(tokens, lo, t):
+            self.seen = t
+            return None
+        without, within = self.seen, t  # the text of tokens[lo:within] holds the tag, that of [lo:without] not
+        while within - without > 1:
+            mid = (without + within) // 2
+            if self.tag in self._text(tokens, lo, mid):
+                within = mid
+            else:
+                without = mid
+        return within
+
+
 class EpisodeHost:
     """Per episode: where its current turn starts, the environment call in flight and the poll it
     started at, and for a parked episode its spot, its position and its answer waiting for a slot.
@@ -91,6 +130,7 @@ class EpisodeHost:
         self.by_episode = by_episode
         self.park, self.parks, self.polls = park, 0, 0
         self.parked, self.parked_t = {}, {}
+        self.searches: dict[int, TagSearch] = {}  # episode -> its turn's tool-tag search
         self.ready = [{} for _ in range(shards)]  # per shard: episode -> the tokens to feed on loading
 
     def answer(self, ts) -> Answers:
@@ -196,11 +236,11 @@ class EpisodeHost:
         model wrote one (the fewest tokens that contain it), else at `t` if the turn ended; None
         while it goes on."""
         tag = getattr(self.episodes[r].env, "tool_call_end", None)
-        start = self.turn_start[r]
         if tag:
-            text = self.tokenizer.decode(tokens[start:t].tolist(), skip_special_tokens=False)
-            if tag in text:
-                for k in range(1, t - start + 1):
-                    if tag in self.tokenizer.decode(tokens[start:start + k].tolist(), skip_special_tokens=False):
-                        return start + k
+            search = self.searches.get(r)
+            if search is None or search.tag != tag:
+                search = self.searches[r] = TagSearch(self.tokenizer, tag)
+            end = search.end(tokens, self.turn_start[r], t)
+            if end is not None:
+                return end
         return t if paused else None

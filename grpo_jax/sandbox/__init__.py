@@ -23,6 +23,10 @@ The sandbox (`run_sandboxed`) is a separate process tree, never this interpreter
   process count (only where it counts the sandbox's own processes: in its own user namespace or
   uid) and no core dumps; and not dumpable, so concurrent sandboxes running as the same uid
   cannot ptrace or read each other;
+- a seccomp filter (`seccomp`, on x86_64 and aarch64) refusing memfd_create, memfd_secret and SysV
+  shmget with ENOSYS: memory a process holds without mapping it, which neither the address-space
+  limit nor the tmpfs's size counts (grpo_jax.sandbox.seccomp); so a program's memory is its
+  processes' address space and its files on the capped tmpfs;
 - `python -I` (isolated: no PYTHON* variables, no user site, neither the cwd nor the harness's
   directory on sys.path), a minimal environment without proxies, a fresh temporary directory as
   cwd that is deleted afterwards, and `socket` refusing internet sockets as a second line where no

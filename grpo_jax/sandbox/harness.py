@@ -5,7 +5,7 @@ cwd (`runner.run_sandboxed` copies this file there, so the sandbox user can read
 checkout lives; see `runner._HARNESS_NAME`). The harness process (PID 1 of the sandbox's PID
 namespace, where there is one) reads CONFIG_FD (an unlinked file), deletes the files the config names
 (its copies), mounts its private /tmp, /dev/shm and /var/tmp and drops every capability (with a
-mount namespace), sets the limits, then forks the child that runs the candidate, and reports the
+mount namespace), sets the limits and the seccomp filter, then forks the candidate's child, reports the
 child's exit status on STATUS_FD, which the child closes first: the candidate can neither fake its
 status nor inherit PID 1's signal handling (which ignores SIGXCPU). With tests, it first forks the
 grader (`grader.py`, loaded from its copy), the only process that reads the tests (on the config's
@@ -29,13 +29,14 @@ import resource
 import select
 import signal
 import socket
+import struct
 import sys
 import traceback
 import types
 
 _PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP = 38, 22  # the latter with SECCOMP_MODE_FILTER = 2
 _MS_NOSUID, _MS_NODEV, _MS_BIND = 2, 4, 4096
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # The host's world-writable directories; each sample gets its own, in its mount namespace, where every
@@ -131,6 +132,19 @@ def drop_capabilities() -> None:
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all zero
     if libc.capset(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
+
+
+def install_filter(program: list) -> None:
+    """Install the seccomp program (classic BPF, [code, jt, jf, k] per instruction: the runner's
+    `seccomp.memory_filter`, for a 64-bit ABI) for this process and all it starts, after
+    no_new_privs, which an unprivileged filter needs."""
+    if ctypes.sizeof(ctypes.c_void_p) != 8:
+        raise OSError(22, "the sandbox's seccomp filter is for a 64-bit interpreter")
+    instructions = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *i) for i in program))
+    fprog = ctypes.create_string_buffer(struct.pack("@HP", len(program), ctypes.addressof(instructions)))
+    libc = _libc()
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(_PR_SET_SECCOMP, 2, fprog, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl: the seccomp filter was refused")
 
 
 def guard_network() -> None:
@@ -271,7 +285,7 @@ def load_grader(path: str):
 
 def _set_up(config: dict) -> None:
     """Private temporary directories (with a mount namespace), no capabilities, limits,
-    non-dumpable, network guard: everything before any candidate code exists."""
+    non-dumpable, the seccomp filter, network guard: everything before any candidate code exists."""
     if config.get("private_tmp_mb"):
         os.environ["HOME"] = os.environ["TMPDIR"] = private_tmp(config["private_tmp_mb"])
         drop_capabilities()
@@ -281,6 +295,8 @@ def _set_up(config: dict) -> None:
     # sandboxes, cannot ptrace this one or open its /proc/PID/fd and /proc/PID/mem.
     if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    if config.get("seccomp"):
+        install_filter(config["seccomp"])
     guard_network()
 
 

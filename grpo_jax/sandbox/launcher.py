@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 
+from grpo_jax.sandbox.seccomp import memory_filter
+
 log = logging.getLogger(__name__)
 
 _SANDBOX_UID = 65534  # nobody: used only when this process is root
@@ -187,6 +189,8 @@ def _isolation(prefix: tuple[str, ...], uid: int | None, mounts: tuple[str, ...]
     """The measures a sandbox started with `prefix` as `uid` gets (`mounts`: those its set-up left
     writable and shared with the host)."""
     isolation = ("session", "rlimits", "socket-guard")
+    if memory_filter() is not None:
+        isolation += ("seccomp",)
     if prefix:
         isolation += ("userns", "netns", "mountns", "pidns")
         if "--ipc" in prefix:
@@ -201,7 +205,7 @@ def _isolation(prefix: tuple[str, ...], uid: int | None, mounts: tuple[str, ...]
 
 def sandbox_isolation(python: str | None = None) -> tuple[str, ...]:
     """The isolation measures `run_sandboxed` applies on this machine (log it at startup), e.g.
-    ('session', 'rlimits', 'socket-guard', 'userns', 'netns', 'mountns', 'pidns', 'ipcns', 'private-tmp',
+    ('session', 'rlimits', 'socket-guard', 'seccomp', 'userns', 'netns', 'mountns', 'pidns', 'ipcns', 'private-tmp',
     'read-only-root', 'uid=65534', 'nproc'). Raises RuntimeError when no sandbox can be started at all."""
     return find_launcher(python).isolation
 

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from grpo_jax.sandbox.launcher import SAFE_PATH, Launcher, SandboxUnavailable, find_launcher, user_kwargs
 from grpo_jax.sandbox.result import SandboxResult, classify, infra_error
+from grpo_jax.sandbox.seccomp import memory_filter
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ def run_sandboxed(code: str, *, stdin: str = "", tests: str | None = None, calls
     `max_tmp_mb` in total (its cwd and HOME inside it), gone when it ends.
 
     `timeout_s` is wall-clock time for the whole process tree; `cpu_s` (default `timeout_s` + 1)
-    is CPU time per process; `memory_mb` is address space per process; `max_file_mb` caps a
+    is CPU time per process; `memory_mb` is address space per process (memfds and SysV shared
+    memory, which it would not count, are refused: `grpo_jax.sandbox.seccomp`); `max_file_mb` caps a
     written file; `max_procs` caps processes; `max_output_bytes` caps stdout and stderr each.
     """
     _check_limits(timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_procs, max_tmp_mb)
@@ -159,7 +161,8 @@ def _harness_config(launcher: Launcher, code: str, graded: bool, *, timeout_s: f
         limits.append(("RLIMIT_NPROC", max_procs, max_procs))
     return {"code": code, "limits": limits, "unlink": [_HARNESS_NAME, _GRADER_NAME] if graded else [_HARNESS_NAME],
             "grader": _GRADER_NAME if graded else None,
-            "private_tmp_mb": max_tmp_mb if "mountns" in launcher.isolation else 0}
+            "private_tmp_mb": max_tmp_mb if "mountns" in launcher.isolation else 0,
+            "seccomp": memory_filter() if "seccomp" in launcher.isolation else None}
 
 
 def _tear_down(proc: subprocess.Popen, control: list[int], status_r: int, workdir: str) -> None:
