@@ -191,8 +191,19 @@ class Episode:
     def fail(self, error: BaseException, where: str, reason: str | None = None) -> None:
         """End the episode as failed (it will be dropped and counted); `reason` (one of FAILURES)
         by default from the error: a timeout, a malformed answer, else the environment raised."""
-        self.error = f"{self.name}.{where}: {type(error).__name__}: {error}"
+        self.error = f"{self.name}.{where}: {type(error).__name__}: {_one_line(error)}"
         self.failure = reason or ("timeout" if isinstance(error, TimeoutError) else
                                   "malformed" if isinstance(error, MalformedAnswer) else "raised")
         self.done = True
         return None
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    """An exception's message as one printable line of at most about `limit` characters (an
+    environment's exception may carry megabytes, newlines or lone surrogates, or fail to print)."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - a __str__ that raises
+        return "(its message could not be printed)"
+    text = " ".join(text.encode("utf-8", "backslashreplace").decode("utf-8").splitlines())
+    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters]"

@@ -297,8 +297,12 @@ def test_a_step_with_lone_surrogates_fails_as_malformed_and_a_huge_answer_is_cut
     assert ep.truncated and ep.error is None and ep.turns == 1 and counting.longest < 100
     timed_out = episode(Scripted([EnvStep([], done=True)], delay_s=1.0), timeout_s=0.05)
     assert turn(timed_out, "hmm<eos>", stopped=True) is None and timed_out.failure == "timeout"
-    raised = episode(Scripted([RuntimeError("down")]))
+    # An exception's message of 10,000 characters, a newline and a lone surrogate: one printable line.
+    raised = episode(Scripted([RuntimeError("down\n\udc80" + "x" * 10_000)]))
     assert turn(raised, "hmm<eos>", stopped=True) is None and raised.failure == "raised"
+    assert raised.error.startswith("environment.step: RuntimeError: down \\udc80xxx") and len(raised.error) < 500
+    assert "\n" not in raised.error and raised.error.endswith("[... 9611 more characters]")
+    raised.error.encode("utf-8")
 
 
 @pytest.mark.parametrize("trim", [False, True])
