@@ -7,8 +7,9 @@
 `EnvStep.messages` are what the environment answers (role "tool" or "user"), appended before the
 next model turn; `reward` is added to the episode's reward (None: nothing); `done` ends the
 episode after this turn. An environment that raises, answers with something that is not an
-EnvStep of well-formed messages, or exceeds `environment.timeout_s` ends its episode, which is
-dropped and counted (`env/errors`); the run goes on.
+EnvStep of well-formed messages (text must be valid Unicode: no lone surrogates), or exceeds
+`environment.timeout_s` ends its episode, which is dropped and counted (`env/errors`, and by
+reason `env/errors/<reason>`); the run goes on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any, Protocol, runtime_checkable
 
 ENV_ROLES = ("tool", "user")  # who may answer a model turn
 OPENING_ROLES = ("system", "user", "assistant", "tool")
+
+
+class MalformedAnswer(ValueError):
+    """An environment's answer that breaks the protocol (its episode fails as `malformed`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,34 +46,42 @@ class Environment(Protocol):
 
 def check_messages(messages: Any, *, roles: tuple[str, ...], who: str) -> list[dict[str, str]]:
     """`messages` as a list of {"role", "content"} dicts with string content and a role in
-    `roles`, or ValueError naming `who` and what is wrong (an environment's malformed answer)."""
+    `roles`, or MalformedAnswer (a ValueError) naming `who` and what is wrong. The content must be
+    text a tokenizer can take: a lone surrogate (`"\\udc80"`, from bytes decoded with
+    `errors="surrogateescape"`) is refused here, not in the tokenizer's TypeError."""
     if not isinstance(messages, (list, tuple)):
-        raise ValueError(f"{who} must return a list of messages, got {type(messages).__name__}")
+        raise MalformedAnswer(f"{who} must return a list of messages, got {type(messages).__name__}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-            raise ValueError(f"{who}: message {i} must be a dict with a 'role' and a string 'content', got {m!r:.200}")
+            raise MalformedAnswer(f"{who}: message {i} must be a dict with a 'role' and a string 'content', "
+                                  f"got {m!r:.200}")
         if m["role"] not in roles:
-            raise ValueError(f"{who}: message {i} has role {m['role']!r}; expected one of {', '.join(roles)}")
+            raise MalformedAnswer(f"{who}: message {i} has role {m['role']!r}; expected one of {', '.join(roles)}")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MalformedAnswer(f"{who}: message {i}'s content is not valid Unicode text ({e.reason} at "
+                                  f"character {e.start}: {m['content'][max(0, e.start - 20):e.start + 1]!a})") from None
         out.append(dict(m))
     return out
 
 
 def check_step(result: Any, *, who: str) -> EnvStep:
     """An environment's `step` result, checked: an EnvStep of well-formed "tool"/"user" messages, a
-    finite reward or None, a bool `done`; ValueError otherwise."""
+    finite reward or None, a bool `done`; MalformedAnswer (a ValueError) otherwise."""
     if not isinstance(result, EnvStep):
-        raise ValueError(f"{who}.step must return an EnvStep, got {type(result).__name__}")
+        raise MalformedAnswer(f"{who}.step must return an EnvStep, got {type(result).__name__}")
     messages = check_messages(result.messages, roles=ENV_ROLES, who=f"{who}.step")
     reward = result.reward
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise ValueError(f"{who}.step: reward must be a finite number or None, got {reward!r}")
+            raise MalformedAnswer(f"{who}.step: reward must be a finite number or None, got {reward!r}")
         reward = float(reward)
     if not isinstance(result.done, bool):
-        raise ValueError(f"{who}.step: done must be a bool, got {result.done!r}")
+        raise MalformedAnswer(f"{who}.step: done must be a bool, got {result.done!r}")
     if not messages and not result.done:
-        raise ValueError(f"{who}.step: an episode that goes on needs at least one message for the next turn")
+        raise MalformedAnswer(f"{who}.step: an episode that goes on needs at least one message for the next turn")
     return EnvStep(messages=messages, reward=reward, done=result.done)
 
 

@@ -7,9 +7,13 @@ The trajectory after the opening prompt is one token sequence: each model turn's
 something malformed or takes longer than `timeout_s` ends its episode with `error` set: the episode
 is dropped (and counted as `env/errors`), its batch-mates are not. A timed-out call's thread is a
 daemon thread left to finish on its own (Python cannot stop a thread); its result is ignored.
+So does an opening or an answer the chat template or the tokenizer refuses, and an opening longer
+than `max_prompt_tokens`. Each failure has a `failure` reason (FAILURES: `env/errors/<reason>`).
 
 Limits (each ends the episode as truncated): `max_turns` model turns, `max_env_tokens` environment
-tokens after one turn, `max_model_tokens` sampled tokens over all turns.
+tokens after one turn, `max_model_tokens` sampled tokens over all turns. Lengths are bounded by
+characters before anything is tokenised (`transcript.too_many_tokens`): an 8 MB tool answer is
+refused at once, not after seconds of tokenising on the host's thread.
 """
 
 from __future__ import annotations
@@ -19,8 +23,15 @@ import threading
 import time
 from typing import Any
 
-from grpo_jax.env.protocol import OPENING_ROLES, check_messages, check_step
-from grpo_jax.episodes.transcript import encode, extension, render
+from grpo_jax.env.protocol import OPENING_ROLES, MalformedAnswer, check_messages, check_step
+from grpo_jax.episodes.transcript import encode, extension, guard, render, too_many_tokens
+
+# Why an episode failed (`Episode.failure`; counted as `env/errors/<reason>`): the environment raised;
+# a call ran past its time limit; an answer broke the protocol (not messages, a bad role, text that
+# is not valid Unicode, the G episodes of an example opened differently); the chat template or the
+# tokenizer refused the conversation (roles that must alternate); the opening is longer than the
+# prompt limit; a padding row of an evaluation chunk (no episode played).
+FAILURES = ("raised", "timeout", "malformed", "template", "too_long", "padding")
 
 
 class EnvTimeout(TimeoutError):
@@ -65,6 +76,7 @@ class EpisodeLimits:
     max_env_tokens: int = 256
     max_model_tokens: int = 256
     timeout_s: float = 30.0
+    max_prompt_tokens: int | None = None  # the opening's tokens (run_episodes: the largest prompt bucket)
 
 
 class Episode:
@@ -86,6 +98,7 @@ class Episode:
         self.env_seconds = 0.0
         self.done = self.truncated = False
         self.error: str | None = None
+        self.failure: str | None = None  # with `error`: one of FAILURES
         self.exact = True  # every extension was the template's own (no fallback)
 
     def open(self) -> list[int] | None:
@@ -100,8 +113,18 @@ class Episode:
             self.env_seconds += time.monotonic() - call.started
         # An environment may declare `tools` (JSON schemas): every render describes them.
         self.tools = getattr(self.env, "tools", None) or None
-        self.prompt_ids = encode(self.tokenizer, render(self.tokenizer, self.history, generation_prompt=True,
-                                                        tools=self.tools))
+        limit = self.limits.max_prompt_tokens
+        if limit is not None and too_many_tokens(self.tokenizer, [m["content"] for m in self.history], limit):
+            return self.fail(ValueError(f"the opening's {sum(len(m['content']) for m in self.history)} characters "
+                                        f"are more than {limit} tokens"), "reset", "too_long")
+        try:
+            self.prompt_ids = encode(self.tokenizer, render(self.tokenizer, guard(self.tokenizer, self.history),
+                                                            generation_prompt=True, tools=self.tools))
+        except Exception as e:  # noqa: BLE001 - a template or tokenizer that refuses this opening
+            return self.fail(e, "reset", "template")
+        if limit is not None and len(self.prompt_ids) > limit:
+            return self.fail(ValueError(f"the opening has {len(self.prompt_ids)} tokens, more than {limit}"),
+                             "reset", "too_long")
         return self.prompt_ids
 
     def _reset(self) -> list[dict]:
@@ -145,13 +168,14 @@ class Episode:
         if step.done:
             self.done = True
             return None
-        if self.turns >= self.limits.max_turns or self.model_tokens >= self.limits.max_model_tokens:
+        if (self.turns >= self.limits.max_turns or self.model_tokens >= self.limits.max_model_tokens
+                or too_many_tokens(self.tokenizer, [m["content"] for m in step.messages], self.limits.max_env_tokens)):
             self.done = self.truncated = True
             return None
         try:
             ext = extension(self.tokenizer, self.history, self._sampled, self._content, step.messages, tools=self.tools)
-        except ValueError as e:
-            return self.fail(e, "step")
+        except Exception as e:  # noqa: BLE001 - a template or tokenizer that refuses this answer
+            return self.fail(e, "step", "template")
         if len(ext.ids) > self.limits.max_env_tokens:
             self.done = self.truncated = True
             return None
@@ -164,8 +188,22 @@ class Episode:
         self.env_tokens += len(ext.ids)
         return ext.ids
 
-    def fail(self, error: BaseException, where: str) -> None:
-        """End the episode as failed (it will be dropped and counted)."""
-        self.error = f"{self.name}.{where}: {type(error).__name__}: {error}"
+    def fail(self, error: BaseException, where: str, reason: str | None = None) -> None:
+        """End the episode as failed (it will be dropped and counted); `reason` (one of FAILURES)
+        by default from the error: a timeout, a malformed answer, else the environment raised."""
+        self.error = f"{self.name}.{where}: {type(error).__name__}: {_one_line(error)}"
+        self.failure = reason or ("timeout" if isinstance(error, TimeoutError) else
+                                  "malformed" if isinstance(error, MalformedAnswer) else "raised")
         self.done = True
         return None
+
+
+def _one_line(error: BaseException, limit: int = 400) -> str:
+    """An exception's message as one printable line of at most about `limit` characters (an
+    environment's exception may carry megabytes, newlines or lone surrogates, or fail to print)."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - a __str__ that raises
+        return "(its message could not be printed)"
+    text = " ".join(text.encode("utf-8", "backslashreplace").decode("utf-8").splitlines())
+    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters]"

@@ -9,7 +9,8 @@ The host advances the engine `segment_steps` decode steps at a time. Between seg
 - feeds each finished environment answer to its slot as forced tokens, or releases the slot when
   the episode is over (done, a limit, an error), so the next waiting episode takes it.
 The G episodes of an example share the prompt's prefill, so their environments must open them
-with the same messages; one that does not is dropped as failed (`error`).
+with the same messages; one that does not is dropped as failed (`error`). So is one whose opening
+is longer than the largest prompt bucket (`EpisodeLimits.max_prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.episodes.episode import Episode, EpisodeLimits
+from grpo_jax.episodes.episode import FAILURES, Episode, EpisodeLimits
 from grpo_jax.episodes.transcript import encode
 from grpo_jax.engine.draw import SampleRows
 from grpo_jax.engine.sampling import engine_metrics, pad_prompts
@@ -71,7 +72,8 @@ class EpisodeBatch:
         return [ep.transcript[-1]["model"] if ep.transcript else "" for ep in self.episodes]
 
     def metrics(self) -> dict[str, float]:
-        """env/turns_mean, env/tool_calls_mean, env/errors (episodes), env/time_s (environment
+        """env/turns_mean, env/tool_calls_mean, env/errors (episodes) and env/errors/<reason> (by
+        `Episode.failure`, every reason of `episode.FAILURES`), env/time_s (environment
         seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean,
         env/template_fallbacks (episodes), env/parks (episodes moved out of their slot while their
         environment worked, counted per move), and on the paged engine `engine/preemptions` and
@@ -80,6 +82,7 @@ class EpisodeBatch:
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
                 "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
                 "env/errors": float(sum(ep.error is not None for ep in eps)),
+                **{f"env/errors/{why}": float(sum(ep.failure == why for ep in eps)) for why in FAILURES},
                 "env/time_s": float(sum(ep.env_seconds for ep in eps)),
                 "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),
                 "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps])),
@@ -134,9 +137,11 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     host's first look (at most one segment of decoding). `mesh`: the engine's slots split over its
     row shards (data x fsdp; the model placed on it), on one host."""
     G = config.group_size
+    limits = dataclasses.replace(limits, max_prompt_tokens=min(limits.max_prompt_tokens or 1 << 62,
+                                                               max(config.prompt_buckets)))
     episodes = [Episode(make_env, ex, tokenizer, limits, name=name) for ex in examples for _ in range(G)]
     for ep in episodes[len(episodes) - padding * G:]:
-        ep.fail(ValueError("a padding example (no episode is played)"), "reset")
+        ep.fail(ValueError("a padding example (no episode is played)"), "reset", "padding")
     prompts = _open(episodes, G)
     ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_id)
     T, U = trajectory_capacity(limits), limits.max_env_tokens
@@ -184,7 +189,8 @@ def _open(episodes: list[Episode], G: int) -> list[list[int]]:
         for ep in opened[1:]:
             if ep.prompt_ids != prompt:
                 ep.fail(ValueError("reset opened the episodes of one example with different messages; "
-                                   "they share one prefill (put per-episode randomness in step)"), "reset")
+                                   "they share one prefill (put per-episode randomness in step)"), "reset",
+                        "malformed")
         prompts.append(prompt)
     return prompts
 

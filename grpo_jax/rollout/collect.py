@@ -39,6 +39,7 @@ class Round:
     scores: np.ndarray | None = None
     # Multi-turn episodes [N_h*G]: each episode's turns ({"model", "env", "reward"}), for samples.jsonl.
     turns: list | None = None
+    errors: list | None = None  # multi-turn episodes [N_h*G]: why each failed (Episode.error), None if it did not
 
     def __post_init__(self):
         if self.scores is None:
@@ -124,12 +125,13 @@ def reward_metrics(result: RewardResult, group_size: int) -> dict[str, float]:
 
 def sample_records(rnd: Round, group_size: int, count: int) -> list[dict]:
     """The first sample of each of the round's first `count` prompts, with its rewards (samples.jsonl),
-    and an episode's turns."""
+    and an episode's turns (and `env_error`, why it failed, when it did)."""
     rows = []
     for r in range(0, min(count * group_size, len(rnd.texts)), group_size):
         rows.append({"prompt": rnd.examples[r // group_size].prompt_text, "completion": rnd.texts[r],
                      "reward": float(rnd.rewards.total[r]),
                      **{f"reward/{k}": float(v[r]) for k, v in rnd.rewards.per_fn.items()},
-                     **({"turns": rnd.turns[r]} if rnd.turns is not None else {})})
+                     **({"turns": rnd.turns[r]} if rnd.turns is not None else {}),
+                     **({"env_error": rnd.errors[r]} if rnd.errors is not None and rnd.errors[r] else {})})
     return rows
 

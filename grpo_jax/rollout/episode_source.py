@@ -6,12 +6,14 @@ tokens in one sequence; `completion_mask` = the loss mask, 1 exactly on sampled 
 log-probs are the sampler's (0 on environment tokens), and the reward is the environment's rewards
 plus the run's weighted `rewards` on the last model turn (the example's fields carry the
 `transcript`: every turn's model text, environment text and reward). An episode whose environment
-failed has a NaN reward: it is dropped from the loss and counted (`env/errors`); the first error
-of a step is logged.
+failed has a NaN reward: it is dropped from the loss and counted (`env/errors`, by reason
+`env/errors/<reason>`); a step's failures are logged in one line (the count by reason, the first
+error), and samples.jsonl gives a failed episode's error (`env_error`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -45,10 +47,8 @@ class EpisodeSampler(SyncSampler):
         self.batch = batch = self.episodes.run(self.model, examples, self.sampling, key)
         sample_s = time.perf_counter() - t0
         rows, failed = batch.rows(self.sampling.pad_id), batch.failed
-        errors = [ep.error for ep in batch.episodes if ep.error]
-        if errors:
-            self.log(f"step {step}: the environment failed {len(errors)} of {len(failed)} episodes "
-                     f"(dropped): {errors[0]}")
+        if failed.any():
+            self.log(f"step {step}: {failure_line(batch.episodes)}")
         t1 = time.perf_counter()
         G, texts = self.sampling.group_size, batch.final_turns()
         fields = {**repeat_fields(examples, G), "completion_tokens": [ep.model_tokens for ep in batch.episodes],
@@ -62,4 +62,11 @@ class EpisodeSampler(SyncSampler):
         rows = rows.replace(lengths=np.array([ep.model_tokens for ep in batch.episodes], np.int32))
         return Round(examples=examples, rows=rows, texts=texts, rewards=result,
                      sample_s=sample_s, reward_s=time.perf_counter() - t1,
-                     turns=[ep.transcript for ep in batch.episodes])
+                     turns=[ep.transcript for ep in batch.episodes], errors=[ep.error for ep in batch.episodes])
+
+
+def failure_line(episodes) -> str:
+    """One line on a batch's failed episodes: how many, by reason, and the first one's error."""
+    failed = [ep for ep in episodes if ep.error is not None]
+    by = ", ".join(f"{n} {why}" for why, n in collections.Counter(ep.failure for ep in failed).most_common())
+    return f"the environment failed {len(failed)} of {len(episodes)} episodes (dropped; {by}): {failed[0].error}"

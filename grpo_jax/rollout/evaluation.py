@@ -3,8 +3,10 @@
 Each of the prompts gets k samples (one `generate` call per chunk of prompts, the last chunk padded
 with repeats so every chunk has the same shape and the sampler compiles once). A sample is correct
 when the reward function gives it more than 0.5; a sample it cannot judge (None) is left out of
-the accuracy and counted. pass@k is the share of prompts with at least one correct sample among
-their k (the unbiased estimator with n = k).
+the accuracy and counted. An episode its environment failed is wrong: it stays in the accuracy's
+denominator (else a policy could raise its accuracy by making its hard episodes fail) and is
+counted on its own (`eval/failed`). pass@k is the share of prompts with at least one correct
+sample among their k (the unbiased estimator with n = k).
 
 `evaluate_run` is a run's evaluation as its config's `eval` section says (num_prompts, k,
 temperature, reward, verifier, verifier_kwargs): the trainer and `grpo-jax eval` both call it. It
@@ -76,7 +78,8 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     and the other not (a training reward that can be satisfied without being right shows here).
 
     episodes: a run's grpo_jax.episodes.runner.EpisodeRunner: each sample is an episode, judged on
-    its last model turn (an episode its environment failed is not judged).
+    its last model turn; an episode its environment failed is not judged but counts as wrong in
+    `eval/accuracy`, `eval/verifier_accuracy` and `eval/pass@k`, and in `eval/failed`.
 
     teacher: on-policy distillation's teacher as `teacher(prompt_ids [R, P], prompt_mask [R, P],
     completion_ids [R, M]) -> log-probs [R, M]` (at the evaluation's temperature and k): adds
@@ -89,7 +92,7 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
     # Every host has every prompt; each scores only the rows its devices hold, and the scores are
     # put together on every host.
     share = row_share(mesh, chunk).scaled(k)
-    scored = []  # [prompts, k, judges] per chunk; NaN = not judged
+    scored = []  # [prompts, k, judges + 1] per chunk: the judges' scores (NaN = not judged), then failed (1.0)
     kl = np.zeros(2)  # (sum over held-out tokens of log pi_student - log pi_teacher, tokens)
     for start in range(0, len(examples), chunk):
         part = list(examples[start:start + chunk])
@@ -99,8 +102,9 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
                                           tokenizer, episodes, padding=chunk - real, teacher=teacher)
         own = slice(share.start, max(share.start, min(share.stop, real * k)))  # this host's rows of real prompts
         n_own = own.stop - own.start
-        scores = np.full((share.size, len(judges)), np.nan, np.float32)
+        scores = np.full((share.size, len(judges) + 1), np.nan, np.float32)
         if n_own:
+            scores[:n_own, -1] = failed[:n_own]
             texts = texts_[:n_own]
             prompts = [ex.prompt_text for ex in part[:real] for _ in range(k)][own]
             fields = {key: values[own] for key, values in repeat_fields(part[:real], k).items()}
@@ -110,25 +114,30 @@ def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: Samplin
                 fn = judge.fn.without_updates() if isinstance(judge.fn, StatefulReward) else judge.fn
                 result = combine_rewards([dataclasses.replace(judge, fn=fn, weight=1.0)], prompts, texts, fields)
                 scores[:n_own, j] = np.where(failed[:n_own], np.nan, result.per_fn[judge.name])
-        scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges)))
+        scored.append(gather_rows(scores, share)[:real * k].reshape(real, k, len(judges) + 1))
         if kl_rows is not None:
             kl += gather_rows(kl_rows, share)[:real * k].sum(axis=0)
     return _summary(np.concatenate(scored), k=k, prompts=len(examples), verifier=verifier is not None,
                     kl=kl if teacher is not None else None)
 
 
-def _summary(scores_: np.ndarray, *, k: int, prompts: int, verifier: bool, kl) -> dict[str, float]:
-    """`evaluate`'s metrics from the scores [prompts, k, judges] (NaN = not judged) and, with a
-    teacher, the (reverse-KL sum, tokens) pair."""
+def _summary(scored: np.ndarray, *, k: int, prompts: int, verifier: bool, kl) -> dict[str, float]:
+    """`evaluate`'s metrics from the scores [prompts, k, judges] (NaN = not judged), each sample's
+    failed flag after them ([..., -1]: 1.0 = its environment failed, not judged, wrong), and with a
+    teacher the (reverse-KL sum, tokens) pair. Accuracies are over the judged and the failed samples."""
+    scores_, failed_ = scored[..., :-1], scored[..., -1] > 0.5
     judged_ = ~np.isnan(scores_)
     correct_ = np.nan_to_num(scores_, nan=0.0) > 0.5
+    n_failed = int(failed_.sum())
     n_judged = judged_.sum(axis=(0, 1))
+    counted = n_judged + n_failed  # per judge: a failed episode is a wrong answer
     out = {
-        "eval/accuracy": float(correct_[..., 0].sum() / n_judged[0]) if n_judged[0] else float("nan"),
+        "eval/accuracy": float(correct_[..., 0].sum() / counted[0]) if counted[0] else float("nan"),
         "eval/pass@k": float(correct_[..., 0].any(axis=1).mean()),
         "eval/k": float(k),
         "eval/prompts": float(prompts),
-        "eval/unjudged": float(judged_[..., 0].size - n_judged[0]),
+        "eval/unjudged": float(judged_[..., 0].size - n_judged[0] - n_failed),
+        "eval/failed": float(n_failed),
         # The judge's mean score: a reward model's held-out score, beside eval.verifier's accuracy.
         "eval/reward_mean": float(np.nanmean(scores_[..., 0])) if n_judged[0] else float("nan"),
     }
@@ -136,7 +145,7 @@ def _summary(scores_: np.ndarray, *, k: int, prompts: int, verifier: bool, kl) -
         out["eval/distill_reverse_kl"] = float(kl[0] / max(kl[1], 1.0))
     if verifier:
         both = judged_[..., 0] & judged_[..., 1]
-        out["eval/verifier_accuracy"] = float(correct_[..., 1].sum() / n_judged[1]) if n_judged[1] else float("nan")
+        out["eval/verifier_accuracy"] = float(correct_[..., 1].sum() / counted[1]) if counted[1] else float("nan")
         out["health/verifier_disagreement"] = (float((correct_[..., 0] != correct_[..., 1])[both].mean())
                                                if both.any() else float("nan"))
     return out

@@ -88,6 +88,16 @@ def classify(outputs: dict[str, bytearray], truncated: set[str], timed_out: bool
     if returncode == 0:
         return SandboxResult(status="ok", returncode=0, **fields)
     if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
-        return SandboxResult(status="killed", returncode=returncode, detail=f"killed by {name}", **fields)
+        return SandboxResult(status="killed", returncode=returncode, detail=f"killed by {signal_name(-returncode)}",
+                             **fields)
     return SandboxResult(status="error", returncode=returncode, detail=f"exit status {returncode}", **fields)
+
+
+def signal_name(number: int) -> str:
+    """A signal's name for a message: SIGKILL, a real-time one as SIGRTMIN+n (`signal.Signals` has
+    members only for SIGRTMIN and SIGRTMAX, so `signal.Signals(SIGRTMIN + 3)` raises), else its number."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        low = getattr(signal, "SIGRTMIN", None)  # Linux; absent on macOS
+        return f"SIGRTMIN+{number - low}" if low is not None and number > low else f"signal {number}"

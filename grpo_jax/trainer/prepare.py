@@ -177,7 +177,8 @@ def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     limits = EpisodeLimits(max_turns=env.max_turns, max_env_tokens=env.max_env_tokens,
-                           max_model_tokens=config.sampling.max_new_tokens, timeout_s=env.timeout_s)
+                           max_model_tokens=config.sampling.max_new_tokens, timeout_s=env.timeout_s,
+                           max_prompt_tokens=max(config.sampling.prompt_buckets))
     return EpisodeRunner(make_env=make_env, limits=limits, name=env.name, tokenizer=tokenizer,
                          segment_steps=config.sampling.segment_steps, mesh=mesh)
 

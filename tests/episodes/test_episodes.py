@@ -234,3 +234,64 @@ def test_episodes_on_a_mesh_equal_one_device(model):
             np.testing.assert_array_equal(getattr(split, name), getattr(alone, name), err_msg=name)
         np.testing.assert_allclose(split.logprobs, alone.logprobs, atol=1e-5)
         assert [ep.transcript for ep in split.episodes] == [ep.transcript for ep in alone.episodes]
+
+
+def test_bad_openings_and_answers_fail_only_their_episodes_counted_by_reason(model):
+    """Issue 44: under a template that requires alternating roles, an opening of two user messages,
+    a 5,000-character opening and lone surrogates in `reset` or `step` used to crash the batch;
+    each now fails its own episodes only (counted by reason, shown in one line), an 8 MB answer ends
+    its episode as truncated, and `<eos>` a tool writes is fed as characters. The good episodes are
+    token for token those of a batch without the bad ones."""
+    from grpo_jax.rollout.episode_source import failure_line
+
+    alternating = ("{% for m in messages %}{% if loop.index0 and m.role == 'user' and messages[loop.index0 - 1].role"
+                   " == 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+                   "{{ '[' + m.role + ']' + m.content + eos_token + '\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
+    tok = char_tokenizer(add_bos=True, chat_template=alternating)
+
+    class Bad(Scripted):
+        def reset(self, example):
+            self.prompt, kind = example["prompt"], example.get("kind")
+            return {"twice": [{"role": "user", "content": "Hi."}] * 2, "long": [{"role": "user", "content": "9" * 5000}],
+                    "surrogate": [{"role": "user", "content": "caf\udce9"}]}.get(kind, super().reset(example))
+
+        def step(self, completion):
+            kind = {"Tell": "surrogate", "Echo": "eos", "Flood": "huge"}.get(self.prompt.split()[0])
+            if kind:
+                content = {"surrogate": "\ud800", "eos": "a<eos>b", "huge": "x" * 8_000_000}[kind]
+                return EnvStep([{"role": "tool", "content": content}])
+            return super().step(completion)
+
+    bad = [{"prompt": "A", "kind": "twice"}, {"prompt": "B", "kind": "long"}, {"prompt": "C", "kind": "surrogate"},
+           {"prompt": "Tell me."}, {"prompt": "Echo me."}, {"prompt": "Flood me."}]
+    batch = run_episodes(model, EXAMPLES + bad, tok, Bad, config(), LIMITS, jax.random.key(3), segment_steps=4)
+    clean = run_episodes(model, EXAMPLES * 3, tok, Bad, config(), LIMITS, jax.random.key(3), segment_steps=4)
+    eps = batch.episodes
+    reasons = [ep.failure for ep in eps[6:]]
+    assert reasons[:6] == ["template"] * 2 + ["too_long"] * 2 + ["malformed"] * 2
+    assert "roles must alternate" in eps[6].error and "more than 40 tokens" in eps[8].error
+    answered = [ep.model_tokens < LIMITS.max_model_tokens for ep in eps]  # else the budget ended the turn
+    for ep, asked in zip(eps[12:14], answered[12:14]):  # a surrogate in step's answer
+        assert ep.failure == "malformed" if asked else ep.truncated and ep.error is None
+    for ep in eps[:6] + eps[14:]:  # the good ones, the tool's "<eos>" and the 8 MB answer: no error
+        assert ep.error is None and ep.failure is None and ep.done
+    for ep, asked in zip(eps[14:16], answered[14:16]):
+        if asked:  # the tool's "<eos>" is five characters; the template's are the token
+            fed = [i for i, m in zip(ep.ids, ep.loss_mask) if m == 0]
+            text = "".join(t["env"] for t in ep.transcript)
+            assert "[tool]a<eos>b<eos>\n[assistant]" in text and TOK.decode(fed) == text
+            assert fed.count(TOK.eos_token_id) == text.count("<eos>") - text.count("a<eos>b")
+    assert any(answered[12:14]) and any(answered[14:16])
+    for ep in eps[16:18]:  # the 8 MB answer ends the episode as over max_env_tokens
+        assert ep.truncated and ep.turns == 1 and ep.env_tokens == 0
+    m = batch.metrics()
+    n_failed = sum(ep.error is not None for ep in eps)
+    assert m["env/errors"] == n_failed == batch.failed.sum() and m["env/errors/template"] == 2
+    assert m["env/errors/too_long"] == 2 and m["env/errors/malformed"] == n_failed - 4
+    assert m["env/errors/raised"] == m["env/errors/timeout"] == m["env/errors/padding"] == 0
+    line = failure_line(eps)
+    assert line.startswith(f"the environment failed {n_failed} of 18 episodes (dropped; ") and "2 template" in line
+    assert "\n" not in line and "2 too_long" in line
+    for name in ("tokens", "lengths", "env", "logprobs"):
+        np.testing.assert_array_equal(getattr(batch, name)[:6], getattr(clean, name)[:6], err_msg=name)

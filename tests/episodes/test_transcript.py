@@ -103,3 +103,22 @@ def test_a_role_the_template_cannot_continue_with_is_a_clear_error():
     tok = tokenizer(GEMMA3)  # roles must alternate: a tool message after the model's turn is refused
     with pytest.raises(ValueError, match="does not extend a conversation with messages of role tool"):
         extension(tok, QUESTION, "46<end_of_turn>", "46", [{"role": "tool", "content": "47"}])
+
+
+def test_the_control_token_regex_is_a_trie_that_matches_the_longest_token():
+    """`trie_pattern` finds what the plain longest-first alternation finds, at a cost per character
+    that does not grow with the number of tokens (Gemma 3 has 6,249 special ones)."""
+    import random
+    import re
+
+    from grpo_jax.episodes.transcript import trie_pattern
+
+    rng = random.Random(0)
+    for _ in range(200):
+        words = {"".join(rng.choice("<a|>") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 8))}
+        plain = re.compile("|".join(map(re.escape, sorted(words, key=len, reverse=True))))
+        trie = re.compile(trie_pattern(words))
+        for _ in range(10):
+            text = "".join(rng.choice("<a|>b") for _ in range(rng.randint(0, 30)))
+            assert [m.span() for m in trie.finditer(text)] == [m.span() for m in plain.finditer(text)], (words, text)
+    assert re.compile(trie_pattern(["<|im_end|>", "<|im"])).findall("<|im_end|><|im_start|>") == ["<|im_end|>", "<|im"]

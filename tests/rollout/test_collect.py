@@ -104,6 +104,10 @@ def test_reward_metrics_against_numpy():
     assert m["reward/dropped"] == 4.0 and m["reward/acc/failures"] == 0.0
     records = sample_records(rnd, G, 2)
     assert [r["prompt"] for r in records] == ["r0g0", "r0g1"] and records[1]["reward"] == 1.0
+    assert not any("env_error" in r for r in records)
+    # An episode that failed says why in samples.jsonl.
+    rnd.errors = ["environment.reset: TemplateRefused: roles must alternate"] + [None] * (len(rnd.texts) - 1)
+    assert [r.get("env_error") for r in sample_records(rnd, G, 2)] == [rnd.errors[0], None]
 
 
 def test_every_step_and_round_gets_its_own_key():

@@ -240,6 +240,16 @@ def test_an_exit_status_and_a_crash_are_errors():
     assert run_sandboxed("def (:", timeout_s=5).status == "error"
 
 
+def test_a_real_time_signal_is_a_kill_that_scores_zero():
+    # signal.Signals has no member for SIGRTMIN+3: classifying its exit status used to raise.
+    killer = "import os, signal\nos.kill(os.getpid(), signal.SIGRTMIN + 3)"
+    r = run_sandboxed(killer, timeout_s=5)
+    assert (r.status, r.returncode, r.detail) == ("killed", -(signal.SIGRTMIN + 3), "killed by SIGRTMIN+3")
+    tests = "assert add(1, 2) == 3"
+    dies = "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGRTMIN + 3)\n"
+    assert code_reward(["q"] * 2, [fenced(dies), fenced(CORRECT_ADD)], tests=[tests] * 2) == [0.0, 1.0]
+
+
 def test_a_spawn_failure_is_an_infrastructure_error(monkeypatch):
     sandbox_isolation()  # probe first, so only the real run meets the broken Popen
 
