@@ -161,7 +161,7 @@ class EnvironmentConfig:
     per episode. `max_turns` model turns, `max_env_tokens` environment tokens after one turn,
     `timeout_s` per environment call; sampling.max_new_tokens counts the model's tokens over all
     turns. Hitting a limit ends the episode as truncated; an environment that raises or times out
-    drops its episode (`env/errors`)."""
+    drops its episode (`env/failed`)."""
 
     name: str
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -8,8 +8,8 @@
 next model turn; `reward` is added to the episode's reward (None: nothing); `done` ends the
 episode after this turn. An environment that raises, answers with something that is not an
 EnvStep of well-formed messages (text must be valid Unicode: no lone surrogates), or exceeds
-`environment.timeout_s` ends its episode, which is dropped and counted (`env/errors`, and by
-reason `env/errors/<reason>`); the run goes on.
+`environment.timeout_s` ends its episode, which is dropped and counted (`env/failed`, and by
+reason `env/failed/<reason>`); the run goes on.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ The trajectory after the opening prompt is one token sequence: each model turn's
 (`loss_mask` 1, with their sampler log-probs) and, between turns, the environment's tokens
 (`loss_mask` 0, log-prob 0) from grpo_jax.episodes.transcript. An environment that raises, returns
 something malformed or takes longer than `timeout_s` ends its episode with `error` set: the episode
-is dropped (and counted as `env/errors`), its batch-mates are not. A timed-out call's thread is a
+is dropped (and counted as `env/failed`), its batch-mates are not. A timed-out call's thread is a
 daemon thread left to finish on its own (Python cannot stop a thread); its result is ignored.
 So does an opening or an answer the chat template or the tokenizer refuses, and an opening longer
-than `max_prompt_tokens`. Each failure has a `failure` reason (FAILURES: `env/errors/<reason>`).
+than `max_prompt_tokens`. Each failure has a `failure` reason (FAILURES: `env/failed/<reason>`).
 
 Limits (each ends the episode as truncated): `max_turns` model turns, `max_env_tokens` environment
 tokens after one turn, `max_model_tokens` sampled tokens over all turns. Lengths are bounded by
@@ -26,7 +26,7 @@ from typing import Any
 from grpo_jax.env.protocol import OPENING_ROLES, MalformedAnswer, check_messages, check_step
 from grpo_jax.episodes.transcript import encode, extension, guard, render, too_many_tokens
 
-# Why an episode failed (`Episode.failure`; counted as `env/errors/<reason>`): the environment raised;
+# Why an episode failed (`Episode.failure`; counted as `env/failed/<reason>`): the environment raised;
 # a call ran past its time limit; an answer broke the protocol (not messages, a bad role, text that
 # is not valid Unicode, the G episodes of an example opened differently); the chat template or the
 # tokenizer refused the conversation (roles that must alternate); the opening is longer than the

@@ -72,8 +72,9 @@ class EpisodeBatch:
         return [ep.transcript[-1]["model"] if ep.transcript else "" for ep in self.episodes]
 
     def metrics(self) -> dict[str, float]:
-        """env/turns_mean, env/tool_calls_mean, env/errors (episodes) and env/errors/<reason> (by
-        `Episode.failure`, every reason of `episode.FAILURES`), env/time_s (environment
+        """env/turns_mean, env/tool_calls_mean, env/failed (episodes dropped; `env/errors` is the same
+        count under its round-3 name) and env/failed/<reason> (by `Episode.failure`, every reason of
+        `episode.FAILURES`), env/time_s (environment
         seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean,
         env/template_fallbacks (episodes), env/parks (episodes moved out of their slot while their
         environment worked, counted per move), and on the paged engine `engine/preemptions` and
@@ -81,8 +82,9 @@ class EpisodeBatch:
         eps = self.episodes
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
                 "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
+                "env/failed": float(sum(ep.error is not None for ep in eps)),
                 "env/errors": float(sum(ep.error is not None for ep in eps)),
-                **{f"env/errors/{why}": float(sum(ep.failure == why for ep in eps)) for why in FAILURES},
+                **{f"env/failed/{why}": float(sum(ep.failure == why for ep in eps)) for why in FAILURES},
                 "env/time_s": float(sum(ep.env_seconds for ep in eps)),
                 "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),
                 "completion/env_tokens_mean": float(np.mean([ep.env_tokens for ep in eps])),

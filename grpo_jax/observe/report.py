@@ -49,7 +49,7 @@ _PLOTS = (
                                       ("health/sampler_train_logprob_diff_max", "max |diff|")]),
     ("Critic (PPO)", [("value/explained_variance", "explained variance"), ("value/loss", "value loss")]),
     ("Episodes: turns and tool calls", [("env/turns_mean", "model turns"), ("env/tool_calls_mean", "tool calls"),
-                                        ("env/errors", "environment errors")]),
+                                        ("env/failed", "failed episodes")]),
     ("Episode tokens", [("completion/model_tokens_mean", "model"), ("completion/env_tokens_mean", "environment")]),
     ("Loss", [("train/loss", "policy loss")]),
     ("Gradient norm (before clipping)", [("train/grad_norm", "grad norm")]),

@@ -6,8 +6,8 @@ tokens in one sequence; `completion_mask` = the loss mask, 1 exactly on sampled 
 log-probs are the sampler's (0 on environment tokens), and the reward is the environment's rewards
 plus the run's weighted `rewards` on the last model turn (the example's fields carry the
 `transcript`: every turn's model text, environment text and reward). An episode whose environment
-failed has a NaN reward: it is dropped from the loss and counted (`env/errors`, by reason
-`env/errors/<reason>`); a step's failures are logged in one line (the count by reason, the first
+failed has a NaN reward: it is dropped from the loss and counted (`env/failed`, by reason
+`env/failed/<reason>`); a step's failures are logged in one line (the count by reason, the first
 error), and samples.jsonl gives a failed episode's error (`env_error`).
 """
 

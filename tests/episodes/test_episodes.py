@@ -120,7 +120,7 @@ def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(mo
     errors = [ep.error for ep in batch.episodes]
     assert errors[2:4] == ["environment.step: RuntimeError: the tool is down"] * 2
     assert all(e is None for i, e in enumerate(errors) if i not in (2, 3))
-    assert batch.metrics()["env/errors"] == 2 and batch.failed.tolist() == [i in (2, 3) for i in range(6)]
+    assert batch.metrics()["env/failed"] == 2 and batch.failed.tolist() == [i in (2, 3) for i in range(6)]
     tagged = run(model, lambda: Scripted(tag="5"), seed=2, stop_token_ids=(TOK.eos_token_id,))
     firsts = [ep.transcript[0]["model"] for ep in tagged.episodes]
     assert all(turn.endswith("5") and "5" not in turn[:-1] for turn in firsts if "5" in turn)
@@ -287,9 +287,9 @@ def test_bad_openings_and_answers_fail_only_their_episodes_counted_by_reason(mod
         assert ep.truncated and ep.turns == 1 and ep.env_tokens == 0
     m = batch.metrics()
     n_failed = sum(ep.error is not None for ep in eps)
-    assert m["env/errors"] == n_failed == batch.failed.sum() and m["env/errors/template"] == 2
-    assert m["env/errors/too_long"] == 2 and m["env/errors/malformed"] == n_failed - 4
-    assert m["env/errors/raised"] == m["env/errors/timeout"] == m["env/errors/padding"] == 0
+    assert m["env/failed"] == m["env/errors"] == n_failed == batch.failed.sum() and m["env/failed/template"] == 2
+    assert m["env/failed/too_long"] == 2 and m["env/failed/malformed"] == n_failed - 4
+    assert m["env/failed/raised"] == m["env/failed/timeout"] == m["env/failed/padding"] == 0
     line = failure_line(eps)
     assert line.startswith(f"the environment failed {n_failed} of 18 episodes (dropped; ") and "2 template" in line
     assert "\n" not in line and "2 too_long" in line
