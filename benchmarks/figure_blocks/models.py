@@ -183,3 +183,19 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "models-real-samples": render_real_samples,
     "models-readme-time": render_readme_time,
 }
+
+
+def render_readme_memory() -> str:
+    """README "Memory on CPU": the peak resident memory of a two-step run of each real-model config
+    (results/real_models/peak_memory.json: /usr/bin/time -v)."""
+    data = load(REAL / "peak_memory.json")
+    gb = {name: run["max_rss_bytes"] / 1e9 for name, run in data["runs"].items()}
+    return (f"The peak resident memory of a two-step run of each config, which holds everything a whole run does (the\n"
+            f"compiles, both evaluations, a checkpoint; {data['date']}, `/usr/bin/time -v`): "
+            f"{gb['gemma3_270m_arith_cpu']:.1f} GB for\n`configs/gemma3_270m_arith_cpu.yaml` (64 rows a step, one "
+            f"micro-batch), {gb['smollm2_135m_gsm8k_cpu']:.1f} GB for\n`configs/smollm2_135m_gsm8k_cpu.yaml` and "
+            f"{gb['smollm2_135m_gsm8k_cpu_lora']:.1f} GB for its LoRA config "
+            "(`benchmarks/results/real_models/peak_memory.json`):\nall fit this project's 24 GB machine.\n")
+
+
+BLOCKS["models-readme-memory"] = render_readme_memory
