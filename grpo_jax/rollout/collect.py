@@ -39,6 +39,7 @@ class Round:
     scores: np.ndarray | None = None
     # Multi-turn episodes [N_h*G]: each episode's turns ({"model", "env", "reward"}), for samples.jsonl.
     turns: list | None = None
+    env_error: str | None = None  # multi-turn episodes: the round's first environment error
 
     def __post_init__(self):
         if self.scores is None:

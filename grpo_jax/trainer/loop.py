@@ -158,7 +158,8 @@ class Trainer:
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
 
-        hooks = [Hook(lambda i: watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages)),
+        hooks = [Hook(lambda i: signals.fail(watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages,
+                                                         i.batch.log.first.env_error))),
                  Hook(self._evaluate_hook, every=cfg.eval.every, at_last=True),
                  Hook(self._write_metrics), Hook(self._write_samples, every=cfg.train.samples_every),
                  Hook(self._tell),
@@ -183,6 +184,8 @@ class Trainer:
 
     # --- hooks ------------------------------------------------------------------------------------
     def _evaluate_hook(self, info: StepInfo) -> None:
+        if self.signals.stopping:  # the run stops after this step: at once, without waiting on an evaluation
+            return
         self.evals.append((info.step, self._evaluate(info.step)))
         info.metrics.update(self.evals[-1][1])
 
@@ -225,7 +228,7 @@ class Trainer:
         checkpointer.wait()
         self.sync()
         return stop_report(why, step=step, steps=self.config.train.steps, where=str(self.storage),
-                           resuming=resuming, log=self.log)
+                           resuming=resuming, log=self.log, failure=self.signals.failure)
 
     def _summary(self) -> dict:
         plot = plot_run(self.run_dir) if self.primary else None
