@@ -177,14 +177,14 @@ class Trainer:
                 self.writer.close()
             self.sync()  # what there is, even when the run stops with an error
         self.state = state  # the final train state (placed), for callers that inspect it
-        if stopped_at is not None:
-            return self._stopped(checkpointer, stopped_at, signals.received)
+        if stopped_at is not None or signals.failure:  # user code that failed at the last step stops it too
+            return self._stopped(checkpointer, stopped_at or cfg.train.steps, signals.received)
         checkpointer.wait()  # the last checkpoint committed before the summary says the run is done
         return {**self._summary(), "learner_bytes": b.learner.footprint(state)}
 
     # --- hooks ------------------------------------------------------------------------------------
     def _evaluate_hook(self, info: StepInfo) -> None:
-        if self.signals.stopping:  # the run stops after this step: at once, without waiting on an evaluation
+        if self.signals.stopping and not info.last:  # the run stops after this step: at once, not evaluating
             return
         self.evals.append((info.step, self._evaluate(info.step)))
         info.metrics.update(self.evals[-1][1])
