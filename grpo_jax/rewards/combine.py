@@ -14,7 +14,8 @@ A user function named in the config (grpo_jax.usercode.UserFunction) runs in wor
 each call within its `timeout_s`: a batch call past it (or raising) is retried on each sample
 alone, all of them side by side, so the samples that time out alone cost themselves and the step
 waits about two time limits at most; a call the stopping run gives up on (CallStopped) drops the
-batch's samples without a retry.
+batch's samples without a retry. A user's StatefulReward, in the trainer's process, is retried one
+sample after the other: after a sample's time limit the samples left are dropped with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from grpo_jax.usercode import CallStopped, UserFunction
+from grpo_jax.usercode import CallStopped, CallTimeout, UserFunction
 
 LOSS_DTYPE = np.float32  # what the loss reads rewards as: a value must be finite in it
 RewardFn = Callable[..., Sequence[float | None]]
@@ -129,12 +130,16 @@ def _each(fn, prompts: Sequence[str], completions: Sequence[str], fields: Mappin
     # A reward that keeps statistics (grpo_jax.rewards.stateful: a reward model's running
     # normalisation) rescores without updating them: one failed batch must not count n times.
     fn = fn.without_updates() if callable(getattr(fn, "without_updates", None)) else fn
-    out = []
+    out, late = [], None
     for args, kwargs in one:
+        if late is not None:  # one after the other, a second time limit per sample is not waited for
+            out.append(late)
+            continue
         try:
             out.append(fn(*args, **kwargs))
         except Exception as e:  # noqa: BLE001 - this sample only
             out.append(e)
+            late = e if isinstance(e, CallTimeout) else None
     return out
 
 

@@ -19,7 +19,7 @@ from grpo_jax.rewards.length import overlong_reward
 from grpo_jax.rewards.llm_judge import LLMJudgeReward
 from grpo_jax.rewards.math import math_accuracy
 from grpo_jax.rewards.reward_model import RewardModelReward
-from grpo_jax.rewards.stateful import StatefulReward
+from grpo_jax.rewards.stateful import StatefulReward, TimedReward
 from grpo_jax.sandbox import sandbox_shared
 from grpo_jax.usercode import UserFunction, is_user_name, load_user_object
 
@@ -120,7 +120,7 @@ def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple
     if not isinstance(built, StatefulReward):
         raise ConfigError(f"{where[0]}: {fn.__name__} is a class but not a StatefulReward (place, state, "
                           "load_state, without_updates); register a function or implement those")
-    return RewardSpec(name=name, fn=built, weight=weight)
+    return RewardSpec(name=name, fn=TimedReward(built, timeout_s) if is_user_name(name) else built, weight=weight)
 
 
 def build_rewards(config: RunConfig, *, generate=None) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:

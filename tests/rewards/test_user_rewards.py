@@ -16,6 +16,7 @@ import pytest
 from grpo_jax.config import ConfigError
 from grpo_jax.rewards.combine import RewardSpec, combine_rewards
 from grpo_jax.rewards.registry import build_spec
+from grpo_jax.rewards.stateful import StatefulReward, TimedReward
 from grpo_jax.trainer.preemption import StopSignals
 from grpo_jax.usercode import UserFunction
 
@@ -30,6 +31,26 @@ def length(prompts, completions, *, bonus=0.0, **fields):
 
 def stuck(prompts, completions, **fields):
     time.sleep(3600)
+
+class Counting:
+    """A StatefulReward: it counts what it scored; "slow" takes it 2 s."""
+    def __init__(self):
+        self.scored = 0
+    def __call__(self, prompts, completions, **fields):
+        self.scored += len(completions)
+        return self.without_updates()(prompts, completions)
+    def place(self, mesh):
+        pass
+    def state(self):
+        return {"scored": self.scored}
+    def load_state(self, state):
+        self.scored = state["scored"]
+    def without_updates(self):
+        def score(prompts, completions, **fields):
+            if "slow" in completions:
+                time.sleep(2.0)
+            return [float(len(c)) for c in completions]
+        return score
 '''
 
 
@@ -65,3 +86,15 @@ def test_a_stop_signal_ends_the_wait_on_a_slow_reward_without_retries(rewards_fi
     assert np.isnan(result.total).all() and result.failures == {"stuck": 8}
     assert result.messages["stuck"] == "CallStopped: given up: the run received SIGTERM"
     assert spec.fn.workers.started == 1  # no retry on each sample
+
+
+def test_a_users_stateful_reward_gets_its_time_limit_in_the_trainers_process(rewards_file):
+    """A user's StatefulReward holds the run's devices, so it stays in the trainer's process; its
+    calls still give up at `timeout_s` (on the trainer's bounded threads)."""
+    spec = build_spec(f"{rewards_file}:Counting", {}, 1.0, ("r", "k"), timeout_s=0.5)
+    assert isinstance(spec.fn, TimedReward) and isinstance(spec.fn, StatefulReward)
+    result = combine_rewards([spec], ["q"] * 3, ["ab", "c", "slow"])
+    np.testing.assert_array_equal(result.total, [2.0, 1.0, np.nan])
+    assert result.failures == {spec.name: 1} and "CallTimeout" in result.messages[spec.name]
+    spec.fn.load_state({"scored": 5})
+    assert spec.fn.state() == {"scored": 5}
