@@ -15,11 +15,16 @@ from grpo_jax.config import load_config
 def _train(args: argparse.Namespace) -> int:
     from grpo_jax.runtime.devices import initialize_distributed
     from grpo_jax.trainer.loop import train
+    from grpo_jax.trainer.preemption import RunFailed
 
     config = load_config(args.config, args.set or ())
     initialize_distributed(config)
     out = args.output if args.output and "://" in args.output else Path(args.output or Path("runs") / Path(args.config).stem)
-    summary = train(config, out)
+    try:
+        summary = train(config, out)
+    except RunFailed as e:  # saved and stopped: the reason in one line, not a traceback
+        print(f"grpo-jax train: error: {e}", file=sys.stderr)
+        return 1
     if "stopped" in summary:  # a preemption notice or Ctrl-C: saved, resumable, not an error
         print(json.dumps(summary))
         return 0

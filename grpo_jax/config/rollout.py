@@ -147,11 +147,16 @@ class DataConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RewardConfig:
     """One reward function by its registered name (`grpo_jax.rewards.REWARD_FUNCTIONS`), its weight,
-    and keyword arguments bound to it."""
+    and keyword arguments bound to it. Your own function (`module:function`) runs in worker
+    processes, each call within `timeout_s` (past it the call's samples are dropped and counted)."""
 
     name: str
     weight: float = 1.0
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float = 120.0
+
+    def __post_init__(self):
+        positive("rewards", "timeout_s", self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -161,13 +166,16 @@ class EnvironmentConfig:
     per episode. `max_turns` model turns, `max_env_tokens` environment tokens after one turn,
     `timeout_s` per environment call; sampling.max_new_tokens counts the model's tokens over all
     turns. Hitting a limit ends the episode as truncated; an environment that raises or times out
-    drops its episode (`env/failed`)."""
+    drops its episode (`env/failed`). Your own environment (module:Class) runs in up to `workers`
+    worker processes, where a call that hangs is ended with its process (0: in the trainer's
+    process, on its bounded threads, where it cannot be)."""
 
     name: str
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     max_turns: int = 4
     max_env_tokens: int = 256
     timeout_s: float = 30.0
+    workers: int = 4
 
     def __post_init__(self):
         if not self.name:
@@ -176,6 +184,7 @@ class EnvironmentConfig:
         positive("environment", "max_turns", self.max_turns)
         positive("environment", "max_env_tokens", self.max_env_tokens)
         positive("environment", "timeout_s", self.timeout_s)
+        non_negative("environment", "workers", self.workers)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,12 +1,13 @@
-"""One multi-turn episode on the host: the environment's calls (each on its own thread, with a
-time limit), the trajectory they build, and the limits that end it.
+"""One multi-turn episode on the host: the environment's calls (each under a time limit:
+grpo_jax.env.workers), the trajectory they build, and the limits that end it.
 
 The trajectory after the opening prompt is one token sequence: each model turn's tokens as sampled
 (`loss_mask` 1, with their sampler log-probs) and, between turns, the environment's tokens
 (`loss_mask` 0, log-prob 0) from grpo_jax.episodes.transcript. An environment that raises, returns
 something malformed or takes longer than `timeout_s` ends its episode with `error` set: the episode
-is dropped (and counted as `env/failed`), its batch-mates are not. A timed-out call's thread is a
-daemon thread left to finish on its own (Python cannot stop a thread); its result is ignored.
+is dropped (and counted as `env/failed`), its batch-mates are not. A user environment named in the
+config runs in a worker process, where a timed-out call is ended with the process
+(grpo_jax.usercode.workers); one in the trainer's process holds one of its bounded threads.
 So does an opening or an answer the chat template or the tokenizer refuses, and an opening longer
 than `max_prompt_tokens`. Each failure has a `failure` reason (FAILURES: `env/failed/<reason>`).
 
@@ -19,55 +20,20 @@ refused at once, not after seconds of tokenising on the host's thread.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from typing import Any
 
+from grpo_jax.env import workers
 from grpo_jax.env.protocol import OPENING_ROLES, MalformedAnswer, check_messages, check_step
 from grpo_jax.episodes.transcript import encode, extension, guard, render, too_many_tokens
+from grpo_jax.usercode import Call, CallStopped
 
 # Why an episode failed (`Episode.failure`; counted as `env/failed/<reason>`): the environment raised;
 # a call ran past its time limit; an answer broke the protocol (not messages, a bad role, text that
 # is not valid Unicode, the G episodes of an example opened differently); the chat template or the
 # tokenizer refused the conversation (roles that must alternate); the opening is longer than the
-# prompt limit; a padding row of an evaluation chunk (no episode played).
-FAILURES = ("raised", "timeout", "malformed", "template", "too_long", "padding")
-
-
-class EnvTimeout(TimeoutError):
-    """An environment call that did not return within `timeout_s`."""
-
-
-class EnvCall:
-    """`fn(*args)` running on its own daemon thread, started now."""
-
-    def __init__(self, fn, *args):
-        self.started = time.monotonic()
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, args=(fn, args), daemon=True).start()
-
-    def _run(self, fn, args):
-        try:
-            self.value = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - anything an environment raises ends only its episode
-            self.error = e
-        finally:
-            self.seconds = time.monotonic() - self.started
-            self._done.set()
-
-    def ready(self, timeout_s: float) -> bool:
-        """Returned, raised, or past its time limit (does not wait)."""
-        return self._done.is_set() or time.monotonic() - self.started > timeout_s
-
-    def result(self, timeout_s: float):
-        """The call's value, waiting up to what is left of `timeout_s`; its exception, or EnvTimeout."""
-        if not self._done.wait(max(0.0, self.started + timeout_s - time.monotonic())):
-            raise EnvTimeout(f"took longer than {timeout_s:g} s")
-        if self.error is not None:
-            raise self.error
-        return self.value
+# prompt limit; a padding row of an evaluation chunk (no episode played); the run gave up on the call
+# because it is stopping (a stop signal: grpo_jax.usercode.CallStopped).
+FAILURES = ("raised", "timeout", "malformed", "template", "too_long", "padding", "stopped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +70,24 @@ class Episode:
     def open(self) -> list[int] | None:
         """Build the environment and render its opening messages -> the prompt's tokens (None: the
         episode failed, see `error`)."""
-        call = EnvCall(self._reset)
+        self.start_open()
+        return self.finish_open()
+
+    def start_open(self) -> None:
+        """Start building the environment and its `reset` (episodes open side by side: start
+        each, then finish each)."""
+        env, self._opening = workers.start_reset(self.make_env, self.example, self._built)
+        self.env = env if env is not None else self.env
+
+    def _built(self, env) -> None:
+        self.env = env
+
+    def finish_open(self) -> list[int] | None:
+        """Wait for `reset` (what is left of `timeout_s`) -> the prompt's tokens (None: failed)."""
+        call = self._opening
         try:
-            self.history = call.result(self.limits.timeout_s)
+            self.history = check_messages(call.result(self.limits.timeout_s), roles=OPENING_ROLES,
+                                          who=f"{self.name}.reset")
         except BaseException as e:  # noqa: BLE001
             return self.fail(e, "reset")
         finally:
@@ -127,11 +108,11 @@ class Episode:
                              "reset", "too_long")
         return self.prompt_ids
 
-    def _reset(self) -> list[dict]:
-        self.env = self.make_env()
-        return check_messages(self.env.reset(self.example), roles=OPENING_ROLES, who=f"{self.name}.reset")
+    def close(self) -> None:
+        """The episode is over: its environment's worker forgets it."""
+        workers.close(self.env)
 
-    def add_turn(self, ids: list[int], logprobs: list[float], *, stopped: bool) -> EnvCall | None:
+    def add_turn(self, ids: list[int], logprobs: list[float], *, stopped: bool) -> Call | None:
         """Record a model turn as sampled (`stopped`: it ended with a stop token, the last of `ids`;
         else at the environment's tool-call end, or cut by the token budget) and start the
         environment's step on it -> the call, or None when the budget ended the episode."""
@@ -149,9 +130,9 @@ class Episode:
             self.done = self.truncated = True  # cut mid-turn: nothing for the environment to answer
             self.transcript.append({"model": self._content, "env": "", "reward": None})
             return None
-        return EnvCall(self.env.step, self._content)
+        return workers.start_step(self.env, self._content)
 
-    def respond(self, call: EnvCall) -> list[int] | None:
+    def respond(self, call: Call) -> list[int] | None:
         """The environment's answer to the last turn as the tokens to feed before the next one (they
         are appended to the trajectory); None when the episode is over (done, a limit, an error)."""
         try:
@@ -193,7 +174,8 @@ class Episode:
         by default from the error: a timeout, a malformed answer, else the environment raised."""
         self.error = f"{self.name}.{where}: {type(error).__name__}: {_one_line(error)}"
         self.failure = reason or ("timeout" if isinstance(error, TimeoutError) else
-                                  "malformed" if isinstance(error, MalformedAnswer) else "raised")
+                                  "malformed" if isinstance(error, MalformedAnswer) else
+                                  "stopped" if isinstance(error, CallStopped) else "raised")
         self.done = True
         return None
 

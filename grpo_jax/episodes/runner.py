@@ -167,6 +167,7 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
            for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs), ("env", st.env),
                         ("lengths", st.engine.lengths))}
     for ep in episodes:
+        ep.close()
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
     engine = {}
@@ -180,9 +181,11 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
 def _open(episodes: list[Episode], G: int) -> list[list[int]]:
     """Open every episode -> each example's prompt ids (its first episode that opened; an example
     whose every episode failed gets a one-token placeholder, and its rows are released at once)."""
-    for ep in episodes:
-        if ep.error is None:
-            ep.open()
+    opening = [ep for ep in episodes if ep.error is None]
+    for ep in opening:  # every reset side by side, then each waited for
+        ep.start_open()
+    for ep in opening:
+        ep.finish_open()
     prompts = []
     for i in range(0, len(episodes), G):
         group = episodes[i:i + G]
@@ -206,33 +209,42 @@ def worked_episodes(runner: EpisodeRunner, examples, turns: Sequence[str], stop_
     An episode whose template fails, whose turn the sampler would have ended earlier (a stop token
     or the tool tag inside it), that hits a limit, or that the environment has not ended after the
     last scripted turn is failed (`error` says why)."""
-    played = []
-    for ex in examples:
-        row = {**ex.fields, "prompt": _user_text(ex)}
-        ep = Episode(runner.make_env, row, runner.tokenizer, runner.limits, name=runner.name)
-        played.append(ep)
-        if ep.open() is None:
-            continue
-        for template in turns:
-            try:
-                text = template.format(**row)
-            except (KeyError, IndexError, ValueError) as e:
-                ep.fail(ValueError(f"sft.turns template {template!r}: {type(e).__name__}: {e} "
-                                   f"(the row has {sorted(row)})"), "worked turn")
-                break
-            end = getattr(ep.env, "tool_call_end", None)
-            cut = bool(end) and text.endswith(end)
-            ids = encode(runner.tokenizer, text) + ([] if cut else [stop_ids[0]])
-            early = set(ids[:-1]) & set(stop_ids) or (end and end in (text[:-len(end)] if cut else text))
-            if early:
-                ep.fail(ValueError(f"sft.turns turn {text!r} would end before its end when sampled (a stop "
-                                   "token or the tool call's closing tag inside it)"), "worked turn")
-                break
-            call = ep.add_turn(ids, [0.0] * len(ids), stopped=not cut)
-            if call is None or ep.respond(call) is None:
-                break
+    rows = [{**ex.fields, "prompt": _user_text(ex)} for ex in examples]
+    played = [Episode(runner.make_env, row, runner.tokenizer, runner.limits, name=runner.name) for row in rows]
+    for ep in played:  # every episode side by side: each phase's calls are started, then waited for
+        ep.start_open()
+    live = [(ep, row) for ep, row in zip(played, rows) if ep.finish_open() is not None]
+    for template in turns:
+        calls = []
+        for ep, row in live:
+            turn = _worked_turn(runner, ep, row, template, stop_ids)
+            call = None if turn is None else ep.add_turn(turn[0], [0.0] * len(turn[0]), stopped=not turn[1])
+            if call is not None:
+                calls.append((ep, row, call))
+        live = [(ep, row) for ep, row, call in calls if ep.respond(call) is not None]
+    for ep in played:
+        ep.close()
         if ep.error is None and (ep.truncated or not ep.done):
             why = "hit a limit (environment.max_turns, max_env_tokens or sampling.max_new_tokens)" if ep.truncated \
                 else f"was not over after the {len(turns)} turns of sft.turns"
             ep.fail(ValueError(f"the worked episode {why}"), "worked turn")
     return played
+
+
+def _worked_turn(runner: EpisodeRunner, ep: Episode, row: dict, template: str,
+                 stop_ids: Sequence[int]) -> tuple[list[int], bool] | None:
+    """(the tokens of a worked turn, `template` over `row`; it ends at the tool call's closing tag),
+    or None with the episode failed (the template does not fit the row; the sampler would have
+    ended the turn earlier)."""
+    try:
+        text = template.format(**row)
+    except (KeyError, IndexError, ValueError) as e:
+        return ep.fail(ValueError(f"sft.turns template {template!r}: {type(e).__name__}: {e} "
+                                  f"(the row has {sorted(row)})"), "worked turn")
+    end = getattr(ep.env, "tool_call_end", None)
+    cut = bool(end) and text.endswith(end)
+    ids = encode(runner.tokenizer, text) + ([] if cut else [stop_ids[0]])
+    if set(ids[:-1]) & set(stop_ids) or (end and end in (text[:-len(end)] if cut else text)):
+        return ep.fail(ValueError(f"sft.turns turn {text!r} would end before its end when sampled (a stop "
+                                  "token or the tool call's closing tag inside it)"), "worked turn")
+    return ids, cut

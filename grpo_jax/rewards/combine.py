@@ -7,7 +7,15 @@ prompt, completion and example fields), and only the samples that raise on their
 odd completion (a 400-digit number, a megabyte of tags) costs that sample only, and a function that
 raises on every sample costs one more call per sample. A function that returns the wrong number of
 values, or a value that is neither a finite number nor None, is a bug and raises at once, naming
-the function.
+the function. A finite value beyond the loss's float32 (1e300) fails its sample alone, counted
+with the function's failures, and a weighted total beyond it drops its sample.
+
+A user function named in the config (grpo_jax.usercode.UserFunction) runs in worker processes,
+each call within its `timeout_s`: a batch call past it (or raising) is retried on each sample
+alone, all of them side by side, so the samples that time out alone cost themselves and the step
+waits about two time limits at most; a call the stopping run gives up on (CallStopped) drops the
+batch's samples without a retry. A user's StatefulReward, in the trainer's process, is retried one
+sample after the other: after a sample's time limit the samples left are dropped with it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from grpo_jax.usercode import CallStopped, CallTimeout, UserFunction
+
+LOSS_DTYPE = np.float32  # what the loss reads rewards as: a value must be finite in it
 RewardFn = Callable[..., Sequence[float | None]]
 
 
@@ -64,12 +75,20 @@ def combine_rewards(specs: Sequence[RewardSpec], prompts: Sequence[str], complet
     per_fn, failures, messages = {}, {}, {}
     for spec in specs:
         values, lost, message = _scores(spec, prompts, completions, fields)
+        column, beyond = _column(spec, values)
+        if beyond:
+            i = beyond[0]
+            lost += len(beyond)
+            message = message or (f"returned {values[i]!r} for sample {i}, beyond {np.dtype(LOSS_DTYPE).name} (the "
+                                  "loss's dtype): the sample is dropped")
         if lost:
             failures[spec.name], messages[spec.name] = lost, message
-        column = _column(spec, values)
-        per_fn[spec.name] = column.astype(np.float32)
+        per_fn[spec.name] = column.astype(LOSS_DTYPE)
         total += spec.weight * column  # NaN (None) propagates: the sample is dropped
-    return RewardResult(total=total.astype(np.float32), per_fn=per_fn, failures=failures, messages=messages)
+    with np.errstate(over="ignore"):
+        total = total.astype(LOSS_DTYPE)
+    total[np.isinf(total)] = np.nan  # a weighted total beyond float32: dropped (reward/dropped)
+    return RewardResult(total=total, per_fn=per_fn, failures=failures, messages=messages)
 
 
 def _scores(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str],
@@ -82,47 +101,70 @@ def _scores(spec: RewardSpec, prompts: Sequence[str], completions: Sequence[str]
     try:
         values = list(spec.fn(prompts, completions, **fields))
     except Exception as e:  # noqa: BLE001 - a failing reward drops its samples, it does not stop the run
-        if n == 1:
-            return [None], 1, f"{type(e).__name__}: {e}"
+        if n == 1 or isinstance(e, CallStopped):
+            return [None] * n, n, f"{type(e).__name__}: {e}"
         values = None
     if values is not None:
         return _counted(spec, values, n), 0, ""
     values, lost, message, first = [], 0, "", None
-    # A reward that keeps statistics (grpo_jax.rewards.stateful: a reward model's running
-    # normalisation) rescores without updating them: one failed batch must not count n times.
-    fn = spec.fn.without_updates() if callable(getattr(spec.fn, "without_updates", None)) else spec.fn
-    for i in range(n):
-        one = {key: column[i:i + 1] for key, column in fields.items()}
-        try:
-            value = list(fn(prompts[i:i + 1], completions[i:i + 1], **one))
-        except Exception as e:  # noqa: BLE001 - this sample only
+    for i, outcome in enumerate(_each(spec.fn, prompts, completions, fields)):
+        if isinstance(outcome, Exception):  # this sample only
             values.append(None)
             lost += 1
-            message = message or f"{type(e).__name__}: {e}"
+            message = message or f"{type(outcome).__name__}: {outcome}"
             first = first if first is not None else i
             continue
-        values += _counted(spec, value, 1)
+        values += _counted(spec, list(outcome), 1)
     if lost < n:  # some samples scored: say where the first failure was
         message = f"{message} (sample {first})"
     return values, lost, message
 
 
-def _column(spec: RewardSpec, values: list) -> np.ndarray:
-    """float64 values, NaN for None; anything but a finite number or None is a bug, named."""
-    column = np.empty(len(values), np.float64)
+def _each(fn, prompts: Sequence[str], completions: Sequence[str], fields: Mapping[str, Sequence]) -> list:
+    """Each sample scored alone -> per sample the values or the exception: a user function's calls
+    side by side in its workers, any other one after the other in this thread."""
+    one = [((prompts[i:i + 1], completions[i:i + 1]), {key: column[i:i + 1] for key, column in fields.items()})
+           for i in range(len(completions))]
+    if isinstance(fn, UserFunction):
+        return fn.each(one)
+    # A reward that keeps statistics (grpo_jax.rewards.stateful: a reward model's running
+    # normalisation) rescores without updating them: one failed batch must not count n times.
+    fn = fn.without_updates() if callable(getattr(fn, "without_updates", None)) else fn
+    out, late = [], None
+    for args, kwargs in one:
+        if late is not None:  # one after the other, a second time limit per sample is not waited for
+            out.append(late)
+            continue
+        try:
+            out.append(fn(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 - this sample only
+            out.append(e)
+            late = e if isinstance(e, CallTimeout) else None
+    return out
+
+
+def _column(spec: RewardSpec, values: list) -> tuple[np.ndarray, list[int]]:
+    """(float64 values, NaN for None and for the finite values beyond the loss's dtype; those
+    samples); anything but a finite number or None is a bug, named."""
+    column, beyond = np.empty(len(values), np.float64), []
+    limit = float(np.finfo(LOSS_DTYPE).max)
     for i, v in enumerate(values):
+        column[i] = np.nan
         if v is None:
-            column[i] = np.nan
             continue
         number = isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool)
         try:
-            column[i] = float(v) if number else np.nan
-        except OverflowError:  # an int beyond float range
-            column[i] = np.nan
-        if not math.isfinite(column[i]):
+            value = float(v) if number else math.nan
+        except OverflowError:  # an int beyond float64: finite, and beyond float32 too
+            value = math.inf
+        if number and isinstance(v, (int, np.integer)) and math.isinf(value) or math.isfinite(value) and abs(value) > limit:
+            beyond.append(i)
+        elif not math.isfinite(value):
             raise ValueError(f"reward function {spec.name!r} returned {v!r} for sample {i}; return a finite number, "
                              "or None when the sample cannot be judged")
-    return column
+        else:
+            column[i] = value
+    return column, beyond
 
 
 def _counted(spec: RewardSpec, values: list, n: int) -> list:

@@ -6,12 +6,8 @@ options (`check_options`), for functions and for classes built once (`StatefulRe
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from grpo_jax.config import ConfigError, RunConfig, did_you_mean
@@ -23,8 +19,9 @@ from grpo_jax.rewards.length import overlong_reward
 from grpo_jax.rewards.llm_judge import LLMJudgeReward
 from grpo_jax.rewards.math import math_accuracy
 from grpo_jax.rewards.reward_model import RewardModelReward
-from grpo_jax.rewards.stateful import StatefulReward
+from grpo_jax.rewards.stateful import StatefulReward, TimedReward
 from grpo_jax.sandbox import sandbox_shared
+from grpo_jax.usercode import UserFunction, is_user_name, load_user_object
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "math_accuracy": math_accuracy,
@@ -60,35 +57,8 @@ def _import_reward(name: str) -> RewardFn:
 
 
 def import_user_object(name: str, *, what: str, member: str = "function"):
-    """The object `name` points at: `module:attr` (the working directory importable, as with
-    `python -m`) or `path/to/file.py:attr`; ValueError naming `what` and saying what went wrong."""
-    where, _, attr = name.rpartition(":")
-    if not where or not attr.isidentifier():
-        raise ValueError(f"{what} {name!r}: write user {what}s as module:{member} or path/to/file.py:{member}")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise ValueError(f"{what} {name!r}: no file {str(path.resolve())!r}")
-            spec = importlib.util.spec_from_file_location(f"grpo_jax_user_{what}_{path.stem}", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and str(Path.cwd()) not in sys.path:
-                sys.path.insert(0, str(Path.cwd()))  # as `python -m` would: the working directory's modules
-            module = importlib.import_module(where)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any import error is the user's code; say which and why
-        raise ValueError(f"{what} {name!r}: importing {where!r} failed: {type(e).__name__}: {e}") from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ValueError(f"{what} {name!r}: {where!r} has no {attr!r}{did_you_mean(attr, public)}; "
-                         f"its {member}s and classes: {', '.join(public) or 'none'}")
-    if not callable(obj):
-        raise ValueError(f"{what} {name!r}: {attr!r} in {where!r} is a {type(obj).__name__}, not a {member}")
-    return obj
+    """The object `name` points at (grpo_jax.usercode.load_user_object)."""
+    return load_user_object(name, what=what, member=member)
 
 
 def unwrapped(fn) -> tuple[Any, dict]:
@@ -121,16 +91,20 @@ def check_options(fn, kwargs: Mapping[str, Any], where: str, *, required: bool =
 
 
 def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple[str, str], *,
-               generate=None) -> RewardSpec:
+               generate=None, timeout_s: float = 120.0) -> RewardSpec:
     """One configured reward; `where`: the config paths of its name and of its kwargs; `generate`:
     the actor's generation function, for a reward class that declares a `generate` keyword (the
-    `llm_judge`), so rewards/ never imports the sampler."""
+    `llm_judge`), so rewards/ never imports the sampler. A user function (`module:function`) is
+    checked here and called in worker processes, each call within `timeout_s`
+    (grpo_jax.usercode.UserFunction)."""
     try:
         fn = get_reward_fn(name)
     except ValueError as e:
         raise ConfigError(f"{where[0]}: {e}") from None
     if not isinstance(fn, type):
         check_options(fn, kwargs, where[1])
+        if is_user_name(name):
+            return RewardSpec(name=name, fn=UserFunction(name, kwargs, timeout_s=timeout_s), weight=weight)
         return RewardSpec(name=name, fn=functools.partial(fn, **kwargs) if kwargs else fn, weight=weight)
     # A reward that holds something (a reward model), built once: an unknown option, a missing one
     # or a bad path is a ConfigError before anything trains.
@@ -146,7 +120,7 @@ def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple
     if not isinstance(built, StatefulReward):
         raise ConfigError(f"{where[0]}: {fn.__name__} is a class but not a StatefulReward (place, state, "
                           "load_state, without_updates); register a function or implement those")
-    return RewardSpec(name=name, fn=built, weight=weight)
+    return RewardSpec(name=name, fn=TimedReward(built, timeout_s) if is_user_name(name) else built, weight=weight)
 
 
 def build_rewards(config: RunConfig, *, generate=None) -> tuple[list[RewardSpec], RewardSpec, RewardSpec | None]:
@@ -154,8 +128,8 @@ def build_rewards(config: RunConfig, *, generate=None) -> tuple[list[RewardSpec]
     `generate`: the actor's generation function for rewards that write (`build_spec`)."""
     if not config.rewards:
         raise ConfigError("rewards: configure at least one reward function, e.g. rewards: [{name: math_accuracy}]")
-    specs = [build_spec(r.name, r.kwargs, r.weight, (f"rewards[{i}].name", f"rewards[{i}].kwargs"), generate=generate)
-             for i, r in enumerate(config.rewards)]
+    specs = [build_spec(r.name, r.kwargs, r.weight, (f"rewards[{i}].name", f"rewards[{i}].kwargs"), generate=generate,
+                        timeout_s=r.timeout_s) for i, r in enumerate(config.rewards)]
     name = config.eval.reward or specs[0].name
     e = config.eval
     verifier = None if e.verifier is None else build_spec(e.verifier, e.verifier_kwargs, 1.0,

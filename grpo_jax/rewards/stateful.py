@@ -4,15 +4,18 @@ A registry entry that is a class (`reward_model`, `llm_judge`) is built once fro
 the config is read, and must be a `StatefulReward`, checked there. The run then places it on its
 mesh (`place`), saves its `state()` with every checkpoint and restores it (`load_state`) on
 resume, and evaluates held-out samples through `without_updates()`, which scores without learning
-from what it scores (a reward model's running normalisation stays as training left it).
+from what it scores (a reward model's running normalisation stays as training left it). A user's
+class (`module:Class`) is wrapped in `TimedReward`: each call within its `timeout_s`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from grpo_jax.rewards.combine import RewardFn
+from grpo_jax.usercode import start_local
 
 
 @runtime_checkable
@@ -30,3 +33,30 @@ class StatefulReward(Protocol):
 
     def without_updates(self) -> RewardFn:
         """The same scores, without updating what the reward keeps (for evaluation)."""
+
+
+class TimedReward:
+    """A user's StatefulReward (`module:Class`) with a time limit on each call: it holds the run's
+    devices, so it cannot run in a worker process; its calls run on the trainer's bounded threads
+    (grpo_jax.usercode.calls) and give up after `timeout_s` (CallTimeout, its samples dropped) or
+    when the run is stopping. The rest of the protocol goes to the reward itself."""
+
+    def __init__(self, reward: StatefulReward, timeout_s: float):
+        self.reward, self.timeout_s = reward, float(timeout_s)
+
+    def __call__(self, prompts, completions, **fields) -> list[float | None]:
+        return start_local(functools.partial(self.reward, prompts, completions, **fields)).result(self.timeout_s)
+
+    def place(self, mesh) -> None:
+        self.reward.place(mesh)
+
+    def state(self) -> dict:
+        return self.reward.state()
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.reward.load_state(state)
+
+    def without_updates(self) -> RewardFn:
+        fn = self.reward.without_updates()
+        return lambda prompts, completions, **fields: start_local(
+            functools.partial(fn, prompts, completions, **fields)).result(self.timeout_s)

@@ -2,7 +2,9 @@
 
 Each failing function's first message of the step (this host's samples) is logged; one that failed
 on every sample of the batch for `max_failure_steps` steps in a row stops the run with its message
-(decided from the global counts in the step's metrics, so every host stops together). Rewards that
+(decided from the global counts in the step's metrics, so every host stops together), and so does
+a step whose every episode failed (`env/errors`: the environment, not the policy, is broken): the
+watch returns the reason, and the loop saves the step and stops with it in one line. Rewards that
 take more than half of a step are reported once.
 """
 
@@ -21,10 +23,12 @@ class RewardWatch:
         self.streaks: dict[str, int] = {}  # reward name -> steps in a row it failed on every sample
         self.slow_said = False
 
-    def check(self, step: int, metrics: Mapping[str, float], messages: Mapping[str, str]) -> None:
+    def check(self, step: int, metrics: Mapping[str, float], messages: Mapping[str, str],
+              env_error: str | None = None) -> str | None:
         """After a step: `metrics` hold `reward/<name>/failures` (global counts), `perf/reward_s` and
-        `perf/step_s`; `messages` each failing reward's first error on this host. Raises
-        RuntimeError when a reward failed on every sample for too many steps in a row."""
+        `perf/step_s` (and `env/errors` with episodes); `messages` each failing reward's first error on
+        this host, `env_error` the step's first environment error. -> why the run must stop (a reward
+        failed on every sample for too many steps in a row; every episode of the step failed), or None."""
         reward_s, step_s = metrics["perf/reward_s"], metrics["perf/step_s"]
         if reward_s > 0.5 * step_s and not self.slow_said:
             self.slow_said = True
@@ -38,5 +42,8 @@ class RewardWatch:
                          f"dropped): {message}")
             self.streaks[spec.name] = self.streaks.get(spec.name, 0) + 1 if failed >= self.rows else 0
             if self.streaks[spec.name] >= self.limit:
-                raise RuntimeError(f"reward function {spec.name!r} raised on every sample for {self.limit} steps in "
-                                   f"a row (train.max_reward_failure_steps); last error: {message or 'on another host'}")
+                return (f"reward function {spec.name!r} raised on every sample for {self.limit} steps in a row "
+                        f"(train.max_reward_failure_steps); last error: {message or 'on another host'}")
+        if metrics.get("env/errors", 0) >= self.rows:
+            return f"every episode of step {step} failed; the first: {env_error or 'on another host'}"
+        return None

@@ -55,14 +55,17 @@ class EpisodeSampler(SyncSampler):
                   "transcript": [ep.transcript for ep in batch.episodes]}
         result = combine_rewards(self.prepared.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts,
                                  fields)
-        env_reward = np.array([ep.env_reward or 0.0 for ep in batch.episodes], np.float32)
-        total = np.where(failed, np.nan, result.total + env_reward).astype(np.float32)
+        env_reward = np.array([ep.env_reward or 0.0 for ep in batch.episodes], np.float64)
+        with np.errstate(over="ignore"):  # a total beyond float32 (the loss's) is dropped, as a reward's is
+            total = np.where(failed, np.nan, result.total + env_reward).astype(np.float32)
+        total[np.isinf(total)] = np.nan
         result = dataclasses.replace(result, total=total)
         # `lengths`: the model's tokens (what completion/* and health describe), not the trajectory's.
         rows = rows.replace(lengths=np.array([ep.model_tokens for ep in batch.episodes], np.int32))
         return Round(examples=examples, rows=rows, texts=texts, rewards=result,
                      sample_s=sample_s, reward_s=time.perf_counter() - t1,
-                     turns=[ep.transcript for ep in batch.episodes], errors=[ep.error for ep in batch.episodes])
+                     turns=[ep.transcript for ep in batch.episodes], errors=[ep.error for ep in batch.episodes],
+                     env_error=next((ep.error for ep in batch.episodes if ep.error), None))
 
 
 def failure_line(episodes) -> str:

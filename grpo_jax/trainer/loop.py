@@ -158,7 +158,8 @@ class Trainer:
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
 
-        hooks = [Hook(lambda i: watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages)),
+        hooks = [Hook(lambda i: signals.fail(watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages,
+                                                         i.batch.log.first.env_error))),
                  Hook(self._evaluate_hook, every=cfg.eval.every, at_last=True),
                  Hook(self._write_metrics), Hook(self._write_samples, every=cfg.train.samples_every),
                  Hook(self._tell),
@@ -176,13 +177,15 @@ class Trainer:
                 self.writer.close()
             self.sync()  # what there is, even when the run stops with an error
         self.state = state  # the final train state (placed), for callers that inspect it
-        if stopped_at is not None:
-            return self._stopped(checkpointer, stopped_at, signals.received)
+        if stopped_at is not None or signals.failure:  # user code that failed at the last step stops it too
+            return self._stopped(checkpointer, stopped_at or cfg.train.steps, signals.received)
         checkpointer.wait()  # the last checkpoint committed before the summary says the run is done
         return {**self._summary(), "learner_bytes": b.learner.footprint(state)}
 
     # --- hooks ------------------------------------------------------------------------------------
     def _evaluate_hook(self, info: StepInfo) -> None:
+        if self.signals.stopping and not info.last:  # the run stops after this step: at once, not evaluating
+            return
         self.evals.append((info.step, self._evaluate(info.step)))
         info.metrics.update(self.evals[-1][1])
 
@@ -225,7 +228,7 @@ class Trainer:
         checkpointer.wait()
         self.sync()
         return stop_report(why, step=step, steps=self.config.train.steps, where=str(self.storage),
-                           resuming=resuming, log=self.log)
+                           resuming=resuming, log=self.log, failure=self.signals.failure)
 
     def _summary(self) -> dict:
         plot = plot_run(self.run_dir) if self.primary else None

@@ -8,7 +8,14 @@ Where a first signal lands decides what the run does (`StopSignals.stage`):
 - "steps": the step in flight ends, a checkpoint is saved at it and the run stops;
 - "finish", after the last step: the run finishes as it would have (its last checkpoint committed,
   its metrics, summary and plot written): there is nothing shorter that loses nothing.
-The handlers stay installed through all three, until the last file is written.
+The handlers stay installed through all three, until the last file is written. In "setup" and
+"steps" a signal also ends every wait on user code (grpo_jax.usercode: a slow reward, a hanging
+environment): those calls fail at once (their samples dropped, counted), so the step in flight ends
+promptly and is saved as above.
+
+A run whose user code fails beyond use (every episode of a step, a reward on every sample for
+`train.max_reward_failure_steps` steps: rewards.watch) stops the same way, its step saved, and
+then raises RunFailed with the reason and the checkpoint in one line (`fail`).
 
 On one host the trainer's own signal handlers set the flag. On several hosts (jax.distributed)
 JAX's preemption service already owns SIGTERM: it agrees on a step every host reaches
@@ -28,11 +35,17 @@ from collections.abc import Callable
 from jax.experimental import multihost_utils
 
 from grpo_jax.runtime.hosts import any_host, any_hosts, multi_process
+from grpo_jax.usercode import add_stop_source, remove_stop_source
 
 STAGES = ("setup", "steps", "finish")
 _PLANS = {"setup": "stopping before the first step, without saving",
           "steps": "finishing this step, then saving a checkpoint and stopping",
           "finish": "the last step is done: finishing its checkpoint and the run's files, then stopping"}
+
+
+class RunFailed(RuntimeError):
+    """User code failed beyond use (`StopSignals.fail`): the step was saved, the run stopped. The
+    message is one line: why, and where the checkpoint is."""
 
 
 class StoppedBeforeStart(Exception):
@@ -74,6 +87,7 @@ class StopSignals:
         self.log = log
         self.every_s = every_minutes * 60.0
         self.received: str | None = None  # the signal's name, once one arrived (on this host)
+        self.failure: str | None = None  # why user code stops the run (`fail`)
         self.stage = stage
         self.last_save = time.monotonic()
         self._previous: dict[int, object] = {}
@@ -85,10 +99,12 @@ class StopSignals:
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         _installed.append(self)
+        add_stop_source(self._stopping)
         return self
 
     def __exit__(self, *exc) -> None:
         _installed.remove(self)
+        remove_stop_source(self._stopping)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -103,6 +119,21 @@ class StopSignals:
         self.received = name
         self.log(f"received {name}: {_PLANS[self.stage]} (send {name} again to abort at once)")
 
+    def _stopping(self) -> str | None:
+        """Why waits on user code end now: a signal arrived before the run's last step."""
+        return f"the run received {self.received}" if self.received and self.stage != "finish" else None
+
+    @property
+    def stopping(self) -> bool:
+        """A signal arrived or user code failed: the run stops after this step."""
+        return self.received is not None or self.failure is not None
+
+    def fail(self, reason: str | None) -> None:
+        """User code failed beyond use (`reason`; None: nothing): save this step, then stop (RunFailed)."""
+        if reason and self.failure is None:
+            self.failure = reason
+            self.log(f"stopping: {reason}")
+
     def stop_point(self) -> None:
         """Raise StoppedBeforeStart if a signal arrived on any host (a collective on several)."""
         if any_host(self.received is not None):
@@ -116,19 +147,26 @@ class StopSignals:
         """(stop after this step, a checkpoint is due by `every_minutes`): decided together by all
         hosts, so each saves and stops at the same step."""
         due = bool(self.every_s) and time.monotonic() - self.last_save >= self.every_s
-        stop, due = any_hosts(self.received is not None, due)
+        stop, due = any_hosts(self.stopping, due)
         if self._jax_service and multihost_utils.reached_preemption_sync_point(step):
             stop = True
             self.received = self.received or "a preemption notice (JAX preemption service)"
         return stop, due
 
 
-def stop_report(why: str, *, step: int | None, steps: int, where: str, resuming: bool,
-                log: Callable[[str], None]) -> dict:
+def stop_report(why: str | None, *, step: int | None, steps: int, where: str, resuming: bool,
+                log: Callable[[str], None], failure: str | None = None) -> dict:
     """The summary of a run a stop signal ended, and its last line (to `log`): after `step`, whose
     checkpoint is complete in `where`, or before its first step (`step` None): nothing saved yet,
-    or nothing new for a `resuming` run."""
+    or nothing new for a `resuming` run. Without a signal (`why` None) the run stopped for
+    `failure`: RunFailed, in one line."""
     again = "run the same command again to"
+    if why is None and failure is not None:
+        line = (f"{failure}; the run stopped after step {step} of {steps}, its checkpoint is in {where} (fix the "
+                f"cause and {again} resume from it)")
+        log(line)
+        raise RunFailed(line)
+    why = why or "a stop on another host"
     if step is not None:
         line = f"stopped by {why} after step {step} of {steps}: its checkpoint is in {where}; {again} resume from it"
     elif resuming:

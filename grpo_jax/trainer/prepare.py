@@ -28,7 +28,7 @@ from grpo_jax.models.lora import add_adapters
 from grpo_jax.rewards import RewardSpec, build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.episodes.episode import EpisodeLimits
-from grpo_jax.env.registry import environment_factory
+from grpo_jax.env.registry import environment_maker
 from grpo_jax.episodes.runner import EpisodeRunner
 from grpo_jax.runtime.devices import check_capacity, check_devices, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
@@ -173,7 +173,7 @@ def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | 
         raise ConfigError("environment: the tokenizer has no chat template to render the environment's messages "
                           "with; use a model whose tokenizer has one (model.tokenizer: a directory with a template)")
     try:
-        make_env = environment_factory(env.name, env.kwargs, tokenizer)
+        make_env = environment_maker(env.name, env.kwargs, tokenizer, workers=env.workers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     limits = EpisodeLimits(max_turns=env.max_turns, max_env_tokens=env.max_env_tokens,

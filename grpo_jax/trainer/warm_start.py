@@ -82,6 +82,7 @@ def worked_batch(prepared: Prepared, examples, counts: dict) -> tuple[list, list
                    for ex in examples]
         return [ex.prompt_ids for ex in examples], answers, None, sampling.max_new_tokens
     played = worked_episodes(prepared.episodes, examples, cfg.turns, sampling.stop_token_ids)
+    stop_point()  # a stop signal gave up on the environment's calls: stop here, not as a failed batch
     failed = [ep.error for ep in played if ep.error is not None]
     if len(failed) == len(played):
         raise ConfigError(f"sft: every worked episode of the batch failed; the first: {failed[0]}")

@@ -12,9 +12,10 @@ import pytest
 from grpo_jax import EnvStep, Environment
 from grpo_jax.data.tokenizer import char_tokenizer
 from grpo_jax.env.calculator import Calculator, CalculatorError, calculate
-from grpo_jax.episodes.episode import EnvCall, Episode, EpisodeLimits
+from grpo_jax.episodes.episode import Episode, EpisodeLimits
 from grpo_jax.env.registry import environment_factory
 from grpo_jax.episodes.transcript import render
+from grpo_jax.usercode import start_local
 
 TEMPLATE = ("{% for m in messages %}{{ '[' + m.role + ']' + m.content + eos_token + '\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '[assistant]' }}{% endif %}")
@@ -112,10 +113,10 @@ def test_a_hanging_environment_times_out_and_slow_ones_run_side_by_side():
     ep = episode(Scripted([EnvStep([], done=True)], delay_s=5.0), timeout_s=0.2)
     start = time.monotonic()
     assert turn(ep, "hmm<eos>", stopped=True) is None
-    assert "EnvTimeout" in ep.error and time.monotonic() - start < 2.0
+    assert "CallTimeout: took longer than 0.2 s" in ep.error and time.monotonic() - start < 2.0
     # Four calls that sleep 0.4 s each, started together, are all back in about 0.4 s, not 1.6 s.
     start = time.monotonic()
-    calls = [EnvCall(time.sleep, 0.4) for _ in range(4)]
+    calls = [start_local(time.sleep, 0.4) for _ in range(4)]
     for call in calls:
         call.result(5.0)
     assert time.monotonic() - start < 1.2

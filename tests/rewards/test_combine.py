@@ -7,6 +7,7 @@ import pytest
 
 from grpo_jax.rewards.combine import RewardSpec, combine_rewards
 from grpo_jax.rewards.math import math_accuracy
+from grpo_jax.rollout.collect import reward_metrics
 
 
 def length_bonus(prompts, completions, **_):
@@ -103,8 +104,19 @@ def test_a_bug_found_on_the_retry_still_fails_loudly():
 
     with pytest.raises(ValueError, match="'buggy' returned 2 values for 1"):
         combine_rewards([RewardSpec("buggy", wrong_length_alone)], ["a", "b"], ["x", "y"])
-    with pytest.raises(ValueError, match="returned 10000"):
-        combine_rewards([RewardSpec("huge", lambda p, c, **_: [1.0, 10 ** 400])], ["a", "b"], ["x", "y"])
+    with pytest.raises(ValueError, match="returned inf"):
+        combine_rewards([RewardSpec("inf", lambda p, c, **_: [1.0, float("inf")])], ["a", "b"], ["x", "y"])
+
+
+def test_a_reward_beyond_float32_fails_its_sample_alone():
+    """1e300 is finite in float64 but inf in float32, the loss's dtype: that sample is dropped and
+    counted with the function's failures; a weighted total past float32 is dropped too."""
+    result = combine_rewards([RewardSpec("big", lambda p, c, **_: [1.0, 1e300, -(10 ** 400), 3e38]),
+                              RewardSpec("also", lambda p, c, **_: [0.0, 0.0, 0.0, 3e38])], ["q"] * 4, list("abcd"))
+    assert np.isfinite(result.total[0]) and np.isnan(result.total[1:]).all()
+    assert result.failures == {"big": 2} and "returned 1e+300 for sample 1, beyond float32" in result.messages["big"]
+    assert np.isfinite(result.per_fn["big"][[0, 3]]).all() and np.isnan(result.per_fn["big"][1:3]).all()
+    assert reward_metrics(result, group_size=2)["reward/dropped"] == 3.0
 
 
 @pytest.mark.parametrize("name,fields,good,bad", [

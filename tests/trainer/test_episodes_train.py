@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from runs import CONFIG, assert_same_run, write_config
 
+from grpo_jax import cli
 from grpo_jax.config import ConfigError, load_config
 from grpo_jax.data.tokenizer import char_tokenizer
 from grpo_jax.observe.report import write_report
@@ -183,3 +184,25 @@ def test_sft_turns_need_an_environment_and_an_environment_warm_start_needs_turns
     no_env["sft"] = {"steps": 2, "turns": ["{answer}"]}
     with pytest.raises(ConfigError, match="sft.turns are the model's turns of worked episodes"):
         load_config(write_config(tmp_path, no_env))
+
+
+def test_a_step_whose_every_episode_failed_stops_the_run_with_its_checkpoint(episode_config, tmp_path, capsys):
+    """An environment whose reset hangs: every episode times out (each at timeout_s, side by side),
+    and the run saves the step and stops with the reason in one line (exit status 1)."""
+    _, cfg = episode_config
+    (tmp_path / "hangs.py").write_text(
+        "import time\n"
+        "class Hangs:\n"
+        "    def reset(self, example):\n        time.sleep(3600)\n"
+        "    def step(self, completion):\n        return None\n")
+    bad = copy.deepcopy(cfg)
+    bad["environment"].update(name=f"{tmp_path / 'hangs.py'}:Hangs", kwargs={}, timeout_s=0.3)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli.main(["train", "--config", write_config(tmp_path, bad), "--output", str(out)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"grpo-jax train: error: every episode of step 1 failed; the first: {tmp_path}/hangs.py:"
+                           "Hangs.reset: CallTimeout: took longer than 0.3 s; the run stopped after step 1 of 4"), last
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1"]
+    assert [r["env/errors"] for r in read_metrics(out) if "train/loss" in r] == [16.0]
+

@@ -233,7 +233,7 @@ def test_a_resumed_run_continues_exactly_where_the_uninterrupted_one_went(run, t
     assert (copy / "config.yaml").read_bytes() == before["config.yaml"]
 
 
-def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeypatch):
+def test_a_user_reward_that_raises_is_logged_and_stops_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     # User code by module:function (importable from the working directory) and by file path.
     (tmp_path / "my_rewards_mod.py").write_text(
         "def broken(prompts, completions, **fields):\n"
@@ -258,12 +258,17 @@ def test_a_user_reward_that_raises_is_logged_and_stops_the_run(tmp_path, monkeyp
         trainer.run()
     slow = [line for line in lines if "rewards took" in line]
     assert len(slow) == 1 and "rewards took" in slow[0] and "(perf/reward_s)" in slow[0], lines
-    failing = [line for line in lines if "raised on" in line]
+    failing = [line for line in lines if line.startswith("step ") and "raised on" in line]
     assert len(failing) == 2, lines  # steps 1 and 2, each once
+    # The run stops after step 2 with its checkpoint saved, in one line.
+    assert lines[-1].startswith("reward function 'my_rewards_mod:broken' raised on every sample for 2 steps") \
+        and lines[-1].endswith(f"the run stopped after step 2 of 5, its checkpoint is in {tmp_path / 'run'} (fix the "
+                               "cause and run the same command again to resume from it)"), lines[-1]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]
     assert failing[0].startswith("step 1: reward 'my_rewards_mod:broken' raised on 256 of 256 samples")
     assert failing[0].endswith("RuntimeError: the checker service is down")
     rows = read_metrics(tmp_path / "run")
-    assert [r["reward/my_rewards_mod:broken/failures"] for r in rows if "reward/mean" in r] == [256.0]
+    assert [r["reward/my_rewards_mod:broken/failures"] for r in rows if "reward/mean" in r] == [256.0, 256.0]
     assert all(r["reward/good.py:digits/mean"] >= 0.5 for r in rows if "reward/mean" in r)  # the bonus kwarg
 
 

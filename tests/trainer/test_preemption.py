@@ -176,3 +176,27 @@ def test_the_clock_makes_a_checkpoint_due(monkeypatch):
     signals.saved()
     assert signals.check(3) == (False, False)
     assert preemption.StopSignals(lambda line: None, every_minutes=0).check(1) == (False, False)
+
+
+def test_sigterm_while_a_user_reward_runs_saves_the_step_without_waiting_for_it(tmp_path, capsys):
+    """A user reward that would take 10 minutes sends SIGTERM to the trainer (so the signal lands
+    while the trainer waits on it): the wait ends at once, the step's samples are dropped and
+    counted, the step is saved and the run exits 0, as for a signal anywhere else in a step."""
+    (tmp_path / "slow_reward.py").write_text(
+        "import os, signal, time\n"
+        "def slow(prompts, completions, **fields):\n"
+        "    os.kill(os.getppid(), signal.SIGTERM)  # the worker's parent: the trainer\n"
+        "    time.sleep(600)\n")
+    slow = f"{tmp_path / 'slow_reward.py'}:slow"
+    config = {**_config(tmp_path), "rewards": [{"name": "math_accuracy"}, {"name": slow}],
+              "eval": {"every": 0, "num_prompts": 8, "k": 2, "reward": "math_accuracy"}}
+    out = tmp_path / "run"
+    start = time.monotonic()
+    assert cli.main(["train", "--config", write_config(tmp_path, config), "--output", str(out)]) == 0
+    assert time.monotonic() - start < 120
+    stdout, stderr = capsys.readouterr()
+    assert json.loads(stdout.strip().splitlines()[-1])["step"] == 1
+    assert f"stopped by SIGTERM after step 1 of {STEPS}: its checkpoint is in" in stderr
+    assert _complete_checkpoints(out) == [1]
+    step = [r for r in read_metrics(out) if "train/loss" in r]
+    assert len(step) == 1 and step[0][f"reward/{slow}/failures"] == 256 and step[0]["reward/dropped"] == 256
