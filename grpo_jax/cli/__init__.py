@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 0
+        args.own_process = argv is None  # the process's own command (its exit follows), not a caller's call
         return args.func(args)
     except USER_ERRORS as e:  # the user's input: a message, not a traceback
         print(f"{getattr(e, 'prog', None) or prog}: error: {e}", file=sys.stderr)

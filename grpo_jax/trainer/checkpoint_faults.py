@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import os
 import re
@@ -119,10 +120,10 @@ class Quiet:
         return not _orbax_noise(record)
 
     def _unraisable(self, unraisable) -> None:
-        exc, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
-        if unraisable.object is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        exc, coroutine = unraisable.exc_value, unraisable.object
+        if coroutine is None and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
             return
-        if self.failed and code is not None and "orbax" in code.co_filename:
+        if self.failed and inspect.iscoroutine(coroutine) and "orbax" in coroutine.cr_code.co_filename:
             return
         self._previous(unraisable)
 
