@@ -78,7 +78,7 @@ class Checkpointer:
         self._log = log or _stderr
         if removed := faults.remove_incomplete(self.directory):
             self._log(f"removed incomplete checkpoint directories {removed} in {self.directory} (no "
-                             f"{faults.STEP_METADATA}: a save or a deletion of them was interrupted)")
+                      f"{faults.STEP_METADATA}: a save or a deletion of them was interrupted)")
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, cleanup_tmp_directories=True))
         self._quiet = faults.Quiet()
@@ -98,12 +98,11 @@ class Checkpointer:
             items[REFERENCE] = ocp.args.StandardSave(reference)
         if in_flight:
             items[IN_FLIGHT] = ocp.args.StandardSave(list(in_flight))
+        self._in_flight = step
         try:
             self._manager.save(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - a storage fault becomes CheckpointError, anything else stays
-            self._in_flight = step
             self._fail(e)
-        self._in_flight = step
 
     def check(self) -> None:
         """Without waiting: raise CheckpointError if the save in flight has failed (decided by every
