@@ -5,34 +5,72 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from grpo_jax.cli.common import UsageError
 from grpo_jax.config import load_config
 
 
+class AfterTheRun:
+    """SIGTERM and SIGINT once a run has returned, until this command's process exits (a second or
+    so of interpreter and JAX teardown, when a preemption notice would otherwise end a finished run
+    with status 143): the run's checkpoint and files are complete, so the signal is acknowledged in
+    one line and the command still exits 0; a second one aborts at once. The run's own handlers
+    (grpo_jax.trainer.preemption) cover everything before. `keep`: stay installed when the command
+    returns (the process's own command, whose exit is still ahead), else restore the handlers
+    before (a caller in the same process). On several hosts JAX's preemption service keeps SIGTERM."""
+
+    def __init__(self, *, keep: bool):
+        self.keep, self.received = keep, None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> AfterTheRun:
+        import jax
+
+        if threading.current_thread() is threading.main_thread():
+            jax_has_sigterm = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
+            for sig in [signal.SIGINT] + ([] if jax_has_sigterm else [signal.SIGTERM]):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.keep:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = name
+        print(f"received {name} after the run finished: its checkpoint and files are complete; exiting "
+              f"(send {name} again to abort at once)", file=sys.stderr)
+
+
 def _train(args: argparse.Namespace) -> int:
     from grpo_jax.runtime.devices import initialize_distributed
     from grpo_jax.trainer.loop import train
-    from grpo_jax.trainer.preemption import RunFailed
 
     config = load_config(args.config, args.set or ())
     initialize_distributed(config)
     out = args.output if args.output and "://" in args.output else Path(args.output or Path("runs") / Path(args.config).stem)
-    try:
-        summary = train(config, out)
-    except RunFailed as e:  # saved and stopped: the reason in one line, not a traceback
-        print(f"grpo-jax train: error: {e}", file=sys.stderr)
-        return 1
-    if "stopped" in summary:  # a preemption notice or Ctrl-C: saved, resumable, not an error
-        print(json.dumps(summary))
+    summary = train(config, out)
+    with AfterTheRun(keep=args.own_process):
+        if "stopped" in summary:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+            print(json.dumps(summary))
+            return 0
+        start, end = summary["eval_start"], summary["eval_end"]
+        print(json.dumps({"run_dir": summary["run_dir"], "metrics": f"{summary['run_dir']}/metrics.jsonl",
+                          "plot": summary["plot"], "eval_accuracy_start": start["eval/accuracy"],
+                          "eval_accuracy_end": end["eval/accuracy"], "eval_pass@k_start": start["eval/pass@k"],
+                          "eval_pass@k_end": end["eval/pass@k"]}))
         return 0
-    start, end = summary["eval_start"], summary["eval_end"]
-    print(json.dumps({"run_dir": summary["run_dir"], "metrics": f"{summary['run_dir']}/metrics.jsonl", "plot": summary["plot"],
-                      "eval_accuracy_start": start["eval/accuracy"], "eval_accuracy_end": end["eval/accuracy"],
-                      "eval_pass@k_start": start["eval/pass@k"], "eval_pass@k_end": end["eval/pass@k"]}))
-    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -49,12 +87,13 @@ def _train_rm(args: argparse.Namespace) -> int:
     config = load_rm_config(args.config, args.set or ())
     out = Path(args.output or Path("runs") / Path(args.config).stem)
     last = train_reward_model(config, out)
-    if "stopped" in last:  # a preemption notice or Ctrl-C: saved, resumable, not an error
-        print(json.dumps(last))
+    with AfterTheRun(keep=args.own_process):
+        if "stopped" in last:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+            print(json.dumps(last))
+            return 0
+        print(json.dumps({"output": str(out), "metrics": str(out / "metrics.jsonl"), "model": str(out / "hf"),
+                          "rm/pair_accuracy": last["rm/pair_accuracy"]}))
         return 0
-    print(json.dumps({"output": str(out), "metrics": str(out / "metrics.jsonl"), "model": str(out / "hf"),
-                      "rm/pair_accuracy": last["rm/pair_accuracy"]}))
-    return 0
 
 
 def _eval_target(args: argparse.Namespace) -> tuple[str, Path]:

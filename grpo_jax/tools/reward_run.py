@@ -155,7 +155,9 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
     """Train (see the module docstring); returns the last evaluation's metrics (or, when a stop
     signal ended the run, where to resume it)."""
     out, t = Path(output), config.train
-    with RunLock(out, log=log), Checkpointer(out / "checkpoints", keep=config.checkpoint.keep) as checkpointer:
+    # The stop signals' handlers stay until the last checkpoint is closed and the lock released.
+    with StopSignals(log, every_minutes=config.checkpoint.every_minutes) as signals, RunLock(out, log=log), \
+            Checkpointer(out / "checkpoints", keep=config.checkpoint.keep, log=log) as checkpointer:
         saved = checkpointer.all_steps()
         if saved and not t.resume:
             raise ConfigError(f"{out} already holds checkpoints (newest: step {saved[0]}); resume it "
@@ -163,8 +165,7 @@ def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable
         out.mkdir(parents=True, exist_ok=True)
         if not saved:  # a resumed run keeps the config.yaml it started with
             (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-        with StopSignals(log, every_minutes=config.checkpoint.every_minutes) as signals:
-            return _train(checkpointer, saved, build_run(config, out, log), signals, log)
+        return _train(checkpointer, saved, build_run(config, out, log), signals, log)
 
 
 def _train(checkpointer: Checkpointer, saved: list[int], run: RMRun, signals: StopSignals, log) -> dict:
@@ -180,6 +181,7 @@ def _train(checkpointer: Checkpointer, saved: list[int], run: RMRun, signals: St
         bar.write(f"eval at step {info.step}: pair accuracy {last['eval']['rm/pair_accuracy']:.3f}")
 
     def save(info: StepInfo) -> bool:
+        checkpointer.check()  # a save that failed since: CheckpointError, one line
         stop, due = signals.check(info.step)
         if stop or due or every and info.step % every == 0 or info.last:
             checkpointer.save(info.step, info.state, {"step": info.step, "seed": t.seed, "pairs": source.state_dict()})

@@ -9,9 +9,11 @@ The model's architecture and tokenizer are in `RUN_DIR/model/` (config.json and 
 written at the start of the run) and the run's resolved configuration in `RUN_DIR/config.yaml`;
 `find_run` walks up from a checkpoint path to them.
 
-A run resumes (`resume`) from its newest checkpoint: the train state, the KL reference and each
-host's position in its prompt stream, as `save_step` wrote them; `check_resumable` refuses a
-restart that could not resume before it writes anything.
+A run resumes from its newest checkpoint (grpo_jax.trainer.resume): the train state, the KL
+reference and each host's position in its prompt stream, as `save_step` wrote them. A save that
+fails on storage stops the run with one line, its previous checkpoint kept; a step directory left
+incomplete by an interrupted deletion is removed at the next start
+(grpo_jax.trainer.checkpoint_faults).
 
 Every reader of checkpoints (train, eval, export, the PEFT base) picks its step by
 `first_restorable`: the saved steps newest first, each damaged one warned about, the first that
@@ -21,7 +23,7 @@ restores. Preemption is grpo_jax.trainer.preemption.
 from __future__ import annotations
 
 import dataclasses
-import json
+import gc
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,8 +37,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from grpo_jax.config import ConfigError
-from grpo_jax.runtime.hosts import gather_json, multi_process
+from grpo_jax.runtime.hosts import any_host, gather_json, multi_process
+from grpo_jax.trainer import checkpoint_faults as faults
 from grpo_jax.trainer import lora_base
+from grpo_jax.trainer.checkpoint_faults import CheckpointError, short_error
 from grpo_jax.models import Transformer, from_pretrained, load_config, load_tokenizer
 from grpo_jax.models.lora import LoRAParam, add_adapters
 from grpo_jax.rewards import StatefulReward
@@ -60,20 +64,33 @@ def _abstract(tree):
 
 
 class Checkpointer:
-    """Saves asynchronously every call to `save`; keeps the newest `keep` steps."""
+    """Saves asynchronously every call to `save`; keeps the newest `keep` steps. A save that fails
+    on storage (a full disk, ...) raises CheckpointError at the first `check` (every step), `save`,
+    `wait` or `close` after orbax's writer gave up: one line, the newest complete step kept
+    (grpo_jax.trainer.checkpoint_faults). Opening removes incomplete step directories, with one
+    line to `log`, and orbax's temporary directories of interrupted saves."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 3):
+    def __init__(self, directory: str | Path, *, keep: int = 3, log: Callable[[str], None] | None = None):
         if is_remote(directory):  # gs://...: orbax writes it through tensorstore
             self.directory = epath.Path(str(directory))
         else:
             self.directory = Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self._log = log or _stderr
+        if removed := faults.remove_incomplete(self.directory):
+            self._log(f"removed incomplete checkpoint directories {removed} in {self.directory} (no "
+                      f"{faults.STEP_METADATA}: a save or a deletion of them was interrupted)")
+        self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, cleanup_tmp_directories=True))
+        self._quiet = faults.Quiet()
+        self._in_flight: int | None = None  # the step saving in the background
+        self._newest = max(self._manager.all_steps(), default=None)  # the newest complete step
+        self._failed = False
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any], reference=None, in_flight=None) -> None:
         """`reference`: the KL reference policy's params (grpo.beta > 0), saved so a resumed run
         measures KL against the same policy; `in_flight`: a pipelined run's parameter copies that
         sampled its batches in flight (grpo_jax.rollout.pipeline)."""
+        self._settle()  # the previous save's error is its own, not this one's
         rest = dataclasses.replace(state, params=None)
         items = {PARAMS: ocp.args.StandardSave(state.params), TRAIN_STATE: ocp.args.StandardSave(rest),
                  META: ocp.args.JsonSave(meta)}
@@ -81,7 +98,40 @@ class Checkpointer:
             items[REFERENCE] = ocp.args.StandardSave(reference)
         if in_flight:
             items[IN_FLIGHT] = ocp.args.StandardSave(list(in_flight))
-        self._manager.save(step, args=ocp.args.Composite(**items))
+        self._in_flight = step
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - a storage fault becomes CheckpointError, anything else stays
+            self._fail(e)
+
+    def check(self) -> None:
+        """Without waiting: raise CheckpointError if the save in flight has failed (decided by every
+        host together: one small collective per step while a save is in flight on several hosts)."""
+        if self._in_flight is not None and not any_host(self._manager.is_saving_in_progress()):
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the save in flight; its storage fault (on any host) is a CheckpointError."""
+        if self._in_flight is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+            error = None
+        except Exception as e:  # noqa: BLE001 - judged by _fail
+            error = e
+        if any_host(error is not None):
+            self._fail(error)
+        self._newest, self._in_flight = self._in_flight, None
+
+    def _fail(self, error: Exception | None) -> None:
+        """Raise the failure of the save in flight: a CheckpointError for a storage fault (here or,
+        `error` None, on another host), else `error` itself."""
+        step, self._in_flight, self._failed = self._in_flight, None, True
+        self._quiet.failed = True
+        cause = faults.storage_fault(error) if error is not None else "failed on another host"
+        if cause is None:
+            raise error
+        raise CheckpointError(step, self.directory, cause, self._newest) from error
 
     def restore(self, step: int, state: TrainState, reference=None, in_flight=None):
         """(state, reference params or None, meta, in-flight parameters or None) of a saved step,
@@ -127,18 +177,28 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Until every save in flight is complete (committed) on storage."""
-        self._manager.wait_until_finished()
+        """Until every save in flight is complete (committed) on storage (CheckpointError if it failed)."""
+        self._settle()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self._settle()
+        finally:
+            self._manager.close()
+            if self._failed:  # what a failed save's writes left behind goes now, not at exit
+                gc.collect()
+            self._quiet.remove()
 
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, tb) -> None:
+        try:
+            self.close()
+        except CheckpointError as e:
+            if error is None or faults.storage_fault(error) is not None:
+                raise  # the same storage fault, said with the step and what is kept
+            self._log(str(e))  # another error already on its way stays the one raised
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,11 +304,6 @@ def first_restorable(steps: Sequence[int], attempt: Callable[[int], T], *, where
                           + "; ".join(errors) + "); move checkpoints/ away to start afresh")
 
 
-def short_error(e: BaseException) -> str:
-    """One line naming an exception: its type and the start of its message."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-
-
 def _stderr(line: str) -> None:
     import sys
 
@@ -311,11 +366,13 @@ def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, b
     for at every step, on every host): saves the step (`save_step`, then `synced()`)
     every `checkpoint.every` steps, at the last step, and when `signals.check(step)` (a
     `preemption.StopSignals`, the same on every host) says a stop signal arrived or the clock made a
-    checkpoint due. Returns True (stop the run after this step) after a signal."""
+    checkpoint due. Returns True (stop the run after this step) after a signal. A save that failed
+    since the last step raises CheckpointError here (`Checkpointer.check`)."""
     cfg = prepared.config
 
     def hook(info) -> bool:
         step = info.step
+        checkpointer.check()
         stop, due = signals.check(step)
         every = cfg.checkpoint.every
         if stop or due or every and step % every == 0 or step == cfg.train.steps:
@@ -326,53 +383,3 @@ def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, b
         return stop
 
     return hook
-
-
-def check_resumable(checkpointer: Checkpointer, step: int, *, stream, run_dir: Path, model_json: dict) -> None:
-    """Everything that would stop `resume` from continuing checkpoint `step`, checked before a
-    restarted run writes anything: the run's architecture (`run_dir/model/config.json`) against the
-    config's (`model_json`, what `write_model_files` would write), the number of hosts, and this
-    host's prompt stream against the saved one (loaded into `stream`, as `resume` does again). A
-    ConfigError says what differs."""
-    saved_file = Path(run_dir) / "model" / "config.json"
-    if saved_file.exists():
-        saved = json.loads(saved_file.read_text())
-        ignore = {"torch_dtype", "dtype", "transformers_version"}
-        changed = sorted(k for k in set(saved) | set(model_json) if k not in ignore and saved.get(k) != model_json.get(k))
-        if changed:
-            diff = ", ".join(f"{k} {saved.get(k)!r} -> {model_json.get(k)!r}" for k in changed[:6])
-            raise ConfigError(f"{run_dir} holds a run of another model ({diff}); resume it with its own config "
-                              f"({Path(run_dir) / 'config.yaml'}) or choose another --output")
-    meta = checkpointer.restore_meta(step)
-    _load_stream(meta, step, stream)
-
-
-def _load_stream(meta: dict, step: int, stream) -> None:
-    streams = meta.get("data_by_process") or [meta["data"]]
-    if len(streams) != jax.process_count():
-        raise ConfigError(f"checkpoint step {step} was written by {len(streams)} processes, this run has "
-                          f"{jax.process_count()}; resume with the same number of hosts")
-    try:
-        stream.load_state_dict(streams[jax.process_index()])
-    except ValueError as e:
-        raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
-
-
-def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None,
-           rewards: Sequence = (), source: RolloutSource | None = None):
-    """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
-    host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
-    a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
-    stream with other settings, is a ConfigError."""
-    # A pipelined run's batches in flight (a synchronous run never gets here with them: resumable_steps).
-    flight = checkpointer.restore_meta(step).get("pipeline") if source is not None else None
-    like = source.in_flight_like(len(flight["steps"])) if flight else None
-    restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
-    if flight:
-        source.restore(flight, in_flight)
-    _load_stream(meta, step, stream)
-    saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
-    for spec in rewards:
-        if isinstance(spec.fn, StatefulReward) and spec.name in saved:
-            spec.fn.load_state(saved[spec.name])
-    return restored, (reference if saved_reference is None else saved_reference)

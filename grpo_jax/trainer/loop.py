@@ -94,7 +94,8 @@ class Trainer:
                 self.log(note)
             # One run per directory: process 0 holds its lock from before the checkpoint check to the end.
             with RunLock(self.storage.target, log=self.log, hold=self.primary), \
-                    Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep) as checkpointer:
+                    Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep,
+                                 log=self.log) as checkpointer:
                 return self._start_or_resume(checkpointer)
 
     def _start_or_resume(self, checkpointer: Checkpointer) -> dict:

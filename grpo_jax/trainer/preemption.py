@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from jax.experimental import multihost_utils
 
+from grpo_jax.faults import RunFault
 from grpo_jax.runtime.hosts import any_host, any_hosts, multi_process
 from grpo_jax.usercode import add_stop_source, remove_stop_source
 
@@ -43,9 +44,9 @@ _PLANS = {"setup": "stopping before the first step, without saving",
           "finish": "the last step is done: finishing its checkpoint and the run's files, then stopping"}
 
 
-class RunFailed(RuntimeError):
+class RunFailed(RunFault):
     """User code failed beyond use (`StopSignals.fail`): the step was saved, the run stopped. The
-    message is one line: why, and where the checkpoint is."""
+    message is one line: why, and where the checkpoint is (the CLI prints it, exit status 1)."""
 
 
 class StoppedBeforeStart(Exception):

@@ -1,19 +1,26 @@
-"""Resuming a run: which checkpoint to continue from, checked before anything is written, and the
-state, KL reference, prompt stream and reward states restored from it. Both follow
+"""Resuming a run: which checkpoint to continue from, checked before anything is written
+(`check_resumable`, `resumable_steps`), and the state, KL reference, prompt stream and reward
+states restored from it (`resume`, `restore_state`), as `checkpoint.save_step` wrote them. Both follow
 `checkpoint.first_restorable` (newest first, damaged steps warned about and skipped), decided by
 all hosts together so every host resumes the same step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from grpo_jax.config import ConfigError, RunConfig
+from grpo_jax.learner.step_factory import TrainState
+from grpo_jax.rewards import StatefulReward
+from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.hosts import any_host
 from grpo_jax.trainer import lora_base
-from grpo_jax.trainer.checkpoint import Checkpointer, NothingRestores, check_resumable, first_restorable, resume
+from grpo_jax.trainer.checkpoint import Checkpointer, NothingRestores, first_restorable
 
 
 def check_base(config: RunConfig, meta: dict, run_dir: Path, where: str) -> None:
@@ -70,3 +77,53 @@ def restore_state(checkpointer: Checkpointer, candidates: list[int], state, *, l
         warn(f"set aside the damaged checkpoints of steps {sorted(damaged)} (checkpoints_damaged/)")
     learner.reference = reference
     return restored, step
+
+
+def check_resumable(checkpointer: Checkpointer, step: int, *, stream, run_dir: Path, model_json: dict) -> None:
+    """Everything that would stop `resume` from continuing checkpoint `step`, checked before a
+    restarted run writes anything: the run's architecture (`run_dir/model/config.json`) against the
+    config's (`model_json`, what `write_model_files` would write), the number of hosts, and this
+    host's prompt stream against the saved one (loaded into `stream`, as `resume` does again). A
+    ConfigError says what differs."""
+    saved_file = Path(run_dir) / "model" / "config.json"
+    if saved_file.exists():
+        saved = json.loads(saved_file.read_text())
+        ignore = {"torch_dtype", "dtype", "transformers_version"}
+        changed = sorted(k for k in set(saved) | set(model_json) if k not in ignore and saved.get(k) != model_json.get(k))
+        if changed:
+            diff = ", ".join(f"{k} {saved.get(k)!r} -> {model_json.get(k)!r}" for k in changed[:6])
+            raise ConfigError(f"{run_dir} holds a run of another model ({diff}); resume it with its own config "
+                              f"({Path(run_dir) / 'config.yaml'}) or choose another --output")
+    meta = checkpointer.restore_meta(step)
+    _load_stream(meta, step, stream)
+
+
+def _load_stream(meta: dict, step: int, stream) -> None:
+    streams = meta.get("data_by_process") or [meta["data"]]
+    if len(streams) != jax.process_count():
+        raise ConfigError(f"checkpoint step {step} was written by {len(streams)} processes, this run has "
+                          f"{jax.process_count()}; resume with the same number of hosts")
+    try:
+        stream.load_state_dict(streams[jax.process_index()])
+    except ValueError as e:
+        raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
+
+
+def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None,
+           rewards: Sequence = (), source: RolloutSource | None = None):
+    """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
+    host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
+    a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
+    stream with other settings, is a ConfigError."""
+    # A pipelined run's batches in flight (a synchronous run never gets here with them: resumable_steps).
+    flight = checkpointer.restore_meta(step).get("pipeline") if source is not None else None
+    like = source.in_flight_like(len(flight["steps"])) if flight else None
+    restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
+    if flight:
+        source.restore(flight, in_flight)
+    _load_stream(meta, step, stream)
+    saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
+    for spec in rewards:
+        if isinstance(spec.fn, StatefulReward) and spec.name in saved:
+            spec.fn.load_state(saved[spec.name])
+    return restored, (reference if saved_reference is None else saved_reference)

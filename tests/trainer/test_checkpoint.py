@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.trainer.checkpoint import Checkpointer, resume, save_step
+from grpo_jax.trainer.checkpoint import Checkpointer, save_step
 from grpo_jax.config import ConfigError, OptimizerConfig
 from grpo_jax.data import IndexSampler
 from grpo_jax.models import Transformer
@@ -18,6 +18,7 @@ from grpo_jax.rewards import RewardSpec
 from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
 from grpo_jax.learner.optimizer import make_optimizer
 from grpo_jax.learner.train_step import init_state
+from grpo_jax.trainer.resume import resume
 
 
 class Moments(RewardModelReward):

@@ -1,7 +1,7 @@
 """A preemption notice (SIGTERM) ends the step in flight, saves it and exits 0; the same command
 then resumes, and the run ends exactly where an uninterrupted one does. A signal before the first
-step stops the run, saving nothing, and one after the last step lets it finish: exit 0 either way,
-with every checkpoint it reports complete."""
+step stops the run, saving nothing, and one after the last step lets it finish, even once the run
+has returned and the process is exiting: exit 0 either way, with every checkpoint it reports complete."""
 
 from __future__ import annotations
 
@@ -141,6 +141,45 @@ def test_a_signal_before_the_first_step_saves_nothing_and_one_after_the_last_let
     assert _complete_checkpoints(out) == [1, 2]
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     _rerun_finds_nothing_to_do(args, 2, capsys)
+
+
+def test_a_signal_after_the_run_returned_is_acknowledged_and_the_command_exits_0(tmp_path, monkeypatch, capsys):
+    """The run's handlers go when it returns; the process then prints its summary and tears JAX
+    down (about a second), where a preemption notice ended a finished run with status -SIGTERM."""
+    from grpo_jax.trainer import loop
+
+    path, out = write_config(tmp_path, _config(tmp_path)), str(tmp_path / "run")
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from grpo_jax.trainer import loop, preemption
+
+        def train(config, run_dir):  # returns as a finished run does: its checkpoint done, its handlers gone
+            with preemption.StopSignals(print, stage="finish"):
+                pass
+            return {{"eval_start": {{"eval/accuracy": 0.0, "eval/pass@k": 0.0}}, "plot": None,
+                     "eval_end": {{"eval/accuracy": 0.5, "eval/pass@k": 1.0}}, "run_dir": str(run_dir)}}
+
+        loop.train = train
+        from grpo_jax.cli import main
+        sys.argv = ["grpo-jax", "train", "--config", {path!r}, "--output", {out!r}]
+        status = main()
+        os.kill(os.getpid(), signal.SIGTERM)  # the command has returned; the process has not exited
+        time.sleep(0.2)
+        print("exiting", flush=True)
+        raise SystemExit(status)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines() == ["received SIGTERM after the run finished: its checkpoint and files are "
+                                        "complete; exiting (send SIGTERM again to abort at once)"]
+    assert '"eval_accuracy_end": 0.5' in proc.stdout and proc.stdout.endswith("exiting\n")
+
+    # Called in a process of its own caller's (a test, a notebook), the command leaves its handlers as they were.
+    monkeypatch.setattr(loop, "train", lambda config, run_dir: {"stopped": "SIGTERM", "step": 1, "run_dir": out})
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert cli.main(["train", "--config", path, "--output", out]) == 0
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def test_a_second_signal_aborts_at_once():
