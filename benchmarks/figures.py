@@ -69,7 +69,8 @@ def render_ci() -> str:
     run = data["runs"][0]
     tests = re.match(r"(\d+) passed", run["pytest_line"]).group(1)
     return (f"measured {data['date']} from a fresh clone: {_minutes(run['wall_s'])} in all: {_minutes(run['tests_s'])} "
-            f"for the install and the {tests} tests, {_minutes(run['plain_install_s'])} for `.ci/plain_install`; "
+            f"for the install and the {tests} tests, {_minutes(run['plain_install_s'])} after them for `.ci/plain_install` (its\n"
+            "dependencies install beside the tests' own); "
             f"the runs' figures and slowest tests: `{path.relative_to(ROOT)}`).\n")
 
 
