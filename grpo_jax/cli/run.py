@@ -19,7 +19,8 @@ class AfterTheRun:
     """SIGTERM and SIGINT once a run has returned, until this command's process exits (a second or
     so of interpreter and JAX teardown, when a preemption notice would otherwise end a finished run
     with status 143): the run's checkpoint and files are complete, so the signal is acknowledged in
-    one line and the command still exits 0; a second one aborts at once. The run's own handlers
+    one line and the command still exits 0; a second one aborts at once (until the interpreter's exit
+    handlers start; from then on both are ignored). The run's own handlers
     (grpo_jax.trainer.preemption) cover everything before. `keep`: stay installed when the command
     returns (the process's own command, whose exit is still ahead), else restore the handlers
     before (a caller in the same process). On several hosts JAX's preemption service keeps SIGTERM."""
@@ -29,13 +30,24 @@ class AfterTheRun:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> AfterTheRun:
+        import atexit
+
         import jax
 
         if threading.current_thread() is threading.main_thread():
             jax_has_sigterm = jax.process_count() > 1 and jax.config.jax_enable_preemption_service
             for sig in [signal.SIGINT] + ([] if jax_has_sigterm else [signal.SIGTERM]):
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if self.keep:
+                # Python puts back the default actions of the handlers it installed while it tears
+                # down after the exit handlers, but keeps SIG_IGN: from the first exit handler on
+                # (this one, registered last, runs first) the signals are ignored.
+                atexit.register(self._ignore)
         return self
+
+    def _ignore(self) -> None:
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
 
     def __exit__(self, *exc) -> None:
         if not self.keep:

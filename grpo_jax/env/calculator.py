@@ -7,10 +7,11 @@ The evaluator (`calculate`) parses with `ast` and walks an allow-list: numbers, 
 unary + and -, parentheses. Everything else (names, attributes, calls, subscripts, strings,
 comparisons) is refused, and so are inputs over 200 characters, exponents whose result would pass
 10^100, results past 10^300, and any value whose exact fraction would need more than 10,000 digits
-in its numerator or denominator (`(1.0000001 ** 10000) ** 10000` is near 1 but would take 7 * 10^8
-digits): sizes are bounded before a power is computed, so an evaluation takes milliseconds whatever
-the model writes. Nothing is ever `eval`-ed. Values are exact (fractions) and printed as integers
-or as decimals of up to 10 places.
+in its numerator or denominator. A power whose exact value would (`(1 + 0.05/365) ** 3650`, or
+`(1.0000001 ** 10000) ** 10000`, near e but 7 * 10^8 digits exactly) is rounded to 140 significant
+digits instead, decided before it is computed: an evaluation takes milliseconds whatever the model
+writes. Nothing is ever `eval`-ed. Values are exact (fractions) but for such powers, and printed as
+integers or as decimals of up to 10 places.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MAX_RESULT_DIGITS = 300
 MAX_POWER_DIGITS = 100
 MAX_EXACT_DIGITS = 10_000  # of a value's numerator or denominator: bounds the cost of every operation
 _MAX_EXACT_BITS = math.ceil(MAX_EXACT_DIGITS * math.log2(10))
+_ROUNDED_DIGITS = MAX_POWER_DIGITS + 40  # significant digits of a power too long to hold exactly
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
@@ -63,7 +65,11 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
     if abs(exponent) * max(abs(_digits(base)), 0.0) > MAX_POWER_DIGITS or abs(exponent) > 10_000:
         raise CalculatorError(f"the result of ** would have more than {MAX_POWER_DIGITS} digits")
     if abs(exponent) * _bits(base) > _MAX_EXACT_BITS:  # checked before computing: the power is one long C call
-        raise CalculatorError(f"the exact result of ** would have more than {MAX_EXACT_DIGITS} digits")
+        # Too long to hold exactly ((1 + 0.05/365) ** 3650): rounded to _ROUNDED_DIGITS significant
+        # digits, enough for the printed 10 places at any magnitude the check above lets through.
+        with decimal.localcontext() as ctx:
+            ctx.prec, ctx.Emax, ctx.Emin = _ROUNDED_DIGITS, decimal.MAX_EMAX, decimal.MIN_EMIN
+            return Fraction((decimal.Decimal(base.numerator) / base.denominator) ** int(exponent))
     return base ** int(exponent)
 
 

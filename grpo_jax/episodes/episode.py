@@ -25,6 +25,7 @@ import time
 from grpo_jax.env import workers
 from grpo_jax.env.protocol import OPENING_ROLES, MalformedAnswer, check_messages, check_step
 from grpo_jax.episodes.transcript import encode, extension, guard, render, too_many_tokens
+from grpo_jax.faults import one_line
 from grpo_jax.usercode import Call, CallStopped
 
 # Why an episode failed (`Episode.failure`; counted as `env/failed/<reason>`): the environment raised;
@@ -98,6 +99,9 @@ class Episode:
         if limit is not None and too_many_tokens(self.tokenizer, [m["content"] for m in self.history], limit):
             return self.fail(ValueError(f"the opening's {sum(len(m['content']) for m in self.history)} characters "
                                         f"are more than {limit} tokens"), "reset", "too_long")
+        # The opening's assistant messages are the environment's text too (the model's later turns
+        # are left as sampled): guarded here once, so every later render reads them as text.
+        self.history = guard(self.tokenizer, self.history, assistant=True)
         try:
             self.prompt_ids = encode(self.tokenizer, render(self.tokenizer, guard(self.tokenizer, self.history),
                                                             generation_prompt=True, tools=self.tools))
@@ -172,20 +176,9 @@ class Episode:
     def fail(self, error: BaseException, where: str, reason: str | None = None) -> None:
         """End the episode as failed (it will be dropped and counted); `reason` (one of FAILURES)
         by default from the error: a timeout, a malformed answer, else the environment raised."""
-        self.error = f"{self.name}.{where}: {type(error).__name__}: {_one_line(error)}"
+        self.error = f"{self.name}.{where}: {type(error).__name__}: {one_line(error)}"
         self.failure = reason or ("timeout" if isinstance(error, TimeoutError) else
                                   "malformed" if isinstance(error, MalformedAnswer) else
                                   "stopped" if isinstance(error, CallStopped) else "raised")
         self.done = True
         return None
-
-
-def _one_line(error: BaseException, limit: int = 400) -> str:
-    """An exception's message as one printable line of at most about `limit` characters (an
-    environment's exception may carry megabytes, newlines or lone surrogates, or fail to print)."""
-    try:
-        text = str(error)
-    except Exception:  # noqa: BLE001 - a __str__ that raises
-        return "(its message could not be printed)"
-    text = " ".join(text.encode("utf-8", "backslashreplace").decode("utf-8").splitlines())
-    return text if len(text) <= limit else f"{text[:limit]} [... {len(text) - limit} more characters]"

@@ -181,15 +181,16 @@ def too_many_tokens(tokenizer, texts, limit: int) -> bool:
     return sum(map(len, texts)) > limit * facts(tokenizer).longest
 
 
-def guard(tokenizer, messages: list[dict]) -> list[dict]:
+def guard(tokenizer, messages: list[dict], *, assistant: bool = False) -> list[dict]:
     """`messages` with the control-token text in every non-assistant message's content wrapped in
     the markers `encode` reads (markers already in the content are dropped: they cannot forge a
-    span). The model's own turns are left as sampled."""
+    span). The model's own turns are left as sampled; `assistant`: guard assistant messages too
+    (an opening's, which the environment wrote: Episode guards its opening once with it)."""
     control = facts(tokenizer).control
     out = []
     for m in messages:
         text = m.get("content")
-        if m.get("role") != "assistant" and isinstance(text, str):
+        if (assistant or m.get("role") != "assistant") and isinstance(text, str):
             text = text.replace(OPEN, "").replace(CLOSE, "")
             m = {**m, "content": control.sub(lambda t: OPEN + t.group() + CLOSE, text) if control else text}
         out.append(m)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from grpo_jax.faults import one_line
 from grpo_jax.rewards.combine import RewardSpec
 
 
@@ -39,7 +40,7 @@ class RewardWatch:
             message = messages.get(spec.name)
             if failed and message:
                 self.log(f"step {step}: reward {spec.name!r} raised on {failed} of {self.rows} samples (scored None, "
-                         f"dropped): {message}")
+                         f"dropped): {one_line(message)}")
             self.streaks[spec.name] = self.streaks.get(spec.name, 0) + 1 if failed >= self.rows else 0
             if self.streaks[spec.name] >= self.limit:
                 return (f"reward function {spec.name!r} raised on every sample for {self.limit} steps in a row "

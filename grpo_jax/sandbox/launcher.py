@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,35 @@ def _probe_sandbox(prefix: tuple[str, ...], python: str, uid: int | None) -> tup
     return tuple(mounts), None
 
 
+# Installs the seccomp filter (argv[1], JSON) the way the harness does, then checks that memfd_create
+# is refused: a kernel or a container policy may refuse filters, or a 32-bit interpreter not fit one.
+_SECCOMP_PROBE = r"""
+import errno, json, os, sys
+harness = {"__name__": "sandbox_probe"}
+exec(compile(sys.stdin.read(), "harness.py", "exec"), harness)
+harness["install_filter"](json.loads(sys.argv[1]))
+try:
+    os.close(os.memfd_create("probe"))
+except OSError as e:
+    sys.exit(0 if e.errno == errno.ENOSYS else 1)
+sys.exit("memfd_create was not refused")
+"""
+
+
+def _seccomp_works(prefix: tuple[str, ...], python: str, uid: int | None) -> str | None:
+    """None if a sandbox started with `prefix` and `python` as `uid` installs the memory filter and
+    it refuses memfd_create, else why not (no filter for this machine counts as not working)."""
+    program = memory_filter()
+    if program is None:
+        return f"no seccomp filter for {platform.machine()}"
+    try:
+        with open(_HARNESS, "rb") as f:
+            source = f.read()
+    except OSError as e:
+        return f"{_HARNESS}: {e}"
+    return _probe([*prefix, python, "-I", "-c", _SECCOMP_PROBE, json.dumps(program)], uid, source)[1]
+
+
 def _host_shared(uid: int | None) -> tuple[str, ...]:
     """What a sandbox without namespaces shares with the host: everything its user can write,
     named by the usual world-writable directories that exist here, and SysV IPC."""
@@ -181,16 +211,20 @@ def _launcher(prefix: tuple[str, ...], python: str, uid: int | None, mounts: tup
         shared = _host_shared(uid)
     else:
         shared = mounts + (() if "--ipc" in prefix else (_SHARED_IPC,))
-    return Launcher(prefix=tuple(prefix), python=python, uid=uid, isolation=_isolation(prefix, uid, mounts),
+    return Launcher(prefix=tuple(prefix), python=python, uid=uid, isolation=_isolation(prefix, uid, mounts, python=python),
                     shared=shared)
 
 
-def _isolation(prefix: tuple[str, ...], uid: int | None, mounts: tuple[str, ...] = ()) -> tuple[str, ...]:
+def _isolation(prefix: tuple[str, ...], uid: int | None, mounts: tuple[str, ...] = (), *,
+               python: str = sys.executable) -> tuple[str, ...]:
     """The measures a sandbox started with `prefix` as `uid` gets (`mounts`: those its set-up left
     writable and shared with the host)."""
     isolation = ("session", "rlimits", "socket-guard")
-    if memory_filter() is not None:
+    if (why := _seccomp_works(prefix, python, uid)) is None:
         isolation += ("seccomp",)
+    else:  # memfd and SysV memory outside the caps stay possible: say so once
+        log.warning("code sandbox: no seccomp memory filter (%s): a sample can hold memory outside its caps "
+                    "through memfd_create or shmget", why)
     if prefix:
         isolation += ("userns", "netns", "mountns", "pidns")
         if "--ipc" in prefix:

@@ -33,6 +33,8 @@ from grpo_jax.sandbox.launcher import SAFE_PATH, Launcher, SandboxUnavailable, f
 from grpo_jax.sandbox.result import SandboxResult, classify, infra_error
 from grpo_jax.sandbox.seccomp import memory_filter
 
+MAX_OPEN_FILES = 256  # per sandboxed process (RLIMIT_NOFILE)
+
 log = logging.getLogger(__name__)
 
 _HARNESS_NAME = ".sandbox_harness.py"  # the per-run copy of harness.py in the sandbox's cwd
@@ -156,7 +158,10 @@ def _harness_config(launcher: Launcher, code: str, graded: bool, *, timeout_s: f
     limits = [("RLIMIT_CPU", cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL a second later
               ("RLIMIT_AS", memory_mb << 20, memory_mb << 20),
               ("RLIMIT_FSIZE", max_file_mb << 20, max_file_mb << 20),
-              ("RLIMIT_CORE", 0, 0)]
+              ("RLIMIT_CORE", 0, 0),
+              # Socket and pipe buffers count against neither RLIMIT_AS nor the tmpfs: bound how many a
+              # process can hold (1,500 socketpairs held 333 MB of queued data with the inherited limit).
+              ("RLIMIT_NOFILE", MAX_OPEN_FILES, MAX_OPEN_FILES)]
     if "nproc" in launcher.isolation:  # else it would count every process of this user, not the sandbox's
         limits.append(("RLIMIT_NPROC", max_procs, max_procs))
     return {"code": code, "limits": limits, "unlink": [_HARNESS_NAME, _GRADER_NAME] if graded else [_HARNESS_NAME],

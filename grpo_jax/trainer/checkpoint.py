@@ -175,6 +175,7 @@ class Checkpointer:
         if multi_process():
             multihost_utils.sync_global_devices("grpo_jax_set_aside_after")
         self._manager.reload()
+        self._newest = max(self._manager.all_steps(), default=None)  # what a failed save's message names
 
     def wait(self) -> None:
         """Until every save in flight is complete (committed) on storage (CheckpointError if it failed)."""

@@ -86,6 +86,19 @@ def test_without_namespaces_the_filter_still_refuses_memfds(monkeypatch):
     assert r.status == "error" and "[Errno 38] Function not implemented" in r.stderr, r
 
 
+def test_a_kernel_that_refuses_the_filter_leaves_it_out_and_programs_still_run(monkeypatch, caplog):
+    """The launcher installs the filter in a probe sandbox first: a filter the kernel refuses (here
+    one it cannot load: an unknown BPF instruction) is left out with a warning, not installed in
+    every program (each would fail as an infrastructure error)."""
+    monkeypatch.setattr(launcher, "memory_filter", lambda: [[0xFFFF, 0, 0, 0]])
+    monkeypatch.setattr(launcher, "_launchers", {})
+    with caplog.at_level("WARNING", logger=launcher.log.name):
+        assert "seccomp" not in sandbox_isolation()
+    assert "no seccomp memory filter" in caplog.text and "prctl" in caplog.text
+    r = run_sandboxed("print(2 + 2)", timeout_s=20)
+    assert r.status == "ok" and r.stdout == "4\n", r
+
+
 def run_bpf(program: list, nr: int, arch: int) -> int:
     """Classic BPF as the kernel runs a seccomp filter (the three instructions it uses) on
     struct seccomp_data {nr, arch, ...} -> the filter's verdict."""

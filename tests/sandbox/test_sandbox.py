@@ -43,7 +43,12 @@ def fenced(source: str) -> str:
 
 # --- the sandbox -----------------------------------------------------------------------------------
 
-def test_a_program_runs_with_stdin_in_a_fresh_directory_that_is_removed():
+def test_a_program_runs_with_stdin_in_a_fresh_directory_that_is_removed(monkeypatch):
+    # A temporary directory of this test's own: other test files' sandboxes (another xdist worker)
+    # make and remove theirs in the shared one meanwhile.
+    own = tempfile.mkdtemp(prefix="sandbox_test_")
+    os.chmod(own, 0o711)  # the sandbox user passes through it to its own directory
+    monkeypatch.setattr(tempfile, "tempdir", own)
     r = run_sandboxed("import os\nprint(input()[::-1])\nprint(os.getcwd())", stdin="abc\n", timeout_s=5)
     assert r.status == "ok" and r.returncode == 0, r
     reversed_line, cwd = r.stdout.splitlines()
@@ -52,7 +57,8 @@ def test_a_program_runs_with_stdin_in_a_fresh_directory_that_is_removed():
         assert cwd == "/tmp/work"  # in its private /tmp
     else:
         assert os.path.basename(cwd).startswith("grpo_sandbox_") and not os.path.exists(cwd)
-    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("grpo_sandbox_")]
+    assert os.listdir(own) == []
+    os.rmdir(own)
 
 
 def test_the_environment_is_minimal(monkeypatch):

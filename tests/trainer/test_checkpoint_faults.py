@@ -145,3 +145,16 @@ def test_train_stops_at_the_save_the_full_disk_refuses_in_one_line_and_the_rerun
     assert "resumed from the checkpoint of step 1" in capsys.readouterr().err
     assert _entries(out / "checkpoints") == ["3"]
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3]
+
+
+def test_a_run_faults_message_is_one_line_whatever_it_carries():
+    """A user's error text inside a stop reason (a reward's traceback, an environment's message) or a
+    storage error's: the CLI prints str(fault) as its one line."""
+    from grpo_jax.faults import RunFault
+    from grpo_jax.trainer.preemption import RunFailed
+
+    assert str(RunFailed("every episode of step 3 failed; the first: ValueError: a\nb\r\nc")) == (
+        "every episode of step 3 failed; the first: ValueError: a b c")
+    assert "\n" not in str(CheckpointError(4, "/runs/x", "OSError: disk\nfull", None))
+    long = str(RunFault("x" * 5000))
+    assert len(long) < 2100 and long.endswith("[... 3000 more characters]")

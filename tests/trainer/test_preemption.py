@@ -150,8 +150,12 @@ def test_a_signal_after_the_run_returned_is_acknowledged_and_the_command_exits_0
 
     path, out = write_config(tmp_path, _config(tmp_path)), str(tmp_path / "run")
     script = textwrap.dedent(f"""
-        import os, signal, sys, time
+        import atexit, os, signal, sys, time
         from grpo_jax.trainer import loop, preemption
+
+        # Registered before the command's own exit handler, so it runs after it: a signal during
+        # the interpreter's exit is ignored (Python resets its own handlers while it tears down).
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))
 
         def train(config, run_dir):  # returns as a finished run does: its checkpoint done, its handlers gone
             with preemption.StopSignals(print, stage="finish"):
