@@ -26,15 +26,16 @@ from grpo_jax.env import workers
 from grpo_jax.env.protocol import OPENING_ROLES, MalformedAnswer, check_messages, check_step
 from grpo_jax.episodes.transcript import encode, extension, guard, render, too_many_tokens
 from grpo_jax.faults import one_line
-from grpo_jax.usercode import Call, CallStopped
+from grpo_jax.usercode import Call, CallStopped, CallTimeout, WorkerLost
 
 # Why an episode failed (`Episode.failure`; counted as `env/failed/<reason>`): the environment raised;
 # a call ran past its time limit; an answer broke the protocol (not messages, a bad role, text that
 # is not valid Unicode, the G episodes of an example opened differently); the chat template or the
 # tokenizer refused the conversation (roles that must alternate); the opening is longer than the
 # prompt limit; a padding row of an evaluation chunk (no episode played); the run gave up on the call
-# because it is stopping (a stop signal: grpo_jax.usercode.CallStopped).
-FAILURES = ("raised", "timeout", "malformed", "template", "too_long", "padding", "stopped")
+# because it is stopping (a stop signal: grpo_jax.usercode.CallStopped); the worker process that held
+# the episode's environment ended (crashed, or killed with a hung call: grpo_jax.usercode.WorkerLost).
+FAILURES = ("raised", "timeout", "malformed", "template", "too_long", "padding", "stopped", "lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +178,9 @@ class Episode:
         """End the episode as failed (it will be dropped and counted); `reason` (one of FAILURES)
         by default from the error: a timeout, a malformed answer, else the environment raised."""
         self.error = f"{self.name}.{where}: {type(error).__name__}: {one_line(error)}"
-        self.failure = reason or ("timeout" if isinstance(error, TimeoutError) else
+        self.failure = reason or ("timeout" if isinstance(error, CallTimeout) else
                                   "malformed" if isinstance(error, MalformedAnswer) else
-                                  "stopped" if isinstance(error, CallStopped) else "raised")
+                                  "stopped" if isinstance(error, CallStopped) else
+                                  "lost" if isinstance(error, WorkerLost) else "raised")
         self.done = True
         return None

@@ -29,7 +29,8 @@ class RewardWatch:
         """After a step: `metrics` hold `reward/<name>/failures` (global counts), `perf/reward_s` and
         `perf/step_s` (and `env/errors` with episodes); `messages` each failing reward's first error on
         this host, `env_error` the step's first environment error. -> why the run must stop (a reward
-        failed on every sample for too many steps in a row; every episode of the step failed), or None."""
+        failed on every sample for too many steps in a row; every episode of the step failed, but not
+        because a stop signal ended their calls), or None."""
         reward_s, step_s = metrics["perf/reward_s"], metrics["perf/step_s"]
         if reward_s > 0.5 * step_s and not self.slow_said:
             self.slow_said = True
@@ -45,6 +46,6 @@ class RewardWatch:
             if self.streaks[spec.name] >= self.limit:
                 return (f"reward function {spec.name!r} raised on every sample for {self.limit} steps in a row "
                         f"(train.max_reward_failure_steps); last error: {message or 'on another host'}")
-        if metrics.get("env/errors", 0) >= self.rows:
+        if metrics.get("env/errors", 0) >= self.rows and metrics.get("env/failed/stopped", 0) < self.rows:
             return f"every episode of step {step} failed; the first: {env_error or 'on another host'}"
         return None

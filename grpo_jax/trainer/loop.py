@@ -185,8 +185,8 @@ class Trainer:
 
     # --- hooks ------------------------------------------------------------------------------------
     def _evaluate_hook(self, info: StepInfo) -> None:
-        if self.signals.stopping and not info.last:  # the run stops after this step: at once, not evaluating
-            return
+        if self.signals.stopping:  # the run stops after this step: at once, not evaluating (its calls of
+            return                 # user code would be given up on, and their episodes scored as wrong)
         self.evals.append((info.step, self._evaluate(info.step)))
         info.metrics.update(self.evals[-1][1])
 

@@ -24,6 +24,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -32,10 +33,10 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from grpo_jax.usercode.calls import Call, done_call
-from grpo_jax.usercode.loading import load_user_object
 
 
 class WorkerLost(RuntimeError):
@@ -53,10 +54,26 @@ class _Proc:
         self.keys: set = set()  # the instances it keeps
         self.retired = False
         self.lost: str | None = None  # why it is gone
+        # Calls go out through a thread of its own: a worker that stops reading (its GIL held by a
+        # hung call) fills the pipe, which must block that thread, never the trainer's.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_write, args=(self.conn, self.outbox), daemon=True, name="grpo-jax-worker-pipe").start()
+
+    def send(self, message) -> None:
+        """Queue `message` for the worker (pickled now: an argument that does not pickle raises here)."""
+        self.outbox.put(bytes(ForkingPickler.dumps(message)))
 
     @property
     def load(self) -> int:
         return len(self.pending) + len(self.keys)
+
+
+def _write(conn, outbox: queue.SimpleQueue) -> None:
+    while (payload := outbox.get()) is not None:
+        try:
+            conn.send_bytes(payload)
+        except OSError:  # the worker is gone or its pipe closed: the poller finds it lost
+            return
 
 
 class RemoteCall(Call):
@@ -132,10 +149,8 @@ class Workers:
             cid = next(self.ids)
             call = RemoteCall(self, proc, key, convert)
             try:
-                proc.conn.send(("call", cid, key, make, method, tuple(args), dict(kwargs or {}), tuple(attrs)))
-            except (OSError, ValueError, pickle.PicklingError, TypeError, AttributeError) as e:
-                if isinstance(e, OSError):
-                    self._lose(proc, f"its pipe broke ({e})")
+                proc.send(("call", cid, key, make, method, tuple(args), dict(kwargs or {}), tuple(attrs)))
+            except (ValueError, pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
                 return done_call(error=WorkerLost(f"the call could not be sent to its worker: {type(e).__name__}: {e}"))
             self.calls[cid] = call
             proc.pending.add(cid)
@@ -152,10 +167,7 @@ class Workers:
                 return
             proc.keys.discard(key)
             if not proc.lost:
-                try:
-                    proc.conn.send(("drop", key))
-                except OSError as e:
-                    self._lose(proc, f"its pipe broke ({e})")
+                proc.send(("drop", key))
             self._reap()
 
     def give_up(self, call: RemoteCall, *, hung: bool) -> None:
@@ -200,6 +212,9 @@ class Workers:
                 code = _exit_code(proc.process)
                 self._lose(proc, f"its worker process ended ({'exit code ' + str(code) if code is not None else e})")
                 return
+            except Exception as e:  # noqa: BLE001 - what it sent does not unpickle: it cannot be trusted further
+                self._lose(proc, f"its worker sent what cannot be read: {type(e).__name__}: {e}")
+                return
             if cid is None:  # the worker has loaded the object: its calls' clocks start
                 proc.loaded = time.monotonic()
                 continue
@@ -232,8 +247,11 @@ class Workers:
         mine, theirs = socket.socketpair()
         # JAX_PLATFORMS=cpu: the trainer holds the accelerator; user code that imports JAX gets the CPU.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path), "JAX_PLATFORMS": "cpu"}
-        process = subprocess.Popen([sys.executable, "-c", "from grpo_jax.usercode.workers import main; main()",
-                                    str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        # Spawned from the main thread, the worker dies with the trainer even if it never reads again
+        # (PR_SET_PDEATHSIG follows the spawning thread, so not from a thread that may end first).
+        orphan_kill = "1" if threading.current_thread() is threading.main_thread() else "0"
+        process = subprocess.Popen([sys.executable, "-c", "from grpo_jax.usercode.worker_main import main; main()",
+                                    str(theirs.fileno()), orphan_kill], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                    start_new_session=True, env=env)
         theirs.close()
         conn = multiprocessing.connection.Connection(mine.detach())
@@ -284,6 +302,7 @@ class Workers:
 
 
 def _kill_proc(proc: _Proc) -> None:
+    proc.outbox.put(None)  # its writer thread ends (at once, or when the killed worker's pipe breaks)
     try:
         os.killpg(proc.process.pid, signal.SIGKILL)  # the worker and whatever it started
     except OSError:
@@ -301,69 +320,6 @@ def _kill_all(procs: list[_Proc]) -> None:
     procs.clear()
 
 
-# --- the worker's side ----------------------------------------------------------------------------
-def main() -> None:
-    """A worker process's entry (`Workers._spawn`): its pipe is the descriptor in argv[1]."""
-    conn = multiprocessing.connection.Connection(int(sys.argv[1]))
-    serve(conn, *conn.recv())
-
-
-def serve(conn, name: str, kwargs: dict, what: str, member: str) -> None:
-    """A worker process: load the object, then run each call on a thread of its own until the
-    trainer's end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides what a Ctrl-C does
-    send_lock = threading.Lock()
-    instances: dict = {}
-    try:
-        loaded, failure = load_user_object(name, what=what, member=member), None
-    except BaseException as e:  # noqa: BLE001 - said on every call
-        loaded, failure = None, e
-    conn.send((None, True, b""))  # loaded: the calls' time limits start now
-
-    def reply(cid, ok, payload):
-        if ok:
-            try:
-                blob = pickle.dumps(payload)
-            except Exception as e:  # noqa: BLE001 - an answer that cannot travel is the call's error
-                ok, payload = False, TypeError(f"{type(payload).__name__} cannot be sent back from the worker "
-                                               f"process: {type(e).__name__}: {e}")
-        if not ok:
-            try:
-                exc = pickle.dumps(payload)
-            except Exception:  # noqa: BLE001 - its name and message still travel
-                exc = None
-            blob = (exc, type(payload).__name__, str(payload))
-        with send_lock:
-            conn.send((cid, ok, blob))
-
-    def run(cid, key, make, method, args, kw, attrs):
-        try:
-            if failure is not None:
-                raise failure
-            if make:
-                instances[key] = loaded(**kwargs)
-            target = instances[key] if key is not None else _bound(loaded, kwargs)
-            value = (getattr(target, method) if method else target)(*args, **kw)
-            if attrs:
-                value = (value, {a: getattr(instances[key], a, None) for a in attrs})
-            reply(cid, True, value)
-        except BaseException as e:  # noqa: BLE001 - the call's error, sent back
-            try:
-                reply(cid, False, e)
-            except OSError:
-                os._exit(0)
-
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            os._exit(0)  # the trainer is gone; threads still running die with the process
-        if message[0] == "drop":
-            instances.pop(message[1], None)
-            continue
-        threading.Thread(target=run, args=message[1:], daemon=True).start()
-
-
 def _exception(pickled: bytes | None, name: str, message: str) -> BaseException:
     """A worker's exception as it was raised there, or one of the same name and message when it
     does not unpickle here (a class of a module the trainer loaded from a file path)."""
@@ -375,12 +331,6 @@ def _exception(pickled: bytes | None, name: str, message: str) -> BaseException:
         except Exception:  # noqa: BLE001
             pass
     return type(name, (RuntimeError,), {"__module__": "worker"})(message)
-
-
-def _bound(fn, kwargs: dict):
-    if not kwargs:
-        return fn
-    return lambda *args, **fields: fn(*args, **kwargs, **fields)
 
 
 def _exit_code(process, wait_s: float = 1.0) -> int | None:

@@ -32,7 +32,8 @@ from grpo_jax import EnvStep
 
 class Moody:
     """Opens in the example's `reset_s` seconds; a turn "hang" never returns, "crash" ends its
-    process, "bye" ends the episode, any other is answered in capitals."""
+    process, "gil" holds the worker's GIL for good, "bye" ends the episode, any other is answered in
+    capitals."""
     tool_call_end = "</x>"
 
     def reset(self, example):
@@ -44,6 +45,9 @@ class Moody:
             time.sleep(3600)
         if completion == "crash":
             os._exit(3)
+        if completion == "gil":  # a C call holding the GIL: the worker reads nothing more
+            import re
+            re.match(r"(a+)+$", "a" * 40 + "b")
         return EnvStep([{"role": "tool", "content": completion.upper()}], done=completion == "bye")
 '''
 
@@ -79,7 +83,12 @@ def test_a_hanging_environment_costs_its_episode_and_no_thread_over_20_steps(moo
         for ep in eps:
             ep.close()
         processes.append(make.pool.processes())
-        assert threading.active_count() == threads  # no thread waits on a worker, none is left behind
+        # No thread waits on a call; each worker process has one thread writing its pipe, which ends
+        # with it (a moment after it is killed).
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads + processes[-1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threading.active_count() <= threads + processes[-1]
     assert max(processes) <= 2  # the hung call's worker was killed once its episodes were done
     assert make.pool.started <= 2 + 20  # one replacement per hung call at most
 
@@ -154,3 +163,27 @@ def test_the_trainers_own_pool_stays_bounded_when_its_calls_hang():
     release.set()
     assert pool.start(len, "abc").result(5.0) == 3
     assert ran == [0]  # the first step's third call found a thread; no later one ran after its time was up
+
+
+def test_a_worker_that_stops_reading_never_blocks_the_trainer(moody):
+    """A call holding a worker's GIL: it reads no more, its pipe fills, yet starting more calls on
+    it (200 KB each) returns at once (they queue for the pipe's own thread), and each fails at its
+    time limit; closing the pool kills the worker."""
+    make = environment_maker(moody, {}, TOK, workers=1)
+    limits = EpisodeLimits(max_model_tokens=64, max_env_tokens=64, timeout_s=0.5)
+    eps = [Episode(make, {"prompt": "x"}, TOK, limits, name="moody") for _ in range(4)]
+    for ep in eps:
+        ep.start_open()
+    for ep in eps:
+        assert ep.finish_open() is not None, ep.error
+    stuck = play(eps[0], "gil")
+    time.sleep(0.2)  # the worker is in the regex now
+    start = time.monotonic()
+    calls = [play(ep, "y" * 200_000) for ep in eps[1:]]  # more than the pipe holds
+    assert time.monotonic() - start < 5.0  # before, the third send waited for the worker: for good
+    assert eps[0].respond(stuck) is None and "moody.step: CallTimeout" in eps[0].error
+    for call in calls:
+        with pytest.raises(TimeoutError):
+            call.result(0.5)
+    make.pool.close()
+    assert make.pool.processes() == 0
