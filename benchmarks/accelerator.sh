@@ -5,11 +5,7 @@
 #   2. sampler and forward throughput, bf16, grpo_jax vs transformers on the same weights;
 #   3. whole GRPO steps at Qwen3-0.6B's shape, bf16 (bench grpo-step; needs tensorflow-datasets there).
 set -uo pipefail
-OUT=${OUT:-/tmp/grpo_jax_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
+. benchmarks/accelerator_common.sh
 $PY -c "import jax, flax, torch, transformers; print('jax', jax.__version__, 'flax', flax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, jax.devices())" 2>&1 | tee "$OUT/versions.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   JAX_PLATFORMS=${PARITY_PLATFORM:-cuda} timeout 240 $PY -m pytest -q -p no:cacheprovider \

@@ -5,11 +5,7 @@
 # wheels carried in .device_wheels (pip download --only-binary ... on the host) are installed without
 # resolution first. Results land in $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/grpo_jax_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
+. benchmarks/accelerator_common.sh
 if [ -d .device_wheels ]; then
   "$PY" -m pip install -q --no-index --no-deps .device_wheels/*.whl 2>&1 | tail -3
 fi

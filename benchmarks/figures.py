@@ -27,7 +27,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from figure_blocks import all_blocks  # noqa: E402  (benchmarks/figure_blocks: the other render functions)
+from figure_blocks import all_blocks, evals, minutes  # noqa: E402  (benchmarks/figure_blocks: the other render functions)
 
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", ROOT / "benchmarks" / "stability.md")
@@ -36,27 +36,14 @@ BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- figures:(?P<name>[\w-]+) -->\n
                    r"(?P<close>^(?P=indent)<!-- /figures:(?P=name) -->)", re.S | re.M)
 
 
-def _metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _evals(path: Path) -> list[dict]:
-    return [r for r in _metrics(path) if "eval/accuracy" in r]
-
-
-def _minutes(seconds: float) -> str:
-    m, s = divmod(round(seconds), 60)
-    return f"{m} min {s} s" if m else f"{s} s"
-
-
 def render_quickstart() -> str:
     d = RESULTS / "demo_cpu"
     run = json.loads((d / "run.json").read_text())
     config = yaml.safe_load((d / "config.yaml").read_text())
-    first, last = _evals(d / "metrics.jsonl")[0], _evals(d / "metrics.jsonl")[-1]
+    first, last = evals(d / "metrics.jsonl")[0], evals(d / "metrics.jsonl")[-1]
     k, prompts = config["eval"]["k"], config["eval"]["num_prompts"]
-    return (f"Measured from a fresh clone on this project's 2-core machine ({run['date']}): {_minutes(run['total_s'])} "
-            f"in all ({_minutes(run['install_s'])} for the install, {_minutes(run['run_s'])} for the run).\n"
+    return (f"Measured from a fresh clone on this project's 2-core machine ({run['date']}): {minutes(run['total_s'])} "
+            f"in all ({minutes(run['install_s'])} for the install, {minutes(run['run_s'])} for the run).\n"
             f"Held-out accuracy ({prompts} test prompts x {k} samples at temperature {config['sampling']['temperature']:g}): "
             f"{first['eval/accuracy']:.3f} after the warm start -> {last['eval/accuracy']:.3f} after {last['step']} GRPO "
             f"steps, pass@{k} {first['eval/pass@k']:.3f} -> {last['eval/pass@k']:.3f} (run: "
@@ -68,15 +55,15 @@ def render_ci() -> str:
     data = json.loads(path.read_text())
     run = data["runs"][0]
     tests = re.match(r"(\d+) passed", run["pytest_line"]).group(1)
-    return (f"measured {data['date']} from a fresh clone: {_minutes(run['wall_s'])} in all: {_minutes(run['tests_s'])} "
-            f"for the install and the {tests} tests, {_minutes(run['plain_install_s'])} after them for `.ci/plain_install` (its\n"
+    return (f"measured {data['date']} from a fresh clone: {minutes(run['wall_s'])} in all: {minutes(run['tests_s'])} "
+            f"for the install and the {tests} tests, {minutes(run['plain_install_s'])} after them for `.ci/plain_install` (its\n"
             "dependencies install beside the tests' own); "
             f"the runs' figures and slowest tests: `{path.relative_to(ROOT)}`).\n")
 
 
 def render_lora_demo() -> str:
-    full, lora = _evals(RESULTS / "demo_cpu" / "metrics.jsonl"), _evals(RESULTS / "lora_demo" / "metrics.jsonl")
-    smol = {n: _evals(RESULTS / "real_models" / n / "metrics.jsonl") for n in ("smollm2", "smollm2_lora")}
+    full, lora = evals(RESULTS / "demo_cpu" / "metrics.jsonl"), evals(RESULTS / "lora_demo" / "metrics.jsonl")
+    smol = {n: evals(RESULTS / "real_models" / n / "metrics.jsonl") for n in ("smollm2", "smollm2_lora")}
     return (f"`configs/demo_cpu_lora.yaml` is the demo with rank-16 adapters (held-out accuracy "
             f"{lora[0]['eval/accuracy']:.3f} -> {lora[-1]['eval/accuracy']:.3f} in {lora[-1]['step']} steps; the full "
             f"demo {full[0]['eval/accuracy']:.3f} -> {full[-1]['eval/accuracy']:.3f}: `benchmarks/results/lora_demo/`, "
@@ -101,10 +88,10 @@ def render_toc() -> str:
 def render_tools() -> str:
     """The tool demos: held-out accuracy before and after GRPO, with and without the tool."""
     def acc(name: str) -> str:
-        e = _evals(RESULTS / "tools" / name / "metrics.jsonl")
+        e = evals(RESULTS / "tools" / name / "metrics.jsonl")
         return f"{e[0]['eval/accuracy']:.3f} -> **{e[-1]['eval/accuracy']:.3f}**"
 
-    steps = {n: _evals(RESULTS / "tools" / n / "metrics.jsonl")[-1]["step"] for n in ("tools", "smol_tools")}
+    steps = {n: evals(RESULTS / "tools" / n / "metrics.jsonl")[-1]["step"] for n in ("tools", "smol_tools")}
     return ("| demo | with the tool | without (same warm start rows and steps, same GRPO steps) |\n|---|---|---|\n"
             f"| `configs/demo_cpu_tools.yaml`: the tiny char model, 4-digit sums and products, {steps['tools']} steps "
             f"| {acc('tools')} | {acc('no_tools')} |\n"

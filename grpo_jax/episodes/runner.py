@@ -82,8 +82,8 @@ class EpisodeBatch:
         eps = self.episodes
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
                 "env/tool_calls_mean": float(np.mean([ep.tool_calls for ep in eps])),
-                "env/failed": float(sum(ep.error is not None for ep in eps)),
-                "env/errors": float(sum(ep.error is not None for ep in eps)),
+                "env/failed": (failed := float(sum(ep.error is not None for ep in eps))),
+                "env/errors": failed,
                 **{f"env/failed/{why}": float(sum(ep.failure == why for ep in eps)) for why in FAILURES},
                 "env/time_s": float(sum(ep.env_seconds for ep in eps)),
                 "completion/model_tokens_mean": float(np.mean([ep.model_tokens for ep in eps])),

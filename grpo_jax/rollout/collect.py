@@ -40,11 +40,15 @@ class Round:
     # Multi-turn episodes [N_h*G]: each episode's turns ({"model", "env", "reward"}), for samples.jsonl.
     turns: list | None = None
     errors: list | None = None  # multi-turn episodes [N_h*G]: why each failed (Episode.error), None if it did not
-    env_error: str | None = None  # multi-turn episodes: the round's first environment error
 
     def __post_init__(self):
         if self.scores is None:
             self.scores = self.rewards.total
+
+    @property
+    def env_error(self) -> str | None:
+        """The round's first environment error (multi-turn episodes), or None."""
+        return next((e for e in self.errors or () if e), None)
 
 
 @dataclasses.dataclass

@@ -64,8 +64,7 @@ class EpisodeSampler(SyncSampler):
         rows = rows.replace(lengths=np.array([ep.model_tokens for ep in batch.episodes], np.int32))
         return Round(examples=examples, rows=rows, texts=texts, rewards=result,
                      sample_s=sample_s, reward_s=time.perf_counter() - t1,
-                     turns=[ep.transcript for ep in batch.episodes], errors=[ep.error for ep in batch.episodes],
-                     env_error=next((ep.error for ep in batch.episodes if ep.error), None))
+                     turns=[ep.transcript for ep in batch.episodes], errors=[ep.error for ep in batch.episodes])
 
 
 def failure_line(episodes) -> str:

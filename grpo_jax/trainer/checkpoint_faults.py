@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from grpo_jax.faults import RunFault
+from grpo_jax.faults import RunFault, one_line
 from grpo_jax.runtime.hosts import multi_process
 
 STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's step metadata file
@@ -57,7 +57,7 @@ class CheckpointError(RunFault):
 
 def short_error(e: BaseException) -> str:
     """One line naming an exception: its type and the start of its message."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return f"{type(e).__name__}: {one_line(e, limit=200)}"
 
 
 def storage_fault(e: BaseException | None) -> str | None:

@@ -68,7 +68,7 @@ def play(ep: Episode, text: str):
 def test_a_hanging_environment_costs_its_episode_and_no_thread_over_20_steps(moody):
     make = environment_maker(moody, {}, TOK, workers=2)
     assert isinstance(make, WorkerEnvironments)  # a user environment runs in worker processes
-    limits = EpisodeLimits(max_model_tokens=64, timeout_s=0.05)
+    limits = EpisodeLimits(max_model_tokens=64, timeout_s=0.25)  # short (it hangs 20 times), with room for a loaded machine
     threads, processes = threading.active_count(), []
     for _ in range(20):
         eps = [Episode(make, {"prompt": "hi"}, TOK, limits, name="moody") for _ in range(3)]
@@ -77,7 +77,7 @@ def test_a_hanging_environment_costs_its_episode_and_no_thread_over_20_steps(moo
         assert all(ep.finish_open() is not None for ep in eps)
         calls = [play(ep, text) for ep, text in zip(eps, ["hang", "ok", "bye"])]
         answers = [ep.respond(call) for ep, call in zip(eps, calls)]
-        assert answers[0] is None and "CallTimeout: took longer than 0.05 s" in eps[0].error
+        assert answers[0] is None and "CallTimeout: took longer than 0.25 s" in eps[0].error
         assert answers[1] and TOK.decode(answers[1]) == "\n[tool]OK<eos>\n[assistant]" and eps[2].done  # batch-mates
         assert eps[1].error is None and eps[2].error is None
         for ep in eps:
