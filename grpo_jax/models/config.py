@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-Family = Literal["llama", "qwen2", "qwen3", "gemma3_text"]
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3_text")
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
 
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -92,6 +92,16 @@ class TransformerConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of width
+    # `moe_intermediate_size`, each token sent to its top `num_experts_per_tok` by a linear router
+    # (softmax in float32, the top-k weights renormalised to sum 1 when `norm_topk_prob`); the
+    # load-balancing loss (Switch Transformer's, as HF computes it) enters the training loss times
+    # `router_aux_loss_coef`. 0 experts: the dense MLP of width `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.rope, dict):
@@ -123,10 +133,24 @@ class TransformerConfig:
         missing = sorted(set(self.layer_types) - set(dict(self.rope)))
         if missing:
             raise ValueError(f"rope has no parameters for layer types {missing}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                                 f"{self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+            if self.router_aux_loss_coef < 0:
+                raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        elif self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
         for cap_name in ("attn_logit_softcap", "final_logit_softcap"):
             cap = getattr(self, cap_name)
             if cap is not None and cap <= 0:
                 raise ValueError(f"{cap_name} must be positive or None, got {cap}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def query_scale(self) -> float:
