@@ -83,17 +83,9 @@ def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, comp
     if experts is not None and not model.config.is_moe:
         experts = None  # a dense model (e.g. a distillation teacher) has nothing to route
     if group_size > 1:
-        if R % group_size:
-            raise ValueError(f"{R} rows are not whole groups of group_size={group_size}")
-        N = R // group_size
-        first = (lambda a: a.reshape(N, group_size, *a.shape[1:])[:, 0])
-        h_NPE, h_RME, routed = grouped_routed_hidden_states(
-            model, first(prompt_ids_RP), first(prompt_mask_RP), completion_ids_RM, dropout_key=dropout_key,
-            row_sharding=row_sharding, prompt_routing=None if experts is None else first(experts[0]),
-            completion_routing=None if experts is None else experts[1], completion_mask=scored_RM, replay=replay)
-        # The prompt's last position predicts completion token 0, completion position t token t+1.
-        h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
-        h_RME = jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
+        h_RME, routed = _grouped_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, group_size,
+                                        dropout_key=dropout_key, row_sharding=row_sharding, experts=experts,
+                                        replay=replay, scored_RM=scored_RM)
         return (h_RME, routed) if with_routing else h_RME
     ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
     mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
@@ -105,6 +97,23 @@ def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, comp
                                                counted=counted)
     h_RME = h_BTE[:, P - 1:-1]
     return (h_RME, routed) if with_routing else h_RME
+
+
+def _grouped_states(model, prompt_ids_RP, prompt_mask_RP, completion_ids_RM, group_size, *, dropout_key,
+                    row_sharding, experts, replay, scored_RM):
+    """`completion_states` with each group's prompt run once -> (states [R, M, E], Routing or None)."""
+    R = prompt_ids_RP.shape[0]
+    if R % group_size:
+        raise ValueError(f"{R} rows are not whole groups of group_size={group_size}")
+    N = R // group_size
+    first = (lambda a: a.reshape(N, group_size, *a.shape[1:])[:, 0])  # noqa: E731
+    h_NPE, h_RME, routed = grouped_routed_hidden_states(
+        model, first(prompt_ids_RP), first(prompt_mask_RP), completion_ids_RM, dropout_key=dropout_key,
+        row_sharding=row_sharding, prompt_routing=None if experts is None else first(experts[0]),
+        completion_routing=None if experts is None else experts[1], completion_mask=scored_RM, replay=replay)
+    # The prompt's last position predicts completion token 0, completion position t token t+1.
+    h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
+    return jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1), routed
 
 
 def completion_logprobs(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,

@@ -47,35 +47,28 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
     prompt_ids int [N, P] (left-padded, prompt_mask [N, P], 1 = real), completion_ids int [R, T]
     (row i*G + j continues prompt i) -> (h_prompt [N, P, E], h_completion [R, T, E]): what
     `model.hidden_states` gives on each row's [prompt, completion] (completion all real tokens),
-    and the `moe.Routing` of both (None for a dense model; its experts are the completions').
-    `dropout_key`, `row_sharding`: as `model.hidden_states`'s. A mixture-of-experts model:
-    `prompt_routing` int [N, P, L, Kx] and `completion_routing` int [R, T, L, Kx] replay experts
-    (both or neither), followed or with replay=False only compared (`moe.route`); `completion_mask`
-    [R, T] (1 = counted in the routers' statistics; default all).
-    """
-    cfg, dtype = model.config, model.dtype
-    chex.assert_rank([prompt_ids, completion_ids], 2)
+    and the `moe.Routing` of both (None if dense; its experts are the completions'). `dropout_key`,
+    `row_sharding`: `model.hidden_states`'s. MoE: `prompt_routing` int [N, P, L, Kx] and
+    `completion_routing` [R, T, L, Kx] (both or neither) are replayed, or only compared
+    (replay=False, `moe.route`); `completion_mask` [R, T]: the tokens its statistics count (all)."""
+    cfg, dtype, _ = model.config, model.dtype, chex.assert_rank([prompt_ids, completion_ids], 2)
     (N, P), (R, T) = prompt_ids.shape, completion_ids.shape
-    if R % N:
-        raise ValueError(f"{R} completion rows are not whole groups of the {N} prompts")
-    G = R // N
+    G = R // N if R % N == 0 else _not_whole_groups(R, N)
     pmask_NP = as_mask(prompt_mask, (N, P))
     pos_NP = default_positions(pmask_NP)
     # As the plain pass: completion token t follows the prompt's real tokens.
     pos_RT = jnp.repeat(pmask_NP.sum(axis=1, dtype=jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32), G, axis=0)
-    cos_YNPD, sin_YNPD = rope_tables(cfg, pos_NP, dtype)
-    cos_YRTD, sin_YRTD = rope_tables(cfg, pos_RT, dtype)
+    (cos_YNPD, sin_YNPD), (cos_YRTD, sin_YRTD) = rope_tables(cfg, pos_NP, dtype), rope_tables(cfg, pos_RT, dtype)
     # A completion's keys are its prompt's slots, then its own tokens: segment 1 for every real one.
     pseg_NP = pmask_NP.astype(jnp.int32)
-    kv_seg_RS = jnp.concatenate([jnp.repeat(pseg_NP, G, axis=0), jnp.ones((R, T), jnp.int32)], axis=1)
-    kv_pos_RS = jnp.concatenate([jnp.repeat(pos_NP, G, axis=0), pos_RT], axis=1)
+    kv_seg_RS, kv_pos_RS = (jnp.concatenate([jnp.repeat(a, G, axis=0), b], axis=1)
+                            for a, b in ((pseg_NP, jnp.ones((R, T), jnp.int32)), (pos_NP, pos_RT)))
     mesh = None if row_sharding is None else row_sharding.mesh
+    moe_kw = dict(follow=replay, mesh=mesh)
     prompt_impl = attention_impl(model.attention, cfg, keys=P, mesh=mesh)
     completion_impl = attention_impl(model.attention, cfg, keys=P + T, mesh=mesh)
     replay_L = _replay(cfg, prompt_routing, completion_routing, (N, P), (R, T))
-    real_NP, real_RT = pmask_NP.reshape(-1), jnp.ones((R * T,), jnp.bool_)
-    if completion_mask is not None:
-        real_RT = as_mask(completion_mask, (R, T)).reshape(-1)
+    real_NP, real_RT = pmask_NP.reshape(-1), as_mask(completion_mask, (R, T)).reshape(-1)
 
     # Prompts and completions stay two arrays, not one token axis: on CPU, concatenating them for
     # shared projection matmuls and slicing them apart each layer made the forward ~20% slower.
@@ -96,19 +89,19 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
                              q_positions=pos_RT, kv_positions=kv_pos_RS, kind=kind, cfg=cfg, impl=completion_impl,
                              mesh=mesh)
         out_NPHD, out_RTHD = checkpoint_name(out_NPHD, "attention"), checkpoint_name(out_RTHD, "attention")
-        x_NPE, routed_p = finish_layer(x_NPE, out_NPHD, p, cfg, replay_XK=replay_p, real_X=real_NP, follow=replay,
-                                     mesh=mesh)
-        x_RTE, routed_c = finish_layer(x_RTE, out_RTHD, p, cfg, replay_XK=replay_c, real_X=real_RT, follow=replay,
-                                     mesh=mesh)
+        x_NPE, routed_p = finish_layer(x_NPE, out_NPHD, p, cfg, replay_XK=replay_p, real_X=real_NP, **moe_kw)
+        x_RTE, routed_c = finish_layer(x_RTE, out_RTHD, p, cfg, replay_XK=replay_c, real_X=real_RT, **moe_kw)
         return (x_NPE, x_RTE), (routed_p, routed_c)
 
-    x0 = (model.embed_tokens(prompt_ids), model.embed_tokens(completion_ids))
-    (x_NPE, x_RTE), (routed_p, routed_c) = run_layers(model, body, x0, dropout_key=dropout_key,
-                                                      row_sharding=row_sharding, extra=replay_L)
-    routed = None
-    if cfg.is_moe:
-        routed = concat(stack_layers(routed_c, (R, T)), routed_p)
+    (x_NPE, x_RTE), (routed_p, routed_c) = run_layers(
+        model, body, (model.embed_tokens(prompt_ids), model.embed_tokens(completion_ids)), dropout_key=dropout_key,
+        row_sharding=row_sharding, extra=replay_L)
+    routed = concat(stack_layers(routed_c, (R, T)), routed_p) if cfg.is_moe else None
     return rms_norm(x_NPE, model.final_norm[...], cfg), rms_norm(x_RTE, model.final_norm[...], cfg), routed
+
+
+def _not_whole_groups(R: int, N: int):
+    raise ValueError(f"{R} completion rows are not whole groups of the {N} prompts")
 
 
 def _replay(cfg, prompt_routing, completion_routing, shape_NP, shape_RT):
