@@ -30,8 +30,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.hf import (TensorReader, fill_params, hf_state_dict, model_dir, read_tensor, read_values,
-                                write_tensors)
+from grpo_jax.models.hf import fill_params, hf_state_dict, model_dir, read_values, write_tensors
+from grpo_jax.models.hf_tensors import TensorReader, read_tensor
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.runtime.sharding import RULES
