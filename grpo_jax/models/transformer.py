@@ -52,17 +52,24 @@ def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, .
         "v_proj": ((E, K, D), ("embed", "kv_heads", "head_dim")),
         "o_proj": ((H, D, E), ("heads", "head_dim", "embed")),
         "mlp_norm": ((E,), ("embed",)),
-        "gate_proj": ((E, F), ("embed", "mlp")),
-        "up_proj": ((E, F), ("embed", "mlp")),
-        "down_proj": ((F, E), ("mlp", "embed")),
     }
+    if config.is_moe:
+        Ex, Fx = config.num_experts, config.moe_intermediate_size
+        specs["router"] = ((E, Ex), ("embed", "router"))
+        specs["expert_gate"] = ((Ex, E, Fx), ("experts", "embed", "expert_mlp"))
+        specs["expert_up"] = ((Ex, E, Fx), ("experts", "embed", "expert_mlp"))
+        specs["expert_down"] = ((Ex, Fx, E), ("experts", "expert_mlp", "embed"))
+    else:
+        specs["gate_proj"] = ((E, F), ("embed", "mlp"))
+        specs["up_proj"] = ((E, F), ("embed", "mlp"))
+        specs["down_proj"] = ((F, E), ("mlp", "embed"))
     if config.qkv_bias:
         specs["q_bias"] = ((H, D), ("heads", "head_dim"))
         specs["k_bias"] = ((K, D), ("kv_heads", "head_dim"))
         specs["v_bias"] = ((K, D), ("kv_heads", "head_dim"))
     if config.o_bias:
         specs["o_bias"] = ((E,), ("embed",))
-    if config.mlp_bias:
+    if config.mlp_bias and not config.is_moe:
         specs["gate_bias"] = ((F,), ("mlp",))
         specs["up_bias"] = ((F,), ("mlp",))
         specs["down_bias"] = ((E,), ("embed",))
