@@ -14,7 +14,8 @@ from grpo_jax.config.algorithm import (ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATI
 from grpo_jax.config.checks import check_micro_batches
 from grpo_jax.config.loading import (ConfigError, apply_overrides, config_from_dict, config_to_dict, did_you_mean,
                                      load_config, load_rm_config, unknown_key)
-from grpo_jax.config.model import ATTENTIONS, DTYPES, LORA_TARGETS, REMATS, LoRAConfig, ModelConfig
+from grpo_jax.config.model import (ATTENTIONS, DTYPES, LORA_TARGETS, REMATS, ROUTING_REPLAYS, LoRAConfig, MoEConfig,
+                                   ModelConfig)
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
@@ -25,7 +26,7 @@ from grpo_jax.config.training import (CheckpointConfig, DistributedConfig, LogCo
 __all__ = [
     "ATTENTIONS", "DTYPES", "ESTIMATORS", "KL_ESTIMATORS", "LORA_TARGETS", "LOSS_AGGREGATIONS", "RATIO_LEVELS", "REMATS", "SCALES",
     "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EnvironmentConfig", "Estimator", "EvalConfig", "GRPOConfig",
-    "DistillConfig", "LogConfig", "LoRAConfig", "LossAggregation", "MeshConfig", "ModelConfig", "OptimizerConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
+    "DistillConfig", "LogConfig", "LoRAConfig", "MoEConfig", "ROUTING_REPLAYS", "LossAggregation", "MeshConfig", "ModelConfig", "OptimizerConfig", "PPOConfig", "RewardConfig", "RolloutConfig", "RunConfig",
     "SamplingConfig", "Scale", "SFTConfig", "TrainConfig", "apply_overrides", "check_micro_batches", "config_from_dict",
     "config_to_dict", "did_you_mean", "load_config", "load_rm_config", "unknown_key", "PreferenceDataConfig",
     "RMRunConfig", "RMTrainConfig",

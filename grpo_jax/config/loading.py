@@ -1,6 +1,6 @@
 """YAML to a validated RunConfig: sections map onto the schema's dataclasses (`model:`, `data:`,
 `rewards:`, `sampling:`, `grpo:`, `ppo:`, `distill:`, `lora:`, `train:`, `sft:`, `eval:`, `checkpoint:`, `mesh:`,
-`distributed:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown
+`distributed:`, `moe:`; the top-level choices `parallelism:`, `algorithm:`, `reward_control:`). An unknown
 key fails with the valid keys of its section and the nearest match;
 `--set section.key=value` overrides are parsed as YAML scalars and go through the same checks
 (`section.key.a.b=value` sets a key inside a mapping setting). A key given twice in one mapping is
@@ -23,7 +23,7 @@ import yaml
 
 from grpo_jax.config.reward_model import PreferenceDataConfig, RMRunConfig, RMTrainConfig
 from grpo_jax.config.algorithm import DistillConfig, GRPOConfig, PPOConfig
-from grpo_jax.config.model import LoRAConfig, ModelConfig
+from grpo_jax.config.model import LoRAConfig, ModelConfig, MoEConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
 from grpo_jax.config.schema import RunConfig
@@ -33,7 +33,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "sampling": SamplingConfig, "grpo": GRPOConfig,
     "train": TrainConfig, "sft": SFTConfig, "eval": EvalConfig, "checkpoint": CheckpointConfig, "log": LogConfig,
     "mesh": MeshConfig, "distributed": DistributedConfig, "ppo": PPOConfig, "distill": DistillConfig,
-    "lora": LoRAConfig, "environment": EnvironmentConfig, "rollout": RolloutConfig,
+    "lora": LoRAConfig, "environment": EnvironmentConfig, "rollout": RolloutConfig, "moe": MoEConfig,
 }
 # A float in exponent notation without a dot (1e-4, 3E+2), which PyYAML leaves a string.
 _YAML11_FLOAT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")

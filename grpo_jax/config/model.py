@@ -17,6 +17,28 @@ DTYPES: tuple[str, ...] = get_args(DType)
 REMATS: tuple[str, ...] = get_args(Remat)
 ATTENTIONS: tuple[str, ...] = get_args(Attention)
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+RoutingReplay = Literal["sampler", "none"]
+ROUTING_REPLAYS: tuple[str, ...] = get_args(RoutingReplay)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A mixture-of-experts policy (`moe:`; a dense model ignores it).
+
+    routing_replay: `sampler` routes every learner pass (the update and the KL reference's
+    log-probs) by the experts the sampler chose for each token (the router's weights at those
+    experts stay differentiable); `none` lets the learner's router choose again, so the sampler and
+    the learner may score one token through different experts (`moe/routing_mismatch` says how
+    often). aux_loss_coef: the load-balancing loss's weight in the update; None takes the model's
+    own (`router_aux_loss_coef` of its config.json)."""
+
+    routing_replay: RoutingReplay = "sampler"
+    aux_loss_coef: float | None = None
+
+    def __post_init__(self):
+        choice_in("moe", "routing_replay", self.routing_replay, ROUTING_REPLAYS)
+        if self.aux_loss_coef is not None and self.aux_loss_coef < 0:
+            raise ValueError(f"moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from typing import Literal, get_args
 
 from grpo_jax.config.algorithm import DistillConfig, GRPOConfig, PPOConfig
 from grpo_jax.config.checks import check_micro_batches, choice_in
-from grpo_jax.config.model import LoRAConfig, ModelConfig
+from grpo_jax.config.model import LoRAConfig, ModelConfig, MoEConfig
 from grpo_jax.config.rollout import (DataConfig, EnvironmentConfig, EvalConfig, RewardConfig, RolloutConfig,
                                      SamplingConfig)
 from grpo_jax.config.training import CheckpointConfig, DistributedConfig, LogConfig, MeshConfig, SFTConfig, TrainConfig
@@ -53,6 +53,8 @@ class RunConfig:
     environment: EnvironmentConfig | None = None
     # Staleness and the sampler's own devices (a pipelined run).
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    # A mixture-of-experts policy: routing replay and the load-balancing loss's weight.
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
     def __post_init__(self):
         object.__setattr__(self, "rewards", tuple(self.rewards))

@@ -130,7 +130,7 @@ def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: ja
         pv_XKPD = cache.per_slot(cache.prompt_values[l]).reshape(X, K, -1, D)
         o_XKQD = jax.lax.switch(phase, programs, q.reshape(X, K, -1, D), pk_XKDP, pv_XKPD,
                                 tuple(chunk[l] for chunk in keys), tuple(chunk[l] for chunk in values), *masks[kind])
-        x_X1E = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg)
+        x_X1E = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg)[0]
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]
     return logits_XV.reshape(Z, J, -1), cache.replace(keys=tuple(map(tuple, keys)), values=tuple(map(tuple, values)),
                                                        slot_t=cache.slot_t + 1)

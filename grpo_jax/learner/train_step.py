@@ -55,6 +55,11 @@ class Batch:
     ref_logprobs: jax.Array | None = None  # float32 [R, M]: reference policy's (beta > 0 only)
     teacher_logprobs: jax.Array | None = None  # float32 [R, M]: the teacher's (algorithm: distill only)
     packing: PackRows | None = None  # where each row sits in its micro-batch's bins (train.packing only)
+    # A mixture-of-experts policy: the experts the sampler sent each token to (models.moe), unsigned
+    # integers [R, P, L, Kx] for the prompt (its prefill) and [R, M, L, Kx] for the completion (the
+    # token fed at step t; a token never fed, the last, holds any valid expert id).
+    prompt_experts: jax.Array | None = None
+    completion_experts: jax.Array | None = None
 
 
 # field -> (dims as names of R, N, P, M, dtype kind): "i" integer, "f" float, "b" bool.

@@ -27,16 +27,30 @@ from jax.ad_checkpoint import checkpoint_name
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, default_positions, finish_layer, qkv, rms_norm,
                                     rope_tables)
 from grpo_jax.models.layer_scan import compute_dtype, run_layers
+from grpo_jax.models.moe import concat, replay_per_layer, stack_layers
 
 
 def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None, completion_ids: jax.Array,
                           *, dropout_key: jax.Array | None = None, row_sharding=None) -> tuple[jax.Array, jax.Array]:
+    """Final-normed hidden states of N prompts and their R = N x G completions (see
+    `grouped_routed_hidden_states`, which also takes routing replay and says what the routers did)."""
+    return grouped_routed_hidden_states(model, prompt_ids, prompt_mask, completion_ids, dropout_key=dropout_key,
+                                        row_sharding=row_sharding)[:2]
+
+
+def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None,
+                                 completion_ids: jax.Array, *, dropout_key: jax.Array | None = None, row_sharding=None,
+                                 prompt_routing: jax.Array | None = None, completion_routing: jax.Array | None = None,
+                                 completion_mask: jax.Array | None = None):
     """Final-normed hidden states of N prompts and their R = N x G completions, in `model`'s compute dtype.
 
     prompt_ids int [N, P] (left-padded, prompt_mask [N, P], 1 = real), completion_ids int [R, T]
     (row i*G + j continues prompt i) -> (h_prompt [N, P, E], h_completion [R, T, E]): what
-    `model.hidden_states` gives on each row's [prompt, completion] (completion all real tokens).
-    `dropout_key`, `row_sharding`: as `model.hidden_states`'s.
+    `model.hidden_states` gives on each row's [prompt, completion] (completion all real tokens),
+    and the `moe.Routing` of both (None for a dense model; its experts are the completions').
+    `dropout_key`, `row_sharding`: as `model.hidden_states`'s. A mixture-of-experts model:
+    `prompt_routing` int [N, P, L, Kx] and `completion_routing` int [R, T, L, Kx] replay experts
+    (both or neither); `completion_mask` [R, T] (1 = counted in the routers' statistics; default all).
     """
     cfg, dtype = model.config, model.dtype
     chex.assert_rank([prompt_ids, completion_ids], 2)
@@ -57,12 +71,16 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
     mesh = None if row_sharding is None else row_sharding.mesh
     prompt_impl = attention_impl(model.attention, cfg, keys=P, mesh=mesh)
     completion_impl = attention_impl(model.attention, cfg, keys=P + T, mesh=mesh)
+    replay = _replay(cfg, prompt_routing, completion_routing, (N, P), (R, T))
+    real_NP, real_RT = pmask_NP.reshape(-1), jnp.ones((R * T,), jnp.bool_)
+    if completion_mask is not None:
+        real_RT = as_mask(completion_mask, (R, T)).reshape(-1)
 
     # Prompts and completions stay two arrays, not one token axis: on CPU, concatenating them for
     # shared projection matmuls and slicing them apart each layer made the forward ~20% slower.
     def body(x, xs):
         x_NPE, x_RTE = x
-        p, kind = xs
+        p, kind, (replay_p, replay_c) = xs
         p = compute_dtype(p, dtype)
         qp, kp, vp = qkv(x_NPE, p, cfg, cos_YNPD[kind], sin_YNPD[kind])  # [N, P, H, D], [N, P, K, D] x 2
         qc, kc, vc = qkv(x_RTE, p, cfg, cos_YRTD[kind], sin_YRTD[kind])  # [R, T, H, D], [R, T, K, D] x 2
@@ -77,8 +95,23 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
                              q_positions=pos_RT, kv_positions=kv_pos_RS, kind=kind, cfg=cfg, impl=completion_impl,
                              mesh=mesh)
         out_NPHD, out_RTHD = checkpoint_name(out_NPHD, "attention"), checkpoint_name(out_RTHD, "attention")
-        return (finish_layer(x_NPE, out_NPHD, p, cfg), finish_layer(x_RTE, out_RTHD, p, cfg)), None
+        x_NPE, routed_p = finish_layer(x_NPE, out_NPHD, p, cfg, replay_XK=replay_p, real_X=real_NP, mesh=mesh)
+        x_RTE, routed_c = finish_layer(x_RTE, out_RTHD, p, cfg, replay_XK=replay_c, real_X=real_RT, mesh=mesh)
+        return (x_NPE, x_RTE), (routed_p, routed_c)
 
     x0 = (model.embed_tokens(prompt_ids), model.embed_tokens(completion_ids))
-    (x_NPE, x_RTE), _ = run_layers(model, body, x0, dropout_key=dropout_key, row_sharding=row_sharding)
-    return rms_norm(x_NPE, model.final_norm[...], cfg), rms_norm(x_RTE, model.final_norm[...], cfg)
+    (x_NPE, x_RTE), (routed_p, routed_c) = run_layers(model, body, x0, dropout_key=dropout_key,
+                                                      row_sharding=row_sharding, extra=replay)
+    routed = None
+    if cfg.is_moe:
+        routed = concat(stack_layers(routed_c, (R, T)), routed_p)
+    return rms_norm(x_NPE, model.final_norm[...], cfg), rms_norm(x_RTE, model.final_norm[...], cfg), routed
+
+
+def _replay(cfg, prompt_routing, completion_routing, shape_NP, shape_RT):
+    """(prompt, completion) replay per layer ([L, X, Kx] each), or (None, None)."""
+    if (prompt_routing is None) != (completion_routing is None):
+        raise ValueError("routing replay needs both the prompts' and the completions' experts, or neither")
+    if prompt_routing is not None and not cfg.is_moe:
+        raise ValueError("routing replay was given to a dense model (it has no experts)")
+    return (replay_per_layer(prompt_routing, cfg, shape_NP), replay_per_layer(completion_routing, cfg, shape_RT))

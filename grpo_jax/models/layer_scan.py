@@ -32,13 +32,14 @@ def compute_dtype(p: dict[str, jax.Array], dtype) -> dict[str, jax.Array]:
     return {n: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a for n, a in p.items()}
 
 
-def run_layers(model, body, x0, *, dropout_key: jax.Array | None = None, row_sharding=None):
-    """Run `body(x, (layer params, kind index)) -> (x, y)` over the model's layers -> (x, ys stacked
+def run_layers(model, body, x0, *, dropout_key: jax.Array | None = None, row_sharding=None, extra=None):
+    """Run `body(x, (layer params, kind index, extra's slice)) -> (x, y)` over the model's layers -> (x, ys stacked
     on a leading layers axis, or None), each layer under `model.remat`'s checkpoint policy (what its
     backward pass recomputes; `REMAT_POLICIES`): one `lax.scan` when `model.scan_layers`, else
     unrolled over per-layer weights (split from the stacked arrays with `jnp.split`, whose gradient
     is one concatenation rather than a padded sum per layer).
-    `dropout_key`: see `Layers.arrays`.
+    `dropout_key`: see `Layers.arrays`. `extra`: arrays with a leading layers axis (or None), handed
+    to `body` one layer's slice at a time (routing replay's experts).
 
     `row_sharding` (a Sharding of the rows of x, e.g. split over the mesh's batch axes; None: let
     XLA choose): every layer's input and output are held to it. Without it, XLA takes the split of
@@ -52,11 +53,12 @@ def run_layers(model, body, x0, *, dropout_key: jax.Array | None = None, row_sha
         body = jax.checkpoint(_inputs_named(body), prevent_cse=False, policy=REMAT_POLICIES[model.remat])
     cfg, arrays = model.config, model.layers.arrays(dropout_key)
     if model.scan_layers:
-        return jax.lax.scan(body, x0, (arrays, _kind_index(cfg)))
+        return jax.lax.scan(body, x0, (arrays, _kind_index(cfg), extra))
     per_layer = {n: jnp.split(a, cfg.num_layers) for n, a in arrays.items()}
     x, ys = x0, []
     for l, kind in enumerate(cfg.layer_types):
-        x, y = body(x, ({n: a[l][0] for n, a in per_layer.items()}, cfg.kinds.index(kind)))
+        extra_l = jax.tree.map(lambda a: a[l], extra)
+        x, y = body(x, ({n: a[l][0] for n, a in per_layer.items()}, cfg.kinds.index(kind), extra_l))
         ys.append(y)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys[0] is not None else None
 

@@ -200,9 +200,12 @@ def decode_attention(q_BKQD: jax.Array, k_chunks: list[jax.Array], v_chunks: lis
     return out
 
 
-def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig) -> jax.Array:
+def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, *,
+                 replay_XK: jax.Array | None = None, real_X: jax.Array | None = None, mesh=None):
     """The rest of a layer after attention: the output projection of attn [B, T, H, D] added to the
-    residual x [B, T, E], then the MLP block -> the layer's output [B, T, E]."""
+    residual x [B, T, E], then the MLP block -> (the layer's output [B, T, E], its `moe.Routing`
+    with experts [X, Kx], or None for a dense MLP). `replay_XK`, `real_X` (X = B*T): see
+    `moe.route`; `mesh`: where expert parallelism runs (`models.experts`)."""
     B, T, E = x_BTE.shape
     # One plain matmul over (heads x head_dim): contracting two axes, XLA:CPU chose to transpose the
     # o_proj weight into (head_dim, heads) order, a copy of it per layer and decode step inside a scan.
@@ -213,7 +216,13 @@ def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array]
     if cfg.post_norms:
         a = rms_norm(a, p["attn_post_norm"], cfg)
     x_BTE = x_BTE + a.reshape(B, T, E)
-    return x_BTE + mlp_block(x_BTE, p, cfg)
+    if cfg.is_moe:
+        from grpo_jax.models.moe import moe_mlp
+
+        m_XE, routing = moe_mlp(rms_norm(x_BTE.reshape(B * T, E), p["mlp_norm"], cfg), p, cfg, replay_XK=replay_XK,
+                                real_X=real_X, mesh=mesh)
+        return x_BTE + m_XE.reshape(B, T, E), routing
+    return x_BTE + mlp_block(x_BTE, p, cfg), None
 
 
 # A layer's MLP over more than this many tokens of sequence runs in chunks of it (`mlp_block`).

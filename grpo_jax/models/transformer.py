@@ -32,6 +32,7 @@ from grpo_jax.models.attention import IMPLS
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.layer_scan import REMAT_POLICIES, compute_dtype, run_layers
+from grpo_jax.models.moe import replay_per_layer, stack_layers
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, decode_attention, default_positions,
                                     finish_layer, qkv, rms_norm, rope_tables, segment_positions, softcap)
 
@@ -177,7 +178,8 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ public API
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+                 attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
+                 routing: jax.Array | None = None) -> jax.Array:
         """Plain causal pass over input_ids int [B, T] -> float32 logits [B, T, V].
 
         attention_mask [B, T] (1 = real token; default all real); segment_ids int32 [B, T] (a packed
@@ -186,18 +188,29 @@ class Transformer(nnx.Module):
         count up from 0 and padding repeats its neighbour's position, so a left-padded row gives the
         logits of the unpadded row; with segment_ids, each segment counts up from 0). A packed row
         gives each of its sequences the logits of that sequence's own pass.
+        `routing` int [B, T, L, Kx] (a mixture-of-experts model): route every token to these experts
+        instead of the router's choice (routing replay; `models.moe`).
         """
-        return self.logits(self.hidden_states(input_ids, positions, attention_mask, segment_ids))
+        return self.logits(self.hidden_states(input_ids, positions, attention_mask, segment_ids, routing=routing))
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
                       attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
                       parent_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
-                      row_sharding=None) -> jax.Array:
+                      row_sharding=None, routing: jax.Array | None = None) -> jax.Array:
         """Final-normed hidden states [B, T, E] in the compute dtype (feed to `logits`); arguments as
         `__call__`. `parent_ids` int32 [B, T]: a token also attends the earlier tokens whose segment
         id is its parent id (a packed completion's shared prompt; `learner.packing`).
         `dropout_key`: apply the LoRA adapters' input dropout (the training pass); `row_sharding`:
         see `run_layers`."""
+        return self.routed_hidden_states(input_ids, positions, attention_mask, segment_ids, parent_ids=parent_ids,
+                                         dropout_key=dropout_key, row_sharding=row_sharding, routing=routing)[0]
+
+    def routed_hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                             attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
+                             parent_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
+                             row_sharding=None, routing: jax.Array | None = None):
+        """`hidden_states` and what the routers did: (h [B, T, E], `moe.Routing`, None for a dense
+        model). Padding (attention_mask 0, segment 0) is routed but not counted in its statistics."""
         chex.assert_rank(input_ids, 2)
         B, T = input_ids.shape
         mask_BT = as_mask(attention_mask, (B, T))
@@ -207,9 +220,9 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(mask_BT) if segment_ids is None else segment_positions(segments_BT)
         chex.assert_shape(positions, (B, T))
-        h_BTE, _ = self._run(input_ids, positions, segments_BT, parent_ids, collect_kv=False,
-                             dropout_key=dropout_key, row_sharding=row_sharding)
-        return h_BTE
+        h_BTE, _, routed = self._run(input_ids, positions, segments_BT, parent_ids, collect_kv=False,
+                                     dropout_key=dropout_key, row_sharding=row_sharding, routing=routing)
+        return h_BTE, routed
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [B, T, V] of hidden states [B, T, E]."""
@@ -226,39 +239,43 @@ class Transformer(nnx.Module):
         return softcap(logits_XV, cfg.final_logit_softcap).reshape(B, T, -1)
 
     def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, decode_steps: int,
-                group_size: int = 1, chunks: int = 1, last_only: bool = False) -> tuple[jax.Array, KVCache]:
+                group_size: int = 1, chunks: int = 1, last_only: bool = False, with_routing: bool = False):
         """Run N (left-padded) prompts, input_ids int [N, P] and attention_mask [N, P], once ->
         (float32 logits [N, P, V], or [N, 1, V] of the last position with `last_only`; a `KVCache`).
 
         The cache holds the prompts' keys/values once per prompt, has N * `group_size` rows (row
         i*G + j decodes from prompt i) and room for `decode_steps` decode steps in `chunks` chunks.
+        `with_routing` (a mixture-of-experts model): also the prompts' experts int32 [N, P, L, Kx].
         """
         chex.assert_rank(input_ids, 2)
         mask_BT = as_mask(attention_mask, input_ids.shape)
         positions_BT = default_positions(mask_BT)
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
-                                              collect_kv=True)
+        h_BTE, (k_LBKTD, v_LBKTD), routed = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
+                                                      collect_kv=True)
         if last_only:
             h_BTE = h_BTE[:, -1:]
         cache = KVCache.from_prefill(k_LBKTD, v_LBKTD, mask_BT, positions_BT, group_size=group_size,
                                      decode_steps=decode_steps, chunks=chunks)
+        if with_routing:
+            return self.logits(h_BTE), cache, _experts_of(routed)
         return self.logits(h_BTE), cache
 
-    def prefill_kv(self, input_ids: jax.Array, attention_mask: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    def prefill_kv(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
+                   with_routing: bool = False) -> tuple[jax.Array, ...]:
         """The prompts' pass for a cache laid out by the caller (the continuous engine's
         `models.slots.SlotCache`): input_ids int [N, P], attention_mask [N, P] -> (float32 logits
         [N, V] of the last position, keys and values [L, N, K, P, D], mask bool [N, P], rotary
-        positions int32 [N, P])."""
+        positions int32 [N, P]), and with `with_routing` the prompts' experts int32 [N, P, L, Kx]."""
         chex.assert_rank(input_ids, 2)
         mask_BT = as_mask(attention_mask, input_ids.shape)
         positions_BT = default_positions(mask_BT)
-        h_BTE, (k_LBKTD, v_LBKTD) = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
-                                              collect_kv=True)
-        return self.logits(h_BTE[:, -1:])[:, 0], k_LBKTD, v_LBKTD, mask_BT, positions_BT
+        h_BTE, (k_LBKTD, v_LBKTD), routed = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
+                                                      collect_kv=True)
+        out = (self.logits(h_BTE[:, -1:])[:, 0], k_LBKTD, v_LBKTD, mask_BT, positions_BT)
+        return (*out, _experts_of(routed)) if with_routing else out
 
     def decode_step(self, input_ids: jax.Array, cache: KVCache, *, chunk: int | None = None,
-                    weights: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, KVCache]:
+                    weights: list[dict[str, jax.Array]] | None = None, with_routing: bool = False):
         """Feed one token per row, input_ids int [R] -> (float32 logits [R, V] of the next token, cache).
 
         The token goes to the cache's next decode slot, which must lie in chunk `chunk`; the step
@@ -267,7 +284,8 @@ class Transformer(nnx.Module):
         concrete `cache.length`. `weights`: `layer_weights()`, hoisted out of a decode loop so the
         per-layer slicing and the cast to the compute dtype are not repeated every step.
 
-        Layers are unrolled here, not scanned (see the module docstring for why).
+        `with_routing` (a mixture-of-experts model): also the experts each row's token went to, int32
+        [R, L, Kx]. Layers are unrolled here, not scanned (see the module docstring for why).
         """
         cfg, dtype = self.config, self.dtype
         chex.assert_shape(input_ids, (cache.rows,))
@@ -288,7 +306,7 @@ class Transformer(nnx.Module):
             masks[kind] = cache.mask[:, :n] & in_window
         at = cache.slot_in_chunk(chunk)
         x_R1E = self.embed_tokens(input_ids[:, None])
-        keys, values = [], []
+        keys, values, experts = [], [], []
         for l, kind in enumerate(cfg.layer_types):
             y = cfg.kinds.index(kind)
             q, k, v = qkv(x_R1E, weights[l], cfg, cos_YR1D[y], sin_YR1D[y])  # [R, 1, H, D], [R, 1, K, D]
@@ -299,9 +317,13 @@ class Transformer(nnx.Module):
             o_RKQD = decode_attention(
                 q.reshape(R, K, -1, D), [cache.prompt_keys[l], *(cache.keys[c][l] for c in earlier), k_RKDC],
                 [cache.prompt_values[l], *(cache.values[c][l] for c in earlier), v_RKCD], masks[kind], cfg, dtype)
-            x_R1E = finish_layer(x_R1E, o_RKQD.reshape(R, 1, -1, D), weights[l], cfg)
+            x_R1E, routed = finish_layer(x_R1E, o_RKQD.reshape(R, 1, -1, D), weights[l], cfg)
+            experts.append(None if routed is None else routed.experts)
         logits_RV = self.logits(rms_norm(x_R1E, self.final_norm[...], cfg))[:, 0]
-        return logits_RV, cache.close_slot(chunk, tuple(keys), tuple(values))
+        cache = cache.close_slot(chunk, tuple(keys), tuple(values))
+        if with_routing:
+            return logits_RV, cache, (jnp.stack(experts, axis=1) if cfg.is_moe else None)
+        return logits_RV, cache
 
     def layer_weights(self) -> list[dict[str, jax.Array]]:
         """Per-layer parameter dicts in the compute dtype (for `decode_step`): L separate buffers each."""
@@ -322,26 +344,41 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ internals
     def _run(self, input_ids_BT, positions_BT, segments_BT, parents_BT, *, collect_kv: bool, dropout_key=None,
-             row_sharding=None):
-        """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None).
-        segments_BT int32 [B, T] (0 = padding), parents_BT int32 [B, T] or None: see `layers.attention`."""
+             row_sharding=None, routing=None):
+        """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None,
+        `moe.Routing` or None). segments_BT int32 [B, T] (0 = padding), parents_BT int32 [B, T] or
+        None: see `layers.attention`; routing: replayed experts int [B, T, L, Kx] or None."""
         cfg, dtype = self.config, self.dtype
-        T = input_ids_BT.shape[1]
+        B, T = input_ids_BT.shape
+        replay = replay_per_layer(routing, cfg, (B, T)) if cfg.is_moe else _no_replay(routing)
+        real_X = (segments_BT > 0).reshape(-1)
         cos_YBTD, sin_YBTD = rope_tables(cfg, positions_BT, dtype)
         mesh = None if row_sharding is None else row_sharding.mesh
         impl = attention_impl(self.attention, cfg, keys=T, mesh=mesh)
 
         def body(x, xs):
-            p, kind = xs
+            p, kind, replay_XK = xs
             p = compute_dtype(p, dtype)
             q, k, v = qkv(x, p, cfg, cos_YBTD[kind], sin_YBTD[kind])  # [B, T, H, D], [B, T, K, D] x 2
             q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
             out = attention(q, k, v, q_segment_ids=segments_BT, kv_segment_ids=segments_BT, q_positions=positions_BT,
                             kv_positions=positions_BT, q_parent_ids=parents_BT, kind=kind, cfg=cfg, impl=impl,
                             mesh=mesh)
-            x = finish_layer(x, checkpoint_name(out, "attention"), p, cfg)
-            return x, ((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if collect_kv else None)
+            x, routed = finish_layer(x, checkpoint_name(out, "attention"), p, cfg, replay_XK=replay_XK, real_X=real_X,
+                                     mesh=mesh)
+            return x, ((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if collect_kv else None, routed)
 
-        x_BTE, kv = run_layers(self, body, self.embed_tokens(input_ids_BT), dropout_key=dropout_key,
-                               row_sharding=row_sharding)
-        return rms_norm(x_BTE, self.final_norm[...], cfg), kv
+        x_BTE, (kv, routed) = run_layers(self, body, self.embed_tokens(input_ids_BT), dropout_key=dropout_key,
+                                         row_sharding=row_sharding, extra=replay)
+        routed = None if routed is None else stack_layers(routed, (B, T))
+        return rms_norm(x_BTE, self.final_norm[...], cfg), kv, routed
+
+
+def _experts_of(routed) -> jax.Array | None:
+    return None if routed is None else routed.experts
+
+
+def _no_replay(routing) -> None:
+    if routing is not None:
+        raise ValueError("routing replay was given to a dense model (it has no experts)")
+    return None
