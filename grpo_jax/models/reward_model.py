@@ -1,6 +1,6 @@
 """Reward models: our decoder plus a `score` head, as transformers' `*ForSequenceClassification`.
 
-A Hugging Face sequence-classification checkpoint (llama, qwen2, qwen3, gemma3_text backbones) is
+A Hugging Face sequence-classification checkpoint (any family of `models.config`) is
 the decoder's weights under `model.` and a linear head `score.weight` [num_labels, hidden] without
 bias. transformers scores a row by the head applied to the final-normed hidden state of its
 rightmost token that is not the pad token (`input_ids != pad_token_id`: this handles left and right
@@ -37,7 +37,8 @@ from grpo_jax.models.transformer import Transformer
 from grpo_jax.runtime.sharding import RULES
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                 "qwen3": "Qwen3ForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
+                 "qwen3": "Qwen3ForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification",
+                 "mixtral": "MixtralForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
 
 
 class RewardModel(nnx.Module):
