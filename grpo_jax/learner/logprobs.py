@@ -15,7 +15,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models.grouped import grouped_hidden_states
+from grpo_jax.models.grouped import grouped_routed_hidden_states
 
 
 def chunked_logprobs(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], *,
@@ -54,7 +54,9 @@ def chunked_logprobs(hidden: jax.Array, targets: jax.Array, logits_fn: Callable[
 
 
 def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,
-                      group_size: int = 1, dropout_key: jax.Array | None = None, row_sharding=None) -> jax.Array:
+                      group_size: int = 1, dropout_key: jax.Array | None = None, row_sharding=None,
+                      experts: tuple[jax.Array, jax.Array] | None = None, replay: bool = True,
+                      completion_mask: jax.Array | None = None, with_routing: bool = False):
     """The hidden states [R, M, E] that predict each completion token (int [R, M]) given its prompt
     (int [R, P], left-padded, prompt_mask [R, P]) and the tokens before it: state t is the one
     before token t (feed to `model.logits`, or to a value head: the critic's state for token t).
@@ -65,32 +67,52 @@ def completion_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array, comp
 
     dropout_key: apply the LoRA adapters' input dropout (the training pass; `Layers.arrays`).
     row_sharding: where the activations' rows live on a mesh (`models.layer_scan.run_layers`).
+
+    A mixture-of-experts model: `experts` (the sampler's: prompt [R, P, L, Kx], completion [R, M,
+    L, Kx]) are replayed (`replay`, `moe.routing_replay: sampler`), or only compared with the
+    router's own choice (`Routing.mismatch`). `with_routing`: return (states, `moe.Routing` or
+    None); its statistics count the prompt's real tokens and the completion tokens whose state
+    predicts a token of `completion_mask` (default all): the states the loss reads.
     """
     prompt_ids_RP, prompt_mask_RP, completion_ids_RM = prompt_ids, prompt_mask, completion_ids
     chex.assert_rank([prompt_ids_RP, prompt_mask_RP, completion_ids_RM], 2)
     R, P = prompt_ids_RP.shape
+    scored_RM = jnp.ones_like(completion_ids_RM) if completion_mask is None else completion_mask
+    # Completion token t's state predicts token t + 1.
+    scored_RM = jnp.concatenate([scored_RM[:, 1:], jnp.zeros_like(scored_RM[:, :1])], axis=1)
+    if experts is not None and not model.config.is_moe:
+        experts = None  # a dense model (e.g. a distillation teacher) has nothing to route
     if group_size > 1:
         if R % group_size:
             raise ValueError(f"{R} rows are not whole groups of group_size={group_size}")
         N = R // group_size
-        h_NPE, h_RME = grouped_hidden_states(model, prompt_ids_RP.reshape(N, group_size, P)[:, 0],
-                                             prompt_mask_RP.reshape(N, group_size, P)[:, 0], completion_ids_RM,
-                                             dropout_key=dropout_key, row_sharding=row_sharding)
+        first = (lambda a: a.reshape(N, group_size, *a.shape[1:])[:, 0])
+        h_NPE, h_RME, routed = grouped_routed_hidden_states(
+            model, first(prompt_ids_RP), first(prompt_mask_RP), completion_ids_RM, dropout_key=dropout_key,
+            row_sharding=row_sharding, prompt_routing=None if experts is None else first(experts[0]),
+            completion_routing=None if experts is None else experts[1], completion_mask=scored_RM, replay=replay)
         # The prompt's last position predicts completion token 0, completion position t token t+1.
         h_R1E = jnp.repeat(h_NPE[:, -1:], group_size, axis=0)
-        return jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
+        h_RME = jnp.concatenate([h_R1E, h_RME[:, :-1]], axis=1)
+        return (h_RME, routed) if with_routing else h_RME
     ids = jnp.concatenate([prompt_ids_RP, completion_ids_RM], axis=1)
     mask = jnp.concatenate([prompt_mask_RP, jnp.ones_like(completion_ids_RM)], axis=1)
+    counted = jnp.concatenate([prompt_mask_RP, scored_RM], axis=1)
+    routing = None if experts is None else jnp.concatenate(experts, axis=1)
     # Position P-1+t predicts completion token t.
-    h_BTE = model.hidden_states(ids, attention_mask=mask, dropout_key=dropout_key, row_sharding=row_sharding)
-    return h_BTE[:, P - 1:-1]
+    h_BTE, routed = model.routed_hidden_states(ids, attention_mask=mask, dropout_key=dropout_key,
+                                               row_sharding=row_sharding, routing=routing, replay=replay,
+                                               counted=counted)
+    h_RME = h_BTE[:, P - 1:-1]
+    return (h_RME, routed) if with_routing else h_RME
 
 
 def completion_logprobs(model, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array, *,
                         chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
-                        row_sharding=None) -> tuple[jax.Array, jax.Array]:
+                        row_sharding=None, experts: tuple[jax.Array, jax.Array] | None = None,
+                        replay: bool = True) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies float32 [R, M] of each completion token (int [R, M]) given its prompt
     and the tokens before it; arguments as `completion_states`."""
     h_RME = completion_states(model, prompt_ids, prompt_mask, completion_ids, group_size=group_size,
-                              row_sharding=row_sharding)
+                              row_sharding=row_sharding, experts=experts, replay=replay)
     return chunked_logprobs(h_RME, completion_ids, model.logits, chunk=chunk, temperature=temperature)

@@ -19,6 +19,8 @@ from grpo_jax.learner.grpo import effective_mask, loss_weights, policy_loss
 from grpo_jax.learner.logprobs import chunked_logprobs, completion_states
 from grpo_jax.learner.packing import packed_logprobs
 from grpo_jax.learner.ppo import critic_values, positive_mask, ppo_loss
+from grpo_jax.models.moe import Routing, aux_loss
+from grpo_jax.models.moe import metrics as moe_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,10 @@ class Objective:
     ppo: PPOConfig | None = None
     distill: DistillConfig | None = None
     critic_graphdef: nnx.GraphDef | None = None
+    # A mixture-of-experts policy: route by the sampler's experts (`moe.routing_replay: sampler`),
+    # and the load-balancing loss's weight (None: the model's `router_aux_loss_coef`).
+    replay: bool = True
+    aux_loss_coef: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +75,20 @@ def micro_loss_fn(merge, config: GRPOConfig, objective: Objective, whole: WholeB
         params, critic = trainable if ppo is not None else (trainable, None)
         model = merge(params)
         # The key is only read by adapters with dropout (`Layers.arrays`); otherwise nothing is drawn.
+        routed = None
         if mb.packing is not None:  # over the micro-batch's bins (train.packing; not with PPO's critic)
+            if mb.completion_experts is not None:
+                raise ValueError("train.packing does not run with a mixture-of-experts policy yet (its routing "
+                                 "replay reads unpacked rows); set train.packing: false")
             logp_RM, entropy_RM = packed_logprobs(model, mb.packing, mb.prompt_ids, mb.prompt_mask,
                                                   mb.completion_ids, chunk=logprob_chunk, temperature=temperature,
                                                   dropout_key=key, row_sharding=row_sharding)
         else:
-            h_RME = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
-                                      group_size=group_size, dropout_key=key, row_sharding=row_sharding)
+            experts = None if mb.completion_experts is None else (mb.prompt_experts, mb.completion_experts)
+            h_RME, routed = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
+                                              group_size=group_size, dropout_key=key, row_sharding=row_sharding,
+                                              experts=experts, replay=objective.replay,
+                                              completion_mask=mb.completion_mask, with_routing=True)
             logp_RM, entropy_RM = chunked_logprobs(h_RME, mb.completion_ids, model.logits, chunk=logprob_chunk,
                                                    temperature=temperature)
         # mu = 1: the rollout's policy is the current one; its log-probs are these, without a second pass.
@@ -85,8 +98,9 @@ def micro_loss_fn(merge, config: GRPOConfig, objective: Objective, whole: WholeB
                 raise ValueError("train.packing does not run with algorithm: ppo (its critic reads unpacked states)")
             v_RM = critic_values(critic, h_RME, mb, critic_graphdef=objective.critic_graphdef, warmup=warmup,
                                  group_size=group_size, row_sharding=row_sharding)
-            return ppo_loss(v_RM, logp_RM, old_RM, entropy_RM, mb, config, ppo, whole.normaliser, warmup=warmup,
-                            positive_tokens=whole.positive_tokens)
+            loss, sums = ppo_loss(v_RM, logp_RM, old_RM, entropy_RM, mb, config, ppo, whole.normaliser,
+                                  warmup=warmup, positive_tokens=whole.positive_tokens)
+            return with_router_terms(loss, sums, routed, mb, whole, _aux_coef(objective, model))
         advantages, extra = mb.advantages, {}
         if objective.distill is not None:
             advantages = distill_advantages(mb.teacher_logprobs, old_RM, mb.advantages, objective.distill)
@@ -95,7 +109,7 @@ def micro_loss_fn(merge, config: GRPOConfig, objective: Objective, whole: WholeB
         loss, sums = policy_loss(logp_RM, old_RM, advantages, mb.completion_mask, config, valid=mb.valid,
                                  truncated=mb.truncated, ref_logprobs=mb.ref_logprobs, entropy=entropy_RM,
                                  normaliser=whole.normaliser, sampler_logprobs=mb.old_logprobs)
-        return loss, {**sums, **extra}
+        return with_router_terms(loss, {**sums, **extra}, routed, mb, whole, _aux_coef(objective, model))
 
     return micro_loss
 
@@ -105,3 +119,34 @@ def policy_frozen(step: jax.Array, objective: Objective) -> jax.Array | bool:
     if objective.ppo is None or not objective.ppo.value_warmup_steps:
         return False
     return step < objective.ppo.value_warmup_steps
+
+
+ROUTER_SUMS = ("counts", "prob_sums", "tokens", "mismatch")
+"""The `moe.Routing` statistics a step's sums carry (as `moe/_<name>`), summed over micro-batches
+and devices; `router_metrics` turns them into the step's `moe/*` metrics."""
+
+
+def _aux_coef(objective: Objective, model) -> float:
+    coef = objective.aux_loss_coef
+    return model.config.router_aux_loss_coef if coef is None else coef
+
+
+def with_router_terms(loss, sums: dict, routed, mb, whole: WholeBatch, aux_coef: float):
+    """A mixture-of-experts policy's additions to a micro-batch's (loss, sums): the load-balancing
+    loss times its coefficient, weighted by the micro-batch's share of the batch's completion
+    tokens (the micro-batches' terms sum to about the batch's), and the routers' statistics."""
+    if routed is None:
+        return loss, sums
+    share = mb.completion_mask.sum() / jnp.maximum(whole.batch.completion_mask.sum(), 1)
+    if aux_coef:
+        loss = loss + aux_coef * share * aux_loss(routed)
+    return loss, {**sums, **{f"moe/_{name}": getattr(routed, name) for name in ROUTER_SUMS}}
+
+
+def router_metrics(sums: dict) -> dict[str, jax.Array]:
+    """`moe/aux_loss`, `moe/expert_load_max`, `moe/routing_mismatch` of the step, from (and taken
+    out of) its sums; {} for a dense policy."""
+    if "moe/_counts" not in sums:
+        return {}
+    stats = {name: sums.pop(f"moe/_{name}") for name in ROUTER_SUMS}
+    return moe_metrics(Routing(experts=None, **stats))

@@ -57,7 +57,7 @@ class Parallel(abc.ABC):
                             group_size=config.sampling.group_size if t.shared_prompt else 1,
                             ppo_config=config.ppo if config.algorithm == "ppo" else None, seed=t.seed,
                             distill_config=config.distill if config.algorithm == "distill" else None,
-                            critic_graphdef=critic_graphdef)
+                            critic_graphdef=critic_graphdef, moe_config=config.moe)
         self.teacher, self._teacher, self._teacher_graphdef = None, None, None
         if teacher is not None:
             self._teacher_graphdef, self.teacher = nnx.split(teacher, nnx.Param)
@@ -79,7 +79,8 @@ class Parallel(abc.ABC):
             self._ref = make_ref_logprobs_step(graphdef if ref_graphdef is None else ref_graphdef, mesh=mesh,
                                                params_shardings=shardings, logprob_chunk=t.logprob_chunk,
                                                temperature=temperature, group_size=self.step_kw["group_size"],
-                                               micro_batches=t.micro_batches)
+                                               micro_batches=t.micro_batches,
+                                               replay=config.moe.routing_replay == "sampler")
         self.not_sharded: list[str] = []  # parameter dimensions their mesh axis could not split
 
     def advantages(self, rewards: jax.Array) -> GroupAdvantages:
@@ -89,7 +90,8 @@ class Parallel(abc.ABC):
     def ref_logprobs(self, params: nnx.State, batch: Batch) -> jax.Array:
         """The reference policy's log-probs [R, M] of the batch's completions, on the mesh (over its
         bins when the batch is packed)."""
-        return self._ref_step()(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.packing)
+        return self._ref_step()(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.packing,
+                                _experts(batch))
 
     def pack(self, batch: Batch) -> tuple[Batch, float | None]:
         """`batch` with its packing plan when the run packs (train.packing), made on the host from
@@ -135,7 +137,7 @@ class Parallel(abc.ABC):
         """`ref_logprobs`'s program lowered for these arguments (arrays or jax.ShapeDtypeStructs):
         `.compile().memory_analysis()` says what it needs before anything is placed."""
         return self._ref_step().lower(params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                      batch.packing)
+                                      batch.packing, _experts(batch))
 
     def _ref_step(self):
         if self._ref is None:
@@ -231,3 +233,8 @@ def make_parallel(config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimiz
     cls = {"jit": MeshParallel, "pmap": PmapParallel}[config.parallelism]
     return cls(config, mesh, graphdef, optimizer, state, temperature=temperature, frozen=frozen,
                ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
+
+
+def _experts(batch: Batch):
+    """The sampler's experts of a mixture-of-experts batch (prompt, completion), else None."""
+    return None if batch.completion_experts is None else (batch.prompt_experts, batch.completion_experts)

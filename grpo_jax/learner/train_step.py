@@ -25,11 +25,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax.config import DistillConfig, GRPOConfig, PPOConfig, check_micro_batches
+from grpo_jax.config import DistillConfig, GRPOConfig, MoEConfig, PPOConfig, check_micro_batches
 from grpo_jax.learner.grpo import GroupAdvantages, group_advantages, loss_metrics
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.micro_batches import merge_micro_batches, split_micro_batches
-from grpo_jax.learner.objectives import Objective, micro_loss_fn, policy_frozen, whole_batch
+from grpo_jax.learner.objectives import Objective, micro_loss_fn, policy_frozen, router_metrics, whole_batch
 from grpo_jax.learner.packing import PackRows, packed_logprobs
 from grpo_jax.learner.ppo import explained_variance
 from grpo_jax.learner.step_factory import TrainState, new_state, update
@@ -93,9 +93,24 @@ def check_batch(batch: Batch, *, micro_batches: int = 1) -> None:
             x = getattr(batch.packing, name)
             if x.shape != (R,) or not jnp.issubdtype(x.dtype, jnp.integer):
                 raise ValueError(f"Batch.packing.{name} should be int[{R}], got {x.dtype}{list(x.shape)}")
+    _check_experts(batch, R, P, M)
     if N < 1 or R % N or R // N < 2:
         raise ValueError(f"Batch.zero_std has {N} groups for {R} rows: rows must be N x G with G >= 2")
     check_micro_batches(R, micro_batches, "Batch")
+
+
+def _check_experts(batch: Batch, R: int, P: int, M: int) -> None:
+    """A mixture-of-experts batch's sampler experts: both or neither, integers [R, P | M, L, Kx]."""
+    prompt, completion = batch.prompt_experts, batch.completion_experts
+    if (prompt is None) != (completion is None):
+        raise ValueError("Batch.prompt_experts and Batch.completion_experts come together (both or neither)")
+    if prompt is None:
+        return
+    for name, x, T in (("prompt_experts", prompt, P), ("completion_experts", completion, M)):
+        if x.ndim != 4 or x.shape[:2] != (R, T) or x.shape[2:] != prompt.shape[2:] or not jnp.issubdtype(
+                x.dtype, jnp.integer):
+            raise ValueError(f"Batch.{name} should be integers [{R}, {T}, L, Kx] (L, Kx as the other's), got "
+                             f"{x.dtype}{list(x.shape)}")
 
 
 def check_group_rows(rows: int, micro_batches: int, group_size: int, groups: int | None = None) -> None:
@@ -143,7 +158,8 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
                temperature: float = 1.0, axis_name: str | None = None,
                group_size: int = 1, ppo_config: PPOConfig | None = None,
                seed: int = 0, row_sharding=None, distill_config: DistillConfig | None = None,
-               critic_graphdef: nnx.GraphDef | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
+               critic_graphdef: nnx.GraphDef | None = None,
+               moe_config: MoEConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`;
     `critic_graphdef`: a separate critic model's structure, `ppo.critic: model`; or on-policy
     distillation's with `distill_config`, the batch holding the teacher's log-probs).
@@ -166,10 +182,13 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     under pmap) come from key(seed) folded with s, m and d: a resumed run draws what an
     uninterrupted one would.
 
-    row_sharding: on a mesh, where the activations' rows live (`models.layer_scan.run_layers`)."""
+    row_sharding: on a mesh, where the activations' rows live (`models.layer_scan.run_layers`).
+
+    moe_config: a mixture-of-experts policy's routing replay and load-balancing loss (the `moe`
+    section; None: its defaults), used when the batch carries the sampler's experts."""
     check_batch(batch, micro_batches=micro_batches)
     check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
-    objective = _objective(state, batch, ppo_config, distill_config, critic_graphdef)
+    objective = _objective(state, batch, ppo_config, distill_config, critic_graphdef, moe_config or MoEConfig())
     ppo = objective.ppo is not None
     whole = whole_batch(batch, config, objective, axis_name)
     step_key = jax.random.fold_in(jax.random.key(seed), state.step)
@@ -186,13 +205,15 @@ def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None,
     return state, metrics
 
 
-def _objective(state: TrainState, batch: Batch, ppo_config, distill_config, critic_graphdef) -> Objective:
+def _objective(state: TrainState, batch: Batch, ppo_config, distill_config, critic_graphdef, moe: MoEConfig
+               ) -> Objective:
     if state.critic is not None and ppo_config is None:
         raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
     if distill_config is not None and batch.teacher_logprobs is None:
         raise ValueError("algorithm: distill needs the teacher's log-probs in the batch (Batch.teacher_logprobs)")
     return Objective(ppo=ppo_config if state.critic is not None else None, distill=distill_config,
-                     critic_graphdef=critic_graphdef)
+                     critic_graphdef=critic_graphdef, replay=moe.routing_replay == "sampler",
+                     aux_loss_coef=moe.aux_loss_coef)
 
 
 def _objective_metrics(sums: dict, ppo: bool, warmup) -> dict[str, jax.Array]:
@@ -203,6 +224,7 @@ def _objective_metrics(sums: dict, ppo: bool, warmup) -> dict[str, jax.Array]:
         extra["value/explained_variance"] = explained_variance(
             {k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
         extra["value/warmup"] = jnp.asarray(warmup, jnp.float32)
+    extra.update(router_metrics(sums))
     extra.update({k[1:]: sums.pop(k) for k in list(sums) if k.startswith("_")})
     return extra
 
@@ -229,14 +251,14 @@ def bind_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
                     micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
                     ppo_config: PPOConfig | None = None, seed: int = 0, axis_name: str | None = None,
                     row_sharding=None, distill_config: DistillConfig | None = None,
-                    critic_graphdef: nnx.GraphDef | None = None):
+                    critic_graphdef: nnx.GraphDef | None = None, moe_config: MoEConfig | None = None):
     """`train_step` with its static parts bound: what `make_train_step` jits and the pmap mode
     (grpo_jax.learner.parallel) pmaps. See `train_step` for the arguments."""
     return functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
                              micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
                              group_size=group_size, ppo_config=ppo_config, seed=seed, axis_name=axis_name,
                              row_sharding=row_sharding, distill_config=distill_config,
-                             critic_graphdef=critic_graphdef)
+                             critic_graphdef=critic_graphdef, moe_config=moe_config)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *, mesh: Mesh,
@@ -276,9 +298,9 @@ def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh: Mesh):
 
 
 def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax.Array, completion_ids: jax.Array,
-                      packing: PackRows | None = None, *, graphdef, logprob_chunk: int = 128,
-                      temperature: float = 1.0, group_size: int = 1, micro_batches: int = 1,
-                      row_sharding=None) -> jax.Array:
+                      packing: PackRows | None = None, experts: tuple[jax.Array, jax.Array] | None = None, *,
+                      graphdef, logprob_chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
+                      micro_batches: int = 1, row_sharding=None, replay: bool = True) -> jax.Array:
     """float32 [R, M]: log-probs of the completion tokens (int32 [R, M]) after their prompts
     (int32 [R, P], left-padded, with their mask) under `params` (the KL reference: a copy of the
     policy's params, or a LoRA run's frozen base with `graphdef` the base's structure without
@@ -287,9 +309,15 @@ def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax
 
     packing: the batch's packing plan (`Batch.packing`); the pass then runs over each micro-batch's
     bins in turn (`micro_batches`, as the train step cuts them), so it holds one micro-batch's
-    activations at a time, as the update does."""
+    activations at a time, as the update does.
+
+    experts: a mixture-of-experts batch's sampler experts (`Batch.prompt_experts`,
+    `Batch.completion_experts`), routed by when `replay` (`moe.routing_replay: sampler`)."""
     model = nnx.merge(graphdef, params)
     if packing is not None:
+        if experts is not None:
+            raise ValueError("train.packing does not run with a mixture-of-experts policy yet (its routing replay "
+                             "reads unpacked rows); set train.packing: false")
         rows = split_micro_batches((prompt_ids, prompt_mask, completion_ids, packing), micro_batches, group_size)
 
         def one(mb):
@@ -301,25 +329,26 @@ def ref_logprobs_step(params: nnx.State, prompt_ids: jax.Array, prompt_mask: jax
     check_group_rows(completion_ids.shape[0], 1, group_size)
     logp_RM, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids,
                                      chunk=logprob_chunk, temperature=temperature, group_size=group_size,
-                                     row_sharding=row_sharding)
+                                     row_sharding=row_sharding, experts=experts, replay=replay)
     return logp_RM
 
 
 def make_ref_logprobs_step(graphdef, *, mesh: Mesh, params_shardings, logprob_chunk: int = 128,
-                           temperature: float = 1.0, group_size: int = 1, micro_batches: int = 1):
+                           temperature: float = 1.0, group_size: int = 1, micro_batches: int = 1,
+                           replay: bool = True):
     """`ref_logprobs_step` jitted once on `mesh`: the reference params keep `params_shardings` and
     the rows of every input (a packing plan's too), of the activations and of the output are split
     over (data, fsdp)."""
     step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
                              temperature=temperature, group_size=group_size, micro_batches=micro_batches,
-                             row_sharding=batch_sharding(mesh, 1))
+                             row_sharding=batch_sharding(mesh, 1), replay=replay)
     rows = batch_sharding(mesh, 1)
-    jitted = sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows, rows), out_shardings=rows)
+    jitted = sharded_jit(step, in_shardings=(params_shardings, rows, rows, rows, rows, rows), out_shardings=rows)
 
-    def sharded_step(params, prompt_ids, prompt_mask, completion_ids, packing: PackRows | None = None):
-        return jitted(params, prompt_ids, prompt_mask, completion_ids, packing)
+    def sharded_step(params, prompt_ids, prompt_mask, completion_ids, packing: PackRows | None = None, experts=None):
+        return jitted(params, prompt_ids, prompt_mask, completion_ids, packing, experts)
 
-    sharded_step.lower = lambda params, prompt_ids, prompt_mask, completion_ids, packing=None: jitted.lower(
-        params, prompt_ids, prompt_mask, completion_ids, packing)  # `grpo-jax bench memory`
+    sharded_step.lower = lambda params, prompt_ids, prompt_mask, completion_ids, packing=None, experts=None: (
+        jitted.lower(params, prompt_ids, prompt_mask, completion_ids, packing, experts))  # `grpo-jax bench memory`
     return sharded_step
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models.activations import activation as _activation
+
 EXPERT_IMPLS = ("auto", "dense")
 
 
 def expert_mlp(x_XE, experts_XK, weights_XK, w_gate, w_up, w_down, *, activation: str = "silu", impl: str = "auto",
                mesh=None):
-    from grpo_jax.models.layers import _activation
-
     del impl, mesh
     num_experts = w_gate.shape[0]
     gate = jnp.einsum("xe,nef->nxf", x_XE, w_gate)

@@ -41,7 +41,7 @@ def grouped_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array |
 def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.Array | None,
                                  completion_ids: jax.Array, *, dropout_key: jax.Array | None = None, row_sharding=None,
                                  prompt_routing: jax.Array | None = None, completion_routing: jax.Array | None = None,
-                                 completion_mask: jax.Array | None = None):
+                                 completion_mask: jax.Array | None = None, replay: bool = True):
     """Final-normed hidden states of N prompts and their R = N x G completions, in `model`'s compute dtype.
 
     prompt_ids int [N, P] (left-padded, prompt_mask [N, P], 1 = real), completion_ids int [R, T]
@@ -50,7 +50,8 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
     and the `moe.Routing` of both (None for a dense model; its experts are the completions').
     `dropout_key`, `row_sharding`: as `model.hidden_states`'s. A mixture-of-experts model:
     `prompt_routing` int [N, P, L, Kx] and `completion_routing` int [R, T, L, Kx] replay experts
-    (both or neither); `completion_mask` [R, T] (1 = counted in the routers' statistics; default all).
+    (both or neither), followed or with replay=False only compared (`moe.route`); `completion_mask`
+    [R, T] (1 = counted in the routers' statistics; default all).
     """
     cfg, dtype = model.config, model.dtype
     chex.assert_rank([prompt_ids, completion_ids], 2)
@@ -71,7 +72,7 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
     mesh = None if row_sharding is None else row_sharding.mesh
     prompt_impl = attention_impl(model.attention, cfg, keys=P, mesh=mesh)
     completion_impl = attention_impl(model.attention, cfg, keys=P + T, mesh=mesh)
-    replay = _replay(cfg, prompt_routing, completion_routing, (N, P), (R, T))
+    replay_L = _replay(cfg, prompt_routing, completion_routing, (N, P), (R, T))
     real_NP, real_RT = pmask_NP.reshape(-1), jnp.ones((R * T,), jnp.bool_)
     if completion_mask is not None:
         real_RT = as_mask(completion_mask, (R, T)).reshape(-1)
@@ -95,13 +96,15 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
                              q_positions=pos_RT, kv_positions=kv_pos_RS, kind=kind, cfg=cfg, impl=completion_impl,
                              mesh=mesh)
         out_NPHD, out_RTHD = checkpoint_name(out_NPHD, "attention"), checkpoint_name(out_RTHD, "attention")
-        x_NPE, routed_p = finish_layer(x_NPE, out_NPHD, p, cfg, replay_XK=replay_p, real_X=real_NP, mesh=mesh)
-        x_RTE, routed_c = finish_layer(x_RTE, out_RTHD, p, cfg, replay_XK=replay_c, real_X=real_RT, mesh=mesh)
+        x_NPE, routed_p = finish_layer(x_NPE, out_NPHD, p, cfg, replay_XK=replay_p, real_X=real_NP, follow=replay,
+                                     mesh=mesh)
+        x_RTE, routed_c = finish_layer(x_RTE, out_RTHD, p, cfg, replay_XK=replay_c, real_X=real_RT, follow=replay,
+                                     mesh=mesh)
         return (x_NPE, x_RTE), (routed_p, routed_c)
 
     x0 = (model.embed_tokens(prompt_ids), model.embed_tokens(completion_ids))
     (x_NPE, x_RTE), (routed_p, routed_c) = run_layers(model, body, x0, dropout_key=dropout_key,
-                                                      row_sharding=row_sharding, extra=replay)
+                                                      row_sharding=row_sharding, extra=replay_L)
     routed = None
     if cfg.is_moe:
         routed = concat(stack_layers(routed_c, (R, T)), routed_p)

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.models import lora, rope
+from grpo_jax.models.activations import activation as _activation
 from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.moe import moe_mlp
 
 NEG = float(np.finfo(np.float32).min)
 """The score of a masked key: the float32 minimum, so a softmax gives it exactly 0 weight."""
@@ -201,10 +203,11 @@ def decode_attention(q_BKQD: jax.Array, k_chunks: list[jax.Array], v_chunks: lis
 
 
 def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, *,
-                 replay_XK: jax.Array | None = None, real_X: jax.Array | None = None, mesh=None):
+                 replay_XK: jax.Array | None = None, real_X: jax.Array | None = None, follow: bool = True,
+                 mesh=None):
     """The rest of a layer after attention: the output projection of attn [B, T, H, D] added to the
     residual x [B, T, E], then the MLP block -> (the layer's output [B, T, E], its `moe.Routing`
-    with experts [X, Kx], or None for a dense MLP). `replay_XK`, `real_X` (X = B*T): see
+    with experts [X, Kx], or None for a dense MLP). `replay_XK`, `real_X` (X = B*T), `follow`: see
     `moe.route`; `mesh`: where expert parallelism runs (`models.experts`)."""
     B, T, E = x_BTE.shape
     # One plain matmul over (heads x head_dim): contracting two axes, XLA:CPU chose to transpose the
@@ -217,10 +220,8 @@ def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array]
         a = rms_norm(a, p["attn_post_norm"], cfg)
     x_BTE = x_BTE + a.reshape(B, T, E)
     if cfg.is_moe:
-        from grpo_jax.models.moe import moe_mlp
-
         m_XE, routing = moe_mlp(rms_norm(x_BTE.reshape(B * T, E), p["mlp_norm"], cfg), p, cfg, replay_XK=replay_XK,
-                                real_X=real_X, mesh=mesh)
+                                real_X=real_X, follow=follow, mesh=mesh)
         return x_BTE + m_XE.reshape(B, T, E), routing
     return x_BTE + mlp_block(x_BTE, p, cfg), None
 
@@ -263,14 +264,6 @@ def _mlp(x_XE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig) -> ja
     if cfg.post_norms:
         m = rms_norm(m, p["mlp_post_norm"], cfg)
     return m
-
-
-def _activation(x: jax.Array, name: str) -> jax.Array:
-    if name == "silu":
-        return jax.nn.silu(x)
-    if name == "gelu_pytorch_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.gelu(x, approximate=False)
 
 
 def _adapted(x_XI: jax.Array, p: dict[str, jax.Array], name: str, y: jax.Array) -> jax.Array:

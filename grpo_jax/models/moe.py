@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.experts import expert_mlp
 
 
 @flax.struct.dataclass
@@ -48,10 +49,11 @@ def expert_dtype(num_experts: int):
 
 
 def route(h_XE: jax.Array, router_EEx: jax.Array, cfg: TransformerConfig, *, replay_XK: jax.Array | None = None,
-          real_X: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Routing]:
+          real_X: jax.Array | None = None, follow: bool = True) -> tuple[jax.Array, jax.Array, Routing]:
     """Route normed hidden states h [X, E] -> (experts int32 [X, Kx], weights [X, Kx] in h's dtype,
     this layer's `Routing` with experts [X, Kx] and no L axis). `replay_XK`: the experts to use
-    instead of the router's top-k; `real_X` bool: the tokens counted in the statistics (all)."""
+    instead of the router's top-k (`follow`), or with follow=False only to compare the router's
+    choice with (`Routing.mismatch`); `real_X` bool: the tokens counted in the statistics (all)."""
     X, k = h_XE.shape[0], cfg.num_experts_per_tok
     logits = jnp.einsum("xe,en->xn", h_XE, router_EEx)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -59,11 +61,13 @@ def route(h_XE: jax.Array, router_EEx: jax.Array, cfg: TransformerConfig, *, rep
     if replay_XK is None:
         experts, vals, mismatch = own, own_vals, jnp.zeros((X,), jnp.bool_)
     else:
-        experts = replay_XK.astype(jnp.int32)
-        vals = jnp.take_along_axis(probs, experts, axis=-1)
-        mismatch = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(experts, axis=-1), axis=-1)
+        given = replay_XK.astype(jnp.int32)
+        mismatch = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given, axis=-1), axis=-1)
+        experts, vals = (given, jnp.take_along_axis(probs, given, axis=-1)) if follow else (own, own_vals)
     if cfg.norm_topk_prob:
-        vals = vals / jnp.sum(vals, axis=-1, keepdims=True)
+        # p_i / sum_S p_j is the softmax of the chosen logits: computed so, a replayed expert whose
+        # probability underflows (the router moved far since sampling) still gets its weight.
+        vals = jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1), axis=-1)
     real = jnp.ones((X,), jnp.float32) if real_X is None else real_X.astype(jnp.float32)
     counts = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real, k))
     stats = Routing(experts=experts, counts=counts, prob_sums=jnp.einsum("x,xn->n", real, probs),
@@ -72,11 +76,10 @@ def route(h_XE: jax.Array, router_EEx: jax.Array, cfg: TransformerConfig, *, rep
 
 
 def moe_mlp(h_XE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, *, replay_XK: jax.Array | None = None,
-            real_X: jax.Array | None = None, mesh=None) -> tuple[jax.Array, Routing]:
-    """The MoE MLP of normed hidden states h [X, E] with one layer's params `p` -> (output [X, E], Routing)."""
-    from grpo_jax.models.experts import expert_mlp
-
-    experts, weights, stats = route(h_XE, p["router"], cfg, replay_XK=replay_XK, real_X=real_X)
+            real_X: jax.Array | None = None, follow: bool = True, mesh=None) -> tuple[jax.Array, Routing]:
+    """The MoE MLP of normed hidden states h [X, E] with one layer's params `p` -> (output [X, E],
+    Routing); `replay_XK`, `real_X`, `follow`: see `route`."""
+    experts, weights, stats = route(h_XE, p["router"], cfg, replay_XK=replay_XK, real_X=real_X, follow=follow)
     out = expert_mlp(h_XE, experts, weights, p["expert_gate"], p["expert_up"], p["expert_down"],
                      activation=cfg.activation, mesh=mesh)
     return out, stats

@@ -208,9 +208,12 @@ class Transformer(nnx.Module):
     def routed_hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
                              attention_mask: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
                              parent_ids: jax.Array | None = None, dropout_key: jax.Array | None = None,
-                             row_sharding=None, routing: jax.Array | None = None):
+                             row_sharding=None, routing: jax.Array | None = None, replay: bool = True,
+                             counted: jax.Array | None = None):
         """`hidden_states` and what the routers did: (h [B, T, E], `moe.Routing`, None for a dense
-        model). Padding (attention_mask 0, segment 0) is routed but not counted in its statistics."""
+        model). `replay` False: `routing` is only compared with the routers' own choice
+        (`Routing.mismatch`), not followed. `counted` [B, T]: the tokens its statistics count
+        (default the real ones: padding is routed but not counted)."""
         chex.assert_rank(input_ids, 2)
         B, T = input_ids.shape
         mask_BT = as_mask(attention_mask, (B, T))
@@ -220,8 +223,10 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = default_positions(mask_BT) if segment_ids is None else segment_positions(segments_BT)
         chex.assert_shape(positions, (B, T))
+        counted_BT = segments_BT > 0 if counted is None else as_mask(counted, (B, T))
         h_BTE, _, routed = self._run(input_ids, positions, segments_BT, parent_ids, collect_kv=False,
-                                     dropout_key=dropout_key, row_sharding=row_sharding, routing=routing)
+                                     dropout_key=dropout_key, row_sharding=row_sharding, routing=routing,
+                                     replay=replay, counted=counted_BT)
         return h_BTE, routed
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -344,14 +349,15 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ internals
     def _run(self, input_ids_BT, positions_BT, segments_BT, parents_BT, *, collect_kv: bool, dropout_key=None,
-             row_sharding=None, routing=None):
+             row_sharding=None, routing=None, replay=True, counted=None):
         """Embed, run the layers (one scan), final norm -> (h [B,T,E], (k, v) [L,B,K,T,D] or None,
         `moe.Routing` or None). segments_BT int32 [B, T] (0 = padding), parents_BT int32 [B, T] or
-        None: see `layers.attention`; routing: replayed experts int [B, T, L, Kx] or None."""
+        None: see `layers.attention`; routing: replayed experts int [B, T, L, Kx] or None (only compared
+        with replay=False); counted bool [B, T]: the tokens the routers' statistics count (the real ones)."""
         cfg, dtype = self.config, self.dtype
         B, T = input_ids_BT.shape
-        replay = replay_per_layer(routing, cfg, (B, T)) if cfg.is_moe else _no_replay(routing)
-        real_X = (segments_BT > 0).reshape(-1)
+        replay_LXK = replay_per_layer(routing, cfg, (B, T)) if cfg.is_moe else _no_replay(routing)
+        real_X = (segments_BT > 0 if counted is None else counted).reshape(-1)
         cos_YBTD, sin_YBTD = rope_tables(cfg, positions_BT, dtype)
         mesh = None if row_sharding is None else row_sharding.mesh
         impl = attention_impl(self.attention, cfg, keys=T, mesh=mesh)
@@ -365,11 +371,11 @@ class Transformer(nnx.Module):
                             kv_positions=positions_BT, q_parent_ids=parents_BT, kind=kind, cfg=cfg, impl=impl,
                             mesh=mesh)
             x, routed = finish_layer(x, checkpoint_name(out, "attention"), p, cfg, replay_XK=replay_XK, real_X=real_X,
-                                     mesh=mesh)
+                                     follow=replay, mesh=mesh)
             return x, ((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if collect_kv else None, routed)
 
         x_BTE, (kv, routed) = run_layers(self, body, self.embed_tokens(input_ids_BT), dropout_key=dropout_key,
-                                         row_sharding=row_sharding, extra=replay)
+                                         row_sharding=row_sharding, extra=replay_LXK)
         routed = None if routed is None else stack_layers(routed, (B, T))
         return rms_norm(x_BTE, self.final_norm[...], cfg), kv, routed
 
