@@ -26,6 +26,16 @@ CASES: dict[str, tuple[type, dict]] = {
     "qwen3": (transformers.Qwen3Config, dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    # Mixtures of experts: 8 experts, top 2, every layer sparse; Qwen3-MoE without renormalising the
+    # top-k weights (norm_topk_prob False, transformers' default), Mixtral with (always) and a
+    # sliding window on every layer. randomize_ makes the routers spread tokens over all experts.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=False, rope_theta=1_000_000.0)),
+    "mixtral": (transformers.MixtralConfig, dict(
+        vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=5)),
     "gemma3_text": (transformers.Gemma3TextConfig, dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,

@@ -31,6 +31,15 @@ def test_smoke_run_saves_reloads_and_decodes(tmp_path):
     assert (tmp_path / "m" / "config.json").exists() and (tmp_path / "m" / "model.safetensors").exists()
 
 
+def test_smoke_offers_every_supported_family():
+    from grpo_jax.cli import build_parser
+    from grpo_jax.models import SUPPORTED_FAMILIES
+
+    commands = next(a for a in build_parser()._actions if a.choices and "smoke" in a.choices)
+    family = next(a for a in commands.choices["smoke"]._actions if a.dest == "family")
+    assert sorted(family.choices) == sorted(SUPPORTED_FAMILIES)
+
+
 def test_smoke_rejects_bad_arguments(tmp_path):
     out = _run("smoke", "--family", "mistral")
     assert out.returncode != 0 and "invalid choice" in out.stderr

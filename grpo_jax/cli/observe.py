@@ -64,7 +64,8 @@ def add_commands(sub) -> None:
 
     smoke = sub.add_parser("smoke", help="build a tiny random model, save/load it in HF format, sample with the KV cache")
     d = defaults(smoke_tool.smoke)
-    smoke.add_argument("--family", default=d["family"], choices=["llama", "qwen2", "qwen3", "gemma3_text"])
+    smoke.add_argument("--family", default=d["family"],
+                       choices=["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text"])
     smoke.add_argument("--output", default=d["output"], help="where the HF-format model is written (default %(default)s)")
     smoke.add_argument("--new-tokens", type=ints(smoke_tool.MIN_NEW_TOKENS), default=d["new_tokens"],
                        help=f"at least {smoke_tool.MIN_NEW_TOKENS} (default %(default)s)")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
-SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text"]
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")
 
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -92,7 +92,7 @@ class TransformerConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
-    # Mixture of experts (Qwen3-MoE): every layer's MLP is `num_experts` experts of width
+    # Mixture of experts (Qwen3-MoE; Mixtral is the same with norm_topk_prob): every layer's MLP is `num_experts` experts of width
     # `moe_intermediate_size`, each token sent to its top `num_experts_per_tok` by a linear router
     # (softmax in float32, the top-k weights renormalised to sum 1 when `norm_topk_prob`); the
     # load-balancing loss (Switch Transformer's, as HF computes it) enters the training loss times

@@ -4,7 +4,8 @@ Weights are read tensor by tensor (safetensors memory-maps them), checked agains
 config implies, converted to our layout and stacked over layers. Nothing is random-initialised:
 a missing tensor, a tensor of the wrong shape, or a tensor we would not use is an error that names
 it. HF linear weights are [out, in]; ours put the input axes first and split heads out
-([E, H, D] for q, [H, D, E] for o), so conversion is a transpose plus a reshape.
+([E, H, D] for q, [H, D, E] for o), so conversion is a transpose plus a reshape. The experts of
+mixture-of-experts layers (many HF tensors per parameter, in two layouts) are read and written by `hf_moe`.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from grpo_jax.config import ConfigError
 from grpo_jax.models import lora
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.gguf import hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
+from grpo_jax.models.hf_moe import MOE_PARAMS, expert_tensors, read_experts
+from grpo_jax.models.hf_tensors import TensorReader, read_tensor
 from grpo_jax.models.transformer import Transformer, layer_param_specs
 from grpo_jax.runtime.sharding import RULES, host_to_mesh, param_shardings
 from grpo_jax.runtime.storage import is_remote, local_copy
@@ -83,76 +84,13 @@ def _to_hf(w: np.ndarray, n_in: int | None) -> np.ndarray:
 
 
 def _layer_table(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
-    """our per-layer param -> (our shape without L, HF suffix, n_in), for this config."""
+    """our per-layer param -> (our shape without L, HF suffix, n_in), for this config; the experts
+    of a mixture-of-experts layer, which are many HF tensors each, are `hf_moe`'s."""
     names = dict(_LAYER_NAMES)
     if config.post_norms:
         names.update(_SANDWICH_NAMES)
-    return {name: (shape, *names[name]) for name, (shape, _) in layer_param_specs(config).items()}
-
-
-class TensorReader:
-    """The tensors of a checkpoint directory (one `*.safetensors` file, or the shards that
-    `model.safetensors.index.json` lists), read one at a time from memory maps. `location`: tensor
-    name -> its file. Close it when done (`close`) to release the maps."""
-
-    def __init__(self, path: Path):
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
-            other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
-            extra = f" (found {other}: convert them to safetensors with transformers' save_pretrained)" if other else ""
-            raise FileNotFoundError(f"no *.safetensors weights in {path}{extra}")
-        self.location: dict[str, str] = {}
-        for f in files:
-            fp = path / f
-            if not fp.exists():
-                raise FileNotFoundError(f"{index.name} lists {f}, which is missing from {path}")
-            try:
-                with safe_open(fp, framework="numpy") as h:
-                    for k in h.keys():
-                        self.location[k] = str(fp)
-            except SafetensorError as e:
-                raise ConfigError(f"{fp} ({fp.stat().st_size:,} bytes) cannot be read: {e}; a truncated or "
-                                  "damaged download? fetch it again") from None
-        self._handles: dict[str, object] = {}
-
-    def names(self) -> set[str]:
-        """Every tensor name in the checkpoint."""
-        return set(self.location)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Tensor `name`'s shape, without reading it."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def get(self, name: str) -> np.ndarray:
-        """Tensor `name` as a NumPy array (its stored dtype and HF layout)."""
-        return self._handle(name).get_tensor(name)
-
-    def _handle(self, name: str):
-        f = self.location[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(f, framework="numpy")
-        return self._handles[f]
-
-    def close(self) -> None:
-        # safe_open handles release their memory maps when dropped.
-        self._handles.clear()
-
-
-def read_tensor(reader: TensorReader, name: str, hf_shape: tuple[int, ...], used: set[str]) -> np.ndarray:
-    """Tensor `name` of `reader`, which must exist with shape `hf_shape` (its HF layout; else a
-    ValueError naming it), recorded in `used` (for the caller's check that every tensor was used)."""
-    if name not in reader.location:
-        raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {hf_shape})")
-    found = reader.shape(name)
-    if found != hf_shape:
-        raise ValueError(f"tensor {name!r} has shape {found}, but config.json implies {hf_shape}")
-    used.add(name)
-    return reader.get(name)
+    return {name: (shape, *names[name]) for name, (shape, _) in layer_param_specs(config).items()
+            if name not in MOE_PARAMS}
 
 
 def model_dir(path: str | os.PathLike) -> Path:
@@ -249,13 +187,16 @@ def read_values(reader: TensorReader, config: TransformerConfig, path: Path, np_
     E, V = config.hidden_size, config.vocab_size
 
     def stacked(shape, suffix, n_in):
+        # Filled in place: one layer's tensor at a time beside the result, not a list of all layers.
         hf = _hf_shape(shape, n_in)
-        return np.stack([
-            _to_ours(read_tensor(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in).astype(np_dtype)
-            for i in range(config.num_layers)
-        ])
+        out = np.empty((config.num_layers, *shape), np_dtype)
+        for i in range(config.num_layers):
+            out[i] = _to_ours(read_tensor(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in)
+        return out
 
     values = {("layers", name): stacked(*spec) for name, spec in _layer_table(config).items()}
+    if config.is_moe:
+        values.update(read_experts(reader, config, prefix, np_dtype, used))
     embed = read_tensor(reader, f"{prefix}embed_tokens.weight", (V, E), used)
     values[("embed",)] = embed.astype(np_dtype)
     values[("final_norm",)] = read_tensor(reader, f"{prefix}norm.weight", (E,), used).astype(np_dtype)
@@ -284,6 +225,8 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
     for i in range(config.num_layers):
         for name, (_, suffix, n_in) in _layer_table(config).items():
             out[f"model.layers.{i}.{suffix}"] = _to_hf(layer_arrays[name][i], n_in)
+        if config.is_moe:
+            out.update((f"model.layers.{i}.{k}", v) for k, v in expert_tensors(config, layer_arrays, i).items())
     out["model.norm.weight"] = np.asarray(jax.device_get(model.final_norm[...]))
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(model.lm_head[...])).T)

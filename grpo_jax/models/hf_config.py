@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_jax.config import ConfigError
 from grpo_jax.models.config import SUPPORTED_FAMILIES, RopeConfig, TransformerConfig
 
 # Keys of config.json that change the architecture but that no supported checkpoint needs; a
@@ -17,18 +18,23 @@ from grpo_jax.models.config import SUPPORTED_FAMILIES, RopeConfig, TransformerCo
 _REFUSED = {
     "partial_rotary_factor": (None, 1.0),
     "use_bidirectional_attention": (None, False),
+    # Mixtral's router input noise, which transformers applies in training only.
+    "router_jitter_noise": (None, 0.0),
 }
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
-class UnsupportedModelError(ValueError):
-    """config.json describes a model this package does not implement."""
+class UnsupportedModelError(ConfigError):
+    """config.json describes a model this package does not implement (a ConfigError: the CLI reports
+    it as a user error)."""
 
 
 def _required(d: dict, key: str) -> Any:
@@ -55,10 +61,10 @@ def _rope_from_dict(params: dict, *, theta: float, max_pos: int) -> RopeConfig:
     return RopeConfig(**kwargs)
 
 
-def _global_rope(d: dict, max_pos: int) -> RopeConfig:
+def _global_rope(d: dict, max_pos: int, default_theta: float = 10_000.0) -> RopeConfig:
     # transformers prefers rope_scaling over rope_parameters when both are present.
     params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-    return _rope_from_dict(params, theta=float(d.get("rope_theta", 10_000.0)), max_pos=max_pos)
+    return _rope_from_dict(params, theta=float(d.get("rope_theta", default_theta)), max_pos=max_pos)
 
 
 def _gemma3_ropes(d: dict, max_pos: int) -> dict[str, RopeConfig]:
@@ -133,7 +139,8 @@ def _common_fields(d: dict, family: str) -> tuple[dict, int]:
     L = int(_required(d, "num_hidden_layers"))
     default_head_dim = {"qwen3": 128, "gemma3_text": 256}.get(family, E // H)
     head_dim = int(d.get("head_dim") or default_head_dim)
-    max_pos = int(d.get("max_position_embeddings") or {"llama": 2048, "gemma3_text": 131_072}.get(family, 32_768))
+    max_pos = int(d.get("max_position_embeddings")
+                  or {"llama": 2048, "gemma3_text": 131_072, "mixtral": 131_072}.get(family, 32_768))
     common = dict(
         family=family,
         vocab_size=int(_required(d, "vocab_size")),
@@ -143,7 +150,7 @@ def _common_fields(d: dict, family: str) -> tuple[dict, int]:
         num_heads=H,
         num_kv_heads=int(d.get("num_key_value_heads") or H),
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5 if family == "mixtral" else 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3_text")),
         max_position_embeddings=max_pos,
         initializer_range=float(d.get("initializer_range", 0.02)),
@@ -155,30 +162,68 @@ def _common_fields(d: dict, family: str) -> tuple[dict, int]:
 
 
 def _llama_qwen_config(d: dict, common: dict, max_pos: int) -> TransformerConfig:
-    """Llama and Qwen: one rope for every layer; Qwen may use sliding windows on its upper layers."""
-    family, L = common["family"], common["num_layers"]
-    window = None
-    layer_types = ["full_attention"] * L
-    if family in ("qwen2", "qwen3") and d.get("use_sliding_window"):
-        window = d.get("sliding_window", 4096)
-        if window is not None:
-            layer_types = d.get("layer_types") or [
-                "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention"
-                for i in range(L)
-            ]
-    attention_bias = bool(d.get("attention_bias", False))
-    rope = _global_rope(d, max_pos)
+    """Llama, Qwen and Mixtral: one rope for every layer, no norms beyond Qwen3's on q and k."""
+    family = common["family"]
+    window, layer_types = _sliding_layers(d, family, common["num_layers"])
+    attention_bias = bool(d.get("attention_bias", False)) and family != "mixtral"
+    rope = _global_rope(d, max_pos, default_theta=1_000_000.0 if family == "mixtral" else 10_000.0)
     return TransformerConfig(
         **common,
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
         mlp_bias=bool(d.get("mlp_bias", False)) if family == "llama" else False,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         activation=d.get("hidden_act", "silu"),
-        layer_types=tuple(layer_types),
+        layer_types=layer_types,
         sliding_window=window,
         rope={t: rope for t in set(layer_types)},
+        **_moe_fields(d, family, common["num_layers"]),
     )
+
+
+def _sliding_layers(d: dict, family: str, L: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window, layer types), as transformers builds them: with `use_sliding_window`, Qwen2
+    and Qwen3 slide from layer `max_window_layers` up and Qwen3-MoE on every layer; Mixtral slides on
+    every layer whenever `sliding_window` is set."""
+    full = ("full_attention",) * L
+    if family == "mixtral":
+        window = d.get("sliding_window")
+        return (window, ("sliding_attention",) * L) if window else (None, full)
+    if family not in ("qwen2", "qwen3", "qwen3_moe") or not d.get("use_sliding_window"):
+        return None, full
+    window = d.get("sliding_window", 4096)
+    if window is None:
+        return None, full
+    if family == "qwen3_moe":
+        return window, ("sliding_attention",) * L
+    return window, tuple(d.get("layer_types") or [
+        "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention" for i in range(L)])
+
+
+def _moe_fields(d: dict, family: str, L: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of TransformerConfig for Qwen3-MoE and Mixtral (none for dense
+    families). Every layer must be sparse: a Qwen3-MoE config that leaves some layers dense is refused."""
+    if family == "mixtral":
+        return dict(num_experts=int(d.get("num_local_experts", 8)),
+                    num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(_required(d, "intermediate_size")), norm_topk_prob=True,
+                    router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)))
+    if family != "qwen3_moe":
+        return {}
+    # Published checkpoints say num_experts; transformers 5 writes its alias num_local_experts.
+    experts = int(d.get("num_experts", d.get("num_local_experts", 128)))
+    step, only = int(d.get("decoder_sparse_step", 1)), list(d.get("mlp_only_layers") or [])
+    dense = [i for i in range(L) if i in only or not (experts > 0 and step > 0 and (i + 1) % step == 0)]
+    if dense:
+        raise UnsupportedModelError(
+            f"config.json makes layers {dense} dense MLPs (decoder_sparse_step={step}, mlp_only_layers={only}, "
+            f"num_experts={experts}): mixed dense/MoE stacks are not supported yet; grpo_jax needs every layer "
+            "sparse (decoder_sparse_step 1, mlp_only_layers [], num_experts > 0), as in all published Qwen3-MoE "
+            "checkpoints")
+    return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+                moe_intermediate_size=int(d.get("moe_intermediate_size", 768)),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)))
 
 
 def _rope_to_dict(r: RopeConfig) -> dict | None:
@@ -234,10 +279,33 @@ def config_to_hf(cfg: TransformerConfig, *, dtype_name: str) -> dict:
     d.update(hidden_act=cfg.activation, rope_theta=rope.theta, rope_scaling=_rope_to_dict(rope))
     if cfg.family == "llama":
         d.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-    if cfg.family == "qwen3":
+    if cfg.family in ("qwen3", "qwen3_moe"):
         d.update(attention_bias=cfg.qkv_bias)
+    if cfg.family in ("qwen3_moe", "mixtral"):
+        d.update(_moe_to_hf(cfg))
     if cfg.family in ("qwen2", "qwen3"):
         sliding = cfg.sliding_window is not None and "sliding_attention" in cfg.layer_types
         d.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
                  max_window_layers=cfg.layer_types.index("sliding_attention") if sliding else cfg.num_layers)
     return d
+
+
+def _moe_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
+    """config.json's mixture-of-experts keys (and sliding window, on every layer or none) of a
+    Qwen3-MoE or Mixtral config, under the names of published checkpoints."""
+    sliding = "sliding_attention" in cfg.layer_types
+    if sliding and "full_attention" in cfg.layer_types:
+        raise ValueError(f"a {cfg.family} config.json slides on every layer or on none; layer_types "
+                         f"{list(cfg.layer_types)} mix the two")
+    window = cfg.sliding_window if sliding else None
+    if cfg.family == "mixtral":
+        if not cfg.norm_topk_prob:
+            raise ValueError("Mixtral always renormalises its top-k router weights: a mixtral config needs "
+                             "norm_topk_prob=True (or family qwen3_moe)")
+        return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                    intermediate_size=cfg.moe_intermediate_size, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                    sliding_window=window)
+    return dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
+                use_sliding_window=sliding, sliding_window=window)

@@ -19,6 +19,13 @@ def tiny(family: str = "qwen3", **overrides) -> TransformerConfig:
                     rope={"full_attention": RopeConfig(theta=1_000_000.0)})
     elif family == "qwen3":
         base.update(qk_norm=True, rope={"full_attention": RopeConfig(theta=1_000_000.0)})
+    elif family == "qwen3_moe":
+        base.update(qk_norm=True, rope={"full_attention": RopeConfig(theta=1_000_000.0)}, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001)
+    elif family == "mixtral":
+        # Mixtral's config.json has one MLP width, the experts'.
+        base.update(intermediate_size=32, rope={"full_attention": RopeConfig(theta=1_000_000.0)}, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001)
     else:
         base.update(num_layers=3, qk_norm=True, norm_plus_one=True, scale_embeddings=True, post_norms=True,
                     activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, tie_word_embeddings=True,

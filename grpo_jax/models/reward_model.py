@@ -1,6 +1,6 @@
 """Reward models: our decoder plus a `score` head, as transformers' `*ForSequenceClassification`.
 
-A Hugging Face sequence-classification checkpoint (llama, qwen2, qwen3, gemma3_text backbones) is
+A Hugging Face sequence-classification checkpoint (any family of `models.config`) is
 the decoder's weights under `model.` and a linear head `score.weight` [num_labels, hidden] without
 bias. transformers scores a row by the head applied to the final-normed hidden state of its
 rightmost token that is not the pad token (`input_ids != pad_token_id`: this handles left and right
@@ -30,14 +30,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.hf import (TensorReader, fill_params, hf_state_dict, model_dir, read_tensor, read_values,
-                                write_tensors)
+from grpo_jax.models.hf import fill_params, hf_state_dict, model_dir, read_values, write_tensors
+from grpo_jax.models.hf_tensors import TensorReader, read_tensor
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.transformer import Transformer
 from grpo_jax.runtime.sharding import RULES
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-                 "qwen3": "Qwen3ForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
+                 "qwen3": "Qwen3ForSequenceClassification", "qwen3_moe": "Qwen3MoeForSequenceClassification",
+                 "mixtral": "MixtralForSequenceClassification", "gemma3_text": "Gemma3TextForSequenceClassification"}
 
 
 class RewardModel(nnx.Module):

@@ -21,7 +21,7 @@ from grpo_jax.config import ConfigError, ModelConfig, RunConfig, SamplingConfig,
 from grpo_jax.data.stream import PromptStream
 from grpo_jax.engine.sampling import greedy_completions
 from grpo_jax.models import Transformer, TransformerConfig, config_to_hf, load_config
-from grpo_jax.models.hf import TensorReader
+from grpo_jax.models.hf_tensors import TensorReader
 from grpo_jax.models.build import architecture, build_tokenizer
 from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.lora import add_adapters

@@ -169,6 +169,8 @@ def _to_transformers4_layout(d: dict) -> dict:
     else:
         d["rope_theta"] = rope.pop("rope_theta")
         d["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    if d["model_type"] == "qwen3_moe":  # transformers 5 writes it under its alias num_local_experts
+        d["num_experts"] = d.pop("num_local_experts")
     return d
 
 
@@ -194,7 +196,7 @@ def test_gemma_sliding_window_pattern_of_transformers4():
 
 def test_every_parameter_has_logical_axes(hf_case):
     _, _, path = hf_case
-    allowed = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers"}
+    allowed = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "router", "experts", "expert_mlp"}
     model = from_pretrained(path)
     params = nnx.state(model, nnx.Param)
     for key, var in nnx.to_flat_state(params):

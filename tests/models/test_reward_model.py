@@ -11,7 +11,7 @@ from hf_models import CASES, left_padded_batch, randomize_
 
 from grpo_jax.models.reward_model import last_token_index, load_reward_model, save_reward_model
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma3_text"]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
 
 
 def build_hf_classifier(case: str, num_labels: int = 1, seed: int = 0):
@@ -54,7 +54,7 @@ def test_scores_equal_transformers_with_left_and_right_padding(family, tmp_path)
                                hf_scores(hf, left_ids[2:3], left_mask[2:3]), atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gemma3_text"])
 def test_a_saved_reward_model_loads_in_transformers_with_equal_scores(family, tmp_path):
     hf = build_hf_classifier(family, seed=3)
     hf.save_pretrained(tmp_path / "in")

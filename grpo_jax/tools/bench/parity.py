@@ -30,6 +30,13 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
                                  num_kv_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True,
                                  max_position_embeddings=40_960)),
+    # Qwen/Qwen3-30B-A3B's config.json: 128 experts of width 768, 8 per token, every layer sparse.
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                                        num_kv_heads=4, head_dim=128, vocab_size=151_936, tie_word_embeddings=False,
+                                        max_position_embeddings=40_960, rms_norm_eps=1e-6, num_experts=128,
+                                        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                                        router_aux_loss_coef=0.001, bos_token_id=151_643, eos_token_id=151_645,
+                                        rope=dict(theta=1_000_000.0))),
     "llama3.2-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                                   num_kv_heads=8, head_dim=64, vocab_size=128_256, tie_word_embeddings=True,
                                   max_position_embeddings=131_072,
