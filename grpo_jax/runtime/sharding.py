@@ -47,6 +47,9 @@ RULES: Mapping[str, str | None] = {
     "head_dim": None,
     "layers": None,
     "lora_rank": None,  # LoRA adapters: their other axes follow the weight they adapt
+    "experts": None,
+    "expert_mlp": "tensor",
+    "router": None,
 }
 
 
