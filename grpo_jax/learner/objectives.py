@@ -140,7 +140,9 @@ def with_router_terms(loss, sums: dict, routed, mb, whole: WholeBatch, aux_coef:
     share = mb.completion_mask.sum() / jnp.maximum(whole.batch.completion_mask.sum(), 1)
     if aux_coef:
         loss = loss + aux_coef * share * aux_loss(routed)
-    return loss, {**sums, **{f"moe/_{name}": getattr(routed, name) for name in ROUTER_SUMS}}
+    # Without the sampler's experts there is nothing to compare the router with: no mismatch figure.
+    names = ROUTER_SUMS if mb.completion_experts is not None else ROUTER_SUMS[:-1]
+    return loss, {**sums, **{f"moe/_{name}": getattr(routed, name) for name in names}}
 
 
 def router_metrics(sums: dict) -> dict[str, jax.Array]:
@@ -148,5 +150,7 @@ def router_metrics(sums: dict) -> dict[str, jax.Array]:
     out of) its sums; {} for a dense policy."""
     if "moe/_counts" not in sums:
         return {}
-    stats = {name: sums.pop(f"moe/_{name}") for name in ROUTER_SUMS}
-    return moe_metrics(Routing(experts=None, **stats))
+    stats = {name: sums.pop(f"moe/_{name}", None) for name in ROUTER_SUMS}
+    compared = stats["mismatch"] is not None
+    out = moe_metrics(Routing(experts=None, **{**stats, "mismatch": stats["mismatch"] if compared else 0.0}))
+    return out if compared else {k: v for k, v in out.items() if k != "moe/routing_mismatch"}

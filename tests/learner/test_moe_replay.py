@@ -135,8 +135,13 @@ def fresh_moe(model, opt):
     return init_state(model, opt)
 
 
-def test_dense_steps_have_no_moe_metrics():
+def test_moe_metrics_say_only_what_was_measured():
+    """A dense step has no moe/* metrics; a MoE batch without the sampler's experts has the
+    routers' load figures but no mismatch figure (nothing to compare with)."""
     opt = optax.sgd(0.1)
     graphdef, state = fresh(opt)
     _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
     assert not any(k.startswith("moe/") for k in metrics)
+    graphdef, state = fresh_moe(moe_model(k=2), opt)
+    _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
+    assert {"moe/aux_loss", "moe/expert_load_max"} <= set(metrics) and "moe/routing_mismatch" not in metrics
