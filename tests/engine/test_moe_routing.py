@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 from teacher_forcing import assert_same_experts, teacher_forced_experts, tiny_moe
-from test_engine import PROMPTS, M, config, fake_scores
+from test_engine import PROMPTS, M, config, stream_over
 
+from grpo_jax.engine.draw import SampleRows
 from grpo_jax.engine.paged import paged_program
 from grpo_jax.engine.sampling import check_rollout, generate, pad_prompts
 from grpo_jax.engine.pages import page_bytes, pages_needed
+from grpo_jax.runtime.hosts import local_rows, whole
 from grpo_jax.runtime.sharding import one_device_mesh
 
 
@@ -56,14 +58,18 @@ def test_the_static_engine_records_the_experts_of_a_teacher_forced_pass(moe):
         rollout = generate(moe, PROMPTS, sampled(engine="static"), jax.random.key(1), share_prefill=share_prefill)
         assert rollout.truncated.any()
         assert_recorded(moe, rollout)
+    # The rows a rollout source scores and collects (this host's: all of them here), each with its prompt's.
+    G, N = rollout.group_size, len(PROMPTS)
+    rows = SampleRows.of(rollout, read=lambda arrays: local_rows(arrays, whole(N * G)),
+                         read_prompts=lambda arrays: local_rows(arrays, whole(N)))
+    np.testing.assert_array_equal(rows.experts, np.asarray(rollout.experts))
+    np.testing.assert_array_equal(rows.prompt_experts, np.repeat(np.asarray(rollout.prompt_experts), G, axis=0))
 
 
 def test_the_continuous_engine_records_them_through_refills_and_over_sampling(moe):
-    from test_engine import stream_over
-
     cfg = sampled(engine="continuous", slots=3)  # 16 sequences, 3 slots: refilled mid-loop
-    whole = generate(moe, PROMPTS, cfg, jax.random.key(5))
-    assert_recorded(moe, whole)
+    one_shot = generate(moe, PROMPTS, cfg, jax.random.key(5))
+    assert_recorded(moe, one_shot)
     # Over-sampling (rollout.stream), same key: the chosen groups (uniform ones dropped, the rest in
     # the order they finished) carry the experts of the rows they came from.
     stream, c = stream_over(moe, cfg, informative={1, 2, 5, 6, 7}, num_groups=3)
@@ -71,10 +77,10 @@ def test_the_continuous_engine_records_them_through_refills_and_over_sampling(mo
     assert not stream.done and chosen[0] > 0  # prompt 0 was set aside: rows moved
     for g, i in enumerate(chosen):
         mine, theirs = slice(g * G, (g + 1) * G), slice(i * G, (i + 1) * G)
-        np.testing.assert_array_equal(c.rows.tokens[mine], np.asarray(whole.tokens)[theirs])
-        np.testing.assert_array_equal(c.rows.experts[mine], np.asarray(whole.experts)[theirs])
+        np.testing.assert_array_equal(c.rows.tokens[mine], np.asarray(one_shot.tokens)[theirs])
+        np.testing.assert_array_equal(c.rows.experts[mine], np.asarray(one_shot.experts)[theirs])
         np.testing.assert_array_equal(c.rows.prompt_experts[mine],
-                                      np.repeat(np.asarray(whole.prompt_experts)[i:i + 1], G, axis=0))
+                                      np.repeat(np.asarray(one_shot.prompt_experts)[i:i + 1], G, axis=0))
 
 
 def test_the_paged_engine_records_the_recomputed_routing_of_preempted_sequences(moe):
