@@ -52,10 +52,11 @@ class SampleRows:
     prompt_experts: np.ndarray | None = None
 
     @classmethod
-    def of(cls, rollout: Rollout, read=np.asarray, read_prompts=None) -> SampleRows:
-        """The rollout's sample rows, read by `read` (e.g. this host's rows: runtime.hosts.local_rows);
-        the prompts' experts are read by `read_prompts` (this host's prompts; default `read`) and
-        repeated for the G rows of each group."""
+    def of(cls, rollout: Rollout, read=None, read_prompts=None) -> SampleRows:
+        """The rollout's sample rows, read by `read` (a tuple of arrays -> theirs as NumPy, e.g. this
+        host's rows: runtime.hosts.local_rows; default all of them); the prompts' experts are read by
+        `read_prompts` (this host's prompts; default `read`) and repeated for the G rows of each group."""
+        read = read or (lambda arrays: jax.tree.map(np.asarray, arrays))
         fields = ("tokens", "logprobs", "mask", "lengths", "truncated", "experts")
         rows = cls(**dict(zip(fields, read(tuple(getattr(rollout, f) for f in fields)))))
         if rollout.prompt_experts is None:
