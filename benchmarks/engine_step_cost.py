@@ -71,7 +71,7 @@ def main(config_path, overrides):
         weights = model.layer_weights()
 
         def body(i, carry):
-            logits, cache = slot_decode_step(model, carry[0], carry[1], phase=c, weights=weights)
+            logits, cache, _ = slot_decode_step(model, carry[0], carry[1], phase=c, weights=weights)
             return jnp.argmax(logits, -1).astype(jnp.int32), cache
         return jax.lax.fori_loop(0, cache.chunk_size, body, (jnp.zeros((1, R), jnp.int32), cache))
 

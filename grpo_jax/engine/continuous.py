@@ -48,8 +48,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.draw import Rollout, sample_tokens
+from grpo_jax.engine.draw import Rollout, rollout_shardings, sample_tokens
 from grpo_jax.engine.lockstep import constrain_rows, lockstep_decode
+from grpo_jax.engine.routing import expert_buffer, fed_only, record, stored
 from grpo_jax.engine.slots import SlotCache
 from grpo_jax.engine.state import EngineLoop, EngineState, engine_layout, engine_loop
 from grpo_jax.runtime.sharding import batch_sharding, replicated
@@ -62,14 +63,10 @@ def continuous_program(graphdef, config: SamplingConfig, mesh: Mesh):
     split over the mesh's (data, fsdp) in and out, the model state where it was placed (one device:
     a 1x1x1 mesh, `runtime.sharding.one_device_mesh`)."""
     fn = functools.partial(_engine, graphdef, config=config, mesh=mesh)
-
-    def rows(ndim):
-        return batch_sharding(mesh, ndim)
-
-    out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
-                  prompt_ids=rows(2), prompt_mask=rows(2))
+    rows = batch_sharding(mesh, 2)
     stats = {k: replicated(mesh) for k in ("steps", "slot_steps", "useful_slot_steps", "prefill_rows")}
-    return jax.jit(fn, in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=(out, stats))
+    return jax.jit(fn, in_shardings=(None, rows, rows, replicated(mesh)),
+                   out_shardings=(rollout_shardings(mesh), stats))
 
 
 def _prompt_logits(prompt_logits_ZNV, prompt_ZJ):
@@ -84,7 +81,8 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig,
     M = config.max_new_tokens
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
-    last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP = model.prefill_kv(ids_NP, mask_NP)  # once per prompt
+    # Once per prompt.
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True)
     cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                              phases=config.attend_phases)
     loop = engine_loop(model, config, mesh, lay, cache.chunk_size)
@@ -101,7 +99,10 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig,
                      tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
                      logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
                      lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
-                     steps=jnp.int32(0), useful=jnp.int32(0), slot_steps=jnp.int32(0))
+                     steps=jnp.int32(0), useful=jnp.int32(0), slot_steps=jnp.int32(0),
+                     prompt_experts=jax.tree.map(lambda x: hold(x.reshape(Z, Np, *x.shape[1:])),
+                                                 stored(experts_NPLK, model.config)),
+                     experts=jax.tree.map(hold, expert_buffer(model.config, (Z, Rb, M))))
     return loop, st
 
 
@@ -186,10 +187,21 @@ def _rollout(st: EngineState, ids_NP, mask_NP):
     mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
     rollout = Rollout(tokens=st.tokens.reshape(R, M), logprobs=st.logprobs.reshape(R, M), mask=mask_RM,
                       lengths=lengths_R, truncated=st.truncated.reshape(R), prompt_ids=ids_NP,
-                      prompt_mask=mask_NP)
+                      prompt_mask=mask_NP, **rollout_experts(st))
     stats = {"steps": st.steps, "slot_steps": st.slot_steps, "useful_slot_steps": st.useful,
              "prefill_rows": jnp.int32(ids_NP.shape[0])}
     return rollout, stats
+
+
+def rollout_experts(st) -> dict:
+    """A loop state's experts (this engine's or the paged engine's) as the Rollout's fields:
+    prompt_experts [N, P, L, Kx], experts [R, M, L, Kx] (0 where no token was fed); {} for a dense model."""
+    if st.experts is None:
+        return {}
+    Z, Rb, M = st.tokens.shape
+    p = st.prompt_experts
+    return {"prompt_experts": p.reshape(-1, *p.shape[2:]),
+            "experts": fed_only(st.experts.reshape(Z * Rb, M, *st.experts.shape[3:]), st.lengths.reshape(Z * Rb))}
 
 
 def every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
@@ -269,7 +281,8 @@ def engine_step(loop: EngineLoop, st: EngineState) -> EngineState:
     going_ZJ = active_ZJ & ~finished_ZJ
     cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, 0))
     phase = jnp.max(jnp.where(going_ZJ, t_ZJ, 0)) // loop.phase_size
-    logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
+    logits_ZJV, cache, experts_ZJLK = loop.decode(tok_ZJ, cache, phase=phase)
+    st = st.replace(experts=record(st.experts, experts_ZJLK, seq_ZJ, t_ZJ, going_ZJ))
 
     st, _ = refill(loop, st, seq_ZJ, cache, logits_ZJV, finished_ZJ)
     return st.replace(tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax.runtime.sharding import batch_sharding
+
 
 @flax.struct.dataclass
 class Rollout:
@@ -22,6 +24,12 @@ class Rollout:
     truncated: jax.Array  # bool [N*G]; hit max_new_tokens without a stop token
     prompt_ids: jax.Array  # int32 [N, P], left-padded to the bucket
     prompt_mask: jax.Array  # int32 [N, P]
+    # A mixture-of-experts model (engine.routing; None for a dense one), in `moe.expert_dtype`:
+    # the experts each prompt token went to in its prefill [N, P, L, Kx] (padding is routed too),
+    # and [R, M, L, Kx] those of completion token t when it was fed (the step that drew t + 1; 0
+    # where no token was fed: a sequence's last token and what follows it).
+    prompt_experts: jax.Array | None = None
+    experts: jax.Array | None = None
 
     @property
     def group_size(self) -> int:
@@ -38,12 +46,23 @@ class SampleRows:
     mask: np.ndarray  # int32 [R, M]: the loss mask (an episode's model tokens only)
     lengths: np.ndarray  # int32 [R]: tokens of the sample (an episode's: its model tokens, once scored)
     truncated: np.ndarray  # bool [R]
+    # A mixture-of-experts model (None for a dense one): the rollout's experts [R, M, L, Kx], and
+    # its prompt's prefill experts [R, P, L, Kx] (each row its group's, P left-padded).
+    experts: np.ndarray | None = None
+    prompt_experts: np.ndarray | None = None
 
     @classmethod
-    def of(cls, rollout: Rollout, read=np.asarray) -> SampleRows:
-        """The rollout's sample rows, read by `read` (e.g. this host's rows: runtime.hosts.local_rows)."""
-        fields = ("tokens", "logprobs", "mask", "lengths", "truncated")
-        return cls(**dict(zip(fields, read(tuple(getattr(rollout, f) for f in fields)))))
+    def of(cls, rollout: Rollout, read=None, read_prompts=None) -> SampleRows:
+        """The rollout's sample rows, read by `read` (a tuple of arrays -> theirs as NumPy, e.g. this
+        host's rows: runtime.hosts.local_rows; default all of them); the prompts' experts are read by
+        `read_prompts` (this host's prompts; default `read`) and repeated for the G rows of each group."""
+        read = read or (lambda arrays: jax.tree.map(np.asarray, arrays))
+        fields = ("tokens", "logprobs", "mask", "lengths", "truncated", "experts")
+        rows = cls(**dict(zip(fields, read(tuple(getattr(rollout, f) for f in fields)))))
+        if rollout.prompt_experts is None:
+            return rows
+        (prompt_experts,) = (read_prompts or read)((rollout.prompt_experts,))
+        return rows.replace(prompt_experts=np.repeat(prompt_experts, rollout.group_size, axis=0))
 
     def take(self, index) -> SampleRows:
         """The rows `index` (a slice or indices) selects."""
@@ -51,7 +70,31 @@ class SampleRows:
 
     @staticmethod
     def concat(parts) -> SampleRows:
+        """The parts' rows in order; prompt experts of different prompt buckets are left-padded to the widest."""
+        parts = list(parts)
+        if parts[0].prompt_experts is not None:
+            P = max(p.prompt_experts.shape[1] for p in parts)
+            parts = [p.replace(prompt_experts=left_pad(p.prompt_experts, P)) for p in parts]
         return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
+def left_pad(x_RP: np.ndarray, width: int) -> np.ndarray:
+    """Left-padded rows [R, P, ...] of prompt slots at another bucket `width`: zeros added at the
+    front, or front slots dropped (they must be padding: the new bucket fits every prompt)."""
+    P = x_RP.shape[1]
+    if P >= width:
+        return x_RP[:, P - width:]
+    return np.concatenate([np.zeros((x_RP.shape[0], width - P, *x_RP.shape[2:]), x_RP.dtype), x_RP], axis=1)
+
+
+def rollout_shardings(mesh) -> Rollout:
+    """A jitted engine's out_shardings for its Rollout: every field's rows split over (data, fsdp)
+    (the experts' too; a dense model's None takes none)."""
+    def rows(ndim):
+        return batch_sharding(mesh, ndim)
+
+    return Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
+                   prompt_ids=rows(2), prompt_mask=rows(2), prompt_experts=rows(4), experts=rows(4))
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature: float, top_k: int = 0,

@@ -20,23 +20,28 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.draw import Rollout, sample_tokens
+from grpo_jax.engine.routing import expert_buffer, stored
 from grpo_jax.runtime.sharding import BATCH
 
 
 def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
-    """The prompts' pass -> (the logits [R, V] that draw token 0, the cache sized for the decode)."""
+    """The prompts' pass -> (the logits [R, V] that draw token 0, the cache sized for the decode,
+    the prompts' experts [N, P, L, Kx] in the stored dtype, None for a dense model)."""
     G, M = config.group_size, config.max_new_tokens
     # Token t (t < M - 1) is fed back as decode step t; the last sampled token never is.
-    spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True)
+    spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True, with_routing=True)
     if share_prefill:
         # N rows: the prompt's keys/values stay one copy per group (the decode attends them per group).
-        logits_N1V, cache = model.prefill(ids_NP, mask_NP, group_size=G, **spec)
+        logits_N1V, cache, experts_NPLK = model.prefill(ids_NP, mask_NP, group_size=G, **spec)
         last_RV = jnp.repeat(logits_N1V[:, 0], G, axis=0)
     else:
-        logits_R1V, cache = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0), **spec)
+        logits_R1V, cache, experts_RPLK = model.prefill(jnp.repeat(ids_NP, G, axis=0), jnp.repeat(mask_NP, G, axis=0),
+                                                        **spec)
         last_RV = logits_R1V[:, 0]
+        # Every row of a group ran the same prompt: its first row's experts are the group's.
+        experts_NPLK = None if experts_RPLK is None else experts_RPLK[::G]
     # Keep the cache's rows where their prompts' rows are, for the whole loop.
-    return constrain_rows(last_RV, mesh), constrain_rows(cache, mesh)
+    return constrain_rows(last_RV, mesh), constrain_rows(cache, mesh), stored(experts_NPLK, model.config)
 
 
 def lockstep_decode(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh, share_prefill: bool = True,
@@ -45,7 +50,50 @@ def lockstep_decode(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh
     `uniforms_RM` (float32 [R, M]): row r draws token t with uniforms_RM[r, t] instead of the
     step's shared key `fold_in(rng, t)`."""
     M = config.max_new_tokens
-    last_RV, cache = prefill_rows(model, ids_NP, mask_NP, config, share_prefill, mesh)
+    last_RV, cache, prompt_experts = prefill_rows(model, ids_NP, mask_NP, config, share_prefill, mesh)
+    emit = emitter(config, rng, uniforms_RM)
+    R = cache.rows
+    tokens_RM = jnp.full((R, M), config.pad_id, jnp.int32)
+    logprobs_RM = jnp.zeros((R, M), jnp.float32)
+    done_R = jnp.zeros((R,), jnp.bool_)
+    # mask_RM[:, t] = the row was still running when token t was emitted.
+    running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
+    experts_RMLK = constrain_rows(expert_buffer(model.config, (R, M)), mesh)
+    tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
+
+    # Step t (1 <= t < M) feeds token t - 1 (decode step t - 1). Chunk c of the cache's generated
+    # slots is one while_loop (static shapes: it attends the prompt and chunks 0..c only).
+    weights = model.layer_weights()
+    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, experts_RMLK, cache)
+    for c in range(cache.num_chunks):
+        def cond(carry, end=min((c + 1) * cache.chunk_size, M - 1) + 1):
+            t, _, done_R, *_ = carry
+            return (t < end) & ~jnp.all(done_R)
+
+        def body(carry, c=c):
+            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, experts_RMLK, cache = carry
+            running_RM = running_RM.at[:, t].set(~done_R)
+            logits_RV, cache, experts_RLK = model.decode_step(tok_R, cache, chunk=c, weights=weights,
+                                                              with_routing=True)
+            if experts_RMLK is not None:  # token t - 1 was fed for the rows still running
+                fed_RLK = jnp.where(done_R[:, None, None], 0, experts_RLK).astype(experts_RMLK.dtype)
+                experts_RMLK = experts_RMLK.at[:, t - 1].set(fed_RLK)
+            tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_RV, done_R, tokens_RM, logprobs_RM)
+            return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, experts_RMLK, cache
+
+        carry = jax.lax.while_loop(cond, body, carry)
+    steps, _, done_R, tokens_RM, logprobs_RM, running_RM, experts_RMLK = carry[:7]
+    mask_RM = running_RM.astype(jnp.int32)
+    rollout = Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
+                      truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP, prompt_experts=prompt_experts,
+                      experts=experts_RMLK)
+    return rollout, steps
+
+
+def emitter(config: SamplingConfig, rng, uniforms_RM: jax.Array | None):
+    """`emit(t, logits [R, V], done [R], tokens [R, M], logprobs [R, M])`: draw token t of every row
+    (pad and log-prob 0 for the rows done) and record it -> (tokens [R], done, tokens, logprobs)."""
+    M = config.max_new_tokens
     stop_ids = jnp.asarray(config.stop_token_ids or (-1,), jnp.int32)
     sample = functools.partial(sample_tokens, temperature=config.temperature, top_k=config.top_k,
                                top_p=config.top_p)
@@ -67,36 +115,7 @@ def lockstep_decode(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh
         done_R = done_R | jnp.isin(tok_R, stop_ids)
         return tok_R, done_R, tokens_RM, logprobs_RM
 
-    R = cache.rows
-    tokens_RM = jnp.full((R, M), config.pad_id, jnp.int32)
-    logprobs_RM = jnp.zeros((R, M), jnp.float32)
-    done_R = jnp.zeros((R,), jnp.bool_)
-    # mask_RM[:, t] = the row was still running when token t was emitted.
-    running_RM = jnp.zeros((R, M), jnp.bool_).at[:, 0].set(True)
-    tok_R, done_R, tokens_RM, logprobs_RM = emit(0, last_RV, done_R, tokens_RM, logprobs_RM)
-
-    # Step t (1 <= t < M) feeds token t - 1 (decode step t - 1). Chunk c of the cache's generated
-    # slots is one while_loop (static shapes: it attends the prompt and chunks 0..c only).
-    weights = model.layer_weights()
-    carry = (jnp.int32(1), tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache)
-    for c in range(cache.num_chunks):
-        def cond(carry, end=min((c + 1) * cache.chunk_size, M - 1) + 1):
-            t, _, done_R, *_ = carry
-            return (t < end) & ~jnp.all(done_R)
-
-        def body(carry, c=c):
-            t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache = carry
-            running_RM = running_RM.at[:, t].set(~done_R)
-            logits_RV, cache = model.decode_step(tok_R, cache, chunk=c, weights=weights)
-            tok_R, done_R, tokens_RM, logprobs_RM = emit(t, logits_RV, done_R, tokens_RM, logprobs_RM)
-            return t + 1, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, cache
-
-        carry = jax.lax.while_loop(cond, body, carry)
-    steps, _, done_R, tokens_RM, logprobs_RM, running_RM = carry[:6]
-    mask_RM = running_RM.astype(jnp.int32)
-    rollout = Rollout(tokens=tokens_RM, logprobs=logprobs_RM, mask=mask_RM, lengths=mask_RM.sum(axis=1),
-                      truncated=~done_R, prompt_ids=ids_NP, prompt_mask=mask_NP)
-    return rollout, steps
+    return emit
 
 
 def constrain_rows(tree, mesh):

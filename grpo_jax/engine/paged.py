@@ -42,11 +42,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.continuous import draw_and_record, drain_loop, every_sequence_at_once, sequence_uniforms
-from grpo_jax.engine.draw import Rollout
+from grpo_jax.engine.continuous import (draw_and_record, drain_loop, every_sequence_at_once, rollout_experts,
+                                        sequence_uniforms)
+from grpo_jax.engine.draw import Rollout, rollout_shardings
 from grpo_jax.engine.pages import (PagedCache, copy_pages, create_cache, page_bytes, pages_needed, pop_pages,
                                    prompt_table, push_pages)
 from grpo_jax.engine.paged_decode import choose_attention, paged_decode_step
+from grpo_jax.engine.routing import expert_buffer, record, stored
 from grpo_jax.engine.state import EngineLayout, engine_layout
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
 
@@ -74,6 +76,11 @@ class PagedState:
     truncated: jax.Array  # bool [Z, Rb]
     counts: dict  # int32 scalars: steps, slot_steps, useful_slot_steps, preemptions, recomputed_tokens,
     #               page_steps (pool pages held, summed over steps and shards), pages_peak
+    # A mixture-of-experts model (as EngineState's): [Z, Np, P, L, Kx] and [Z, Rb, M, L, Kx]. A
+    # preempted sequence's recompute writes its experts again over what it recorded before: the
+    # recompute's keys are the ones its later tokens attend, so its routing is the one that stands.
+    prompt_experts: jax.Array | None = None
+    experts: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,7 @@ class PagedLoop:
 
     lay: EngineLayout
     config: SamplingConfig
-    decode: Callable  # (tokens [Z, J], cache, write [Z, J], phase=) -> (logits [Z, J, V], cache)
+    decode: Callable  # (tokens [Z, J], cache, write [Z, J], phase=) -> (logits [Z, J, V], cache, experts)
     phase_columns: tuple[int, ...]
     mesh: Mesh
 
@@ -94,14 +101,10 @@ class PagedLoop:
 def paged_program(graphdef, config: SamplingConfig, mesh: Mesh):
     """The jitted paged engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`
     with stats `STATS` (int32 scalars), rows split over the mesh's (data, fsdp)."""
-    def rows(ndim):
-        return batch_sharding(mesh, ndim)
-
-    out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
-                  prompt_ids=rows(2), prompt_mask=rows(2))
+    rows = batch_sharding(mesh, 2)
     stats = {k: replicated(mesh) for k in STATS}
     return jax.jit(functools.partial(_engine, graphdef, config=config, mesh=mesh),
-                   in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=(out, stats))
+                   in_shardings=(None, rows, rows, replicated(mesh)), out_shardings=(rollout_shardings(mesh), stats))
 
 
 def pool_pages(model_config, dtype, config: SamplingConfig, *, prompt_slots: int, prompts: int, slots: int) -> int:
@@ -150,7 +153,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     P = ids_NP.shape[1]
     pages = pool_pages(model.config, model.dtype, config, prompt_slots=P, prompts=Np, slots=J)
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
-    last_NV, k_LNKPD, v_LNKPD, pmask_NP, _ = model.prefill_kv(ids_NP, mask_NP)
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, _, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True)
     cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
                          max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
     loop = paged_loop(model, config, mesh, lay, cache)
@@ -167,7 +170,9 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
                     tokens=hold(jnp.full((Z, Rb, M), config.pad_id, jnp.int32)),
                     logprobs=hold(jnp.zeros((Z, Rb, M), jnp.float32)),
                     lengths=hold(jnp.zeros((Z, Rb), jnp.int32)), truncated=hold(jnp.zeros((Z, Rb), jnp.bool_)),
-                    counts=counts)
+                    counts=counts, prompt_experts=jax.tree.map(lambda x: hold(x.reshape(Z, Np, *x.shape[1:])),
+                                                               stored(experts_NPLK, model.config)),
+                    experts=jax.tree.map(hold, expert_buffer(model.config, (Z, Rb, M))))
     return loop, admit(loop, st)
 
 
@@ -227,7 +232,8 @@ def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:
     lengths_R = st.lengths.reshape(Z * Rb)
     mask_RM = (jnp.arange(M)[None] < lengths_R[:, None]).astype(jnp.int32)
     rollout = Rollout(tokens=st.tokens.reshape(-1, M), logprobs=st.logprobs.reshape(-1, M), mask=mask_RM,
-                      lengths=lengths_R, truncated=st.truncated.reshape(-1), prompt_ids=ids_NP, prompt_mask=mask_NP)
+                      lengths=lengths_R, truncated=st.truncated.reshape(-1), prompt_ids=ids_NP, prompt_mask=mask_NP,
+                      **rollout_experts(st))
     return rollout, {**st.counts, "prefill_rows": jnp.int32(ids_NP.shape[0]), "pool_pages": jnp.int32(st.cache.pool),
                      "shards": jnp.int32(Z)}
 
@@ -245,7 +251,7 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     going_ZJ = active_ZJ & ~finished_ZJ
     cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, going_ZJ, going_ZJ)
     going_ZJ = going_ZJ & ~preempted_ZJ
-    logits_ZJV, cache = feed(loop, tok_ZJ, cache, going_ZJ, write_ZJ)
+    logits_ZJV, cache, experts_ZJLK = feed(loop, tok_ZJ, cache, going_ZJ, write_ZJ)
     cache = cache.replace(slot_t=jnp.where(going_ZJ, cache.slot_t, 0))
 
     requeue_ZJ = jnp.where(preempted_ZJ, seq_ZJ, Rb)
@@ -254,7 +260,7 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
                     pending=hold(st.pending.at[z_Z1, requeue_ZJ].set(True, mode="drop")),
                     logits=hold(logits_ZJV), done=st.done + finished_ZJ.sum(axis=1, dtype=jnp.int32),
                     tokens=hold(tokens), logprobs=hold(logprobs), lengths=hold(lengths), truncated=hold(truncated),
-                    counts=counts)
+                    counts=counts, experts=record(st.experts, experts_ZJLK, seq_ZJ, t_ZJ, going_ZJ))
     return admit(loop, st)
 
 
@@ -288,17 +294,19 @@ def page_needs(cache: PagedCache, going_ZJ) -> jax.Array:
     return going_ZJ & ((cache.slot_len() % cache.page_size == 0) | (cache.slot_t == 0))
 
 
-def feed(loop: PagedLoop, tok_ZJ, cache: PagedCache, going_ZJ, write_ZJ) -> tuple[jax.Array, PagedCache]:
+def feed(loop: PagedLoop, tok_ZJ, cache: PagedCache, going_ZJ, write_ZJ) -> tuple:
     """Decode the `going` slots' tokens into their pages (`write_ZJ`, from `take_pages`) ->
-    (logits [Z, J, V], the cache with slot_t + 1 where going, as it was elsewhere). The other
+    (logits [Z, J, V], the cache with slot_t + 1 where going, as it was elsewhere, the tokens'
+    experts int32 [Z, J, L, Kx] or None for a dense model). The other
     slots feed at their prompt's end into the null page; attention reads the phase of the longest
     sequence going."""
     t_ZJ = cache.slot_t
     cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, 0))
     widest = -(-(jnp.max(jnp.where(going_ZJ, cache.slot_len(), 0)) + 1) // cache.page_size)
     phase = jnp.sum(jnp.asarray(loop.phase_columns) < widest, dtype=jnp.int32)
-    logits_ZJV, cache = loop.decode(tok_ZJ, cache, write_ZJ, phase=jnp.minimum(phase, len(loop.phase_columns) - 1))
-    return logits_ZJV, cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ + 1, t_ZJ))
+    logits_ZJV, cache, experts_ZJLK = loop.decode(tok_ZJ, cache, write_ZJ,
+                                                  phase=jnp.minimum(phase, len(loop.phase_columns) - 1))
+    return logits_ZJV, cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ + 1, t_ZJ)), experts_ZJLK
 
 
 def count_step(c: dict, cache: PagedCache, active_ZJ, useful_ZJ, preempted_ZJ, lost_ZJ) -> dict:

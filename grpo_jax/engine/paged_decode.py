@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from grpo_jax.engine.pages import PagedCache, write_token
+from grpo_jax.engine.routing import layer_experts
 from grpo_jax.models.layers import NEG, finish_layer, qkv, rms_norm, rope_tables, softcap
 from grpo_jax.runtime.sharding import BATCH
 
@@ -101,10 +102,12 @@ def kernel_attention(q_XHD, pages: tuple[jax.Array], table_ZJT, len_ZJ, *, windo
 
 
 def paged_decode_step(model, tokens_ZJ: jax.Array, cache: PagedCache, write_ZJ: jax.Array, *, phase: jax.Array,
-                      phase_columns: tuple[int, ...], impl: str, mesh, weights) -> tuple[jax.Array, PagedCache]:
+                      phase_columns: tuple[int, ...], impl: str, mesh,
+                      weights) -> tuple[jax.Array, PagedCache, jax.Array | None]:
     """Feed each slot's token at key index n + t -> (float32 logits [Z, J, V] of its next token, the
     cache with the token's key/value written into page `write_ZJ` [Z, J] (0 for an empty slot: the
-    null page) and slot_t + 1). The gather path reads the first `phase_columns[phase]` table columns
+    null page) and slot_t + 1, a mixture-of-experts model's experts of the token int32 [Z, J, L, Kx]
+    (None for a dense one)). The gather path reads the first `phase_columns[phase]` table columns
     (each layer switches between the phases' programs, which read the pages but do not carry them);
     the kernel reads each sequence's own pages only, so it has one program."""
     cfg, dtype = model.config, model.dtype
@@ -124,15 +127,17 @@ def paged_decode_step(model, tokens_ZJ: jax.Array, cache: PagedCache, write_ZJ: 
                 gather_attention, dtype=dtype, **opts)) for n in phase_columns]
     phase = phase if impl != "pallas" else 0
     x_X1E = model.embed_tokens(tokens_ZJ.reshape(X, 1))
-    kv = list(cache.kv)
+    kv, experts = list(cache.kv), []
     for l, kind in enumerate(cfg.layer_types):
         y = cfg.kinds.index(kind)
         q, k, v = qkv(x_X1E, weights[l], cfg, cos_YX1D[y], sin_YX1D[y])  # [X, 1, H, D], [X, 1, K, D]
         kv[l] = write_token(kv[l], write_ZJ, offset_ZJ, k.reshape(Z, J, *k.shape[2:]), v.reshape(Z, J, *v.shape[2:]))
         o_XHD = jax.lax.switch(phase, programs[kind], q[:, 0], kv[l], cache.table, pos_ZJ + 1)
-        x_X1E = finish_layer(x_X1E, o_XHD.reshape(X, 1, *o_XHD.shape[1:]).astype(dtype), weights[l], cfg)[0]
+        x_X1E, routed = finish_layer(x_X1E, o_XHD.reshape(X, 1, *o_XHD.shape[1:]).astype(dtype), weights[l], cfg)
+        experts.append(routed)
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]
-    return logits_XV.reshape(Z, J, -1), cache.replace(kv=tuple(kv), slot_t=cache.slot_t + 1)
+    return (logits_XV.reshape(Z, J, -1), cache.replace(kv=tuple(kv), slot_t=cache.slot_t + 1),
+            layer_experts(experts, (Z, J)))
 
 
 def _columns(q_XHD, kv_ZPSKD, table_ZJT, len_ZJ, *, n: int, attend) -> jax.Array:

@@ -41,7 +41,7 @@ from jax.sharding import Mesh
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import replicated_key
 from grpo_jax.models.transformer import Transformer
-from grpo_jax.engine.draw import Rollout, sample_tokens  # noqa: F401 - both re-exported here
+from grpo_jax.engine.draw import Rollout, rollout_shardings, sample_tokens  # noqa: F401 - sample_tokens re-exported
 from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.lockstep import lockstep_decode
 from grpo_jax.engine.paged import paged_program
@@ -171,7 +171,8 @@ def _prompt_arrays(prompts, config: SamplingConfig):
 
 def check_rollout(rollout: Rollout, *, rows: int, max_new_tokens: int) -> None:
     """Raise ValueError naming the field if `rollout` is not R = `rows` rows of `max_new_tokens`
-    completion slots with the documented dtypes (see `Rollout`); prompts [N, P] with N dividing R."""
+    completion slots with the documented dtypes (see `Rollout`); prompts [N, P] with N dividing R;
+    a mixture-of-experts model's experts [N, P, L, Kx] and [R, M, L, Kx] (both or neither)."""
     M = max_new_tokens
     expected = (("tokens", (rows, M), jnp.int32), ("logprobs", (rows, M), jnp.float32), ("mask", (rows, M), jnp.int32),
                 ("lengths", (rows,), jnp.int32), ("truncated", (rows,), jnp.bool_))
@@ -185,6 +186,23 @@ def check_rollout(rollout: Rollout, *, rows: int, max_new_tokens: int) -> None:
         if rows % x.shape[0]:
             raise ValueError(f"Rollout.{name}: {x.shape[0]} prompts do not divide the {rows} completion rows")
     _check("Rollout.prompt_mask", chex.assert_equal_shape, [rollout.prompt_mask, rollout.prompt_ids])
+    _check_experts(rollout, rows=rows, max_new_tokens=M)
+
+
+def _check_experts(rollout: Rollout, *, rows: int, max_new_tokens: int) -> None:
+    prompt, completion = rollout.prompt_experts, rollout.experts
+    if prompt is None and completion is None:
+        return
+    if prompt is None or completion is None:
+        raise ValueError("Rollout.prompt_experts and Rollout.experts: a mixture-of-experts rollout has both, "
+                         f"got {'experts' if prompt is None else 'prompt_experts'} alone")
+    _check("Rollout.experts", chex.assert_rank, completion, 4)
+    L, K = completion.shape[2:]
+    _check("Rollout.experts", chex.assert_shape, completion, (rows, max_new_tokens, L, K))
+    _check("Rollout.prompt_experts", chex.assert_shape, prompt, (*rollout.prompt_ids.shape, L, K))
+    for name, x in (("prompt_experts", prompt), ("experts", completion)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"Rollout.{name}: expert ids must be integers, got dtype {x.dtype}")
 
 
 def _check(field: str, assertion, *args) -> None:
@@ -201,14 +219,10 @@ def static_program(graphdef, config: SamplingConfig, share_prefill: bool, mesh: 
     key) -> Rollout`, rows split over (data, fsdp), the model state where it was placed. Its `.lower` with
     jax.ShapeDtypeStructs (each state leaf carrying its sharding) shows its memory before any
     parameter exists (`grpo-jax bench memory`)."""
-    def rows(ndim):
-        return batch_sharding(mesh, ndim)
-
-    out = Rollout(tokens=rows(2), logprobs=rows(2), mask=rows(2), lengths=rows(1), truncated=rows(1),
-                  prompt_ids=rows(2), prompt_mask=rows(2))
+    rows = batch_sharding(mesh, 2)
     # The state's shardings are left unspecified: the params keep the placement they arrive with.
     return jax.jit(functools.partial(_static, graphdef, config=config, share_prefill=share_prefill, mesh=mesh),
-                   in_shardings=(None, rows(2), rows(2), replicated(mesh)), out_shardings=out)
+                   in_shardings=(None, rows, rows, replicated(mesh)), out_shardings=rollout_shardings(mesh))
 
 
 def _static(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,

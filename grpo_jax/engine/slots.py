@@ -36,6 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.engine.routing import layer_experts
 from grpo_jax.models.cache import ChunkedKeys
 from grpo_jax.models.layers import NEG, finish_layer, qkv, rms_norm, rope_tables, softcap
 
@@ -89,10 +90,11 @@ class SlotCache(ChunkedKeys):
 
 
 def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: jax.Array | int,
-                     weights: list[dict[str, jax.Array]]) -> tuple[jax.Array, SlotCache]:
+                     weights: list[dict[str, jax.Array]]) -> tuple[jax.Array, SlotCache, jax.Array | None]:
     """Feed each slot's token, tokens int [Z, J], at its position -> (float32 logits [Z, J, V] of
     each slot's next token, the cache with the token's keys/values written at `slot_t` and
-    `slot_t` + 1). `phase` (an int32 scalar, may be traced): attention reads chunks 0..phase
+    `slot_t` + 1, and for a mixture-of-experts model the experts the token went to, int32
+    [Z, J, L, Kx]; None for a dense one). `phase` (an int32 scalar, may be traced): attention reads chunks 0..phase
     (every slot's `slot_t` must lie below (phase + 1) x C); each layer picks its attention program
     with `lax.switch`, which reads the cache but does not carry it, so no buffer is copied in or
     out. `weights`: `model.layer_weights()`, hoisted."""
@@ -119,6 +121,7 @@ def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: ja
     at = [jnp.where(t_X // C == c, t_X % C, C) for c in range(cache.num_chunks)]
     x_X1E = model.embed_tokens(tokens_ZJ.reshape(X, 1))
     keys, values = [list(chunk) for chunk in cache.keys], [list(chunk) for chunk in cache.values]
+    experts = []
     for l, kind in enumerate(cfg.layer_types):
         y = cfg.kinds.index(kind)
         q, k, v = qkv(x_X1E, weights[l], cfg, cos_YX1D[y], sin_YX1D[y])  # [X, 1, H, D], [X, 1, K, D]
@@ -130,10 +133,11 @@ def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: ja
         pv_XKPD = cache.per_slot(cache.prompt_values[l]).reshape(X, K, -1, D)
         o_XKQD = jax.lax.switch(phase, programs, q.reshape(X, K, -1, D), pk_XKDP, pv_XKPD,
                                 tuple(chunk[l] for chunk in keys), tuple(chunk[l] for chunk in values), *masks[kind])
-        x_X1E = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg)[0]
+        x_X1E, routed = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg)
+        experts.append(routed)
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]
-    return logits_XV.reshape(Z, J, -1), cache.replace(keys=tuple(map(tuple, keys)), values=tuple(map(tuple, values)),
-                                                       slot_t=cache.slot_t + 1)
+    cache = cache.replace(keys=tuple(map(tuple, keys)), values=tuple(map(tuple, values)), slot_t=cache.slot_t + 1)
+    return logits_XV.reshape(Z, J, -1), cache, layer_experts(experts, (Z, J))
 
 
 def _attend(q_XKQD, pk_XKDP, pv_XKPD, k_chunks, v_chunks, pmask_XP, gmask_XC, *, chunks: int, cfg,

@@ -62,6 +62,10 @@ class EngineState:
     steps: jax.Array  # int32 []: loop steps run
     useful: jax.Array  # int32 []: slot-steps that drew a sequence's token
     slot_steps: jax.Array  # int32 []: slot-steps run, busy or idle
+    # A mixture-of-experts model (engine.routing; None for a dense one): each prompt's prefill
+    # experts [Z, Np, P, L, Kx] and each sequence's fed tokens' experts [Z, Rb, M, L, Kx].
+    prompt_experts: jax.Array | None = None
+    experts: jax.Array | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -77,7 +81,7 @@ class EngineLoop:
     lay: EngineLayout
     config: SamplingConfig
     phase_size: int
-    decode: Callable  # (tokens [Z, J], cache, phase=) -> (logits [Z, J, V], cache): slot_decode_step
+    decode: Callable  # (tokens [Z, J], cache, phase=) -> (logits [Z, J, V], cache, experts): slot_decode_step
     mesh: Mesh
 
     def hold(self, x):

@@ -44,6 +44,7 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.pages import private_columns, push_pages
+from grpo_jax.engine.routing import record
 from grpo_jax.engine.paged import (PagedState, admit, count_step, feed, page_needs, resume_paged, seat, start_paged,
                                    take_pages)
 from grpo_jax.episodes.turns import FORCING, PAUSED, emit_tokens
@@ -144,7 +145,10 @@ def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
     waiting_ZJ = active_ZJ & ~ended_ZJ & ~feeding_ZJ  # paused: idle until the host answers
     cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, active_ZJ & ~ended_ZJ, feeding_ZJ, waiting_ZJ)
     feeding_ZJ = feeding_ZJ & ~preempted_ZJ
-    logits_ZJV, cache = feed(loop, tok_ZJ, cache, feeding_ZJ, write_ZJ)
+    logits_ZJV, cache, experts_ZJLK = feed(loop, tok_ZJ, cache, feeding_ZJ, write_ZJ)
+    # Environment tokens and replayed ones too: a replay's routing is what the keys its episode's
+    # later tokens attend came from (as the paged engine's recompute), so it replaces the first one.
+    st = st.replace(experts=record(st.experts, experts_ZJLK, seq_ZJ, t_ZJ, feeding_ZJ))
     gone_ZJ = ended_ZJ | preempted_ZJ
 
     # A preempted episode leaves as if its token were fed: it replays it on return.

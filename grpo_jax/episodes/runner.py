@@ -39,7 +39,9 @@ from grpo_jax.runtime.sharding import mesh_or_one_device
 class EpisodeBatch:
     """The finished episodes (row r = episode j of example i, r = i*G + j) and their trajectories as
     the engine recorded them: tokens, logprobs [R, T] (T = the trajectory capacity), env bool
-    [R, T] (environment positions), lengths [R], prompt ids/mask [N, P]."""
+    [R, T] (environment positions), lengths [R], prompt ids/mask [N, P]; a mixture-of-experts
+    model's experts (engine.routing) of every token fed, model and environment tokens alike,
+    [R, T, L, Kx], and of the prompts' prefill [N, P, L, Kx] (None for a dense model)."""
 
     episodes: list[Episode]
     tokens: np.ndarray
@@ -49,18 +51,27 @@ class EpisodeBatch:
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
     parks: int = 0  # times an episode left its slot while its environment worked
+    experts: np.ndarray | None = None
+    prompt_experts: np.ndarray | None = None
     engine: dict = dataclasses.field(default_factory=dict)  # the paged engine's counts (`engine.paged.STATS`)
 
     def rows(self, pad_id: int) -> SampleRows:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
         loss), `mask` = the loss mask (1 exactly on model-sampled tokens of every turn), `lengths`
-        (the whole trajectory), `truncated` (a limit ended the episode)."""
+        (the whole trajectory), `truncated` (a limit ended the episode), the experts (0 past each
+        length: a turn cut at a tool call leaves what was fed past the cut there) and each row's
+        prompt's experts."""
         live = np.arange(self.tokens.shape[1])[None] < self.lengths[:, None]
         loss = live & ~self.env
+        routing = {}
+        if self.experts is not None:
+            G = len(self.episodes) // len(self.prompt_ids)
+            routing = {"experts": np.where(live[..., None, None], self.experts, 0).astype(self.experts.dtype),
+                       "prompt_experts": np.repeat(self.prompt_experts, G, axis=0)}
         return SampleRows(tokens=np.where(live, self.tokens, pad_id).astype(np.int32),
                           logprobs=np.where(loss, self.logprobs, 0.0).astype(np.float32),
                           mask=loss.astype(np.int32), lengths=self.lengths.astype(np.int32),
-                          truncated=np.array([ep.truncated for ep in self.episodes], bool))
+                          truncated=np.array([ep.truncated for ep in self.episodes], bool), **routing)
 
     @property
     def failed(self) -> np.ndarray:
@@ -165,7 +176,10 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         st = update(st, *answers.update_args)
     out = {k: np.asarray(x).reshape(len(episodes), *x.shape[2:])  # [Z, Rb, ...] -> episode rows
            for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs), ("env", st.env),
-                        ("lengths", st.engine.lengths))}
+                        ("lengths", st.engine.lengths), ("experts", st.engine.experts)) if x is not None}
+    if st.engine.prompt_experts is not None:  # [Z, Np, P, L, Kx] -> the prompts' rows [N, P, L, Kx]
+        p = np.asarray(st.engine.prompt_experts)
+        out["prompt_experts"] = p.reshape(-1, *p.shape[2:])
     for ep in episodes:
         ep.close()
         if not ep.done:  # the engine ended it: the trajectory's capacity

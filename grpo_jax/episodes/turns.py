@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.continuous import draw_next, refill, start_engine
+from grpo_jax.engine.routing import record
 from grpo_jax.engine.state import EngineState, resume_loop
 
 SAMPLING, FORCING, PAUSED = 0, 1, 2
@@ -107,9 +108,11 @@ def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
     capacity = cache.capacity
     cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ, capacity))
     phase = jnp.max(jnp.where(feeding_ZJ, t_ZJ, 0)) // loop.phase_size
-    logits_ZJV, cache = loop.decode(tok_ZJ, cache, phase=phase)
+    logits_ZJV, cache, experts_ZJLK = loop.decode(tok_ZJ, cache, phase=phase)
     cache = cache.replace(slot_t=jnp.where(feeding_ZJ, t_ZJ + 1, t_ZJ))
     logits_ZJV = jnp.where(feeding_ZJ[..., None], logits_ZJV, st.logits)
+    # The environment's tokens are fed here too: their experts are recorded as the model's are.
+    st = st.replace(experts=record(st.experts, experts_ZJLK, seq_ZJ, t_ZJ, feeding_ZJ))
 
     st, fill_ZJ = refill(loop, st, seq_ZJ, cache, logits_ZJV, ended_ZJ)
     reset_ZJ = fill_ZJ | ended_ZJ

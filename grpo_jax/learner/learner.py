@@ -67,7 +67,8 @@ class Learner:
         adv = self.parallel.advantages(t.rewards)
         batch = Batch(prompt_ids=t.prompt_ids, prompt_mask=t.prompt_mask, completion_ids=t.completion_ids,
                       completion_mask=t.completion_mask, rewards=t.rewards, truncated=t.truncated,
-                      old_logprobs=t.old_logprobs, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std)
+                      old_logprobs=t.old_logprobs, advantages=adv.advantages, valid=adv.valid, zero_std=adv.zero_std,
+                      prompt_experts=t.prompt_experts, completion_experts=t.completion_experts)
         batch, fill = self.parallel.pack(batch)
         t0 = time.perf_counter()
         if self.parallel.teacher is not None:  # on-policy distillation: the teacher scores the tokens

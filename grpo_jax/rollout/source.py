@@ -30,7 +30,7 @@ from grpo_jax.rewards import RewardResult, combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
 from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
-from grpo_jax.engine.draw import SampleRows
+from grpo_jax.engine.draw import SampleRows, left_pad
 from grpo_jax.engine.sampling import engine_metrics, generate_with_stats, pad_prompts
 from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
@@ -50,6 +50,11 @@ class TrainRows:
     rewards: jax.Array  # float32 [R]; NaN = dropped (a failed reward, a filler group)
     truncated: jax.Array  # bool [R]
     old_logprobs: jax.Array  # float32 [R, M]: the behaviour policy's (the sampler's)
+    # A mixture-of-experts policy (None for a dense one): the experts the sampler routed each token
+    # to (engine.routing), [R, P, L, Kx] for the prompt (left-padded as prompt_ids) and [R, M, L, Kx]
+    # for the completion: learner.train_step.Batch's prompt_experts and completion_experts.
+    prompt_experts: jax.Array | None = None
+    completion_experts: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -87,6 +92,21 @@ class InFlight:
     meta: dict
     params: list
     rewind: dict
+
+
+def train_rows(c: Collected, prompt_ids: np.ndarray, prompt_mask: np.ndarray, group_size: int) -> TrainRows:
+    """This host's rows of the loss from the collected groups and their prompts (ids and mask
+    [N, P], one row per group, in the batch's bucket P), as NumPy: each prompt repeated for its G
+    rows; a mixture-of-experts policy's prompt experts moved from the bucket their round sampled
+    them in to P (left-padded, as the ids)."""
+    G = group_size
+    prompt_experts = c.rows.prompt_experts
+    if prompt_experts is not None:
+        prompt_experts = left_pad(prompt_experts, prompt_ids.shape[1])
+    return TrainRows(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
+                     completion_ids=c.rows.tokens, completion_mask=c.rows.mask, rewards=c.rewards,
+                     truncated=c.rows.truncated, old_logprobs=c.rows.logprobs, prompt_experts=prompt_experts,
+                     completion_experts=c.rows.experts)
 
 
 class RolloutSource(StepSource):
@@ -170,9 +190,7 @@ class SyncSampler(RolloutSource):
         """The collected groups on the mesh with their prompts (ids and mask [N, P], one row per
         group), the token count an update reads, and the metrics (with `extra`)."""
         G = self.sampling.group_size
-        rows = TrainRows(prompt_ids=np.repeat(prompt_ids, G, axis=0), prompt_mask=np.repeat(prompt_mask, G, axis=0),
-                         completion_ids=c.rows.tokens, completion_mask=c.rows.mask, rewards=c.rewards,
-                         truncated=c.rows.truncated, old_logprobs=c.rows.logprobs)
+        rows = train_rows(c, prompt_ids, prompt_mask, G)
         prompt_tokens = prompt_mask.sum() * (1 if self.shared_prompt else G)
         tokens = sum_over_shares({"t": prompt_tokens + rows.completion_mask.sum()}, self.share)["t"]
         metrics, pass_rates = self._metrics(c)
@@ -189,7 +207,8 @@ class SyncSampler(RolloutSource):
             step_key(self.rng, step, round_index), mesh=self.sample_mesh)
         if metrics := engine_metrics(stats):
             self._engine_rounds.append(metrics)
-        rows = SampleRows.of(rollout, read=lambda arrays: local_rows(arrays, self.rows))
+        rows = SampleRows.of(rollout, read=lambda arrays: local_rows(arrays, self.rows),
+                             read_prompts=lambda arrays: local_rows(arrays, self.share))
         return self._score(step, round_index, examples, rows, sample_s=time.perf_counter() - t0)
 
     def _prompt_arrays(self, examples) -> tuple[np.ndarray, np.ndarray]:

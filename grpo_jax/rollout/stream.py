@@ -31,7 +31,7 @@ from grpo_jax.engine.draw import SampleRows
 from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
-from grpo_jax.engine.continuous import engine_step, start_engine
+from grpo_jax.engine.continuous import engine_step, rollout_experts, start_engine
 from grpo_jax.engine.paged import paged_step, resume_paged, start_paged
 from grpo_jax.engine.state import resume_loop
 from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
@@ -41,11 +41,13 @@ FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
 
 @functools.lru_cache(maxsize=16)
 def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
-    """(start, advance, outputs), jitted: start(state, ids [N, P], mask, key) -> EngineState (the
+    """(start, advance, outputs, routing), jitted: start(state, ids [N, P], mask, key) -> EngineState (the
     paged engine's PagedState with `sampling.engine: paged`); advance(state, EngineState, steps) ->
     the EngineState after up to `steps` more steps (fewer
     when every sequence is done); outputs(EngineState) -> tokens, logprobs [R, M], lengths,
-    truncated, admitted [R] (rows split over the mesh's batch axes) and the useful slot-steps."""
+    truncated, admitted [R] (rows split over the mesh's batch axes) and the useful slot-steps;
+    routing(EngineState) -> a mixture-of-experts model's experts [R, M, L, Kx] and each row's
+    prompt's experts [R, P, L, Kx] (`Rollout`'s; {} for a dense model)."""
 
     paged = config.engine == "paged"
 
@@ -80,9 +82,17 @@ def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
                 "admitted": admitted_ZR.reshape(Z * Rb)}
         return rows, useful
 
+    def routing(st):
+        out = rollout_experts(st)
+        if out:
+            G = config.group_size
+            out["prompt_experts"] = jnp.repeat(out["prompt_experts"], G, axis=0)
+        return out
+
     rows = {k: batch_sharding(mesh, 2 if k in ("tokens", "logprobs") else 1) for k in FIELDS}
     return (jax.jit(start, in_shardings=(None, batch_sharding(mesh, 2), batch_sharding(mesh, 2), None)),
-            jax.jit(advance, donate_argnums=1), jax.jit(outputs, out_shardings=(rows, replicated(mesh))))
+            jax.jit(advance, donate_argnums=1), jax.jit(outputs, out_shardings=(rows, replicated(mesh))),
+            jax.jit(routing, out_shardings=batch_sharding(mesh, 4)))
 
 
 class EngineStream:
@@ -100,7 +110,7 @@ class EngineStream:
         self.graphdef, self.state = nnx.split(model)
         self.config, self.segment_steps = config, int(segment_steps)
         self.mesh = mesh_or_one_device(mesh, self.state)
-        self.start, self.advance_fn, self.outputs = stream_programs(self.graphdef, config, self.mesh)
+        self.start, self.advance_fn, self.outputs, self.routing = stream_programs(self.graphdef, config, self.mesh)
         self.read = read or (lambda rows: {k: np.asarray(v) for k, v in rows.items()})
         self.st = self.start(self.state, *prompts, rng)
         self.segments = 0
@@ -136,6 +146,15 @@ class EngineStream:
         mask = (np.arange(M)[None] < rows["lengths"][:, None]).astype(np.int32)
         return SampleRows(mask=mask, **rows)
 
+    def routing_rows(self) -> dict:
+        """A mixture-of-experts model's experts of this host's rows, read now: {"experts" [R_h, M, L,
+        Kx], "prompt_experts" [R_h, P, L, Kx]} ({} for a dense model). A finished group's do not
+        change as the stream goes on, so they are read once, at the end (`stream_collect`), not
+        after every segment. Every host must call it (one program over the mesh)."""
+        if self.st.experts is None:
+            return {}
+        return self.read(self.routing(self.st))
+
     @property
     def useful_tokens(self) -> float:
         """Tokens drawn so far by the slots, finished groups or not: this host's share (the count
@@ -165,6 +184,7 @@ def stream_collect(stream: EngineStream, score: Callable[[np.ndarray], Round], *
     batch with NaN rewards). `first`, which reward statistics, health and logged samples describe,
     is the first `num_groups` groups to finish: the policy's samples, but the shorter ones first."""
     rounds: list[Round] = []
+    scored: list[np.ndarray] = []  # the stream's prompts of each round
     kept: list[tuple[Round, int]] = []
     spare: list[tuple[Round, int]] = []
     finished: list[tuple[Round, int]] = []
@@ -176,6 +196,7 @@ def stream_collect(stream: EngineStream, score: Callable[[np.ndarray], Round], *
         if len(new):
             rnd = score(new)
             rounds.append(rnd)
+            scored.append(new)
             uniform = np.asarray(uniform_groups(rnd.scores, group_size))
             for i in range(len(new)):
                 (spare if uniform[i] else kept).append((rnd, i))
@@ -184,6 +205,7 @@ def stream_collect(stream: EngineStream, score: Callable[[np.ndarray], Round], *
             break
     if len(finished) < num_groups:
         raise RuntimeError(f"the engine finished {len(finished)} groups of {num_groups} needed")  # n_cap >= num_groups
+    add_routing(stream, rounds, scored, group_size)
     admitted = stream.admitted_groups
     stats = {"dynamic/rounds": 1.0, "dynamic/segments": float(stream.segments),
              "dynamic/admitted_groups": float(admitted), "dynamic/finished_groups": float(len(finished)),
@@ -192,6 +214,15 @@ def stream_collect(stream: EngineStream, score: Callable[[np.ndarray], Round], *
              "sample_tokens": float(stream.useful_tokens), "sample_s": sample_s}
     return assemble(rounds, kept, spare, num_groups=num_groups, group_size=group_size,
                     first=merge_groups(finished[:num_groups], group_size), stats=stats)
+
+
+def add_routing(stream: EngineStream, rounds: list[Round], prompts: list[np.ndarray], group_size: int) -> None:
+    """Give each round's rows (the groups of the stream's `prompts`, one array per round) their
+    experts, read from the stream once (a mixture-of-experts model; nothing for a dense one)."""
+    routing = stream.routing_rows()
+    for rnd, new in zip(rounds, prompts):
+        rows = np.concatenate([np.arange(i * group_size, (i + 1) * group_size) for i in new])
+        rnd.rows = rnd.rows.replace(**{k: v[rows] for k, v in routing.items()})
 
 
 def merge_groups(groups: list[tuple[Round, int]], group_size: int) -> Round:

@@ -128,6 +128,7 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
     m = runs[2]["mask"].astype(bool)
     np.testing.assert_allclose(runs[2]["logprobs"][m], teacher_forced_rollout(model, rollout)[m], atol=1e-5)
     assert (runs[2]["tokens"][~m] == 0).all() and (runs[2]["logprobs"][~m] == 0).all()
+    assert rollout.experts is None and rollout.prompt_experts is None  # a dense model routes nothing
 
 
 def test_min_new_tokens_holds_in_every_slot(model):
@@ -229,6 +230,7 @@ def test_over_sampling_stops_at_the_informative_groups_it_needs_in_one_pass(mode
         assert stream.engine_stats["preemptions"] > 0
     chosen = [ex.index for ex in c.examples]
     assert len(chosen) == len(set(chosen)) == 3 and set(chosen) <= {1, 2, 5, 6, 7}  # no group twice
+    assert c.rows.experts is None and c.rows.prompt_experts is None  # a dense model's
     assert not np.isnan(c.rewards).any()
     s = c.stats
     assert s["dynamic/kept_groups"] == 3 and s["dynamic/filled_groups"] == 0 and s["dynamic/rounds"] == 1

@@ -115,7 +115,7 @@ def test_a_sampled_rollout_does_not_depend_on_pages_or_slots_and_is_the_continuo
         for key in ("tokens", "mask", "lengths", "truncated"):
             np.testing.assert_array_equal(got[key], want[key], err_msg=f"{key}, {page_size=} {slots=}")
         np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
-    assert preempted > 0
+    assert preempted > 0 and rollout.experts is None and rollout.prompt_experts is None
     m = got["mask"].astype(bool)
     np.testing.assert_allclose(got["logprobs"][m], teacher_forced_rollout(model, rollout)[m], atol=1e-5)
 

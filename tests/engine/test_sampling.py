@@ -203,6 +203,21 @@ def test_malformed_rollout_fails_naming_the_field():
         ({}, dict(prompt_ids=np.zeros((4, 8), np.int32)), "Rollout.prompt_ids"),  # 4 prompts for 6 rows
         ({}, dict(prompt_mask=np.ones((3, 7), np.int32)), "Rollout.prompt_mask"),
     ]
+    # A mixture-of-experts rollout's experts: [N, P, L, Kx] and [R, M, L, Kx], integers, both or neither.
+    moe = good.replace(prompt_experts=np.zeros((3, 8, 2, 2), np.uint8), experts=np.zeros((6, 4, 2, 2), np.uint8))
+    check_rollout(moe, rows=6, max_new_tokens=4)
+
+    def moe_with(**fields):  # every field of the mixture-of-experts rollout, some replaced
+        return vars(moe.replace(**fields))
+
+    cases += [
+        ({}, dict(prompt_experts=moe.prompt_experts), "Rollout.prompt_experts and Rollout.experts"),  # one alone
+        ({}, moe_with(experts=np.zeros((6, 5, 2, 2), np.uint8)), "Rollout.experts"),
+        ({}, moe_with(experts=np.zeros((6, 4, 2), np.uint8)), "Rollout.experts"),
+        ({}, moe_with(prompt_experts=np.zeros((3, 7, 2, 2), np.uint8)), "Rollout.prompt_experts"),
+        ({}, moe_with(prompt_experts=np.zeros((3, 8, 2, 3), np.uint8)), "Rollout.prompt_experts"),
+        ({}, moe_with(experts=np.zeros((6, 4, 2, 2), np.float32)), "Rollout.experts"),
+    ]
     for kwargs, fields, name in cases:
         with pytest.raises(ValueError, match=name.replace(".", r"\.")):
             check_rollout(good.replace(**fields), **{"rows": 6, "max_new_tokens": 4, **kwargs})

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from teacher_forcing import teacher_forced
+from teacher_forcing import assert_same_experts, teacher_forced, teacher_forced_experts, tiny_moe
 
 from grpo_jax import EnvStep
 from grpo_jax.config import GRPOConfig, SamplingConfig
@@ -99,6 +99,7 @@ def test_episodes_run_through_the_engine_token_exact(model):
         np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
     assert finished >= 4
     rows, eps = batch.rows(pad_id=0), batch.episodes
+    assert batch.experts is None and rows.experts is None and rows.prompt_experts is None  # a dense model's
     assert rows.mask.sum() == sum(ep.model_tokens for ep in eps) and not batch.failed.any()
     live = np.arange(rows.tokens.shape[1])[None] < rows.lengths[:, None]
     assert (rows.tokens[~live] == 0).all() and (rows.logprobs[rows.mask == 0] == 0).all()
@@ -113,6 +114,25 @@ def test_episodes_run_through_the_engine_token_exact(model):
                                                      ref_logprobs=lp - 0.1)[0])(lp + 0.05))
     env_positions = live & batch.env
     assert env_positions.sum() > 0 and (grad[env_positions] == 0).all() and (grad[rows.mask == 1] != 0).all()
+
+
+def test_episodes_record_the_experts_of_every_token_fed_the_environments_too():
+    """A mixture-of-experts model's episodes: each trajectory position (model and environment
+    tokens) holds the experts a teacher-forced pass over the whole row routes it to, and so do the
+    rows the batch takes (0 past each trajectory, each row its prompt's experts)."""
+    moe = tiny_moe(len(TOK))
+    batch = run(moe, Scripted)
+    T = batch.tokens.shape[1]
+    live = np.arange(T)[None] < batch.lengths[:, None]
+    assert batch.lengths.max() < T and (live & batch.env).sum() > 0  # every live token was fed; some are the tool's
+    want_prompt, want = teacher_forced_experts(moe, batch.prompt_ids, batch.prompt_mask,
+                                               np.where(live, batch.tokens, 0), group_size=2)
+    assert_same_experts(batch.experts, want, live, "trajectory")
+    assert_same_experts(batch.prompt_experts, want_prompt, batch.prompt_mask.astype(bool), "prompt")
+    rows = batch.rows(pad_id=0)
+    assert rows.experts.dtype == np.uint8 and (rows.experts[~live] == 0).all()
+    np.testing.assert_array_equal(rows.experts[live], batch.experts[live])
+    np.testing.assert_array_equal(rows.prompt_experts, np.repeat(batch.prompt_experts, 2, axis=0))
 
 
 def test_a_failing_environment_costs_only_its_own_episodes_and_tags_end_turns(model):

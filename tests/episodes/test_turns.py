@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from teacher_forcing import teacher_forced
+from teacher_forcing import assert_same_experts, teacher_forced, teacher_forced_experts, tiny_moe
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import Transformer
@@ -90,7 +90,9 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
         ep_end, ep_forced, ep_n, ep_rewind = episode
         st = update(st, release, forced, n, rewind, *((ep_forced, ep_n, ep_end, ep_rewind) if paged else ()))
     out = {k: np.asarray(x)[0] for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs),
-                                            ("env", st.env), ("lengths", st.engine.lengths))}
+                                            ("env", st.env), ("lengths", st.engine.lengths),
+                                            ("experts", st.engine.experts), ("prompt_experts", st.engine.prompt_experts))
+           if x is not None}
     if paged:
         cache = st.engine.cache
         out["pages_back"] = int(cache.nfree[0]) == cache.pool
@@ -166,3 +168,20 @@ def test_episodes_on_pages_are_the_continuous_engines_with_preemption_and_cuts(m
             assert out["answered_out_of_slot"] > 0
         assert_same_episodes(out, want)
         check_trajectories(model, out, ids, mask)
+
+
+def test_episodes_on_pages_record_the_experts_of_every_token_fed_replays_and_environment_tokens_too():
+    """A mixture-of-experts model's episodes on a pool short enough to preempt and replay them, with
+    turns cut: every position of a trajectory, the environment's tokens included, holds the experts a
+    teacher-forced pass over prompt and trajectory routes it to (a replay records its own routing
+    over the first, which a cut's rewind or the pool took back)."""
+    moe = tiny_moe()
+    out, ids, mask, done_turns = run(moe, slots=3, segment=3, cut_at=2, stops=tuple(range(3, 20)), page_size=4,
+                                     kv_cache_bytes=pool_bytes(moe, 4, 1.0))
+    assert set(done_turns.values()) == {2} and out["stats"]["recomputed_tokens"] > 0, out["stats"]
+    check_trajectories(moe, out, ids, mask)
+    live = np.arange(CAPACITY)[None] < out["lengths"][:, None]
+    assert (live & out["env"]).sum() == len(FORCED) * len(out["lengths"])  # every position is fed: none at capacity
+    want_prompt, want = teacher_forced_experts(moe, ids, mask, np.where(live, out["tokens"], 0), group_size=2)
+    assert_same_experts(out["experts"], want, live, "trajectory")
+    assert_same_experts(out["prompt_experts"], want_prompt, mask.astype(bool), "prompt")

@@ -115,3 +115,75 @@ def test_every_step_and_round_gets_its_own_key():
     keys = {tuple(np.asarray(jax.random.key_data(step_key(rng, s, r))).tolist())
             for s in range(1, 4) for r in range(100)}
     assert len(keys) == 300  # step * 64 + round would repeat keys from round 64 on
+
+
+def routed_round(index: int, group_rewards: list[list[float]], bucket: int) -> Round:
+    """`make_round` of a mixture-of-experts policy: row (group i, sample j) routed every completion
+    token to experts 16 * index + G * i + j, its prompt's real tokens (the last i % 3 + 1 slots of
+    this round's prompt bucket) to 128 + 8 * index + i, its padding to 0."""
+    rnd = make_round(index, group_rewards)
+    n, M, L, K = len(group_rewards), rnd.rows.tokens.shape[1], 2, 2
+    row = 16 * index + np.arange(n * G)
+    prompt = np.zeros((n * G, bucket, L, K), np.uint8)
+    for r in range(n * G):
+        i = r // G
+        prompt[r, bucket - (i % 3 + 1):] = 128 + 8 * index + i
+    experts = np.broadcast_to(row[:, None, None, None], (n * G, M, L, K)).astype(np.uint8)
+    rnd.rows = rnd.rows.replace(experts=experts, prompt_experts=prompt)
+    return rnd
+
+
+def test_experts_follow_their_rows_from_rounds_to_the_train_batch():
+    """Dynamic sampling over rounds sampled in different prompt buckets drops uniform groups and
+    fills the batch from later rounds: each row's experts are still its own, its prompt's moved to
+    the batch's bucket; the train rows, placed on a (2, 2, 2) mesh and read back, and the learner's
+    Batch carry them."""
+    from grpo_jax.learner.learner import Learner
+    from grpo_jax.rollout.source import Trajectories, train_rows
+    from grpo_jax.runtime.hosts import local_rows, to_global, whole
+    from grpo_jax.runtime.sharding import make_mesh
+    from grpo_jax.config import MeshConfig
+
+    buckets = [6, 4, 8]
+    rounds = [[SAME, MIXED, NONE], [MIXED, SAME, SAME], [SAME, SAME, MIXED]]
+    c = collect(lambda i: routed_round(i, rounds[i], buckets[i]), num_groups=3, group_size=G, dynamic_sampling=True,
+                max_resample_rounds=5)
+    chosen = groups_of(c)
+    assert chosen == [(0, 1), (1, 0), (2, 2)]
+    for k, (index, i) in enumerate(chosen):
+        rows = slice(k * G, (k + 1) * G)
+        assert (c.rows.experts[rows] == (16 * index + G * i + np.arange(G))[:, None, None, None]).all()
+        assert c.rows.prompt_experts.shape[1] == 8  # the widest round's bucket
+        assert (c.rows.prompt_experts[rows, -(i % 3 + 1):] == 128 + 8 * index + i).all()
+        assert (c.rows.prompt_experts[rows, :-(i % 3 + 1)] == 0).all()
+    # The batch's prompt bucket (the chosen prompts' longest, 3 tokens, fits 4).
+    P = 4
+    prompt_ids = np.zeros((3, P), np.int32)
+    prompt_mask = np.asarray([[0] * (P - (i % 3 + 1)) + [1] * (i % 3 + 1) for _, i in chosen], np.int32)
+    t = train_rows(c, prompt_ids, prompt_mask, G)
+    assert t.prompt_experts.shape == (3 * G, P, 2, 2) and t.completion_experts.shape == (3 * G, 3, 2, 2)
+    np.testing.assert_array_equal(t.prompt_experts[:, -1], c.rows.prompt_experts[:, -1])
+    real = np.repeat(prompt_mask, G, axis=0).astype(bool)
+    assert (t.prompt_experts[~real] == 0).all() and (t.prompt_experts[real] >= 128).all()
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    placed = to_global(t, mesh, whole(3 * G))
+    assert placed.completion_experts.sharding.spec[0] == ("data", "fsdp")  # rows split over 4 shards
+    back = local_rows(placed, whole(3 * G))
+    np.testing.assert_array_equal(back.completion_experts, t.completion_experts)
+    np.testing.assert_array_equal(back.prompt_experts, t.prompt_experts)
+
+    class Parallel:  # what Learner.complete asks of its parallelism, for a plain batch
+        frozen = teacher = None
+
+        def advantages(self, rewards):
+            from grpo_jax.learner.grpo import group_advantages
+            return group_advantages(rewards, G)
+
+        def pack(self, batch):
+            return batch, None
+
+    trajectories = Trajectories(rows=placed, group_size=G, tokens=0, metrics={}, log=None)
+    batch, _ = Learner(Parallel(), num_iterations=1, beta=0.0, max_consecutive_skips=1).complete(trajectories)
+    np.testing.assert_array_equal(np.asarray(batch.completion_experts), t.completion_experts)
+    np.testing.assert_array_equal(np.asarray(batch.prompt_experts), t.prompt_experts)

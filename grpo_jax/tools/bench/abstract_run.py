@@ -33,6 +33,7 @@ from grpo_jax.learner.ppo import init_critic
 from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_trainable
 from grpo_jax.models import Transformer, TransformerConfig
 from grpo_jax.models import load_config as load_model_config
+from grpo_jax.models.moe import expert_dtype
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
@@ -93,7 +94,7 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
     teacher = _teacher(config, mesh)
     parallel = make_parallel(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
                              frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
-    batch = abstract_batch(config)
+    batch = abstract_batch(config, model_config)
     if parallel.packing is not None:
         batch = batch.replace(packing=worst_packing(config, parallel, mesh))
     resident = _resident(config, parallel, state, frozen, batch, mesh)
@@ -170,21 +171,27 @@ def device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def abstract_batch(config: RunConfig) -> Batch:
+def abstract_batch(config: RunConfig, model_config: TransformerConfig) -> Batch:
     """A step's Batch as jax.ShapeDtypeStructs: prompts_per_step x group_size rows, prompts padded to
-    the largest bucket (the worst a step pads to), max_new_tokens completion slots."""
+    the largest bucket (the worst a step pads to), max_new_tokens completion slots; a mixture-of-experts
+    policy's experts of the sampler (engine.routing: what its rollouts carry)."""
     N, G = config.data.prompts_per_step, config.sampling.group_size
     R, P, M = N * G, max(config.sampling.prompt_buckets), config.sampling.max_new_tokens
 
     def sds(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype)
 
+    experts = {}
+    if model_config.is_moe:
+        L, K, dtype = model_config.num_layers, model_config.num_experts_per_tok, expert_dtype(model_config.num_experts)
+        experts = {"prompt_experts": sds((R, P, L, K), dtype), "completion_experts": sds((R, M, L, K), dtype)}
+
     return Batch(prompt_ids=sds((R, P), jnp.int32), prompt_mask=sds((R, P), jnp.int32),
                  completion_ids=sds((R, M), jnp.int32), completion_mask=sds((R, M), jnp.int32),
                  rewards=sds((R,), jnp.float32), advantages=sds((R,), jnp.float32), valid=sds((R,), jnp.bool_),
                  zero_std=sds((N,), jnp.bool_), truncated=sds((R,), jnp.bool_), old_logprobs=sds((R, M), jnp.float32),
                  ref_logprobs=sds((R, M), jnp.float32) if config.grpo.beta > 0 else None,
-                 teacher_logprobs=sds((R, M), jnp.float32) if config.algorithm == "distill" else None)
+                 teacher_logprobs=sds((R, M), jnp.float32) if config.algorithm == "distill" else None, **experts)
 
 
 def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch, mesh) -> dict[str, int]:

@@ -1,0 +1,95 @@
+"""Every engine records a mixture-of-experts model's routing (grpo_jax.engine.routing): the experts of
+each real prompt token (its prefill) and of each completion token when it was fed are those of a
+teacher-forced plain pass over [prompt, completion]; slots no token was fed through hold 0.
+
+- the static engine, with its shared prefill and the reference path that repeats every prompt G times;
+- the continuous engine with slots refilled mid-loop, and its over-sampling stream, whose chosen
+  groups carry the experts of the rows they came from;
+- the paged engine with a pool so short that sequences are preempted and recomputed (the recompute's
+  routing is the one recorded).
+A dense model's rollouts carry none (tests/engine/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from teacher_forcing import assert_same_experts, teacher_forced_experts, tiny_moe
+from test_engine import PROMPTS, M, config, stream_over
+
+from grpo_jax.engine.draw import SampleRows
+from grpo_jax.engine.paged import paged_program
+from grpo_jax.engine.sampling import check_rollout, generate, pad_prompts
+from grpo_jax.engine.pages import page_bytes, pages_needed
+from grpo_jax.runtime.hosts import local_rows, whole
+from grpo_jax.runtime.sharding import one_device_mesh
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return tiny_moe()
+
+
+def sampled(**kw):
+    return config(group_size=2, temperature=1.0, stop_token_ids=tuple(range(3, 30)), **kw)
+
+
+def assert_recorded(model, rollout) -> None:
+    """The rollout's experts are the teacher-forced pass's at every real prompt token and every fed
+    completion token (all but a sequence's last), and 0 at every other completion slot."""
+    check_rollout(rollout, rows=len(PROMPTS) * rollout.group_size, max_new_tokens=M)
+    c = model.config
+    assert rollout.experts.dtype == rollout.prompt_experts.dtype == np.uint8
+    assert rollout.experts.shape[2:] == (c.num_layers, c.num_experts_per_tok)
+    want_prompt, want = teacher_forced_experts(model, rollout.prompt_ids, rollout.prompt_mask, rollout.tokens,
+                                               group_size=rollout.group_size)
+    assert_same_experts(rollout.prompt_experts, want_prompt, np.asarray(rollout.prompt_mask, bool), "prompt")
+    lengths = np.asarray(rollout.lengths)
+    fed = np.arange(M)[None] < lengths[:, None] - 1
+    assert len(set(lengths.tolist())) >= 3 and fed.sum() > 20  # stops at different steps, and max_new_tokens
+    assert_same_experts(rollout.experts, want, fed, "completion")
+    assert (np.asarray(rollout.experts)[~fed] == 0).all()
+
+
+def test_the_static_engine_records_the_experts_of_a_teacher_forced_pass(moe):
+    for share_prefill in (True, False):  # False: every prompt prefilled G times (the reference path)
+        rollout = generate(moe, PROMPTS, sampled(engine="static"), jax.random.key(1), share_prefill=share_prefill)
+        assert rollout.truncated.any()
+        assert_recorded(moe, rollout)
+    # The rows a rollout source scores and collects (this host's: all of them here), each with its prompt's.
+    G, N = rollout.group_size, len(PROMPTS)
+    rows = SampleRows.of(rollout, read=lambda arrays: local_rows(arrays, whole(N * G)),
+                         read_prompts=lambda arrays: local_rows(arrays, whole(N)))
+    np.testing.assert_array_equal(rows.experts, np.asarray(rollout.experts))
+    np.testing.assert_array_equal(rows.prompt_experts, np.repeat(np.asarray(rollout.prompt_experts), G, axis=0))
+
+
+def test_the_continuous_engine_records_them_through_refills_and_over_sampling(moe):
+    cfg = sampled(engine="continuous", slots=3)  # 16 sequences, 3 slots: refilled mid-loop
+    one_shot = generate(moe, PROMPTS, cfg, jax.random.key(5))
+    assert_recorded(moe, one_shot)
+    # Over-sampling (rollout.stream), same key: the chosen groups (uniform ones dropped, the rest in
+    # the order they finished) carry the experts of the rows they came from.
+    stream, c = stream_over(moe, cfg, informative={1, 2, 5, 6, 7}, num_groups=3)
+    G, chosen = cfg.group_size, [ex.index for ex in c.examples]
+    assert not stream.done and chosen[0] > 0  # prompt 0 was set aside: rows moved
+    for g, i in enumerate(chosen):
+        mine, theirs = slice(g * G, (g + 1) * G), slice(i * G, (i + 1) * G)
+        np.testing.assert_array_equal(c.rows.tokens[mine], np.asarray(one_shot.tokens)[theirs])
+        np.testing.assert_array_equal(c.rows.experts[mine], np.asarray(one_shot.experts)[theirs])
+        np.testing.assert_array_equal(c.rows.prompt_experts[mine],
+                                      np.repeat(np.asarray(one_shot.prompt_experts)[i:i + 1], G, axis=0))
+
+
+def test_the_paged_engine_records_the_recomputed_routing_of_preempted_sequences(moe):
+    c = moe.config
+    Tp, most = pages_needed(8, M, 4)
+    pool = (1 + len(PROMPTS) * Tp + int(1.5 * most)) * page_bytes(c.num_layers, c.num_kv_heads, c.head_dim, 4, 4)
+    cfg = sampled(engine="paged", slots=9, page_size=4, kv_cache_bytes=pool)
+    graphdef, state = nnx.split(moe)
+    rollout, stats = paged_program(graphdef, cfg, one_device_mesh())(state, *pad_prompts(PROMPTS, (8,), 0),
+                                                                      jax.random.key(7))
+    assert int(stats["preemptions"]) > 0 and int(stats["recomputed_tokens"]) > 0
+    assert_recorded(moe, rollout)
