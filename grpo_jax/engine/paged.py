@@ -93,7 +93,7 @@ class PagedLoop:
 @functools.lru_cache(maxsize=64)
 def paged_program(graphdef, config: SamplingConfig, mesh: Mesh):
     """The jitted paged engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`
-    with stats `STATS` (int32 scalars), rows split over the mesh's (data, fsdp)."""
+    with stats `STATS` (int32 scalars), rows split over the mesh's (data, fsdp, expert)."""
     def rows(ndim):
         return batch_sharding(mesh, ndim)
 
