@@ -28,6 +28,14 @@ The paged engine (grpo_jax.engine.paged, grpo_jax.engine.pages):
 - Pg page ids per row shard (null page, prompt region, pool); Sg tokens per page (sampling.page_size)
 - Tb page-table columns per slot (ceil((P + M) / Sg)); Tp pages of one prompt (ceil(P / Sg))
 
+Mixture of experts (grpo_jax.models.experts):
+- Ex experts of a layer; Fx an expert's MLP width (moe_intermediate_size); Kx experts per token
+- Nx = X*Kx (token, expert) pairs, one per routing choice
+- Pe devices along the mesh's `expert` axis; Le = Ex / Pe experts held by each (Ex without)
+- Rg rows of a grouped matmul, sorted by expert (the Nx pairs, or a device's Mr received rows)
+- Cb rows a device reserves for each peer in expert parallelism's exchange (Nx: the worst case);
+  Mr = Pe*Cb rows it receives
+
 Multi-turn episodes in the engine's slots (grpo_jax.episodes):
 - U  the most environment tokens one answer may have (environment.max_env_tokens)
 """

@@ -23,7 +23,6 @@ import random
 import jax
 import numpy as np
 import pytest
-from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from grpo_jax import mesh_device_grid
