@@ -26,7 +26,8 @@ With a `mesh` (grpo_jax.runtime.sharding), "ragged" and "gmm" run per device und
 them), the experts over `expert` (Ex / mesh.expert each), Fx over `tensor` where it divides (a psum
 over `tensor` then finishes the down projection), E whole: weights split over `fsdp` along E are
 gathered by XLA at the shard_map's boundary, as a dense layer's are under fsdp (their gradients
-go back reduce-scattered). "dense" is left to the compiler's partitioner.
+are summed over the devices that shared them and split back by the step's out_shardings). "dense"
+is left to the compiler's partitioner.
 
 Expert parallelism (mesh.expert = Pe > 1): each device sorts its Nx local pairs by expert, sends
 each pair's token row to the device holding its expert and gets the expert's output back, with two
