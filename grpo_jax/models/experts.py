@@ -56,7 +56,8 @@ from jax.experimental.pallas.ops.tpu import megablox
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax.models.activations import ACTIVATIONS, activation as apply_activation
+from grpo_jax.models.activations import activation as apply_activation
+from grpo_jax.models.config import ACTIVATIONS
 from grpo_jax.runtime.sharding import BATCH
 
 EXPERT_IMPLS = ("auto", "dense", "ragged", "gmm")

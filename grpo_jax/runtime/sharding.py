@@ -49,12 +49,12 @@ RULES: Mapping[str, str | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
-    "experts": "expert",  # a mixture-of-experts layer's expert axis
-    "expert_mlp": "tensor",  # an expert's MLP width
-    "router": None,  # the router's output (one logit per expert): small, replicated
     "head_dim": None,
     "layers": None,
     "lora_rank": None,  # LoRA adapters: their other axes follow the weight they adapt
+    "experts": "expert",  # a mixture-of-experts layer's experts (models.experts runs them where they are)
+    "expert_mlp": "tensor",
+    "router": None,
 }
 
 
