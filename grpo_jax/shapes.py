@@ -20,13 +20,21 @@ GRPO batches (grpo_jax.rollout, grpo_jax.learner):
 - M  completion tokens (the sampler's max_new_tokens)
 
 The continuous engine (grpo_jax.engine.continuous, grpo_jax.engine.slots):
-- Z  row shards (the mesh's data x fsdp; 1 without a mesh), each with its own prompts, queue and slots
+- Z  row shards (the mesh's data x fsdp x expert; 1 without a mesh), each with its own prompts, queue and slots
 - J  decode slots per shard; Np prompts per shard; Rb = Np*G sequences per shard
 - Mc a slot's capacity of fed tokens (max_new_tokens - 1, rounded up to whole attention phases)
 
 The paged engine (grpo_jax.engine.paged, grpo_jax.engine.pages):
 - Pg page ids per row shard (null page, prompt region, pool); Sg tokens per page (sampling.page_size)
 - Tb page-table columns per slot (ceil((P + M) / Sg)); Tp pages of one prompt (ceil(P / Sg))
+
+Mixture of experts (grpo_jax.models.experts):
+- Ex experts of a layer; Fx an expert's MLP width (moe_intermediate_size); Kx experts per token
+- Nx = X*Kx (token, expert) pairs, one per routing choice
+- Pe devices along the mesh's `expert` axis; Le = Ex / Pe experts held by each (Ex without)
+- Rg rows of a grouped matmul, sorted by expert (the Nx pairs, or a device's Mr received rows)
+- Cb rows a device reserves for each peer in expert parallelism's exchange (Nx: the worst case);
+  Mr = Pe*Cb rows it receives
 
 Multi-turn episodes in the engine's slots (grpo_jax.episodes):
 - U  the most environment tokens one answer may have (environment.max_env_tokens)

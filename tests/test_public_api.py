@@ -109,10 +109,10 @@ def test_mesh_device_grid_by_keyword():
     from grpo_jax import mesh_device_grid
     from grpo_jax.config import MeshConfig
 
-    # One process of 8 CPU devices: their own order, shaped [data, fsdp, tensor] with -1 resolved.
-    # (Pod layouts with fake devices: tests/runtime/test_mesh_grid.py.)
+    # One process of 8 CPU devices: their own order, shaped [data, fsdp, expert, tensor] with -1
+    # resolved. (Pod layouts with fake devices: tests/runtime/test_mesh_grid.py.)
     grid = mesh_device_grid(mesh_config=MeshConfig(data=2, fsdp=-1, tensor=2), devices=jax.devices())
-    assert isinstance(grid, np.ndarray) and grid.shape == (2, 2, 2) and list(grid.flat) == jax.devices()
+    assert isinstance(grid, np.ndarray) and grid.shape == (2, 2, 1, 2) and list(grid.flat) == jax.devices()
 
 
 def test_group_advantages_by_keyword():

@@ -45,7 +45,7 @@ class SamplingConfig:
     # longest is done, one uniform per step for all rows (how runs before round 4 sampled).
     engine: Engine = "paged"
     slots: int = 0
-    # The paged engine's cache per row shard (data x fsdp), in bytes: every page, the prompts' and the
+    # The paged engine's cache per row shard (data x fsdp x expert), in bytes: every page, the prompts' and the
     # sequences'. 0 = what the continuous engine reserves (every slot can hold a max-length sequence).
     # Bytes, not pages, so two models or page sizes compare at equal memory.
     kv_cache_bytes: int = 0

@@ -150,18 +150,21 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Device mesh sizes along `data`, `fsdp`, `tensor` (see grpo_jax.runtime.sharding); -1 = the rest.
-    By default every device is used, fully sharded (`fsdp: -1`, as MaxText does); an unset `fsdp`
-    is 1 when another axis takes the rest (`data: -1` alone is data parallelism)."""
+    """Device mesh sizes along `data`, `fsdp`, `expert`, `tensor` (see grpo_jax.runtime.sharding);
+    -1 = the rest. By default every device is used, fully sharded (`fsdp: -1`, as MaxText does); an
+    unset `fsdp` is 1 when another axis takes the rest (`data: -1` alone is data parallelism).
+    `expert`: expert parallelism for mixture-of-experts models (each device holds 1/expert of the
+    experts; batch rows are split over it as over data and fsdp)."""
 
     data: int = 1
-    fsdp: int | None = None  # None: -1, or 1 when data or tensor is -1
+    fsdp: int | None = None  # None: -1, or 1 when data, expert or tensor is -1
+    expert: int = 1
     tensor: int = 1
 
     def __post_init__(self):
         if self.fsdp is None:
-            object.__setattr__(self, "fsdp", 1 if -1 in (self.data, self.tensor) else -1)
-        sizes = (self.data, self.fsdp, self.tensor)
+            object.__setattr__(self, "fsdp", 1 if -1 in (self.data, self.expert, self.tensor) else -1)
+        sizes = (self.data, self.fsdp, self.expert, self.tensor)
         if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
             raise ValueError(f"mesh sizes must be positive, with at most one -1, got {sizes}")
 

@@ -20,7 +20,7 @@ With a slot for every sequence nothing can be refilled: the call runs the lock-s
 (grpo_jax.engine.lockstep), which reads each prompt once per group, with the same draws.
 
 Sequences: R = N x G, row r = i*G + j (sample j of prompt i), as the static engine's. They are
-admitted in row order; with a mesh the rows (prompts and slots) are split into Z = data x fsdp
+admitted in row order; with a mesh the rows (prompts and slots) are split into Z = data x fsdp x expert
 shards, each with its own queue of its own prompts' sequences and its own `slots / Z` slots, so a
 slot only ever reads prompts on its own devices.
 
@@ -60,7 +60,7 @@ from grpo_jax.runtime.sharding import batch_sharding, replicated
 def continuous_program(graphdef, config: SamplingConfig, mesh: Mesh):
     """The jitted engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`, with
     stats = {"steps", "slot_steps", "useful_slot_steps", "prefill_rows"} (int32 scalars); rows
-    split over the mesh's (data, fsdp) in and out, the model state where it was placed (one device:
+    split over the mesh's (data, fsdp, expert) in and out, the model state where it was placed (one device:
     a 1x1x1 mesh, `runtime.sharding.one_device_mesh`)."""
     fn = functools.partial(_engine, graphdef, config=config, mesh=mesh)
     rows = batch_sharding(mesh, 2)

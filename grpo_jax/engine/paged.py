@@ -100,7 +100,7 @@ class PagedLoop:
 @functools.lru_cache(maxsize=64)
 def paged_program(graphdef, config: SamplingConfig, mesh: Mesh):
     """The jitted paged engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`
-    with stats `STATS` (int32 scalars), rows split over the mesh's (data, fsdp)."""
+    with stats `STATS` (int32 scalars), rows split over the mesh's (data, fsdp, expert)."""
     rows = batch_sharding(mesh, 2)
     stats = {k: replicated(mesh) for k in STATS}
     return jax.jit(functools.partial(_engine, graphdef, config=config, mesh=mesh),

@@ -82,8 +82,8 @@ def generate(model: Transformer, prompts, config: SamplingConfig, rng: jax.Array
     path that repeats every prompt G times before prefill; it exists to test and benchmark the
     shared path and gives the same rollout.
 
-    With a `mesh` (grpo_jax.runtime.sharding), prompts and every output row are split over (data, fsdp)
-    (N must be a multiple of data x fsdp), the KV cache rows follow, and the model's parameters
+    With a `mesh` (grpo_jax.runtime.sharding), prompts and every output row are split over (data, fsdp, expert)
+    (N must be a multiple of data x fsdp x expert), the KV cache rows follow, and the model's parameters
     keep the shardings they were placed with; all of it stays on device inside the loop. Without
     one, the call runs on the 1x1x1 mesh of the model's device (`one_device_mesh`). On several
     hosts, pass either the same host arrays on every host or global arrays built from each host's
@@ -216,7 +216,7 @@ def _check(field: str, assertion, *args) -> None:
 @functools.lru_cache(maxsize=64)
 def static_program(graphdef, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
     """The jitted static engine `generate` runs on `mesh`: `(model state, ids [N, P], mask [N, P],
-    key) -> Rollout`, rows split over (data, fsdp), the model state where it was placed. Its `.lower` with
+    key) -> Rollout`, rows split over (data, fsdp, expert), the model state where it was placed. Its `.lower` with
     jax.ShapeDtypeStructs (each state leaf carrying its sharding) shows its memory before any
     parameter exists (`grpo-jax bench memory`)."""
     rows = batch_sharding(mesh, 2)

@@ -1,7 +1,7 @@
 """The continuous engine's key/value cache: decode slots with their own generated blocks, and the
 prompts' blocks shared through an indirection (grpo_jax.engine.continuous runs the loop).
 
-Layout. The engine's rows are split into Z shards (the mesh's data x fsdp row shards; 1 without a
+Layout. The engine's rows are split into Z shards (the mesh's data x fsdp x expert row shards; 1 without a
 mesh), each with its own J decode slots and its own Np prompts, so every index below is local to a
 shard and no lookup crosses devices. Per layer:
 - the prompt block [Z, Np, K, D, P] (keys) / [Z, Np, K, P, D] (values), written once by the prefill

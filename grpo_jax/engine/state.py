@@ -36,7 +36,7 @@ def engine_layout(num_prompts: int, config: SamplingConfig, mesh: Mesh) -> Engin
     the mesh's row shards, rounded up, and never more per shard than the shard has sequences."""
     Z = rows_per_shard(mesh)
     if num_prompts % Z:
-        raise ValueError(f"{num_prompts} prompts do not split over data x fsdp = {Z} row shards")
+        raise ValueError(f"{num_prompts} prompts do not split over data x fsdp x expert = {Z} row shards")
     Np = num_prompts // Z
     Rb = Np * config.group_size
     J = Rb if config.slots == 0 else min(Rb, -(-config.slots // Z))

@@ -148,7 +148,7 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     the trajectories are the same either way. `padding`: the last examples only fill a fixed shape;
     their episodes are failed without opening: no environment call, and their slots are freed at the
     host's first look (at most one segment of decoding). `mesh`: the engine's slots split over its
-    row shards (data x fsdp; the model placed on it), on one host."""
+    row shards (data x fsdp x expert; the model placed on it), on one host."""
     G = config.group_size
     limits = dataclasses.replace(limits, max_prompt_tokens=min(limits.max_prompt_tokens or 1 << 62,
                                                                max(config.prompt_buckets)))

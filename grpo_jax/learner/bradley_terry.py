@@ -71,7 +71,7 @@ def make_steps(graphdef, optimizer, mesh, state: TrainState, *, lm_coef: float =
     """(train step, scoring step), jitted once. The train step is the step factory's with
     `pair_loss` (`train(state, (ids, mask, margin, answer_start)) -> (state, metrics)`): the state
     keeps the shardings it has (params as `place_model` gave them, Adam's moments made from them,
-    the rest replicated: `on_mesh`) and is donated, the pairs' rows are split over data x fsdp.
+    the rest replicated: `on_mesh`) and is donated, the pairs' rows are split over data x fsdp x expert.
     `score(params, ids, mask) -> (r_chosen, r_rejected)`."""
     def score_step(params, ids, mask):
         return pair_scores(nnx.merge(graphdef, params), ids, mask)[:2]

@@ -80,7 +80,7 @@ def plan_packing(prompt_len: np.ndarray, completion_len: np.ndarray, *, length: 
     """First-fit-decreasing bins of `length` tokens for each (micro-batch, shard) of R rows.
 
     The rows a pass sees together are those of one micro-batch on one shard: the batch's rows are
-    split over `shards` in contiguous blocks (the mesh's data x fsdp, or pmap's devices), and each
+    split over `shards` in contiguous blocks (the mesh's data x fsdp x expert, or pmap's devices), and each
     block into `micro_batches` interleaved runs of `unit` rows (`micro_batches.split_micro_batches`).
     Each such set is packed on its own into the same number of bins (the most any set needs, rounded
     up to a sixteenth of its rows to bound the compiled shapes): under jit a micro-batch's bins are those of

@@ -1,14 +1,14 @@
 """How a run spreads over its devices, chosen once from the config (`make_parallel`), the only
 place that asks which mode a run is in.
 
-- `parallelism: jit` (`MeshParallel`): one (data, fsdp, tensor) mesh for sampling and training;
+- `parallelism: jit` (`MeshParallel`): one (data, fsdp, expert, tensor) mesh for sampling and training;
   the train state is placed by the logical-axis rules (grpo_jax.runtime.sharding) and the train
   step is jitted with explicit in/out shardings.
 - `parallelism: pmap` (`PmapParallel`): pure data parallelism on one host; the train state is
   replicated on every local device and the same `train_step` runs under `jax.pmap` with the batch's
   rows split across devices. Sampling runs on a data-only mesh over the same devices.
 
-Either way a batch enters `step` as global arrays on `mesh` (rows split over data x fsdp), the
+Either way a batch enters `step` as global arrays on `mesh` (rows split over data x fsdp x expert), the
 steps that complete a batch (`advantages`, `ref_logprobs`) run jitted on that mesh, and every step
 and sharding is built when the object is (from the run's initial state), none on first use.
 `place` puts a train state where `step` wants it, `unplace` gives one copy back (for
@@ -163,7 +163,7 @@ class Parallel(abc.ABC):
 
 
 class MeshParallel(Parallel):
-    """jit on the (data, fsdp, tensor) mesh; the state sharded by the logical-axis rules."""
+    """jit on the (data, fsdp, expert, tensor) mesh; the state sharded by the logical-axis rules."""
 
     def __init__(self, config, mesh, graphdef, optimizer, state, **kwargs):
         super().__init__(config, mesh, graphdef, optimizer, state, **kwargs)

@@ -136,7 +136,7 @@ def make_step(loss_of: Callable[[Any], MicroLoss], optimizer: optax.GradientTran
               state_shardings, micro_batches: int = 1, unit: int = 1, seed: int = 0):
     """`step(state, batch) -> (state, metrics)`: `loss_step` jitted once on `mesh`, the state
     keeping `state_shardings` (a pytree prefix of a TrainState) with its buffers donated, the rows
-    of every array of the batch (a pytree) split over (data, fsdp), the metrics replicated.
+    of every array of the batch (a pytree) split over (data, fsdp, expert), the metrics replicated.
 
     `loss_of(batch) -> micro_loss(trainable, micro_batch, key) -> (loss, sums)` (`MicroLoss`): a
     loss divided by what the whole batch fixes gives the same update for any `micro_batches`."""

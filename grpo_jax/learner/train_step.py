@@ -265,7 +265,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: G
                     state_shardings, frozen_shardings=None, **step_kw):
     """`train_step` jitted once on `mesh` with explicit shardings: the state keeps `state_shardings`
     (see `grpo_jax.runtime.sharding.place_train_state`) and its buffers are donated, the batch's rows
-    are split over (data, fsdp), the frozen parameters (a LoRA base) keep `frozen_shardings`, the
+    are split over (data, fsdp, expert), the frozen parameters (a LoRA base) keep `frozen_shardings`, the
     metrics come back replicated; activations keep the batch's rows split (`row_sharding`).
     `step_kw`: `bind_train_step`'s."""
     step = bind_train_step(graphdef, optimizer, config, row_sharding=batch_sharding(mesh, 1), **step_kw)
@@ -290,8 +290,8 @@ def advantages_step(rewards: jax.Array, *, group_size: int, config: GRPOConfig) 
 
 
 def make_advantages_step(group_size: int, config: GRPOConfig, *, mesh: Mesh):
-    """`advantages_step` jitted once on `mesh`, rewards and every output split over (data, fsdp)
-    (N prompts must split over data x fsdp, which a run checks before compiling)."""
+    """`advantages_step` jitted once on `mesh`, rewards and every output split over (data, fsdp, expert)
+    (N prompts must split over data x fsdp x expert, which a run checks before compiling)."""
     step = functools.partial(advantages_step, group_size=group_size, config=config)
     rows = batch_sharding(mesh, 1)
     return sharded_jit(step, in_shardings=rows, out_shardings=GroupAdvantages(advantages=rows, valid=rows, zero_std=rows))
@@ -338,7 +338,7 @@ def make_ref_logprobs_step(graphdef, *, mesh: Mesh, params_shardings, logprob_ch
                            replay: bool = True):
     """`ref_logprobs_step` jitted once on `mesh`: the reference params keep `params_shardings` and
     the rows of every input (a packing plan's too), of the activations and of the output are split
-    over (data, fsdp)."""
+    over (data, fsdp, expert)."""
     step = functools.partial(ref_logprobs_step, graphdef=graphdef, logprob_chunk=logprob_chunk,
                              temperature=temperature, group_size=group_size, micro_batches=micro_batches,
                              row_sharding=batch_sharding(mesh, 1), replay=replay)

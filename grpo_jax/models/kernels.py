@@ -78,7 +78,7 @@ def splash_attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
     Supports GQA, causal masking with S >= T, a sliding `window` (by index distance: see the module
     docstring; positions are not read), `softcap`. Parent ids cannot be expressed with the kernel's
     equality segment ids: ValueError. Lengths are padded to whole blocks of 128 internally. `mesh`:
-    run under shard_map (rows over data x fsdp, heads over tensor). Differentiable (the kernel's own
+    run under shard_map (rows over data x fsdp x expert, heads over tensor). Differentiable (the kernel's own
     custom vjp: a dk/dv kernel and a dq kernel, memory linear in the length).
     """
     del q_positions, kv_positions  # the window is index distance (module docstring)
@@ -154,7 +154,7 @@ def _on_mesh(run, mesh, q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS) -> jax.Arra
     K = k_BSKD.shape[2]
     row_shards = math.prod(mesh.shape[a] for a in BATCH)
     if B % row_shards:
-        raise ValueError(f"attention kernel on a mesh: {B} rows do not split over data x fsdp = {row_shards} "
+        raise ValueError(f"attention kernel on a mesh: {B} rows do not split over data x fsdp x expert = {row_shards} "
                          "shards; make the batch a multiple of it")
     tensor = mesh.shape["tensor"]
     heads = "tensor" if H % tensor == 0 and K % tensor == 0 else None

@@ -45,7 +45,7 @@ def repeat_fields(examples: Sequence, group_size: int) -> dict[str, list]:
 
 def prompts_per_call(num_prompts: int, mesh: Mesh, chunk: int = 64) -> int:
     """The prompts of one `generate` call of `evaluate` over `num_prompts`: at most `chunk`, rounded
-    up to split evenly over data x fsdp (the last chunk is padded with repeats)."""
+    up to split evenly over data x fsdp x expert (the last chunk is padded with repeats)."""
     return round_to_row_shards(min(chunk, num_prompts), mesh)
 
 

@@ -41,7 +41,7 @@ from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_
 @flax.struct.dataclass
 class TrainRows:
     """What the loss reads of a step's finished groups: global arrays on the mesh, rows split over
-    data x fsdp (grpo_jax.learner.learner completes them into the train step's Batch)."""
+    data x fsdp x expert (grpo_jax.learner.learner completes them into the train step's Batch)."""
 
     prompt_ids: jax.Array  # int32 [R, P], left-padded
     prompt_mask: jax.Array  # int32 [R, P]

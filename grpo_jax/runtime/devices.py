@@ -35,17 +35,17 @@ def check_devices(config: RunConfig) -> None:
             raise ConfigError(f"mesh: a multi-host mesh must use all {len(pool)} learner devices of the "
                               f"{jax.process_count()} processes, this one uses {used}; use -1 for one axis")
     if config.parallelism == "pmap":
-        if config.mesh not in (MeshConfig(), MeshConfig(data=1, fsdp=1, tensor=1)):
+        if config.mesh not in (MeshConfig(), MeshConfig(data=1, fsdp=1, expert=1, tensor=1)):
             raise ConfigError("parallelism: pmap replicates the model on every local device; it takes no mesh.* "
-                              "settings (leave the mesh section out) -- use parallelism: jit for fsdp/tensor "
-                              "sharding")
+                              "settings (leave the mesh section out) -- use parallelism: jit for fsdp/expert/"
+                              "tensor sharding")
         ways = jax.local_device_count()
     else:
         try:
-            data, fsdp, _ = mesh_shape(config.mesh, len(mesh_devices(config.mesh, pool)))
+            data, fsdp, expert, _ = mesh_shape(config.mesh, len(mesh_devices(config.mesh, pool)))
         except ValueError as e:
             raise ConfigError(f"mesh: {e}") from None
-        ways = data * fsdp
+        ways = data * fsdp * expert
         samplers = config.rollout.sampler_devices
         if samplers and config.data.prompts_per_step % samplers:
             raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} must be a multiple of "
@@ -53,7 +53,8 @@ def check_devices(config: RunConfig) -> None:
     if config.data.prompts_per_step % ways:
         raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} must be a multiple of the "
                           f"{ways} ways the batch is split ({config.parallelism}: "
-                          + ("local devices)" if config.parallelism == "pmap" else "mesh.data x mesh.fsdp)"))
+                          + ("local devices)" if config.parallelism == "pmap"
+                             else "mesh.data x mesh.fsdp x mesh.expert)"))
     rows = config.data.prompts_per_step * config.sampling.group_size // ways
     try:
         check_micro_batches(rows, config.train.micro_batches, f"each of the {ways} batch shards")
@@ -90,7 +91,7 @@ def device_split(config: RunConfig) -> tuple[list, list]:
 
 def run_mesh(config: RunConfig):
     """The mesh a run trains on (and samples on, without `rollout.sampler_devices`): jit mode's
-    (data, fsdp, tensor) mesh over the learner's devices, or for pmap a data-only mesh over the
+    (data, fsdp, expert, tensor) mesh over the learner's devices, or for pmap a data-only mesh over the
     local devices (the sampler's; the update itself is pmapped)."""
     if config.parallelism == "pmap":
         devices = jax.local_devices()
@@ -102,7 +103,7 @@ def sampler_mesh(config: RunConfig):
     """The sampler's own mesh (`rollout.sampler_devices`: data-parallel over its devices, the
     weights replicated), or None when it samples on the learner's mesh."""
     devices = device_split(config)[0]
-    return make_mesh(MeshConfig(data=len(devices), fsdp=1, tensor=1), devices) if devices else None
+    return make_mesh(MeshConfig(data=len(devices), fsdp=1, expert=1, tensor=1), devices) if devices else None
 
 
 def device_memory_bytes() -> tuple[int, str]:

@@ -4,7 +4,7 @@ JAX's multi-controller model: every process runs the same program on its own dev
 `jax.Array` spans all of them and each process only holds (and can only read) its addressable
 shards. The trainer keeps the data path per host:
 
-- A batch of `total` rows is split over the mesh's batch axes (data, fsdp). `row_share` says
+- A batch of `total` rows is split over the mesh's batch axes (data, fsdp, expert). `row_share` says
   which contiguous block of those rows this process's devices hold. Processes whose devices hold
   the same block (a `tensor` axis that spans hosts) form one share and compute the same thing.
 - Each host loads and formats only the prompts of its block (the data sampler is sharded by share,
@@ -69,7 +69,7 @@ class RowShare:
 
 
 def row_share(mesh: Mesh, total: int, process: int | None = None) -> RowShare:
-    """This process's block of a `total`-row batch whose rows are split over (data, fsdp); or the
+    """This process's block of a `total`-row batch whose rows are split over (data, fsdp, expert); or the
     block of process `process` (every host knows every device's process, so any block can be
     computed anywhere, and fake devices can stand in for a pod's)."""
     process = jax.process_index() if process is None else process
@@ -85,7 +85,7 @@ def row_share(mesh: Mesh, total: int, process: int | None = None) -> RowShare:
     if covered != size or total % size or start % size:
         raise ValueError(f"process {process} holds rows {spans} of {total}: not one aligned contiguous "
                          "block. Build the mesh with sharding.make_mesh (its device order keeps each host's "
-                         "devices adjacent along (data, fsdp))")
+                         "devices adjacent along (data, fsdp, expert))")
     return RowShare(start, stop, total)
 
 
@@ -94,7 +94,7 @@ def whole(total: int) -> RowShare:
 
 
 def to_global(tree, mesh: Mesh, share: RowShare):
-    """Global arrays with rows split over (data, fsdp) from this host's rows [share.start, share.stop).
+    """Global arrays with rows split over (data, fsdp, expert) from this host's rows [share.start, share.stop).
     A leaf's leading axis is share.size, or share.size / f for values of groups of f rows (a
     prompt's). No host sends or sees another host's rows."""
     def one(x):

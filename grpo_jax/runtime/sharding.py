@@ -1,11 +1,16 @@
 """The device mesh, and the rules that map the model's logical axes onto it.
 
-Mesh axes (always these three, in this order; size 1 is fine and goes through the same code):
+Mesh axes (always these four, in this order; size 1 is fine and goes through the same code):
 - `data`: data parallelism. Batch rows are split; parameters are replicated along it.
 - `fsdp`: fully sharded data parallelism (ZeRO-3). Batch rows are split along it too, and
   parameters are split along their `embed` dimension, gathered by XLA where a layer uses them.
-- `tensor`: model (Megatron) parallelism. Parameters are split along `heads`, `kv_heads`, `mlp`
-  and `vocab`; activations follow.
+- `expert`: expert parallelism (mixture-of-experts models). Parameters are split along `experts`
+  (each device holds Ex / expert of them, whole); batch rows are split along it too, so for the
+  model's dense parts it is more data parallelism (as in MaxText and DeepSpeed-MoE), and the
+  experts' layers exchange tokens over it (grpo_jax.models.experts).
+- `tensor`: model (Megatron) parallelism. Parameters are split along `heads`, `kv_heads`, `mlp`,
+  `expert_mlp` and `vocab`; activations follow. Last, so a row's `tensor` devices are neighbours
+  (one host).
 
 Axis types: Auto. Shardings are given at the jit boundary (in_shardings / out_shardings) and
 GSPMD propagates them through the step; ops inside do not carry shardings in their types
@@ -34,8 +39,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import MeshConfig
 
-AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")  # rows of every batch and rollout are split over both
+AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+BATCH = ("data", "fsdp", "expert")  # rows of every batch and rollout are split over all three
 
 # Logical axis name -> mesh axis (None = replicated).
 RULES: Mapping[str, str | None] = {
@@ -47,31 +52,32 @@ RULES: Mapping[str, str | None] = {
     "head_dim": None,
     "layers": None,
     "lora_rank": None,  # LoRA adapters: their other axes follow the weight they adapt
-    "experts": None,
+    "experts": "expert",  # a mixture-of-experts layer's experts (models.experts runs them where they are)
     "expert_mlp": "tensor",
     "router": None,
 }
 
 
-def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """Sizes of (data, fsdp, tensor) with -1 resolved to the remaining devices."""
-    sizes = [config.data, config.fsdp, config.tensor]
+def mesh_shape(config: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """Sizes of (data, fsdp, expert, tensor) with -1 resolved to the remaining devices."""
+    sizes = [config.data, config.fsdp, config.expert, config.tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
             raise ValueError(f"mesh {tuple(sizes)}: {num_devices} devices are not divisible by {known}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} = {math.prod(sizes)} devices, "
+        named = " x ".join(f"{a}={n}" for a, n in zip(AXES, sizes))
+        raise ValueError(f"mesh {named} = {math.prod(sizes)} devices, "
                          f"but {num_devices} are available; make the product match or use -1 for one axis")
     return tuple(sizes)
 
 
 def mesh_devices(config: MeshConfig, pool: Sequence[jax.Device] | None = None) -> list[jax.Device]:
     """The devices a mesh config asks for out of `pool` (default: every device): all of them when a
-    size is -1, else the first data x fsdp x tensor (a (1, 1, 1) mesh on an 8-device host uses one
-    device)."""
-    sizes = (config.data, config.fsdp, config.tensor)
+    size is -1, else the first data x fsdp x expert x tensor (a (1, 1, 1, 1) mesh on an 8-device
+    host uses one device)."""
+    sizes = (config.data, config.fsdp, config.expert, config.tensor)
     devices = list(jax.devices() if pool is None else pool)
     if -1 in sizes:
         return devices
@@ -82,15 +88,15 @@ def mesh_devices(config: MeshConfig, pool: Sequence[jax.Device] | None = None) -
 
 
 def mesh_device_grid(mesh_config: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
-    """The order a run's mesh puts `devices` in: an object array [data, fsdp, tensor] of them.
+    """The order a run's mesh puts `devices` in: an object array [data, fsdp, expert, tensor] of them.
 
-    Batch rows are split over (data, fsdp), row shard `d * fsdp + f`. With devices of several
-    processes, each process's devices are one contiguous, equal-sized block of those row shards
-    (processes in `process_index` order), with a row's `tensor` devices on one host; a `tensor`
-    axis larger than a host spans consecutive processes, which then share a block. This is what
-    `hosts.row_share` needs to give each host its own rows of every batch. Within a process (and
-    with one process) the order is JAX's `create_device_mesh`: ICI neighbours by torus coordinates
-    on TPU, the given order on CPU.
+    Batch rows are split over (data, fsdp, expert), row shard `(d * fsdp + f) * expert + e`. With
+    devices of several processes, each process's devices are one contiguous, equal-sized block of
+    those row shards (processes in `process_index` order), with a row's `tensor` devices on one
+    host; a `tensor` axis larger than a host spans consecutive processes, which then share a block.
+    This is what `hosts.row_share` needs to give each host its own rows of every batch. Within a
+    process (and with one process) the order is JAX's `create_device_mesh`: ICI neighbours by torus
+    coordinates on TPU, the given order on CPU.
 
     `jax.make_mesh` alone orders a multi-host TPU slice by torus coordinates, which scatters each
     host's chips over the rows. Anything with JAX's device attributes (`id`, `process_index`,
@@ -105,7 +111,7 @@ def mesh_device_grid(mesh_config: MeshConfig, devices: Sequence[jax.Device]) -> 
     if len(by_process) == 1:
         return _ici_grid(shape, devices)
     hosts = [by_process[p] for p in sorted(by_process)]
-    local, tensor = len(hosts[0]), shape[2]
+    local, tensor = len(hosts[0]), shape[3]
     if any(len(h) != local for h in hosts):
         raise ValueError(f"processes hold {sorted({len(h) for h in hosts})} devices each; a mesh over several "
                          "processes needs the same number of devices from every process")
@@ -126,21 +132,21 @@ def _ici_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes), in the
-    host-aware order of `mesh_device_grid`."""
+    """A (data, fsdp, expert, tensor) mesh over `devices` (default: all devices of all processes),
+    in the host-aware order of `mesh_device_grid`."""
     devices = list(jax.devices() if devices is None else devices)
-    return Mesh(mesh_device_grid(config, devices), AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(mesh_device_grid(config, devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 @functools.lru_cache(maxsize=None)
 def one_device_mesh(device: jax.Device | None = None) -> Mesh:
-    """The 1x1x1 mesh of one `device` (default: this process's first): a call without a mesh runs
+    """The 1x1x1x1 mesh of one `device` (default: this process's first): a call without a mesh runs
     on it, through the same code as on any mesh."""
-    return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), [device or jax.local_devices()[0]])
+    return make_mesh(MeshConfig(data=1, fsdp=1, expert=1, tensor=1), [device or jax.local_devices()[0]])
 
 
 def mesh_or_one_device(mesh: Mesh | None, tree) -> Mesh:
-    """What a public entry's `mesh=None` means: `mesh` when given, else the 1x1x1 mesh of the one
+    """What a public entry's `mesh=None` means: `mesh` when given, else the 1x1x1x1 mesh of the one
     device `tree`'s arrays (a model's state) are on (this process's first when none is placed).
     Arrays on several devices were placed on a mesh: it must be passed."""
     if mesh is not None:
@@ -248,7 +254,7 @@ def init_on_host(make: Callable[[], nnx.Module]) -> nnx.Module:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-    """Rows split over (data, fsdp); the other dimensions whole."""
+    """Rows split over (data, fsdp, expert); the other dimensions whole."""
     return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))
 
 
@@ -257,12 +263,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def rows_per_shard(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """The row shards a batch is split into: data x fsdp x expert."""
+    return math.prod(mesh.shape[a] for a in BATCH)
 
 
 def round_to_row_shards(rows: int, mesh: Mesh | None) -> int:
-    """`rows` rounded up to a multiple of the mesh's row shards (data x fsdp), so a batch splits
-    evenly; without a mesh, `rows` itself."""
+    """`rows` rounded up to a multiple of the mesh's row shards (data x fsdp x expert), so a batch
+    splits evenly; without a mesh, `rows` itself."""
     n = 1 if mesh is None else rows_per_shard(mesh)
     return -(-rows // n) * n
 
@@ -274,13 +281,13 @@ def pow2_bucket(length: int, minimum: int = 1) -> int:
 
 
 def shard_rows(tree, mesh: Mesh):
-    """Place host arrays (leading axis = rows) on the mesh, rows split over (data, fsdp)."""
+    """Place host arrays (leading axis = rows) on the mesh, rows split over (data, fsdp, expert)."""
     n = rows_per_shard(mesh)
 
     def put(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
         if x.shape[0] % n:
-            raise ValueError(f"{x.shape[0]} rows do not split over data x fsdp = {n} devices; "
+            raise ValueError(f"{x.shape[0]} rows do not split over data x fsdp x expert = {n} devices; "
                              "make the batch (prompts x group size) a multiple of it")
         return jax.device_put(x, batch_sharding(mesh, x.ndim))
 

@@ -7,7 +7,7 @@ the Bradley-Terry loss:
            + lm_coef * (the backbone's next-token cross-entropy on the chosen answers' tokens)
 
 on the same mesh machinery as the policy (the model placed by the sharding rules, the step jitted
-with explicit shardings, rows split over data x fsdp). Pairs come from a TFDS builder of this
+with explicit shardings, rows split over data x fsdp x expert). Pairs come from a TFDS builder of this
 project (`arithmetic_preferences`) or jsonl files; each answer is put after its prompt exactly as
 the `reward_model` reward will put a policy's completion (`rewards.reward_model.rm_input`), so the
 model is scored at training time on what it will see at GRPO time. The language-model term

@@ -62,7 +62,7 @@ class Prepared:
     rewards: list[RewardSpec]
     eval: EvalInputs
     train_stream: PromptStream  # over the train split: this host's share of each batch
-    mesh: Mesh  # the run's device mesh (jit: data x fsdp x tensor; pmap: data over the local devices)
+    mesh: Mesh  # the run's device mesh (jit: data x fsdp x expert x tensor; pmap: data over the local devices)
     share: RowShare  # this host's block of the prompts_per_step prompts of a step
     sft_stream: PromptStream | None = None  # the warm start's own stream (its own share of sft.batch_size)
     notes: tuple[str, ...] = ()  # lines a run logs at start: the code sandbox's isolation, a short eval split

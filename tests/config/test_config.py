@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import yaml
 
-from grpo_jax.config import ConfigError, RunConfig, apply_overrides, config_from_dict, config_to_dict, load_config
+from grpo_jax.config import (ConfigError, MeshConfig, RunConfig, apply_overrides, config_from_dict, config_to_dict,
+                             load_config)
 
 BASE = {
     "model": {"architecture": {"family": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1,
@@ -134,14 +135,31 @@ def test_without_a_mesh_section_a_run_uses_every_device(tmp_path):
 
     config = load_config(write(tmp_path, {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}}))
     mesh = run_mesh(config)
-    assert mesh.devices.size == 8 and dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert mesh.devices.size == 8 and dict(mesh.shape) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     one = run_mesh(load_config(write(tmp_path, BASE), ["mesh.fsdp=1"]))
     assert one.devices.size == 1
     # Another axis taking the rest leaves fsdp at 1: `mesh.data: -1` alone is data parallelism.
     data = run_mesh(load_config(write(tmp_path, BASE), ["mesh.data=-1"]))
-    assert dict(data.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert dict(data.shape) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
     with pytest.raises(ConfigError, match="at most one -1"):
         load_config(write(tmp_path, BASE), ["mesh.data=-1", "mesh.fsdp=-1"])
+
+
+def test_mesh_expert_splits_the_experts_and_the_rows(tmp_path):
+    from grpo_jax.runtime.devices import check_devices, run_mesh
+
+    base = {**BASE, "data": {"name": "arithmetic", "prompts_per_step": 8}}
+    config = load_config(write(tmp_path, base), ["mesh.expert=2"])
+    assert config.mesh == MeshConfig(data=1, fsdp=-1, expert=2, tensor=1)  # fsdp still takes the rest
+    assert dict(run_mesh(config).shape) == {"data": 1, "fsdp": 4, "expert": 2, "tensor": 1}
+    alone = load_config(write(tmp_path, base), ["mesh.expert=-1"])
+    assert dict(run_mesh(alone).shape) == {"data": 1, "fsdp": 1, "expert": 8, "tensor": 1}
+    check_devices(alone)  # 8 prompts over 8 row shards
+    with pytest.raises(ConfigError, match="multiple of the 8 ways .* mesh.data x mesh.fsdp x mesh.expert"):
+        check_devices(load_config(write(tmp_path, {**base, "data": {"name": "arithmetic", "prompts_per_step": 4}}),
+                                  ["mesh.expert=-1"]))
+    with pytest.raises(ConfigError, match="at most one -1"):
+        load_config(write(tmp_path, base), ["mesh.expert=-1", "mesh.fsdp=-1"])
 
 
 def test_pmap_takes_the_default_mesh_and_refuses_a_chosen_one(tmp_path):

@@ -33,7 +33,7 @@ from grpo_jax.engine.paged_decode import gather_attention
 from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.runtime.sharding import one_device_mesh
+from grpo_jax.runtime.sharding import AXES, one_device_mesh
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_the_tpu_kernel_compiles_in_the_engine_for_a_v5e_slice():
     from grpo_jax.runtime.sharding import param_shardings
     from jax.sharding import Mesh
 
-    mesh = Mesh(np.array(topology_devices("v5e:2x2")).reshape(4, 1, 1), ("data", "fsdp", "tensor"))
+    mesh = Mesh(np.array(topology_devices("v5e:2x2")).reshape(4, 1, 1, 1), AXES)
     shape = tiny("qwen3", head_dim=128, num_heads=4, num_kv_heads=2)
     abstract = nnx.eval_shape(lambda: Transformer(shape, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     graphdef, state = nnx.split(abstract)

@@ -13,7 +13,7 @@ import pytest
 
 from grpo_jax.config import MeshConfig
 from grpo_jax.models import kernels
-from grpo_jax.runtime.sharding import make_mesh
+from grpo_jax.runtime.sharding import AXES, make_mesh
 
 SCALE = 0.3
 TOL = 1e-5
@@ -154,7 +154,7 @@ def test_gradients_match_the_reference(impl, opts):
 
 
 @pytest.mark.parametrize("mesh_of", [
-    lambda: jax.make_mesh((2, 1, 1), ("data", "fsdp", "tensor")),  # Explicit axes (jax's default)
+    lambda: jax.make_mesh((2, 1, 1, 1), AXES),  # Explicit axes (jax's default)
     lambda: make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), jax.devices()[:4]),  # the project's (Auto), heads split
     lambda: make_mesh(MeshConfig(data=1, fsdp=2, tensor=4), jax.devices()),  # 4 does not divide K=2: heads whole
 ], ids=["2x1x1-explicit", "2x1x2-auto", "1x2x4-auto"])
@@ -189,6 +189,6 @@ def test_unsupported_features_raise():
         kernels.gpu_attention(q, k, v, **kw, scale=SCALE, interpret=True)
     assert kernels.supports("splash") == {"window", "softcap", "prefix"} and kernels.supports("gpu") == frozenset()
     assert kernels.supports("splash") <= kernels.FEATURES
-    mesh = jax.make_mesh((2, 1, 1), ("data", "fsdp", "tensor"))
+    mesh = jax.make_mesh((2, 1, 1, 1), AXES)
     with pytest.raises(ValueError, match="rows do not split"):
         kernels.splash_attention(q, k, v, **kw, scale=SCALE, mesh=mesh, interpret=True)

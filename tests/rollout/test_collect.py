@@ -168,7 +168,7 @@ def test_experts_follow_their_rows_from_rounds_to_the_train_batch():
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     placed = to_global(t, mesh, whole(3 * G))
-    assert placed.completion_experts.sharding.spec[0] == ("data", "fsdp")  # rows split over 4 shards
+    assert placed.completion_experts.sharding.spec[0] == ("data", "fsdp", "expert")  # rows split over 4 shards
     back = local_rows(placed, whole(3 * G))
     np.testing.assert_array_equal(back.completion_experts, t.completion_experts)
     np.testing.assert_array_equal(back.prompt_experts, t.prompt_experts)

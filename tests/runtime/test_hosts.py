@@ -15,14 +15,15 @@ from grpo_jax.runtime.sharding import make_mesh
 from grpo_jax.runtime.storage import RunDirectory
 
 
-@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 1, 8)])
+@pytest.mark.parametrize("shape", [(8, 1, 1, 1), (2, 2, 1, 2), (1, 1, 1, 8), (1, 2, 4, 1)])
 def test_one_process_owns_every_row_and_rows_round_trip(shape):
-    mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]))
+    data, fsdp, expert, tensor = shape
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, expert=expert, tensor=tensor))
     share = row_share(mesh, 16)
     assert share == whole(16) and (share.index, share.count) == (0, 1)
     rows = {"ids": np.arange(16 * 3).reshape(16, 3), "per_group": np.arange(8) * 10.0}  # 2 rows per group
     placed = to_global(rows, mesh, share)
-    assert placed["ids"].sharding.spec[0] == ("data", "fsdp") and placed["per_group"].shape == (8,)
+    assert placed["ids"].sharding.spec[0] == ("data", "fsdp", "expert") and placed["per_group"].shape == (8,)
     np.testing.assert_array_equal(np.asarray(placed["ids"]), rows["ids"])
     np.testing.assert_array_equal(local_rows(placed, share)["ids"], rows["ids"])
 

@@ -23,7 +23,6 @@ import random
 import jax
 import numpy as np
 import pytest
-from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from grpo_jax import mesh_device_grid
@@ -83,14 +82,14 @@ def pod_slice(name: str, shuffle_processes: bool = False) -> list[FakeDevice]:
 def mesh_configs(processes: int) -> list[MeshConfig]:
     return [MeshConfig(data=1, fsdp=-1, tensor=1), MeshConfig(data=processes, fsdp=-1, tensor=1),
             MeshConfig(data=2, fsdp=-1, tensor=2), MeshConfig(data=-1, fsdp=1, tensor=1),
-            MeshConfig(data=1, fsdp=-1, tensor=4), MeshConfig(data=-1, fsdp=1, tensor=8)]
+            MeshConfig(data=1, fsdp=-1, tensor=4), MeshConfig(data=-1, fsdp=1, tensor=8),
+            MeshConfig(data=1, fsdp=2, expert=-1, tensor=1), MeshConfig(data=2, fsdp=1, expert=-1, tensor=2)]
 
 
 def rows_by_process(grid: np.ndarray) -> dict[int, list[int]]:
-    """process -> the row shards (d * fsdp + f) holding one of its devices."""
-    data, fsdp, tensor = grid.shape
+    """process -> the row shards ((d * fsdp + f) * expert + e) holding one of its devices."""
     out: dict[int, set[int]] = {}
-    for row, devices in enumerate(grid.reshape(data * fsdp, tensor)):
+    for row, devices in enumerate(grid.reshape(-1, grid.shape[-1])):
         for device in devices:
             out.setdefault(device.process_index, set()).add(row)
     return {p: sorted(rows) for p, rows in out.items()}
@@ -107,7 +106,7 @@ def test_jax_make_mesh_scatters_a_hosts_chips_over_the_rows(name):
     # Why mesh_device_grid exists: JAX's own order (by torus coordinates) gives a host rows that
     # are not one block, and row_share then refuses every such host.
     devices = pod_slice(name)
-    mesh = jax.make_mesh((1, len(devices), 1), AXES, devices=devices)
+    mesh = jax.make_mesh((1, len(devices), 1, 1), AXES, devices=devices)
     assert not contiguous_equal_blocks(mesh.devices)
     with pytest.raises(ValueError, match="not one aligned contiguous block"):
         for p in range(devices[-1].process_index + 1):
@@ -121,16 +120,16 @@ def test_every_host_owns_one_block_of_rows_and_reads_exactly_them(name, shuffle)
     processes = devices[-1].process_index + 1
     for config in mesh_configs(processes):
         grid = mesh_device_grid(mesh_config=config, devices=random.Random(1).sample(devices, len(devices)))
-        data, fsdp, tensor = grid.shape
+        data, fsdp, expert, tensor = grid.shape
         assert grid.size == len(devices) and {d.id for d in grid.flat} == {d.id for d in devices}
         assert contiguous_equal_blocks(grid), (config, rows_by_process(grid))
         if tensor <= len(devices) // processes:  # a row's tensor group never leaves its host
-            for row in grid.reshape(data * fsdp, tensor):
+            for row in grid.reshape(data * fsdp * expert, tensor):
                 assert len({d.process_index for d in row}) == 1
 
         # row_share (what the trainer calls) agrees, and the hosts' streams make up one batch.
         mesh = Mesh(grid, AXES)
-        total = 2 * data * fsdp
+        total = 2 * data * fsdp * expert
         shares = {p: row_share(mesh, total, process=p) for p in range(processes)}
         rows = rows_by_process(grid)
         whole_batch = IndexSampler(1000, seed=3, block=total).next(total)
@@ -147,11 +146,15 @@ def test_one_host_keeps_jax_ici_order():
     # v5litepod-8: a single process, so the order is jax.make_mesh's own (its ring over the 2x4
     # chips), as before mesh_device_grid.
     devices = pod_slice("v5litepod-8")
-    for shape in [(1, 8, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1)]:
-        grid = mesh_device_grid(mesh_config=MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]),
+    for shape in [(1, 8, 1, 1), (2, 2, 1, 2), (1, 2, 1, 4), (8, 1, 1, 1), (1, 2, 2, 2), (1, 1, 8, 1)]:
+        data, fsdp, expert, tensor = shape
+        grid = mesh_device_grid(mesh_config=MeshConfig(data=data, fsdp=fsdp, expert=expert, tensor=tensor),
                                 devices=devices)
         assert grid.shape == shape
         assert [d.id for d in grid.flat] == [d.id for d in jax.make_mesh(shape, AXES, devices=devices).devices.flat]
+        if expert == 1:  # the order of the three-axis mesh before `expert` existed
+            three = jax.make_mesh((data, fsdp, tensor), ("data", "fsdp", "tensor"), devices=devices)
+            assert [d.id for d in grid.flat] == [d.id for d in three.devices.flat]
     assert [d.id for d in grid.flat] != list(range(8))  # a ring, not the id order
 
 

@@ -16,17 +16,18 @@ from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import generate
-from grpo_jax.runtime.sharding import make_mesh, mesh_shape, param_shardings, place_train_state
+from grpo_jax.runtime.sharding import (batch_sharding, make_mesh, mesh_shape, param_shardings, place_train_state,
+                                       rows_per_shard)
 from grpo_jax.learner.train_step import Batch, init_state, make_train_step
 
 N, G = 8, 4
 SAMPLING = SamplingConfig(group_size=G, max_new_tokens=6, temperature=1.0, stop_token_ids=(2,), prompt_buckets=(8,),
                           attend_phases=1)  # one attention program: fewer compiles on 4 meshes
-MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (2, 2, 2)]
+MESHES = [(1, 1, 1, 1), (8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 1, 2), (1, 2, 2, 2)]  # (data, fsdp, expert, tensor)
 
 
 def model():
-    # Every sharded dimension divides its mesh axis on all four meshes.
+    # Every sharded dimension divides its mesh axis on all the meshes.
     return Transformer(tiny("qwen3", hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2),
                        rngs=nnx.Rngs(0))
 
@@ -42,7 +43,9 @@ def reward(tokens, lengths):
 
 
 def grpo_step(shape):
-    mesh = make_mesh(MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]), jax.devices()[:int(np.prod(shape))])
+    data, fsdp, expert, tensor = shape
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, expert=expert, tensor=tensor),
+                     jax.devices()[:int(np.prod(shape))])
     policy = model()
     # SGD with momentum: Adam's first step, lr * g / (|g| + eps), would turn the rounding differences
     # of near-zero gradients into lr-sized ones and hide what this test measures.
@@ -71,7 +74,7 @@ def results():
 
 @pytest.mark.parametrize("shape", MESHES)
 def test_grpo_step_is_the_same_on_every_mesh(results, shape):
-    _, ref_state, ref_tokens, ref_loss = results[(1, 1, 1)]
+    _, ref_state, ref_tokens, ref_loss = results[(1, 1, 1, 1)]
     _, state, tokens, loss = results[shape]
     np.testing.assert_array_equal(tokens, ref_tokens)
     assert loss == pytest.approx(ref_loss, abs=1e-5)
@@ -121,7 +124,10 @@ def test_a_dimension_the_mesh_cannot_split_is_reported():
 
 
 def test_mesh_shape_resolution_and_errors():
-    assert mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1)
+    assert mesh_shape(MeshConfig(data=-1, fsdp=2, tensor=1), 8) == (4, 2, 1, 1)
+    assert mesh_shape(MeshConfig(data=2, fsdp=1, expert=-1, tensor=2), 8) == (2, 1, 2, 2)
+    assert mesh_shape(MeshConfig(expert=4), 8) == (1, 2, 4, 1)  # fsdp takes the rest by default
+    assert mesh_shape(MeshConfig(expert=-1), 8) == (1, 1, 8, 1)  # ... and is 1 when another axis does
     with pytest.raises(ValueError, match="3 devices"):
         mesh_shape(MeshConfig(data=3, fsdp=1, tensor=1), 8)
     with pytest.raises(ValueError, match="not divisible"):
@@ -175,3 +181,22 @@ def test_a_drawn_or_loaded_model_stays_on_the_host_until_it_is_cut_onto_the_mesh
             np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(e.get_value()))
     with pytest.raises(ValueError, match="exclude each other"):
         from_pretrained(tmp_path, on_host=True, mesh=mesh)
+
+
+def test_expert_weights_split_over_the_expert_axis():
+    # A mixture-of-experts layer's weights: experts over `expert`, each expert's MLP width over
+    # `tensor`, embed over `fsdp`, the router's expert logits replicated.
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2))
+    params = nnx.State({
+        "expert_gate": nnx.Param(jnp.zeros((3, 8, 16, 4)), logical_axes=("layers", "experts", "embed", "expert_mlp")),
+        "expert_down": nnx.Param(jnp.zeros((3, 8, 4, 16)), logical_axes=("layers", "experts", "expert_mlp", "embed")),
+        "router": nnx.Param(jnp.zeros((3, 16, 8)), logical_axes=("layers", "embed", "router")),
+    })
+    sharded = param_shardings(params, mesh)
+    assert sharded.replicated == []
+    specs = {k: v.get_value().spec for k, v in nnx.to_flat_state(sharded.shardings)}
+    assert specs[("expert_gate",)] == P(None, "expert", "fsdp", "tensor")
+    assert specs[("expert_down",)] == P(None, "expert", "tensor", "fsdp")
+    assert specs[("router",)] == P(None, "fsdp", None)
+    # Batch rows are split over expert too: it is data parallelism for the dense layers.
+    assert rows_per_shard(mesh) == 4 and batch_sharding(mesh).spec == P(("data", "fsdp", "expert"))

@@ -27,8 +27,8 @@ def test_memory_of_each_program_per_device_and_block_remat_lowers_the_train_step
     none = _bench(tmp_path, "none", "--devices", "8", "--set", "train.micro_batches=4")
     table = capsys.readouterr().err
     assert "train_step" in table and "fits on v5e (16 GiB)" in table
-    assert (none["devices"], none["mesh"], none["chip"], none["hbm_bytes"]) == (4, {"data": 1, "fsdp": 4, "tensor": 1},
-                                                                               "v5e", CHIPS["v5e"])
+    assert (none["devices"], none["mesh"], none["chip"], none["hbm_bytes"]) == (
+        4, {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}, "v5e", CHIPS["v5e"])
     assert tuple(none["programs"]) == PROGRAMS and none["not_compiled"] == {}
     for name, p in none["programs"].items():
         assert all(p[k] > 0 for k in FIGURES), (name, p)
@@ -56,7 +56,7 @@ def test_memory_of_each_program_per_device_and_block_remat_lowers_the_train_step
 def test_another_device_count_is_measured_in_a_process_of_its_own(tmp_path):
     two = _bench(tmp_path, "two", "--devices", "2", "--set", "mesh={data: -1}", "--set", "grpo.beta=0",
                  "--chip", "v6e")
-    assert two["devices"] == 2 and two["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert two["devices"] == 2 and two["mesh"] == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
     assert two["hbm_bytes"] == CHIPS["v6e"] and "reference" in two["not_compiled"]
     assert two["programs"]["train_step"]["temp_bytes"] > 0
     assert with_device_count("--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", 2) == (

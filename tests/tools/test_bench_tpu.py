@@ -40,7 +40,7 @@ def test_a_tiny_config_compiled_by_xla_tpu_for_a_v5e_slice(tmp_path, capsys):
     assert "fits on v5e (16 GiB)" in capsys.readouterr().err
     assert got["backend"] == "tpu (compiled for v5e:2x4, XLA:TPU)"
     assert (got["topology"], got["devices"], got["mesh"], got["chip"], got["hbm_bytes"]) == (
-        "v5e:2x4", 8, {"data": 1, "fsdp": 8, "tensor": 1}, "v5e", CHIPS["v5e"])
+        "v5e:2x4", 8, {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}, "v5e", CHIPS["v5e"])
     assert tuple(got["programs"]) == PROGRAMS and got["verdict"] == "fits"
     for name, p in got["programs"].items():
         assert p["compiled"] and p["temp_bytes"] > 0 and p["flops"] > 0 and p["bytes_accessed"] > 0, (name, p)
@@ -83,8 +83,8 @@ def test_the_options_mistakes_are_one_line(tmp_path, capsys):
                 ("--topology", "v5e:2x4", "--chip", "v6e"): "is a v5e slice; leave --chip out",
                 ("--topology", "v5e:2x4", "--devices", "8"): "leave --devices out"}
     if _has_libtpu():
-        mistakes[("--topology", "v5e:2x4")] = ("mesh.data x mesh.fsdp x mesh.tensor = 1 x 4 x 1 uses 4 devices, "
-                                               "the topology has 8 chips")
+        mistakes[("--topology", "v5e:2x4")] = ("mesh.data x mesh.fsdp x mesh.expert x mesh.tensor = 1 x 4 x 1 x 1 uses "
+                                               "4 devices, the topology has 8 chips")
         mistakes[("--topology", "v5e:1x1")] = "libtpu refused --topology 'v5e:1x1'"
     for options, message in mistakes.items():
         assert cli.main(["bench", "memory", "--config", config, *options]) == 2, options

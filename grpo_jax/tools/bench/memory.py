@@ -342,7 +342,8 @@ def _topology_mesh(config, host_mesh, topology: str, chips: Sequence):
     if used != len(chips):
         m, split = config.mesh, config.rollout.sampler_devices
         aside = f" (rollout.sampler_devices={split} of them go to the sampler: set it to 0)" if split else ""
-        raise ConfigError(f"bench memory --topology {topology}: mesh.data x mesh.fsdp x mesh.tensor = {m.data} x "
-                          f"{m.fsdp} x {m.tensor} uses {used} devices, the topology has {len(chips)} chips{aside}; "
+        raise ConfigError(f"bench memory --topology {topology}: mesh.data x mesh.fsdp x mesh.expert x mesh.tensor = "
+                          f"{m.data} x {m.fsdp} x {m.expert} x {m.tensor} uses {used} devices, the topology has "
+                          f"{len(chips)} chips{aside}; "
                           "make the product match, or set one of them to -1")
     return make_mesh(config.mesh, chips)
