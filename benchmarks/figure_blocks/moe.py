@@ -7,7 +7,8 @@ import statistics
 
 from figure_blocks import evals, load, metrics, minutes, table
 
-ARMS = (("replay", "`sampler` (replay)"), ("free", "`none` (router chooses again)"))
+ARMS = (("replay", "`sampler`, float32"), ("free", "`none`, float32"), ("replay_bf16", "`sampler`, bfloat16"),
+        ("free_bf16", "`none`, bfloat16"))
 
 
 def _steps(arm: str) -> list[dict]:
@@ -26,16 +27,40 @@ def render_moe_demo() -> str:
         rows.append([label, f"{ev[0]['eval/accuracy']:.3f} -> {ev[-1]['eval/accuracy']:.3f}",
                      f"{statistics.mean(diff):.2e}", f"{worst:.2e}", f"{statistics.mean(mismatch):.4f}",
                      f"{max(mismatch):.4f}", f"{steps[-1]['moe/expert_load_max']:.2f}",
-                     f"{steps[-1]['moe/aux_loss']:.3f}", minutes(run["wall_s"])])
-    head = ["moe.routing_replay", "held-out accuracy (step 0 -> last)", "logprob diff, mean",
+                     f"{steps[-1]['moe/aux_loss']:.3f}", minutes(run["wall_s"]), run["commit"]])
+    head = ["moe.routing_replay, compute", "held-out accuracy (step 0 -> last)", "logprob diff, mean",
             "logprob diff, max", "routing mismatch, mean", "routing mismatch, max", "expert load max (last)",
-            "aux loss (last)", "wall"]
+            "aux loss (last)", "wall", "commit"]
     first = load("moe/replay/run.json")
-    return (f"`bash benchmarks/moe_demo.sh` ({first['date']}, commit {first['commit']}, this project's 2-core "
-            "machine; the wall times ran beside other work):\n\n" + table(head, rows) +
+    return (f"`bash benchmarks/moe_demo.sh` ({first['date']}, this project's 2-core machine; the wall times ran "
+            "beside other work):\n\n" + table(head, rows) +
             "\nThe log-prob diff is `health/sampler_train_logprob_diff` (mean over tokens of |sampler - learner|, "
             "per step;\nits max the largest token's); routing mismatch is `moe/routing_mismatch`, the share of "
             "scored token-layers\nwhose learner router's top-k set differs from the sampler's.\n")
 
 
 BLOCKS = {"moe-demo": render_moe_demo}
+
+
+GIB = 1 << 30
+PODS = (("moe/memory_v5p16.json", "v5p-16"), ("moe/memory_v5e64.json", "v5e-64"))
+
+
+def render_moe_pods() -> str:
+    """XLA:TPU's compiles of the Qwen3-30B-A3B configs, GiB per chip per program."""
+    rows = []
+    for path, slice_name in PODS:
+        d = load(path)
+        progs = d["programs"]
+        cell = {n: (f"{p['peak_bytes'] / GIB:.2f}" if p.get("compiled", True) else
+                    f"refused ({p.get('required_bytes', 0) / GIB:.2f} needed)") for n, p in progs.items()}
+        mesh = ", ".join(f"{a} {n}" for a, n in d["mesh"].items() if n != 1) or "-"
+        rows.append([f"`{d['config']}`", f"{slice_name} ({d['topology']})", mesh, cell.get("sampler", "-"),
+                     cell.get("eval_sampler", "-"), cell.get("train_step", "-"), d["verdict_line"]])
+    head = ["config", "slice", "mesh", "sampler", "evaluation sampler", "train step", "verdict"]
+    return ("`grpo-jax bench memory --config CONFIG --topology TOPOLOGY --preset qwen3-30b-a3b` (XLA:TPU from "
+            "libtpu, no chip;\nGiB per chip, each program's peak with what the run holds meanwhile; "
+            "`benchmarks/results/moe/memory_*.json`):\n\n" + table(head, rows))
+
+
+BLOCKS["moe-pods"] = render_moe_pods

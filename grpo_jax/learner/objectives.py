@@ -85,6 +85,10 @@ def micro_loss_fn(merge, config: GRPOConfig, objective: Objective, whole: WholeB
                                                   dropout_key=key, row_sharding=row_sharding)
         else:
             experts = None if mb.completion_experts is None else (mb.prompt_experts, mb.completion_experts)
+            if experts is None and objective.replay and model.config.is_moe:
+                raise ValueError("moe.routing_replay: sampler needs the sampler's experts in the batch "
+                                 "(Batch.prompt_experts, Batch.completion_experts); every engine records them, "
+                                 "or set moe.routing_replay: none")
             h_RME, routed = completion_states(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
                                               group_size=group_size, dropout_key=key, row_sharding=row_sharding,
                                               experts=experts, replay=objective.replay,

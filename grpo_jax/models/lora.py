@@ -56,6 +56,11 @@ def add_adapters(model, *, rank: int, alpha: float, targets: tuple[str, ...] = T
     if unknown or not targets:
         raise ValueError(f"LoRA targets {list(targets)}: choose from {list(TARGETS)}")
     layers = model.layers
+    missing = [t for t in targets if not hasattr(layers, t)]
+    if missing:
+        raise ValueError(f"LoRA targets {missing} are not in this model: a mixture-of-experts model's MLPs are "
+                         "experts, with no gate_proj/up_proj/down_proj; set lora.targets to the attention "
+                         "projections (q_proj, k_proj, v_proj, o_proj)")
     if getattr(layers, "lora_scale", None) is not None:
         raise ValueError("the model already has LoRA adapters")
     for i, name in enumerate(targets):

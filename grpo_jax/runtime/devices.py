@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 
-from grpo_jax.config import ConfigError, MeshConfig, RunConfig, check_micro_batches
+from grpo_jax.config import ConfigError, MeshConfig, MoEConfig, RunConfig, check_micro_batches
 from grpo_jax.runtime.sharding import make_mesh, mesh_devices, mesh_shape
 
 
@@ -140,3 +140,19 @@ def check_capacity(config: RunConfig, model_config, *, capacity: tuple[int, str]
             f"= {rows:,} sequences of up to {tokens} tokens need at least {(kv + logits) / gib:,.1f} GiB for their "
             f"keys and values ({kv / gib:,.1f} GiB) and one step's logits ({logits / gib:,.1f} GiB), more than the "
             f"{total / gib:,.1f} GiB of {where}; lower sampling.group_size, data.prompts_per_step or the lengths")
+
+
+def check_moe(config: RunConfig, model_config) -> None:
+    """A `moe:` section or an `expert` mesh axis needs a mixture-of-experts policy, and the axis must
+    divide its experts (each device holds whole experts): refused before anything compiles."""
+    if not model_config.is_moe:
+        if config.moe != MoEConfig():
+            raise ConfigError(f"moe: {config.moe} is set, but the policy is dense ({model_config.family}): remove "
+                              "the moe section (it applies to mixture-of-experts models only)")
+        if config.mesh.expert > 1:
+            raise ConfigError(f"mesh.expert={config.mesh.expert} splits experts over devices, but the policy is "
+                              f"dense ({model_config.family}): use data or fsdp instead")
+        return
+    if config.mesh.expert > 1 and model_config.num_experts % config.mesh.expert:
+        raise ConfigError(f"mesh.expert={config.mesh.expert} does not divide the model's {model_config.num_experts} "
+                          "experts; each device holds whole experts: choose a divisor")

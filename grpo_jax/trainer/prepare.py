@@ -30,7 +30,7 @@ from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.episodes.episode import EpisodeLimits
 from grpo_jax.env.registry import environment_maker
 from grpo_jax.episodes.runner import EpisodeRunner
-from grpo_jax.runtime.devices import check_capacity, check_devices, run_mesh, sampler_mesh
+from grpo_jax.runtime.devices import check_capacity, check_devices, check_moe, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import rows_per_shard
 from grpo_jax.runtime.storage import is_remote
@@ -133,6 +133,7 @@ def prepare(config: RunConfig) -> Prepared:
     check_devices(config)
     tokenizer, model_config = _model_inputs(config.model)
     check_capacity(config, model_config)
+    check_moe(config, model_config)
     check_chat_template(tokenizer, config.data)
     side = {"distill.teacher": config.distill.teacher if config.algorithm == "distill" else None,
             "ppo.critic_path": config.ppo.critic_path if config.algorithm == "ppo" else None}

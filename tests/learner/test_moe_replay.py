@@ -143,5 +143,8 @@ def test_moe_metrics_say_only_what_was_measured():
     _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
     assert not any(k.startswith("moe/") for k in metrics)
     graphdef, state = fresh_moe(moe_model(k=2), opt)
-    _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
+    with pytest.raises(ValueError, match="needs the sampler's experts"):
+        train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
+    _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G,
+                            moe_config=MoEConfig(routing_replay="none"))
     assert {"moe/aux_loss", "moe/expert_load_max"} <= set(metrics) and "moe/routing_mismatch" not in metrics

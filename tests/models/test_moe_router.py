@@ -53,3 +53,37 @@ def test_replay_takes_the_given_experts_and_counts_the_routers_disagreement():
     compared, _, cstats = moe.route(h, router, cfg, replay_XK=given, follow=False)
     np.testing.assert_array_equal(compared, own)
     assert float(cstats.mismatch) == sum(differs)
+
+
+def test_moe_settings_that_cannot_apply_are_refused():
+    """A moe section or an expert mesh axis on a dense policy, an expert axis that does not divide
+    the experts, and LoRA on MLP projections a MoE model does not have: each a clear error."""
+    from flax import nnx
+
+    from grpo_jax.config import ConfigError, MeshConfig, MoEConfig, RunConfig
+    from grpo_jax.models import Transformer, lora
+    from grpo_jax.runtime.devices import check_moe
+    from grpo_jax.tools.flops import forward_flops
+
+    dense = tiny("qwen3")
+    moe_cfg = dense.replace(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ConfigError, match="the policy is dense"):
+        check_moe(RunConfig(moe=MoEConfig(routing_replay="none")), dense)
+    with pytest.raises(ConfigError, match="mesh.expert=2"):
+        check_moe(RunConfig(mesh=MeshConfig(fsdp=1, expert=2)), dense)
+    with pytest.raises(ConfigError, match="does not divide"):
+        check_moe(RunConfig(mesh=MeshConfig(fsdp=1, expert=3)), moe_cfg)
+    check_moe(RunConfig(mesh=MeshConfig(fsdp=1, expert=4), moe=MoEConfig(routing_replay="none")), moe_cfg)
+    import jax
+
+    with pytest.raises(ValueError, match="mixture-of-experts model's MLPs are experts"):
+        lora.add_adapters(Transformer(moe_cfg, rngs=nnx.Rngs(0)), rank=2, alpha=4.0, key=jax.random.key(0))
+    # FLOPs count the top-k experts' MLPs and the router, not intermediate_size.
+    wide = moe_cfg.replace(intermediate_size=10_000)
+    assert forward_flops(wide, rows=1, start=0, count=1, logits=0) == forward_flops(moe_cfg, rows=1, start=0,
+                                                                                     count=1, logits=0)
+    E = moe_cfg.hidden_size
+    extra_expert = moe_cfg.replace(num_experts_per_tok=3)
+    diff = (forward_flops(extra_expert, rows=1, start=0, count=1, logits=0)
+            - forward_flops(moe_cfg, rows=1, start=0, count=1, logits=0))
+    assert diff == moe_cfg.num_layers * 3 * 2 * E * 16
