@@ -43,7 +43,7 @@ BLOCKS = {"moe-demo": render_moe_demo}
 
 
 GIB = 1 << 30
-PODS = (("moe/memory_v5p16.json", "v5p-16"), ("moe/memory_v5e64.json", "v5e-64"))
+PODS = (("moe/memory_v5p16.json", "v5p-16"),)
 
 
 def render_moe_pods() -> str:
