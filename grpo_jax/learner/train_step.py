@@ -57,7 +57,7 @@ class Batch:
     packing: PackRows | None = None  # where each row sits in its micro-batch's bins (train.packing only)
     # A mixture-of-experts policy: the experts the sampler sent each token to (models.moe), unsigned
     # integers [R, P, L, Kx] for the prompt (its prefill) and [R, M, L, Kx] for the completion (the
-    # token fed at step t; a token never fed, the last, holds any valid expert id).
+    # token fed at step t; a token never fed, the last, holds 0 Kx times and takes its router's choice).
     prompt_experts: jax.Array | None = None
     completion_experts: jax.Array | None = None
 

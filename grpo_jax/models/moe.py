@@ -6,7 +6,8 @@ softmax is taken in float32, the top `num_experts_per_tok` experts are chosen, a
 `norm_topk_prob` their weights are renormalised to sum to 1.
 
 Routing replay: a pass given `replay` (the experts the sampler chose for each token) sends each
-token to those experts instead of its router's own top-k; the weights are still the router's
+token to those experts instead of its router's own top-k (a slot holding one id Kx times, as the
+engines leave a token they never fed, routes by the router); the weights are still the router's
 current softmax at those experts (renormalised over them), so they stay differentiable. With
 `norm_topk_prob` a replayed token's weights depend only on the logits of the replayed experts.
 `Routing.mismatch` counts the tokens whose router would have chosen another set.
@@ -62,6 +63,12 @@ def route(h_XE: jax.Array, router_EEx: jax.Array, cfg: TransformerConfig, *, rep
         experts, vals, mismatch = own, own_vals, jnp.zeros((X,), jnp.bool_)
     else:
         given = replay_XK.astype(jnp.int32)
+        if k > 1:
+            # A slot nothing was recorded for (a token never fed, padding) holds one id Kx times, which
+            # no top-k gives: such a token takes its router's own choice, spread over the experts
+            # (all-zero fillers would send every one to expert 0's device under expert parallelism).
+            recorded = jnp.any(given != given[:, :1], axis=-1)
+            given = jnp.where(recorded[:, None], given, own)
         mismatch = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(given, axis=-1), axis=-1)
         experts, vals = (given, jnp.take_along_axis(probs, given, axis=-1)) if follow else (own, own_vals)
     if cfg.norm_topk_prob:

@@ -53,6 +53,12 @@ def test_replay_takes_the_given_experts_and_counts_the_routers_disagreement():
     compared, _, cstats = moe.route(h, router, cfg, replay_XK=given, follow=False)
     np.testing.assert_array_equal(compared, own)
     assert float(cstats.mismatch) == sum(differs)
+    # A slot the engine never fed holds one id twice: the router's own choice, no mismatch.
+    filler = given.at[1].set(0)
+    experts, _, fstats = moe.route(h, router, cfg, replay_XK=filler)
+    np.testing.assert_array_equal(experts[1], own[1])
+    np.testing.assert_array_equal(experts[0], given[0])
+    assert float(fstats.mismatch) == sum(differs) - differs[1]
 
 
 def test_moe_settings_that_cannot_apply_are_refused():
