@@ -12,6 +12,7 @@ the run's directory.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -56,6 +57,7 @@ for _var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_
     os.environ.pop(_var, None)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -70,3 +72,28 @@ SLOW_FIRST = ("test_gguf.py", "test_gguf_gemma3.py", "test_multihost.py", "test_
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file kept
+
+
+# Each program XLA:CPU compiles keeps ~17 memory mappings until its executable is freed, and jit's
+# caches keep every executable alive. A worker that runs half the suite compiles thousands of programs:
+# past the kernel's vm.max_map_count (65530 by default) the next mmap fails and LLVM segfaults inside
+# the next compile (CI's workers died so in the Gemma 3 GGUF test, 60k mappings in). After each test
+# file, a worker holding many mappings drops jit's caches; programs needed again come back from the
+# run's persistent compilation cache.
+MAPPINGS_BEFORE_CLEARING = 25_000
+
+
+def mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    if mapped_regions() > MAPPINGS_BEFORE_CLEARING:
+        jax.clear_caches()
+        gc.collect()
