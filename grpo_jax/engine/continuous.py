@@ -82,7 +82,8 @@ def start_engine(model, ids_NP, mask_NP, rng, *, config: SamplingConfig,
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
     # Once per prompt.
-    last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True)
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
+        row_sharding=batch_sharding(mesh, 1))
     cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                              phases=config.attend_phases)
     loop = engine_loop(model, config, mesh, lay, cache.chunk_size)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.draw import Rollout, sample_tokens
 from grpo_jax.engine.routing import expert_buffer, stored
-from grpo_jax.runtime.sharding import BATCH
+from grpo_jax.runtime.sharding import BATCH, batch_sharding
 
 
 def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
@@ -29,7 +29,8 @@ def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: 
     the prompts' experts [N, P, L, Kx] in the stored dtype, None for a dense model)."""
     G, M = config.group_size, config.max_new_tokens
     # Token t (t < M - 1) is fed back as decode step t; the last sampled token never is.
-    spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True, with_routing=True)
+    spec = dict(decode_steps=M - 1, chunks=config.attend_phases, last_only=True, with_routing=True,
+                row_sharding=batch_sharding(mesh, 1))
     if share_prefill:
         # N rows: the prompt's keys/values stay one copy per group (the decode attends them per group).
         logits_N1V, cache, experts_NPLK = model.prefill(ids_NP, mask_NP, group_size=G, **spec)

@@ -153,7 +153,8 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     P = ids_NP.shape[1]
     pages = pool_pages(model.config, model.dtype, config, prompt_slots=P, prompts=Np, slots=J)
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
-    last_NV, k_LNKPD, v_LNKPD, pmask_NP, _, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True)
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, _, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
+        row_sharding=batch_sharding(mesh, 1))
     cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
                          max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
     loop = paged_loop(model, config, mesh, lay, cache)

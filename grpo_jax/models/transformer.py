@@ -244,19 +244,22 @@ class Transformer(nnx.Module):
         return softcap(logits_XV, cfg.final_logit_softcap).reshape(B, T, -1)
 
     def prefill(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *, decode_steps: int,
-                group_size: int = 1, chunks: int = 1, last_only: bool = False, with_routing: bool = False):
+                group_size: int = 1, chunks: int = 1, last_only: bool = False, with_routing: bool = False,
+                row_sharding=None):
         """Run N (left-padded) prompts, input_ids int [N, P] and attention_mask [N, P], once ->
         (float32 logits [N, P, V], or [N, 1, V] of the last position with `last_only`; a `KVCache`).
 
         The cache holds the prompts' keys/values once per prompt, has N * `group_size` rows (row
         i*G + j decodes from prompt i) and room for `decode_steps` decode steps in `chunks` chunks.
         `with_routing` (a mixture-of-experts model): also the prompts' experts int32 [N, P, L, Kx].
+        `row_sharding`: the prompts' rows' split, which every layer keeps (`layer_scan.run_layers`; the
+        engines pass theirs, else XLA splits each prompt's hidden states by the table's embed axis).
         """
         chex.assert_rank(input_ids, 2)
         mask_BT = as_mask(attention_mask, input_ids.shape)
         positions_BT = default_positions(mask_BT)
         h_BTE, (k_LBKTD, v_LBKTD), routed = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
-                                                      collect_kv=True)
+                                                      collect_kv=True, row_sharding=row_sharding)
         if last_only:
             h_BTE = h_BTE[:, -1:]
         cache = KVCache.from_prefill(k_LBKTD, v_LBKTD, mask_BT, positions_BT, group_size=group_size,
@@ -266,16 +269,17 @@ class Transformer(nnx.Module):
         return self.logits(h_BTE), cache
 
     def prefill_kv(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
-                   with_routing: bool = False) -> tuple[jax.Array, ...]:
+                   with_routing: bool = False, row_sharding=None) -> tuple[jax.Array, ...]:
         """The prompts' pass for a cache laid out by the caller (the continuous engine's
         `models.slots.SlotCache`): input_ids int [N, P], attention_mask [N, P] -> (float32 logits
         [N, V] of the last position, keys and values [L, N, K, P, D], mask bool [N, P], rotary
-        positions int32 [N, P]), and with `with_routing` the prompts' experts int32 [N, P, L, Kx]."""
+        positions int32 [N, P]), and with `with_routing` the prompts' experts int32 [N, P, L, Kx].
+        `row_sharding`: as `prefill`'s."""
         chex.assert_rank(input_ids, 2)
         mask_BT = as_mask(attention_mask, input_ids.shape)
         positions_BT = default_positions(mask_BT)
         h_BTE, (k_LBKTD, v_LBKTD), routed = self._run(input_ids, positions_BT, mask_BT.astype(jnp.int32), None,
-                                                      collect_kv=True)
+                                                      collect_kv=True, row_sharding=row_sharding)
         out = (self.logits(h_BTE[:, -1:])[:, 0], k_LBKTD, v_LBKTD, mask_BT, positions_BT)
         return (*out, _experts_of(routed)) if with_routing else out
 

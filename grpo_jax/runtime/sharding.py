@@ -42,10 +42,15 @@ from grpo_jax.config import MeshConfig
 AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 BATCH = ("data", "fsdp", "expert")  # rows of every batch and rollout are split over all three
 
-# Logical axis name -> mesh axis (None = replicated).
-RULES: Mapping[str, str | None] = {
+# Logical axis name -> mesh axis, or mesh axes split together (None = replicated).
+RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",
-    "embed": "fsdp",
+    # Every weight's embed axis is split over fsdp and, where a mixture of experts has one, over the
+    # expert axis too (it splits rows as fsdp does), so the attention and embedding weights are not
+    # whole on each of an expert group's chips; an expert weight, whose experts take the expert axis,
+    # splits its embed axis over fsdp alone. One `expert` axis is then a whole layout (mesh.expert:
+    # -1), which multi-host v5e slices need (`check_routable`).
+    "embed": ("fsdp", "expert"),
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
@@ -166,16 +171,15 @@ def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
     for name, size in zip(axes, shape, strict=True):
         if name is not None and name not in rules:
             raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
-        target = rules.get(name) if name is not None else None
-        n = mesh.shape[target] if target else 1
-        if target is None or n == 1:
-            spec.append(None)
-        elif size % n or target in used:
-            spec.append(None)
-            skipped.append(f"{name}({size}) over {target}({n})")
-        else:
-            spec.append(target)
-            used.add(target)
+        rule = rules.get(name) if name is not None else None
+        targets = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        # Several axes: those another dimension took are left out; a single axis is reported.
+        free = [a for a in targets if mesh.shape[a] > 1 and (a not in used or len(targets) == 1)]
+        while free and (size % math.prod(mesh.shape[a] for a in free) or used & set(free)):
+            a = free.pop()
+            skipped.append(f"{name}({size}) over {a}({mesh.shape[a]})")
+        spec.append(None if not free else free[0] if len(free) == 1 else tuple(free))
+        used.update(free)
     return PartitionSpec(*spec), skipped
 
 

@@ -87,20 +87,24 @@ def test_grpo_step_is_the_same_on_every_mesh(results, shape):
 @pytest.mark.parametrize("shape", MESHES)
 def test_params_are_placed_exactly_as_the_rules_say(results, shape):
     mesh, state, _, _ = results[shape]
-    expected = {  # logical axes -> mesh axes: embed->fsdp, heads/kv_heads/mlp/vocab->tensor
-        ("embed",): P("tensor", "fsdp"),  # [vocab, embed]
-        ("lm_head",): P("fsdp", "tensor"),  # [embed, vocab]
-        ("final_norm",): P("fsdp"),
-        ("layers", "q_proj"): P(None, "fsdp", "tensor", None),
-        ("layers", "k_proj"): P(None, "fsdp", "tensor", None),
-        ("layers", "o_proj"): P(None, "tensor", None, "fsdp"),
-        ("layers", "gate_proj"): P(None, "fsdp", "tensor"),
-        ("layers", "down_proj"): P(None, "tensor", "fsdp"),
+    E = ("fsdp", "expert")  # embed: over fsdp and the expert axis (which splits rows as fsdp does)
+    expected = {  # logical axes -> mesh axes: embed->E, heads/kv_heads/mlp/vocab->tensor
+        ("embed",): P("tensor", E),  # [vocab, embed]
+        ("lm_head",): P(E, "tensor"),  # [embed, vocab]
+        ("final_norm",): P(E),
+        ("layers", "q_proj"): P(None, E, "tensor", None),
+        ("layers", "k_proj"): P(None, E, "tensor", None),
+        ("layers", "o_proj"): P(None, "tensor", None, E),
+        ("layers", "gate_proj"): P(None, E, "tensor"),
+        ("layers", "down_proj"): P(None, "tensor", E),
         ("layers", "q_norm"): P(None, None),
     }
 
     def normalise(spec):  # size-1 mesh axes are not split: compare against what the mesh can do
-        return P(*[a if a is not None and mesh.shape[a] > 1 else None for a in spec])
+        def split(a):
+            axes = [x for x in ((a,) if isinstance(a, str) else a or ()) if mesh.shape[x] > 1]
+            return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+        return P(*[split(a) for a in spec])
 
     flat = dict(nnx.to_flat_state(state.params))
     for path, spec in expected.items():
@@ -185,7 +189,8 @@ def test_a_drawn_or_loaded_model_stays_on_the_host_until_it_is_cut_onto_the_mesh
 
 def test_expert_weights_split_over_the_expert_axis():
     # A mixture-of-experts layer's weights: experts over `expert`, each expert's MLP width over
-    # `tensor`, embed over `fsdp`, the router's expert logits replicated.
+    # `tensor`, their embed over `fsdp`; a dense weight's embed (the router's) over fsdp x expert, the
+    # router's expert logits replicated.
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2))
     params = nnx.State({
         "expert_gate": nnx.Param(jnp.zeros((3, 8, 16, 4)), logical_axes=("layers", "experts", "embed", "expert_mlp")),
@@ -197,6 +202,31 @@ def test_expert_weights_split_over_the_expert_axis():
     specs = {k: v.get_value().spec for k, v in nnx.to_flat_state(sharded.shardings)}
     assert specs[("expert_gate",)] == P(None, "expert", "fsdp", "tensor")
     assert specs[("expert_down",)] == P(None, "expert", "tensor", "fsdp")
-    assert specs[("router",)] == P(None, "fsdp", None)
-    # Batch rows are split over expert too: it is data parallelism for the dense layers.
+    assert specs[("router",)] == P(None, ("fsdp", "expert"), None)
+    # Batch rows are split over expert too: it is data parallelism for the dense layers, whose weights
+    # it splits as fsdp does.
     assert rows_per_shard(mesh) == 4 and batch_sharding(mesh).spec == P(("data", "fsdp", "expert"))
+    # One expert axis alone (multi-host v5e's layout): the dense weights split over it, no expert
+    # weight's embed axis is.
+    alone = param_shardings(params, make_mesh(MeshConfig(data=1, fsdp=1, expert=8, tensor=1)))
+    specs = {k: v.get_value().spec for k, v in nnx.to_flat_state(alone.shardings)}
+    assert specs[("expert_gate",)] == P(None, "expert", None, None) and specs[("router",)] == P(None, "expert", None)
+
+
+def test_the_engines_prefill_keeps_each_prompt_on_its_rows_devices():
+    """Without the rows' split, XLA takes the embedding table's (embed over fsdp) for the prompts'
+    hidden states: every device holds every prompt in slices of E and all-reduces each norm (on a
+    multi-host v5e that all-reduce did not even compile). With it (what the engines pass), no
+    all-reduce is left and the temporaries shrink."""
+    mesh = make_mesh(MeshConfig(fsdp=8))
+    graphdef, state = nnx.split(model())
+    state = jax.device_put(state, param_shardings(state, mesh).shardings)
+    ids = jax.device_put(jnp.ones((8, 64), jnp.int32), batch_sharding(mesh, 2))
+    compiled = {}
+    for name, rows in (("free", None), ("rows", batch_sharding(mesh, 1))):
+        def last_logits(state, ids, rows=rows):
+            return nnx.merge(graphdef, state).prefill_kv(ids, ids > 0, row_sharding=rows)[0]
+        compiled[name] = jax.jit(last_logits).lower(state, ids).compile()
+    assert "all-reduce(" in compiled["free"].as_text() and "all-reduce(" not in compiled["rows"].as_text()
+    temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+    assert temps["rows"] < temps["free"] / 2, temps
