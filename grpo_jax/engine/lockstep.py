@@ -74,7 +74,7 @@ def lockstep_decode(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh
         def body(carry, c=c):
             t, tok_R, done_R, tokens_RM, logprobs_RM, running_RM, experts_RMLK, cache = carry
             running_RM = running_RM.at[:, t].set(~done_R)
-            logits_RV, cache, experts_RLK = model.decode_step(tok_R, cache, chunk=c, weights=weights,
+            logits_RV, cache, experts_RLK = model.decode_step(tok_R, cache, chunk=c, weights=weights, mesh=mesh,
                                                               with_routing=True)
             if experts_RMLK is not None:  # token t - 1 was fed for the rows still running
                 fed_RLK = jnp.where(done_R[:, None, None], 0, experts_RLK).astype(experts_RMLK.dtype)

@@ -133,7 +133,8 @@ def paged_decode_step(model, tokens_ZJ: jax.Array, cache: PagedCache, write_ZJ: 
         q, k, v = qkv(x_X1E, weights[l], cfg, cos_YX1D[y], sin_YX1D[y])  # [X, 1, H, D], [X, 1, K, D]
         kv[l] = write_token(kv[l], write_ZJ, offset_ZJ, k.reshape(Z, J, *k.shape[2:]), v.reshape(Z, J, *v.shape[2:]))
         o_XHD = jax.lax.switch(phase, programs[kind], q[:, 0], kv[l], cache.table, pos_ZJ + 1)
-        x_X1E, routed = finish_layer(x_X1E, o_XHD.reshape(X, 1, *o_XHD.shape[1:]).astype(dtype), weights[l], cfg)
+        x_X1E, routed = finish_layer(x_X1E, o_XHD.reshape(X, 1, *o_XHD.shape[1:]).astype(dtype), weights[l], cfg,
+                                     mesh=mesh)
         experts.append(routed)
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]
     return (logits_XV.reshape(Z, J, -1), cache.replace(kv=tuple(kv), slot_t=cache.slot_t + 1),

@@ -90,14 +90,15 @@ class SlotCache(ChunkedKeys):
 
 
 def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: jax.Array | int,
-                     weights: list[dict[str, jax.Array]]) -> tuple[jax.Array, SlotCache, jax.Array | None]:
+                     weights: list[dict[str, jax.Array]], mesh=None) -> tuple[jax.Array, SlotCache, jax.Array | None]:
     """Feed each slot's token, tokens int [Z, J], at its position -> (float32 logits [Z, J, V] of
     each slot's next token, the cache with the token's keys/values written at `slot_t` and
     `slot_t` + 1, and for a mixture-of-experts model the experts the token went to, int32
     [Z, J, L, Kx]; None for a dense one). `phase` (an int32 scalar, may be traced): attention reads chunks 0..phase
     (every slot's `slot_t` must lie below (phase + 1) x C); each layer picks its attention program
     with `lax.switch`, which reads the cache but does not carry it, so no buffer is copied in or
-    out. `weights`: `model.layer_weights()`, hoisted."""
+    out. `weights`: `model.layer_weights()`, hoisted. `mesh`: where a mixture of experts runs its
+    experts (`models.experts`: by all-to-all over its expert axis; None: where XLA puts them)."""
     cfg, dtype = model.config, model.dtype
     Z, J = tokens_ZJ.shape
     X, C = Z * J, cache.chunk_size
@@ -133,7 +134,7 @@ def slot_decode_step(model, tokens_ZJ: jax.Array, cache: SlotCache, *, phase: ja
         pv_XKPD = cache.per_slot(cache.prompt_values[l]).reshape(X, K, -1, D)
         o_XKQD = jax.lax.switch(phase, programs, q.reshape(X, K, -1, D), pk_XKDP, pv_XKPD,
                                 tuple(chunk[l] for chunk in keys), tuple(chunk[l] for chunk in values), *masks[kind])
-        x_X1E, routed = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg)
+        x_X1E, routed = finish_layer(x_X1E, o_XKQD.reshape(X, 1, -1, D), weights[l], cfg, mesh=mesh)
         experts.append(routed)
     logits_XV = model.logits(rms_norm(x_X1E, model.final_norm[...], cfg))[:, 0]
     cache = cache.replace(keys=tuple(map(tuple, keys)), values=tuple(map(tuple, values)), slot_t=cache.slot_t + 1)

@@ -93,7 +93,7 @@ class EngineLoop:
 def engine_loop(model, config: SamplingConfig, mesh: Mesh, lay: EngineLayout, chunk_size: int) -> EngineLoop:
     """The loop's constants for `model` (its decode step, with the weights hoisted); `chunk_size`:
     the cache's generated slots per attention phase (`SlotCache.chunk_size`)."""
-    decode = functools.partial(slot_decode_step, model, weights=model.layer_weights())
+    decode = functools.partial(slot_decode_step, model, weights=model.layer_weights(), mesh=mesh)
     return EngineLoop(lay=lay, config=config, phase_size=chunk_size, decode=decode, mesh=mesh)
 
 

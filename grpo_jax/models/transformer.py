@@ -284,7 +284,7 @@ class Transformer(nnx.Module):
         return (*out, _experts_of(routed)) if with_routing else out
 
     def decode_step(self, input_ids: jax.Array, cache: KVCache, *, chunk: int | None = None,
-                    weights: list[dict[str, jax.Array]] | None = None, with_routing: bool = False):
+                    weights: list[dict[str, jax.Array]] | None = None, with_routing: bool = False, mesh=None):
         """Feed one token per row, input_ids int [R] -> (float32 logits [R, V] of the next token, cache).
 
         The token goes to the cache's next decode slot, which must lie in chunk `chunk`; the step
@@ -294,7 +294,8 @@ class Transformer(nnx.Module):
         per-layer slicing and the cast to the compute dtype are not repeated every step.
 
         `with_routing` (a mixture-of-experts model): also the experts each row's token went to, int32
-        [R, L, Kx]. Layers are unrolled here, not scanned (see the module docstring for why).
+        [R, L, Kx]; `mesh`: where its experts run (`models.experts`; the engines pass theirs). Layers
+        are unrolled here, not scanned (see the module docstring for why).
         """
         cfg, dtype = self.config, self.dtype
         chex.assert_shape(input_ids, (cache.rows,))
@@ -326,7 +327,7 @@ class Transformer(nnx.Module):
             o_RKQD = decode_attention(
                 q.reshape(R, K, -1, D), [cache.prompt_keys[l], *(cache.keys[c][l] for c in earlier), k_RKDC],
                 [cache.prompt_values[l], *(cache.values[c][l] for c in earlier), v_RKCD], masks[kind], cfg, dtype)
-            x_R1E, routed = finish_layer(x_R1E, o_RKQD.reshape(R, 1, -1, D), weights[l], cfg)
+            x_R1E, routed = finish_layer(x_R1E, o_RKQD.reshape(R, 1, -1, D), weights[l], cfg, mesh=mesh)
             experts.append(None if routed is None else routed.experts)
         logits_RV = self.logits(rms_norm(x_R1E, self.final_norm[...], cfg))[:, 0]
         cache = cache.close_slot(chunk, tuple(keys), tuple(values))

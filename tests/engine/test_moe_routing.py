@@ -7,6 +7,8 @@ teacher-forced plain pass over [prompt, completion]; slots no token was fed thro
   groups carry the experts of the rows they came from;
 - the paged engine with a pool so short that sequences are preempted and recomputed (the recompute's
   routing is the one recorded).
+And each engine on a mesh with an expert axis (its prefill and decode steps run the experts by
+all-to-all, `models.experts`) draws the rollout it draws on one device, experts and all.
 A dense model's rollouts carry none (tests/engine/test_engine.py).
 """
 
@@ -24,7 +26,8 @@ from grpo_jax.engine.paged import paged_program
 from grpo_jax.engine.sampling import check_rollout, generate, pad_prompts
 from grpo_jax.engine.pages import page_bytes, pages_needed
 from grpo_jax.runtime.hosts import local_rows, whole
-from grpo_jax.runtime.sharding import one_device_mesh
+from grpo_jax.config import MeshConfig
+from grpo_jax.runtime.sharding import make_mesh, one_device_mesh, place_model
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +96,16 @@ def test_the_paged_engine_records_the_recomputed_routing_of_preempted_sequences(
                                                                       jax.random.key(7))
     assert int(stats["preemptions"]) > 0 and int(stats["recomputed_tokens"]) > 0
     assert_recorded(moe, rollout)
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous", "paged"])
+def test_each_engine_with_expert_parallelism_draws_what_one_device_draws(moe, engine):
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=4))  # 2 of the 8 experts per device
+    spread = nnx.clone(moe)  # the same weights, spread over the mesh
+    place_model(spread, mesh)
+    cfg = sampled(engine=engine)
+    one, many = (generate(m, PROMPTS, cfg, jax.random.key(3), mesh=mesh_) for m, mesh_ in ((moe, None), (spread, mesh)))
+    for name in ("tokens", "mask", "experts", "prompt_experts"):
+        np.testing.assert_array_equal(np.asarray(getattr(many, name)), np.asarray(getattr(one, name)), err_msg=name)
+    np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-5)
+    assert np.asarray(one.experts).any()

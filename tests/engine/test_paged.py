@@ -248,9 +248,11 @@ def test_the_tpu_kernel_compiles_in_the_engine_for_a_v5e_slice():
     cfg = config(group_size=4, max_new_tokens=128, prompt_buckets=(32,), stop_token_ids=(2,), engine="paged",
                  slots=8, page_size=16, paged_attention="pallas")
     ids = jax.ShapeDtypeStruct((8, 32), jnp.int32)
-    with jax.set_mesh(mesh):
+    # The prefill's splash kernel (a mesh on TPU) takes bf16 at the default precision: the tests'
+    # "highest" (conftest.py) asks Mosaic for an fp32 contraction of bf16, which it refuses.
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
         lowered = paged_program(graphdef, cfg, mesh).lower(state, ids, ids, jax.eval_shape(lambda: jax.random.key(0)))
-    compiled = lowered.compile()
+        compiled = lowered.compile()
     assert compiled.as_text().count("tpu_custom_call") >= shape.num_layers
     with pytest.raises(ValueError, match="use gather"):
         paged_program(graphdef, dataclasses.replace(cfg, page_size=4), mesh).lower(
