@@ -39,7 +39,12 @@ outputs the same), and the receiver's grouped matmuls over Pe x Nx rows of which
 average: Pe times the memory of the pairs themselves, and Pe times the bytes on the wire. The
 gmm kernel skips the padding rows' tiles; ragged_dot may not. A receive buffer of the worst case
 (every peer's pairs to one device) is inherent to dropless routing with static shapes; a ragged
-all-to-all (TPU) would save the send side and the wire bytes, not that.
+all-to-all (TPU) would save the send side and the wire bytes, not that (and v5e, whose ICI routes
+only between neighbours, has none). So that the buffers stay bounded however many peers, a device
+exchanges its tokens in chunks (`exchange_chunks`: a `lax.map` over them, each rematerialised in
+the backward pass) whose Pe x Nx x E buffer holds at most `EXCHANGE_BYTES`: one 1280-token row
+of Qwen3-30B-A3B (Kx 8, E 2048, bf16) over 64 peers needs 2.7 GB per buffer whole, 256 MiB in ten
+chunks.
 
 Shape letters: grpo_jax.shapes (the mixture-of-experts ones: Ex, Fx, Kx, Nx, Pe, Le, Cb, Mr, Rg).
 """
@@ -61,6 +66,9 @@ from grpo_jax.models.config import ACTIVATIONS
 from grpo_jax.runtime.sharding import BATCH
 
 EXPERT_IMPLS = ("auto", "dense", "ragged", "gmm")
+
+EXCHANGE_BYTES = 256 * 2 ** 20
+"""The most one padded all-to-all buffer of expert parallelism may hold (module docstring)."""
 
 GMM_TILING = (512, 1024, 1024)
 """The largest (rows, contraction, output) tiles of the gmm kernel (MaxText's default sizes),
@@ -217,7 +225,7 @@ def _on_mesh(x_XE, experts_XKx, weights_XKx, w_gate, w_up, w_down, *, mesh, ffn,
     f = "tensor" if tensor > 1 and Fx % tensor == 0 else None
     rows, w_in, w_out = P(BATCH, None), P("expert", None, f), P("expert", f, None)
     specs = (rows, rows, rows, w_in, w_in, w_out)
-    local = _exchange if Pe > 1 else _one_device
+    local = _exchange_in_chunks if Pe > 1 else _one_device
 
     def body(*args):
         y_XE = local(*args, ffn=ffn)
@@ -227,6 +235,30 @@ def _on_mesh(x_XE, experts_XKx, weights_XKx, w_gate, w_up, w_down, *, mesh, ffn,
     if AxisType.Explicit in mesh.axis_types:  # sharding in the types: shard_map asks them to match its specs
         args = tuple(jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=check_vma)(*args)
+
+
+def exchange_chunks(X: int, Kx: int, Pe: int, row_bytes: int, budget: int | None = None) -> int:
+    """The fewest chunks of a device's X tokens (a divisor of X) whose padded all-to-all buffer,
+    Pe x (X / chunks) x Kx rows of `row_bytes`, fits `budget` (default `EXCHANGE_BYTES`); X when
+    none does (one token at a time)."""
+    budget = EXCHANGE_BYTES if budget is None else budget
+    return next((c for c in range(1, X + 1) if X % c == 0 and Pe * (X // c) * Kx * row_bytes <= budget), X)
+
+
+def _exchange_in_chunks(x_XE, experts_XKx, weights_XKx, w_gate, w_up, w_down, *, ffn) -> jax.Array:
+    """`_exchange` over `exchange_chunks` chunks of the tokens in turn, each one's buffers made
+    again in the backward pass rather than kept."""
+    (X, Kx), E = experts_XKx.shape, x_XE.shape[1]
+    c = exchange_chunks(X, Kx, jax.lax.axis_size("expert"), E * x_XE.dtype.itemsize)
+    if c == 1:
+        return _exchange(x_XE, experts_XKx, weights_XKx, w_gate, w_up, w_down, ffn=ffn)
+
+    @jax.checkpoint
+    def chunk(args):
+        return _exchange(*args, w_gate, w_up, w_down, ffn=ffn)
+
+    parts = (x_XE.reshape(c, X // c, E), experts_XKx.reshape(c, X // c, Kx), weights_XKx.reshape(c, X // c, Kx))
+    return jax.lax.map(chunk, parts).reshape(X, E)
 
 
 def _exchange(x_XE, experts_XKx, weights_XKx, w_gate, w_up, w_down, *, ffn) -> jax.Array:
