@@ -30,9 +30,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from figure_blocks import all_blocks, evals, minutes  # noqa: E402  (benchmarks/figure_blocks: the other render functions)
 
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", ROOT / "benchmarks" / "stability.md")
-# A block's markers may be indented (inside a list item): its lines get the same indent.
-BLOCK = re.compile(r"^(?P<indent> *)(?P<open><!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
+DOCS = (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", ROOT / "benchmarks" / "stability.md",
+        ROOT / "configs" / "qwen3_30b_a3b_gsm8k_v5p16.yaml", ROOT / "configs" / "qwen3_30b_a3b_gsm8k_v5e64.yaml")
+# A block's markers may be indented (inside a list item), or in a YAML comment ("# "): its lines get
+# the same indent.
+BLOCK = re.compile(r"^(?P<indent>(?:# )? *)(?P<open><!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)"
                    r"(?P<close>^(?P=indent)<!-- /figures:(?P=name) -->)", re.S | re.M)
 
 

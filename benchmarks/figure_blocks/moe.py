@@ -43,24 +43,52 @@ BLOCKS = {"moe-demo": render_moe_demo}
 
 
 GIB = 1 << 30
-PODS = (("moe/memory_v5p16.json", "v5p-16"),)
+PROGRAMS = ("sampler", "eval_sampler", "train_step")
+# Each program compiled in a command of its own (`--programs NAME`): XLA:TPU's compile of a
+# sampler of this model takes up to 19 GB of host memory, two in one process more than this
+# machine's 24.
+PODS = (("moe/memory_v5p16_{}.json", "v5p-16"), ("moe/memory_v5e64_{}.json", "v5e-64"))
+
+
+def _pod(pattern: str) -> tuple[dict, dict, str]:
+    """(the train step's result file, each program's figures, the verdict line) of one config."""
+    runs = {name: load(pattern.format(name)) for name in PROGRAMS}
+    progs = {name: d["programs"][name] for name, d in runs.items()}
+    d = runs["train_step"]
+    fits = all(r["verdict"] == "fits" for r in runs.values())
+    peak = max(progs, key=lambda n: progs[n]["peak_bytes"])
+    hbm, top = d["hbm_bytes"], progs[peak]["peak_bytes"]
+    verdict = (f"{'fits' if fits else 'does not fit'} on {d['chip']} ({hbm / GIB:.0f} GiB): peak {top / GIB:.2f} "
+               f"GiB ({peak}), margin {(hbm - top) / GIB:.2f} GiB ({(hbm - top) / hbm:.0%})")
+    return d, progs, verdict
+
+
+def _cell(p: dict) -> str:
+    return f"{p['peak_bytes'] / GIB:.2f}" if p.get("compiled", True) else f"refused ({p.get('required_bytes', 0) / GIB:.2f} needed)"
 
 
 def render_moe_pods() -> str:
     """XLA:TPU's compiles of the Qwen3-30B-A3B configs, GiB per chip per program."""
     rows = []
-    for path, slice_name in PODS:
-        d = load(path)
-        progs = d["programs"]
-        cell = {n: (f"{p['peak_bytes'] / GIB:.2f}" if p.get("compiled", True) else
-                    f"refused ({p.get('required_bytes', 0) / GIB:.2f} needed)") for n, p in progs.items()}
+    for pattern, slice_name in PODS:
+        d, progs, verdict = _pod(pattern)
         mesh = ", ".join(f"{a} {n}" for a, n in d["mesh"].items() if n != 1) or "-"
-        rows.append([f"`{d['config']}`", f"{slice_name} ({d['topology']})", mesh, cell.get("sampler", "-"),
-                     cell.get("eval_sampler", "-"), cell.get("train_step", "-"), d["verdict_line"]])
+        rows.append([f"`{d['config']}`", f"{slice_name} ({d['topology']})", mesh, *(_cell(progs[n]) for n in PROGRAMS),
+                     verdict])
     head = ["config", "slice", "mesh", "sampler", "evaluation sampler", "train step", "verdict"]
-    return ("`grpo-jax bench memory --config CONFIG --topology TOPOLOGY --preset qwen3-30b-a3b` (XLA:TPU from "
-            "libtpu, no chip;\nGiB per chip, each program's peak with what the run holds meanwhile; "
-            "`benchmarks/results/moe/memory_*.json`):\n\n" + table(head, rows))
+    return ("`grpo-jax bench memory --config CONFIG --topology TOPOLOGY --preset qwen3-30b-a3b --programs PROGRAM` "
+            "(XLA:TPU\nfrom libtpu, no chip; GiB per chip, each program's peak with what the run holds meanwhile; "
+            "`benchmarks/results/moe/memory_*_PROGRAM.json`):\n\n" + table(head, rows))
 
 
+def _header(pattern: str):
+    def render() -> str:
+        d, progs, verdict = _pod(pattern)
+        return (f"Compiled ({d['topology']}), GiB per chip at its peak: sampler {_cell(progs['sampler'])}, evaluation "
+                f"sampler {_cell(progs['eval_sampler'])},\ntrain step {_cell(progs['train_step'])}: {verdict}.\n")
+    return render
+
+
+BLOCKS["moe-v5p16-header"] = _header(PODS[0][0])
+BLOCKS["moe-v5e64-header"] = _header(PODS[1][0])
 BLOCKS["moe-pods"] = render_moe_pods

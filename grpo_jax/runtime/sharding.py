@@ -4,10 +4,12 @@ Mesh axes (always these four, in this order; size 1 is fine and goes through the
 - `data`: data parallelism. Batch rows are split; parameters are replicated along it.
 - `fsdp`: fully sharded data parallelism (ZeRO-3). Batch rows are split along it too, and
   parameters are split along their `embed` dimension, gathered by XLA where a layer uses them.
-- `expert`: expert parallelism (mixture-of-experts models). Parameters are split along `experts`
-  (each device holds Ex / expert of them, whole); batch rows are split along it too, so for the
-  model's dense parts it is more data parallelism (as in MaxText and DeepSpeed-MoE), and the
-  experts' layers exchange tokens over it (grpo_jax.models.experts).
+- `expert`: expert parallelism (mixture-of-experts models). Expert parameters are split along
+  `experts` (each device holds Ex / expert of them); batch rows are split along it too, so for the
+  model's dense parts it is more fully sharded data parallelism: their `embed` dimension is split
+  over fsdp x expert. The experts' layers exchange tokens over it (grpo_jax.models.experts). On a
+  multi-host v5e, whose ICI routes a collective only along neighbours, two such axes of 8 (fsdp 8 x
+  expert 8 on an 8x8 slice) give collectives XLA:TPU cannot route; `expert: -1` alone compiles.
 - `tensor`: model (Megatron) parallelism. Parameters are split along `heads`, `kv_heads`, `mlp`,
   `expert_mlp` and `vocab`; activations follow. Last, so a row's `tensor` devices are neighbours
   (one host).
