@@ -53,16 +53,9 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
     (replay=False, `moe.route`); `completion_mask` [R, T]: the tokens its statistics count (all)."""
     cfg, dtype, _ = model.config, model.dtype, chex.assert_rank([prompt_ids, completion_ids], 2)
     (N, P), (R, T) = prompt_ids.shape, completion_ids.shape
-    G = R // N if R % N == 0 else _not_whole_groups(R, N)
-    pmask_NP = as_mask(prompt_mask, (N, P))
-    pos_NP = default_positions(pmask_NP)
-    # As the plain pass: completion token t follows the prompt's real tokens.
-    pos_RT = jnp.repeat(pmask_NP.sum(axis=1, dtype=jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32), G, axis=0)
-    (cos_YNPD, sin_YNPD), (cos_YRTD, sin_YRTD) = rope_tables(cfg, pos_NP, dtype), rope_tables(cfg, pos_RT, dtype)
-    # A completion's keys are its prompt's slots, then its own tokens: segment 1 for every real one.
+    G, pmask_NP, pos_NP, pos_RT, kv_seg_RS, kv_pos_RS = _layout(prompt_mask, (N, P), (R, T))
     pseg_NP = pmask_NP.astype(jnp.int32)
-    kv_seg_RS, kv_pos_RS = (jnp.concatenate([jnp.repeat(a, G, axis=0), b], axis=1)
-                            for a, b in ((pseg_NP, jnp.ones((R, T), jnp.int32)), (pos_NP, pos_RT)))
+    (cos_YNPD, sin_YNPD), (cos_YRTD, sin_YRTD) = rope_tables(cfg, pos_NP, dtype), rope_tables(cfg, pos_RT, dtype)
     mesh = None if row_sharding is None else row_sharding.mesh
     moe_kw = dict(follow=replay, mesh=mesh)
     prompt_impl = attention_impl(model.attention, cfg, keys=P, mesh=mesh)
@@ -100,8 +93,21 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
     return rms_norm(x_NPE, model.final_norm[...], cfg), rms_norm(x_RTE, model.final_norm[...], cfg), routed
 
 
-def _not_whole_groups(R: int, N: int):
-    raise ValueError(f"{R} completion rows are not whole groups of the {N} prompts")
+def _layout(prompt_mask, shape_NP, shape_RT):
+    """(G, the prompts' mask [N, P], their positions [N, P], the completions' positions [R, T], and
+    each completion's keys' segments and positions [R, P + T]: its prompt's slots, then its own)."""
+    (N, P), (R, T) = shape_NP, shape_RT
+    if R % N:
+        raise ValueError(f"{R} completion rows are not whole groups of the {N} prompts")
+    G = R // N
+    pmask_NP = as_mask(prompt_mask, (N, P))
+    pos_NP = default_positions(pmask_NP)
+    # As the plain pass: completion token t follows the prompt's real tokens.
+    pos_RT = jnp.repeat(pmask_NP.sum(axis=1, dtype=jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32), G, axis=0)
+    # A completion's keys are its prompt's slots, then its own tokens: segment 1 for every real one.
+    kv_seg_RS, kv_pos_RS = (jnp.concatenate([jnp.repeat(a, G, axis=0), b], axis=1)
+                            for a, b in ((pmask_NP.astype(jnp.int32), jnp.ones((R, T), jnp.int32)), (pos_NP, pos_RT)))
+    return G, pmask_NP, pos_NP, pos_RT, kv_seg_RS, kv_pos_RS
 
 
 def _replay(cfg, prompt_routing, completion_routing, shape_NP, shape_RT):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.experts import expert_mlp
+from grpo_jax.models.experts import expert_mlp, tokens_per_expert
 
 
 @flax.struct.dataclass
@@ -76,7 +76,7 @@ def route(h_XE: jax.Array, router_EEx: jax.Array, cfg: TransformerConfig, *, rep
         # probability underflows (the router moved far since sampling) still gets its weight.
         vals = jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1), axis=-1)
     real = jnp.ones((X,), jnp.float32) if real_X is None else real_X.astype(jnp.float32)
-    counts = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real, k))
+    counts = tokens_per_expert(experts, real, cfg.num_experts)
     stats = Routing(experts=experts, counts=counts, prob_sums=jnp.einsum("x,xn->n", real, probs),
                     tokens=real.sum(), mismatch=jnp.sum(mismatch * real))
     return experts, vals.astype(h_XE.dtype), stats
