@@ -51,7 +51,7 @@ RULES: Mapping[str, str | tuple[str, ...] | None] = {
     # expert axis too (it splits rows as fsdp does), so the attention and embedding weights are not
     # whole on each of an expert group's chips; an expert weight, whose experts take the expert axis,
     # splits its embed axis over fsdp alone. One `expert` axis is then a whole layout (mesh.expert:
-    # -1), which multi-host v5e slices need (`check_routable`).
+    # -1), which multi-host v5e slices need (the module docstring says why).
     "embed": ("fsdp", "expert"),
     "heads": "tensor",
     "kv_heads": "tensor",

@@ -211,6 +211,11 @@ def test_expert_weights_split_over_the_expert_axis():
     alone = param_shardings(params, make_mesh(MeshConfig(data=1, fsdp=1, expert=8, tensor=1)))
     specs = {k: v.get_value().spec for k, v in nnx.to_flat_state(alone.shardings)}
     assert specs[("expert_gate",)] == P(None, "expert", None, None) and specs[("router",)] == P(None, "expert", None)
+    # An embed axis fsdp divides and fsdp x expert does not: over fsdp alone, and the rest is said.
+    odd = nnx.State({"w": nnx.Param(jnp.zeros((6, 4)), logical_axes=("embed", None))})
+    sharded = param_shardings(odd, mesh)
+    assert sharded.shardings["w"].get_value().spec == P("fsdp", None)
+    assert sharded.replicated == ["['w']: embed(6) over expert(2)"]
 
 
 def test_the_engines_prefill_keeps_each_prompt_on_its_rows_devices():
