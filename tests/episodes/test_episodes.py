@@ -313,5 +313,7 @@ def test_bad_openings_and_answers_fail_only_their_episodes_counted_by_reason(mod
     line = failure_line(eps)
     assert line.startswith(f"the environment failed {n_failed} of 18 episodes (dropped; ") and "2 template" in line
     assert "\n" not in line and "2 too_long" in line
-    for name in ("tokens", "lengths", "env", "logprobs"):
+    for name in ("tokens", "lengths", "env"):
         np.testing.assert_array_equal(getattr(batch, name)[:6], getattr(clean, name)[:6], err_msg=name)
+    # the same draws; log-probs to float rounding (other rows change how XLA:CPU blocks the batch's matmuls)
+    np.testing.assert_allclose(batch.logprobs[:6], clean.logprobs[:6], rtol=0, atol=1e-5)
