@@ -99,7 +99,8 @@ def test_smoke_is_a_function_the_cli_calls(tmp_path):
 
 # `grpo-jax eval` of a run of one step, whose config has an eval.verifier that disagrees with its
 # reward (math_accuracy): every sample is right by it.
-ALWAYS = "def always(prompts, completions, *, value=1.0, **fields):\n    return [value] * len(completions)\n"
+ALWAYS = ("def always(prompts, completions, *, value=1.0, **fields):\n    return [value] * len(completions)\n"
+          "def longer(prompts, completions, **fields):\n    return [len(c) / 3 for c in completions]\n")
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +112,12 @@ def tiny_run(tmp_path_factory):
     (tmp / "always.py").write_text(ALWAYS)
     config = {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp / "tfds"), "prompts_per_step": 4},
               "sampling": {**CONFIG["sampling"], "group_size": 2}, "sft": {"steps": 0},
-              "train": {**CONFIG["train"], "steps": 1, "samples_every": 0}, "checkpoint": {"every": 1},
+              "train": {**CONFIG["train"], "steps": 1, "samples_every": 0, "warmup_steps": 0}, "checkpoint": {"every": 1},
+              # `longer` varies within groups: the one update moves the policy (evaluation judges by math_accuracy)
+              "rewards": [*CONFIG["rewards"], {"name": f"{tmp / 'always.py'}:longer"}],
               "eval": {"every": 0, "num_prompts": 4, "k": 2, "verifier": f"{tmp / 'always.py'}:always",
-                       "verifier_kwargs": {"value": 1.0}}}
+                       "verifier_kwargs": {"value": 1.0}, "retention": True, "retention_top_k": 8,
+                       "retention_max_tokens": 32}}
     out = tmp / "run"
     assert cli.main(["train", "--config", write_config(tmp, config), "--output", str(out)]) == 0
     return out
@@ -140,6 +144,29 @@ def test_eval_reports_the_verifiers_accuracy_as_the_trainer_does(tiny_run, capsy
     # eval.verifier_kwargs too: the same samples, every one wrong by the verifier.
     zero = _eval(capsys, str(tiny_run), "--set", "eval.verifier_kwargs={value: 0.0}")
     assert zero["eval/verifier_accuracy"] == 0.0 and zero["eval/accuracy"] == result["eval/accuracy"]
+
+
+def test_eval_measures_retention_against_the_runs_first_policy_as_the_trainer_does(tiny_run, capsys):
+    from grpo_jax.observe.writers import read_metrics
+    from grpo_jax.rollout.retention import REFERENCE_FILE
+
+    first, final = [r for r in read_metrics(tiny_run) if "eval/accuracy" in r]
+    assert first["retention/kl"] == 0.0 < final["retention/kl"]  # pi_0 against itself; one update moved it
+    assert final["retention/general_nll"] != first["retention/general_nll"] and first["retention/tokens"] > 500
+    result = _eval(capsys, str(tiny_run))
+    for key in ("retention/kl", "retention/general_nll", "retention/tokens"):
+        assert result[key] == pytest.approx(final[key], rel=1e-6), key
+    (tiny_run / REFERENCE_FILE).rename(tiny_run / "kept.npz")
+    try:
+        from grpo_jax import cli
+
+        assert cli.main(["eval", str(tiny_run)]) == 0
+    finally:
+        (tiny_run / "kept.npz").rename(tiny_run / REFERENCE_FILE)
+    out = capsys.readouterr()
+    alone = json.loads(out.out.strip().splitlines()[-1])
+    assert "retention/kl" not in alone and alone["retention/general_nll"] == result["retention/general_nll"]
+    assert f"retention/kl is not measured: {tiny_run / REFERENCE_FILE} is missing" in out.err
 
 
 def test_eval_of_a_run_dir_reads_its_own_config(tiny_run, capsys):

@@ -137,6 +137,8 @@ def _eval(args: argparse.Namespace) -> int:
     model, _, files = load_policy(checkpoint, dtype=JNP_DTYPES[config.model.dtype],
                                   param_dtype=JNP_DTYPES[config.model.param_dtype])
     place_model(model, evaluation_mesh(prepared))  # where the trainer evaluates
+    if prepared.eval.retention is not None:  # KL against the run's first policy, as the trainer measured it
+        prepared.eval.retention.load(files.run_dir, log=lambda line: print(line, file=sys.stderr))
     result = {"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, "config": str(config_path),
               **evaluate_run(model, prepared)}
     print(json.dumps(result))

@@ -229,10 +229,23 @@ class EvalConfig:
     # health/verifier_disagreement (the share of judged samples the two judges disagree on).
     verifier: str | None = None
     verifier_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # What RL costs the policy elsewhere (grpo_jax.rollout.retention): at every evaluation, the
+    # policy's NLL on a general corpus (retention/general_nll) and KL(pi_0 || pi) there
+    # (retention/kl, pi_0 kept as its `retention_top_k` most likely tokens per position).
+    # `retention_corpus`: a JSONL file of {"text"} or {"prompt", "response"} rows (default: the
+    # shipped grpo_jax/data/general_corpus.jsonl); each row's scored tokens cut to `retention_max_tokens`.
+    retention: bool = False
+    retention_top_k: int = 64
+    retention_corpus: str | None = None
+    retention_max_tokens: int = 128
 
     def __post_init__(self):
         if self.verifier_kwargs and self.verifier is None:
             raise ValueError("eval.verifier_kwargs is set but eval.verifier is not")
+        if self.retention_corpus is not None and not self.retention:
+            raise ValueError("eval.retention_corpus is set but eval.retention is false; set eval.retention: true")
+        positive("eval", "retention_top_k", self.retention_top_k)
+        positive("eval", "retention_max_tokens", self.retention_max_tokens)
         non_negative("eval", "every", self.every)
         positive("eval", "num_prompts", self.num_prompts)
         positive("eval", "k", self.k)

@@ -59,11 +59,15 @@ def evaluate_run(model, prepared, *, teacher=None) -> dict[str, float]:
     held-out prompts (eval.num_prompts), eval.k samples each at eval.temperature, judged by
     eval.reward and eval.verifier (with eval.verifier_kwargs), the run's episodes with an
     environment; the rng from train.seed, so every evaluation of the same parameters samples the
-    same completions. `prepared`: the run's grpo_jax.trainer.prepare.Prepared; `teacher`: as in
-    `evaluate` (distillation's scorer)."""
-    return evaluate(model, prepared.eval.examples, reward=prepared.eval.reward, verifier=prepared.eval.verifier,
-                    sampling=prepared.eval.sampling, tokenizer=prepared.tokenizer, mesh=evaluation_mesh(prepared),
-                    episodes=prepared.episodes, rng=jax.random.key(prepared.config.train.seed + 1), teacher=teacher)
+    same completions; with eval.retention, the retention metrics too (grpo_jax.rollout.retention:
+    its reference set by the run). `prepared`: the run's grpo_jax.trainer.prepare.Prepared;
+    `teacher`: as in `evaluate` (distillation's scorer)."""
+    out = evaluate(model, prepared.eval.examples, reward=prepared.eval.reward, verifier=prepared.eval.verifier,
+                   sampling=prepared.eval.sampling, tokenizer=prepared.tokenizer, mesh=evaluation_mesh(prepared),
+                   episodes=prepared.episodes, rng=jax.random.key(prepared.config.train.seed + 1), teacher=teacher)
+    if prepared.eval.retention is not None:  # eval.retention: the general corpus, teacher-forced
+        out.update(prepared.eval.retention.metrics(model))
+    return out
 
 
 def evaluate(model, examples: Sequence, *, reward: RewardSpec, sampling: SamplingConfig, tokenizer,
@@ -146,6 +150,9 @@ def _summary(scored: np.ndarray, *, k: int, prompts: int, verifier: bool, kl) ->
     if verifier:
         both = judged_[..., 0] & judged_[..., 1]
         out["eval/verifier_accuracy"] = float(correct_[..., 1].sum() / counted[1]) if counted[1] else float("nan")
+        # The second judge's mean score (a gold reward model's, where eval.verifier is one): the
+        # over-optimisation check's gold curve (grpo_jax.observe.heldout_checks).
+        out["eval/verifier_reward_mean"] = float(np.nanmean(scores_[..., 1])) if n_judged[1] else float("nan")
         out["health/verifier_disagreement"] = (float((correct_[..., 0] != correct_[..., 1])[both].mean())
                                                if both.any() else float("nan"))
     return out

@@ -17,7 +17,7 @@ import yaml
 from jax.sharding import Mesh
 
 from grpo_jax import data
-from grpo_jax.config import ConfigError, ModelConfig, RunConfig, SamplingConfig, config_to_dict
+from grpo_jax.config import ConfigError, EvalConfig, ModelConfig, RunConfig, SamplingConfig, config_to_dict
 from grpo_jax.data.stream import PromptStream
 from grpo_jax.engine.sampling import greedy_completions
 from grpo_jax.models import Transformer, TransformerConfig, config_to_hf, load_config
@@ -27,6 +27,7 @@ from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.lora import add_adapters
 from grpo_jax.rewards import RewardSpec, build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
+from grpo_jax.rollout.retention import GENERAL_CORPUS, Retention, build_corpus, read_rows
 from grpo_jax.episodes.episode import EpisodeLimits
 from grpo_jax.env.registry import environment_maker
 from grpo_jax.episodes.runner import EpisodeRunner
@@ -45,6 +46,7 @@ class EvalInputs:
     reward: RewardSpec  # what correctness is judged by: eval.reward, else the first training reward
     verifier: RewardSpec | None  # eval.verifier: a second judge of the held-out samples
     examples: list  # the first eval.num_prompts usable rows of the eval split, each once (every host has all)
+    retention: Retention | None = None  # eval.retention: the general corpus's probe (its reference set by the run)
 
     def judges(self) -> list[RewardSpec]:
         return [self.reward, *([self.verifier] if self.verifier is not None else [])]
@@ -155,11 +157,25 @@ def prepare(config: RunConfig) -> Prepared:
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
     eval_sampling = evaluation_sampling(sampling, config)
     notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
+    samplers = sampler_mesh(config)
     evaluation = EvalInputs(sampling=eval_sampling, reward=eval_reward, verifier=eval_verifier,
-                            examples=streams.pop("eval_examples"))
+                            examples=streams.pop("eval_examples"),
+                            retention=retention_probe(config.eval, tokenizer, samplers or mesh))
     return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
                     rewards=rewards, eval=evaluation, mesh=mesh, notes=tuple(notes),
-                    episodes=episode_runner(config, tokenizer, mesh), sampler_mesh=sampler_mesh(config), **streams)
+                    episodes=episode_runner(config, tokenizer, mesh), sampler_mesh=samplers, **streams)
+
+
+def retention_probe(ev: EvalConfig, tokenizer, mesh: Mesh) -> Retention | None:
+    """eval.retention's probe over its corpus (tokenized here: a bad file fails before any compile)."""
+    if not ev.retention:
+        return None
+    path = ev.retention_corpus or GENERAL_CORPUS
+    try:
+        corpus = build_corpus(tokenizer, read_rows(path), max_tokens=ev.retention_max_tokens, mesh=mesh)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise ConfigError(f"eval.retention_corpus: {e}") from None
+    return Retention(corpus, mesh=mesh, k=ev.retention_top_k)
 
 
 def episode_runner(config: RunConfig, tokenizer, mesh: Mesh) -> EpisodeRunner | None:
