@@ -115,7 +115,9 @@ _FLAGS = {"kl_drift": "KL drift", "heldout_regression": "held-out regression", "
 
 def _v1_report(rows: dict, seeds: list[int], samples: int) -> dict:
     """What `grpo-jax report` (grpo_jax.observe.health_checks.diagnose) flags in the first edition's runs."""
-    from grpo_jax.observe.health_checks import FAILURE, HELDOUT_REGRESSION, diagnose
+    from grpo_jax.observe.flags import FAILURE
+    from grpo_jax.observe.health_checks import diagnose
+    from grpo_jax.observe.heldout_checks import HELDOUT_REGRESSION
 
     flags = {k: diagnose(r, eval_samples=samples) for k, r in rows.items()}
     failures = {k: [f.key for f in fs if f.level == FAILURE] for k, fs in flags.items()}

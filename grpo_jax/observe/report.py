@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from grpo_jax.config import ConfigError, RunConfig, load_config
-from grpo_jax.observe.health_checks import MIN_STEPS, NOTICE, THRESHOLDS, Flag, diagnose, train_records
+from grpo_jax.observe.flags import MIN_STEPS, NOTICE, Flag, train_records
+from grpo_jax.observe.health_checks import THRESHOLDS, diagnose
 from grpo_jax.observe.writers import SAMPLES_FILE, read_metrics, series
 
 REPORT_FILE = "report.html"

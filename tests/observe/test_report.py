@@ -30,8 +30,10 @@ def healthy_records(steps: int = 60, seed: int = 0) -> list[dict]:
              "completion/truncated_frac": 0.01, "kl/k3": 0.02 * s / steps, "train/skipped_steps": 0,
              "health/sampler_train_logprob_diff": 2e-7, "health/sampler_train_logprob_diff_max": 3e-6,
              "health/grad_noise_scale": 100.0 + rng.normal(0, 10)}
-        if s % 10 == 0:
-            r.update({"eval/accuracy": 0.3 + 0.4 * s / steps, "eval/pass@k": 0.6 + 0.3 * s / steps})
+        if s % 10 == 0:  # a gold judge that agrees, and a policy that stays near its start on general text
+            r.update({"eval/accuracy": 0.3 + 0.4 * s / steps, "eval/pass@k": 0.6 + 0.3 * s / steps,
+                      "eval/verifier_reward_mean": 0.28 + 0.4 * s / steps, "retention/kl": 0.02 * s / steps,
+                      "retention/general_nll": 3.0 + 0.03 * s / steps})
         records.append(r)
     return records
 
@@ -148,7 +150,9 @@ def _eval_steps(r, values):
     ("entropy_falling", lambda r: r.update({"policy/entropy": 1.0 - 0.55 * r["step"] / 60})),
     ("dead_groups_share", lambda r: r.update({"groups/frac_zero_std": 0.28})),
     ("sampler_drift_rising", lambda r: r.update({"health/sampler_train_logprob_diff": 1e-4 * (1 + r["step"] / 6)})),
-    ("verifier_accuracy_falling", lambda r: _eval_steps(r, lambda s: {"eval/verifier_accuracy": 0.6 - abs(s - 20) / 200})),
+    ("verifier_accuracy_falling", lambda r: _eval_steps(r, lambda s: {"eval/verifier_reward_mean": 0.6 - abs(s - 20) / 1000})),
+    ("retention_loss", lambda r: _eval_steps(r, lambda s: {"retention/kl": 0.08 * s / 60})),
+    ("retention_loss", lambda r: _eval_steps(r, lambda s: {"retention/general_nll": 3.0 + 0.08 * s / 60})),
     ("heldout_below_best", lambda r: r.update({"reward/mean": 0.5}) or _eval_steps(
         r, lambda s: {"eval/accuracy": 0.7 if s == 30 else 0.62})),
 ])
@@ -183,3 +187,22 @@ def test_the_page_states_its_thresholds_shows_samples_and_smoothed_curves(tmp_pa
     assert "p10&lt;b&gt;" in page and "c30" in page and "c40" in page and "c20" not in page  # first, middle, last
     assert "alt='Learning rate'" in page and "alt='Throughput (tokens/s)'" in page and "alt='Loss'" in page
     np.testing.assert_allclose(ema(np.array([1.0, np.nan, 2.0, 2.0]), 0.5), [1.0, 1.0, 1.5, 1.75])
+
+
+def test_overoptimisation_is_flagged_with_the_kl_at_the_gold_peak_and_only_beyond_the_noise():
+    """The proxy (reward/mean) rises all run; the gold judge peaks at step 20 and falls."""
+    records = healthy_records()
+    for r in records[1:]:
+        r["kl/k3"] = 0.002 * r["step"]
+        _eval_steps(r, lambda s: {"eval/verifier_reward_mean": 0.6 - abs(s - 20) / 200})  # 0.6 at 20, 0.4 at 60
+    flags = diagnose(records, eval_samples=400)
+    assert [(f.key, f.level) for f in flags] == [("overoptimisation", "failure")], flags
+    ev = flags[0].evidence
+    assert "fell from 0.600 (step 20) to 0.400 (step 60)" in ev and "kl/k3 0.0400 -> 0.1200" in ev
+    assert "retention/kl 0.0067 -> 0.0200" in ev
+    assert dict(flags[0].knobs)["checkpoints/20"] and "grpo.beta" in dict(flags[0].knobs)
+    # 0.2 below the peak is within 2 standard errors of 10 samples per evaluation: only the notice
+    assert [f.key for f in diagnose(records, eval_samples=10)] == ["verifier_accuracy_falling"]
+    for r in records[1:]:  # a proxy that stops rising: the gold's fall is not over-optimisation
+        r["reward/mean"] = 0.5
+    assert "overoptimisation" not in [f.key for f in diagnose(records, eval_samples=400)]
