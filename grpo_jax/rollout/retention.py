@@ -189,9 +189,13 @@ class Retention:
         self.ref = RetentionReference(np.asarray(ids), np.asarray(logp))
         return self.ref
 
-    def start(self, model, run_dir: Path, *, primary: bool) -> None:
-        """A fresh run, before its first update: `model` is pi_0; its reference goes to
-        `run_dir/REFERENCE_FILE` (written by process 0) for the run's resumptions and `grpo-jax eval`."""
+    def begin(self, model, run_dir: Path, *, resumed: bool, primary: bool, log) -> None:
+        """A run's start. A fresh run, before its first update: `model` is pi_0, whose reference goes
+        to `run_dir/REFERENCE_FILE` (written by process 0) for the run's resumptions and `grpo-jax
+        eval`. A resumed run reads it back (`load`)."""
+        if resumed:
+            self.load(run_dir, log=log)
+            return
         self.reference(model)
         if primary:
             self.ref.save(Path(run_dir) / REFERENCE_FILE)

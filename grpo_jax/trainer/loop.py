@@ -135,11 +135,9 @@ class Trainer:
         self.signals.stop_point()
         b.source.sync(b.learner.params(state))
         self.evals = self._past_evals(resume_from)
-        if (retention := self.prepared.eval.retention) is not None:  # eval.retention: pi_0's distribution
-            if resume_from is None:
-                retention.start(b.source.model, self.run_dir, primary=self.primary)
-            else:
-                retention.load(self.run_dir, log=self.log)
+        if (retention := self.prepared.eval.retention) is not None:  # eval.retention: pi_0 kept, or read back
+            retention.begin(b.source.model, self.run_dir, resumed=resume_from is not None, primary=self.primary,
+                            log=self.log)
         if resume_from is None:
             self.evals.append((0, self._evaluate(0)))
             self.signals.stop_point()  # before it is logged: a run stopped here leaves no logs to repeat

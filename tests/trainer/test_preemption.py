@@ -24,7 +24,9 @@ STEPS = 30
 def _config(tmp_path):
     return {**CONFIG, "data": {**CONFIG["data"], "data_dir": str(tmp_path / "tfds")}, "sft": {"steps": 0},
             "train": {**CONFIG["train"], "steps": STEPS, "samples_every": 0},
-            "eval": {"every": 0, "num_prompts": 8, "k": 2}, "checkpoint": {"every": 0, "every_minutes": 0}}
+            # retention: the resumed run reads pi_0's reference back, so its final KL is the uninterrupted one's
+            "eval": {"every": 0, "num_prompts": 8, "k": 2, "retention": True, "retention_top_k": 8,
+                     "retention_max_tokens": 16}, "checkpoint": {"every": 0, "every_minutes": 0}}
 
 
 def test_sigterm_saves_the_step_exits_0_and_the_rerun_matches_an_uninterrupted_run(tmp_path):
@@ -54,6 +56,7 @@ def test_sigterm_saves_the_step_exits_0_and_the_rerun_matches_an_uninterrupted_r
     reference = tmp_path / "uninterrupted"
     assert cli.main(["train", "--config", path, "--output", str(reference)]) == 0
     assert_same_run(reference, out)  # each step logged once
+    assert read_metrics(out)[-1]["retention/kl"] > 0
 
 
 def sigterm_in(monkeypatch, *targets, call: int = 1) -> None:
