@@ -50,3 +50,17 @@ def test_failed_episodes_are_wrong_answers_and_counted_apart(chunk):
     assert m["eval/accuracy"] == m["eval/verifier_accuracy"] == 0.5
     assert m["eval/failed"] == 4 and m["eval/unjudged"] == 2 and m["eval/pass@k"] == 0.4
     assert m["eval/reward_mean"] == 1.0 and m["health/verifier_disagreement"] == 0.0
+
+
+def test_the_gold_judges_mean_score_is_over_the_samples_it_judged():
+    """eval/verifier_reward_mean: a gold reward model's mean held-out score, the over-optimisation
+    check's gold curve; the training judge's own mean is eval/reward_mean."""
+    examples = [Example(p) for p in ("easy", "hard", "easy", "odd")]
+    sampling = SamplingConfig(group_size=2, max_new_tokens=4, prompt_buckets=(8,), pad_token_id=0)
+    gold = RewardSpec("gold", lambda prompts, completions, answer, **_: [{"4": 0.9, "": 0.2, "?": -0.4}[c]
+                                                                        for c in completions])
+    m = evaluate(None, examples, reward=RewardSpec("acc", judge), verifier=gold, sampling=sampling, tokenizer=None,
+                 rng=jax.random.key(0), mesh=one_device_mesh(), episodes=Episodes(2))
+    # 4 "easy" samples score 0.9, 2 "odd" ones -0.4; the 2 failed episodes are not judged
+    assert m["eval/verifier_reward_mean"] == pytest.approx((4 * 0.9 - 2 * 0.4) / 6)
+    assert m["eval/verifier_accuracy"] == pytest.approx(4 / 8)  # > 0.5 of the judged and the failed

@@ -1,0 +1,208 @@
+"""The critique of GRPO, measured (issue 46): one command per experiment, each writing its runs'
+metrics (gzipped), a summary.json with the report's flags per run, and a plot under --output.
+
+    python benchmarks/critique.py hacking   --output benchmarks/results/critique/hacking
+    python benchmarks/critique.py overopt   --output benchmarks/results/critique/overopt
+    python benchmarks/critique.py retention --output benchmarks/results/critique/retention_demo
+    python benchmarks/critique.py retention --model smollm2 --output benchmarks/results/critique/retention_smollm2
+
+- hacking: the CPU demo (configs/demo_cpu.yaml, max_new_tokens 8 so there is room to hedge)
+  trained on a deliberately weak verifier (benchmarks/critique_rewards.py: `answer_anywhere`, the
+  gold digits anywhere in the text; `within_tolerance`, the last number within 2%) with the strict
+  `math_accuracy` as eval.verifier, beside a control trained on the strict one. The gap is
+  eval/accuracy (the weak judge) minus eval/verifier_accuracy (the strict one) at each evaluation.
+- overopt: a reward model trained for --rm-steps by `grpo-jax train-rm` (configs/rm_demo_cpu.yaml)
+  is the only training reward (the proxy); the strict verifier is the gold judge; one run per KL
+  coefficient (grpo.beta) and seed. The over-optimisation curve is gold (eval/verifier_accuracy)
+  against kl/k3 (the k3 estimate of KL(pi || pi_0) on the training batch, pi_0 the warm-started
+  policy) at each evaluation.
+- retention: the run with and without its KL term (grpo.beta 0 vs --beta), eval.retention on:
+  retention/kl and retention/general_nll on the shipped general corpus at each evaluation.
+
+Every run is `grpo-jax train` with --set overrides, so `grpo-jax report RUN` reads it (after
+gunzip). Wall times are this machine's (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from grpo_jax.observe.health_checks import diagnose  # noqa: E402
+
+REWARDS = "benchmarks/critique_rewards.py"
+COMMON = ["checkpoint.every=0", "train.progress=false", "eval.retention=true", "eval.retention_top_k=64"]
+MODELS = {"demo": "configs/demo_cpu.yaml", "smollm2": "configs/smollm2_135m_gsm8k_cpu.yaml",
+          "gemma3": "configs/gemma3_270m_arith_cpu.yaml"}
+
+
+def train(run_dir: Path, config: str, sets: list[str], python: str) -> tuple[list[dict], float]:
+    """One `grpo-jax train` run -> (its metrics records, wall seconds); its log beside it."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [python, "-m", "grpo_jax", "train", "--config", config, "--output", str(run_dir)]
+    for s in [*COMMON, *sets]:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    run_dir.with_suffix(".log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}); see {run_dir.with_suffix('.log')}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    compact(run_dir)
+    return records, wall
+
+
+def compact(run_dir: Path) -> None:
+    """What the summary and a later look need, small enough to commit."""
+    for junk in ("checkpoints", "tensorboard", "model"):
+        shutil.rmtree(run_dir / junk, ignore_errors=True)
+    for junk in ("metrics.png", "report.html", "retention_reference.npz"):
+        (run_dir / junk).unlink(missing_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    with gzip.open(run_dir / "metrics.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(metrics.read_text())
+    metrics.unlink()
+
+
+def evals(records: list[dict], *keys: str) -> list[dict]:
+    """Each evaluation's step and `keys` (with kl/k3 of the same step's update where logged)."""
+    return [{"step": r["step"], **{k: r.get(k) for k in keys}} for r in records if "eval/accuracy" in r]
+
+
+def summary(name: str, records: list[dict], wall: float, eval_samples: int, **extra) -> dict:
+    keys = ("eval/accuracy", "eval/verifier_accuracy", "eval/reward_mean", "eval/verifier_reward_mean",
+            "health/verifier_disagreement", "kl/k3", "retention/kl", "retention/general_nll")
+    flags = diagnose(records, eval_samples=eval_samples)
+    return {"run": name, "wall_s": round(wall, 1), **extra, "evals": evals(records, *keys),
+            "flags": [f.key for f in flags], "flag_evidence": {f.key: f.evidence for f in flags}}
+
+
+def hacking(args) -> list[dict]:
+    arms = {"strict": ["rewards=[{name: math_accuracy}]"],
+            "anywhere": [f"rewards=[{{name: '{REWARDS}:answer_anywhere'}}]"],
+            "tolerant": [f"rewards=[{{name: '{REWARDS}:within_tolerance', kwargs: {{tolerance: 0.02}}}}]"]}
+    sets = ["sampling.max_new_tokens=8", "eval.verifier=math_accuracy", f"eval.every={args.eval_every}",
+            f"train.steps={args.steps}"]
+    out = []
+    for arm, rewards in arms.items():
+        for seed in args.seeds:
+            name = f"{arm}_s{seed}"
+            records, wall = train(args.output / name, MODELS["demo"], [*sets, *rewards, f"train.seed={seed}"],
+                                  args.python)
+            out.append(summary(name, records, wall, 128 * 4, arm=arm, seed=seed))
+            print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
+    return out
+
+
+def overopt(args) -> list[dict]:
+    rm_dir = args.output / "rm"
+    if not (rm_dir / "hf").exists():
+        cmd = [args.python, "-m", "grpo_jax", "train-rm", "--config", "configs/rm_demo_cpu.yaml", "--output",
+               str(rm_dir), "--set", f"train.steps={args.rm_steps}", "--set", "train.progress=false"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        (args.output / "rm.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+        if proc.returncode:
+            raise RuntimeError(f"train-rm failed; see {args.output / 'rm.log'}")
+        (args.output / "rm_wall_s.txt").write_text(f"{time.perf_counter() - t0:.0f}\n")
+    rm = (rm_dir / "hf").resolve()
+    sets = [f"rewards=[{{name: reward_model, kwargs: {{path: {rm}, batch_size: 256}}}}]", "eval.reward=reward_model",
+            "eval.verifier=math_accuracy", f"eval.every={args.eval_every}", f"train.steps={args.steps}"]
+    out = []
+    for beta in args.betas:
+        for seed in args.seeds:
+            name = f"beta{beta:g}_s{seed}"
+            records, wall = train(args.output / name, MODELS["demo"], [*sets, f"grpo.beta={beta}",
+                                                                        f"train.seed={seed}"], args.python)
+            out.append(summary(name, records, wall, 128 * 4, beta=beta, seed=seed))
+            print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
+    return out
+
+
+def retention(args) -> list[dict]:
+    config = MODELS[args.model]
+    sets = [f"eval.every={args.eval_every}"] + ([f"train.steps={args.steps}"] if args.steps else [])
+    sets += [f"eval.num_prompts={args.eval_prompts}"] if args.eval_prompts else []
+    out = []
+    for beta in (0.0, args.beta):
+        for seed in args.seeds:
+            name = f"beta{beta:g}_s{seed}"
+            records, wall = train(args.output / name, config, [*sets, f"grpo.beta={beta}", f"train.seed={seed}"],
+                                  args.python)
+            out.append(summary(name, records, wall, 128 * 4, beta=beta, seed=seed, model=args.model))
+            print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
+    return out
+
+
+def plot(kind: str, runs: list[dict], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    panels = {"hacking": [("step", "eval/accuracy", "weak judge (its own accuracy)"),
+                          ("step", "eval/verifier_accuracy", "strict verifier accuracy"),
+                          ("step", "retention/kl", "retention/kl")],
+              "overopt": [("kl/k3", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
+                          ("kl/k3", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
+                          ("step", "retention/kl", "retention/kl")],
+              "retention": [("step", "retention/kl", "retention/kl (nats/token)"),
+                            ("step", "retention/general_nll", "retention/general_nll"),
+                            ("step", "eval/accuracy", "held-out accuracy")]}[kind]
+    fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(panels))
+    groups = list(dict.fromkeys(r["run"].rsplit("_s", 1)[0] for r in runs))
+    colors = dict(zip(groups, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    for ax, (x, y, title) in zip(axes, panels):
+        for r in runs:
+            group = r["run"].rsplit("_s", 1)[0]
+            pts = [(e[x], e[y]) for e in r["evals"] if e.get(x) is not None and e.get(y) is not None]
+            if pts:
+                xs, ys = np.asarray(pts, float).T
+                first = r["run"] == next(q["run"] for q in runs if q["run"].startswith(group + "_s"))
+                ax.plot(xs, ys, marker="o", markersize=3, alpha=0.8, color=colors[group], label=group if first else None)
+        ax.set(title=title, xlabel=x)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", choices=["hacking", "overopt", "retention"])
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=None, help="train.steps (default: hacking/overopt 300, retention the config's)")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--betas", type=float, nargs="+", default=[0.001, 0.01, 0.1], help="overopt: grpo.beta per arm")
+    p.add_argument("--rm-steps", type=int, default=600, help="overopt: the proxy reward model's training steps")
+    p.add_argument("--model", choices=sorted(MODELS), default="demo", help="retention: which run")
+    p.add_argument("--beta", type=float, default=0.04, help="retention: the KL coefficient of the run with one")
+    p.add_argument("--eval-prompts", type=int, default=None, help="retention: eval.num_prompts")
+    p.add_argument("--python", default=sys.executable)
+    args = p.parse_args(argv)
+    if args.steps is None and args.experiment != "retention":
+        args.steps = 300
+    args.output.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    runs = {"hacking": hacking, "overopt": overopt, "retention": retention}[args.experiment](args)
+    plot(args.experiment, runs, args.output / f"{args.experiment}.png")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    result = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
+              "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - t0),
+              "machine": "this project's 2-core CPU machine", "runs": runs}
+    (args.output / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
