@@ -15,6 +15,7 @@ import tensorflow_datasets as tfds
 from grpo_jax.config import did_you_mean
 from grpo_jax.data import gsm8k
 from grpo_jax.data.arithmetic import Arithmetic
+from grpo_jax.data.chains import ArithmeticChain
 from grpo_jax.data.countdown import Countdown
 from grpo_jax.data.preferences import ArithmeticPreferences
 from grpo_jax.data.synthetic import SyntheticBuilder, SyntheticConfig
@@ -22,7 +23,8 @@ from grpo_jax.data.word_problems import WordProblems
 
 SYNTHETIC: dict[str, type[SyntheticBuilder]] = {"arithmetic": Arithmetic, "countdown": Countdown,
                                                 "word_problems": WordProblems,
-                                                "arithmetic_preferences": ArithmeticPreferences}
+                                                "arithmetic_preferences": ArithmeticPreferences,
+                                                "arithmetic_chain": ArithmeticChain}
 DATASETS: tuple[str, ...] = (*SYNTHETIC, "gsm8k")
 SPLITS: dict[str, tuple[str, ...]] = {
     **{name: ("test", "train") for name in SYNTHETIC},
@@ -115,7 +117,7 @@ def load_source(
     """One split of a dataset, prepared under `data_dir` on first use (array_record format).
 
     name: "arithmetic", "countdown", "word_problems", "arithmetic_preferences" (preference pairs for
-        `grpo-jax train-rm`) or "gsm8k".
+        `grpo-jax train-rm`), "arithmetic_chain" (answered by a derivation) or "gsm8k".
     split: "train", "test" (gsm8k also "train_socratic", "test_socratic"); TFDS slices such as
         "train[:100]" work.
     builder_config: a config name ("small", ...) or a config object, for the synthetic sets.

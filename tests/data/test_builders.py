@@ -11,6 +11,7 @@ import socket
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from grpo_jax.data import ArithmeticConfig, load_source
@@ -28,7 +29,7 @@ def data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tfds")
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown", "arithmetic_preferences"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "arithmetic_preferences", "arithmetic_chain"])
 def test_synthetic_deterministic_per_seed_and_splits_disjoint(name, data_dir, tmp_path):
     train = rows(load_source(name, "train", data_dir=data_dir, seed=1, **SMALL))
     test = rows(load_source(name, "test", data_dir=data_dir, seed=1, **SMALL))
@@ -208,8 +209,21 @@ def test_gsm8k_bad_line_names_file_and_line(tmp_path):
         load_source("gsm8k", "test", data_dir=tmp_path / "tfds", manual_dir=manual)
 
 
+def test_a_chains_derivation_is_its_running_totals_and_the_strict_verifier_accepts_it(data_dir):
+    from grpo_jax.rewards.math import math_accuracy
+
+    rows_ = rows(load_source("arithmetic_chain", "test", data_dir=data_dir, builder_config="long", num_train=40,
+                             num_test=30))
+    for r in rows_:
+        start, *moves = re.findall(r"[-+]?\d+", r["question"])
+        totals = list(np.cumsum([int(start), *map(int, moves)])[1:])
+        assert [int(t) for t in r["derivation"].split()] == totals and r["steps"] == 8 == len(moves)
+        assert all(0 <= t <= 99 for t in totals) and r["answer"] == str(totals[-1])
+    assert math_accuracy([""] * 30, [r["derivation"] for r in rows_], answer=[r["answer"] for r in rows_]) == [1.0] * 30
+
+
 def test_load_source_errors(data_dir, tmp_path):
-    valid = r"\['arithmetic', 'countdown', 'word_problems', 'arithmetic_preferences', 'gsm8k'\]"
+    valid = r"\['arithmetic', 'countdown', 'word_problems', 'arithmetic_preferences', 'arithmetic_chain', 'gsm8k'\]"
     with pytest.raises(ValueError, match=rf"unknown dataset 'gsm8K'.*{valid}.*did you mean 'gsm8k'"):
         load_source("gsm8K", "train", data_dir=data_dir)
     with pytest.raises(ValueError, match=r"no split 'tset'.*\['test', 'train'\].*did you mean 'test'"):
