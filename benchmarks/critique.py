@@ -5,6 +5,7 @@ metrics (gzipped), a summary.json with the report's flags per run, and a plot un
     python benchmarks/critique.py overopt   --output benchmarks/results/critique/overopt
     python benchmarks/critique.py retention --output benchmarks/results/critique/retention_demo
     python benchmarks/critique.py retention --model smollm2 --output benchmarks/results/critique/retention_smollm2
+    python benchmarks/critique.py credit    --output benchmarks/results/critique/credit
 
 - hacking: the CPU demo (configs/demo_cpu.yaml, max_new_tokens 8 so there is room to hedge)
   trained on a deliberately weak verifier (benchmarks/critique_rewards.py: `answer_anywhere`, the
@@ -16,6 +17,11 @@ metrics (gzipped), a summary.json with the report's flags per run, and a plot un
   coefficient (grpo.beta) and seed. The over-optimisation curve is gold (eval/verifier_accuracy)
   against kl/k3 (the k3 estimate of KL(pi || pi_0) on the training batch, pi_0 the warm-started
   policy) at each evaluation.
+- credit: configs/chain_cpu.yaml (a long derivation whose reward rests on every step): GRPO, Dr.
+  GRPO, PPO (a value head) and VAPO (a critic model, length-adaptive GAE, a positive-example LM
+  loss), each critic's learning rate chosen from value warm-up runs (explained variance, and where
+  it plateaus), each arm's policy learning rate from a sweep, then the arms over seeds and VAPO's
+  parts taken out one at a time (`credit`'s docstring).
 - retention: the run with and without its KL term (grpo.beta 0 vs --beta), eval.retention on:
   retention/kl and retention/general_nll on the shipped general corpus at each evaluation.
 
@@ -146,6 +152,80 @@ def retention(args) -> list[dict]:
     return out
 
 
+# The credit-assignment comparison (configs/chain_cpu.yaml). Dr. GRPO's normaliser is the cap.
+ARMS = {"grpo": [],
+        "dr_grpo": ["grpo.advantage_scale=none", "grpo.loss_agg=seq_mean_token_sum_norm",
+                    "grpo.max_completion_length=28"],
+        "ppo": ["algorithm=ppo", "ppo.critic=head"],
+        "vapo": ["algorithm=ppo", "ppo.critic=model", "ppo.length_adaptive_alpha=0.5", "ppo.positive_lm_coef=0.1"]}
+# VAPO with one part taken out at a time (the warm-up is every critic arm's, --value-warmup steps).
+ABLATIONS = {"vapo-no_positive_lm": ["ppo.positive_lm_coef=0"],
+             "vapo-no_length_adaptive": ["ppo.length_adaptive_alpha=null"],
+             "vapo-no_decoupled_gae": ["ppo.lam_critic=0.95"],
+             "vapo-no_warmup": ["ppo.value_warmup_steps=0"],
+             "vapo-head_critic": ["ppo.critic=head"]}
+
+
+def _plateau(curve: list[float], window: int = 10, tol: float = 0.02) -> int | None:
+    """The first step after which explained variance's `window`-step mean moves less than `tol`."""
+    means = [float(np.mean(curve[i:i + window])) for i in range(0, len(curve) - window + 1, window)]
+    for i in range(1, len(means)):
+        if abs(means[i] - means[i - 1]) < tol:
+            return i * window
+    return None
+
+
+def credit(args) -> list[dict]:
+    """Four stages, each stage's choice read from the one before: (1) each critic kind's learning
+    rate, from value warm-up runs alone (explained variance at the end, where it plateaus); (2) each
+    arm's policy learning rate at seed 0 (final held-out accuracy); (3) the arms at their chosen
+    rates over --seeds; (4) VAPO's parts taken out one at a time over --seeds."""
+    config, out, warm = "configs/chain_cpu.yaml", [], args.value_warmup
+    critic_lr = {}
+    for kind in ("head", "model"):
+        best = None
+        for clr in args.critic_lrs:
+            name = f"warmup_{kind}_clr{clr:g}"
+            records, wall = train(args.output / name, config, ["algorithm=ppo", f"ppo.critic={kind}",
+                                                               f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
+                                                               f"ppo.critic_learning_rate={clr}", "eval.every=0"],
+                                  args.python)
+            ev = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
+            row = summary(name, records, wall, 128 * 4, stage="critic_lr", kind=kind, critic_lr=clr, ev_curve=ev,
+                          ev_end=float(np.mean(ev[-10:])), ev_plateau_step=_plateau(ev))
+            out.append(row)
+            best = row if best is None or row["ev_end"] > best["ev_end"] else best
+        critic_lr[kind] = best["critic_lr"]
+    crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
+    base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}"]
+
+    def arm_sets(arm, lr, extra=()):
+        sets = [*base, *ARMS[arm.split("-")[0]], f"train.learning_rate={lr}", *extra]
+        if arm.split("-")[0] in crit:
+            sets += [f"ppo.critic_learning_rate={crit[arm.split('-')[0]]}", f"ppo.value_warmup_steps={warm}"]
+        return sets
+
+    def one(name, sets, seed, **extra):
+        records, wall = train(args.output / f"{name}_s{seed}", config, [*sets, f"train.seed={seed}"], args.python)
+        evs = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
+        out.append(summary(f"{name}_s{seed}", records, wall, 128 * 4, seed=seed, ev_curve=evs, **extra))
+        print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
+        return out[-1]["evals"][-1]["eval/accuracy"]
+
+    policy_lr = {}
+    for arm in ARMS:
+        scores = {lr: one(f"{arm}_lr{lr:g}", arm_sets(arm, lr), 0, stage="policy_lr", arm=arm, lr=lr) for lr in args.lrs}
+        policy_lr[arm] = max(scores, key=scores.get)
+    for arm in ARMS:
+        for seed in args.seeds:
+            one(arm, arm_sets(arm, policy_lr[arm]), seed, stage="compare", arm=arm, lr=policy_lr[arm])
+    for name, extra in ABLATIONS.items():
+        for seed in args.seeds:
+            one(name, arm_sets("vapo", policy_lr["vapo"], extra), seed, stage="ablate", arm=name, lr=policy_lr["vapo"])
+    out.append({"run": "choices", "critic_lr": critic_lr, "policy_lr": policy_lr, "evals": []})
+    return out
+
+
 def plot(kind: str, runs: list[dict], path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -155,6 +235,8 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
               "overopt": [("kl/k3", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
                           ("kl/k3", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
                           ("step", "retention/kl", "retention/kl")],
+              "credit": [("step", "eval/accuracy", "held-out accuracy"), ("step", "kl/k3", "kl/k3"),
+                         ("step", "retention/kl", "retention/kl")],
               "retention": [("step", "retention/kl", "retention/kl (nats/token)"),
                             ("step", "retention/general_nll", "retention/general_nll"),
                             ("step", "eval/accuracy", "held-out accuracy")]}[kind]
@@ -178,7 +260,7 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("experiment", choices=["hacking", "overopt", "retention"])
+    p.add_argument("experiment", choices=["hacking", "overopt", "retention", "credit"])
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=None, help="train.steps (default: hacking/overopt 300, retention the config's)")
@@ -188,13 +270,16 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=sorted(MODELS), default="demo", help="retention: which run")
     p.add_argument("--beta", type=float, default=0.04, help="retention: the KL coefficient of the run with one")
     p.add_argument("--eval-prompts", type=int, default=None, help="retention: eval.num_prompts")
+    p.add_argument("--lrs", type=float, nargs="+", default=[5e-5, 1.5e-4, 4.5e-4], help="credit: policy learning rates")
+    p.add_argument("--critic-lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3], help="credit: critic learning rates")
+    p.add_argument("--value-warmup", type=int, default=100, help="credit: the critics' value warm-up steps")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     if args.steps is None and args.experiment != "retention":
-        args.steps = 300
+        args.steps = 200 if args.experiment == "credit" else 300
     args.output.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    runs = {"hacking": hacking, "overopt": overopt, "retention": retention}[args.experiment](args)
+    runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
     plot(args.experiment, runs, args.output / f"{args.experiment}.png")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
