@@ -21,12 +21,17 @@ class ArithmeticConfig(SyntheticConfig):
     Operands have exactly `digits` digits (0-9 when digits=1). For "/" the divisor has `digits`
     digits and the quotient too, so the division is exact and the dividend may be longer.
     Each question uses one of `formats`, a str.format template over `a`, `op`, `b`.
+
+    `commutative_twins`: True (the original sets) treats "37+48" and "48+37" as two problems, so
+    one may be in the train split and its twin in the test split (for + and *, the same answer to
+    learn); False makes them one problem, so a split never holds another split's twin.
     """
 
     digits: int = 2
     ops: tuple[str, ...] = ("+", "-")
     negative_results: bool = False  # False: "a - b" is drawn with a >= b
     formats: tuple[str, ...] = ("What is {a} {op} {b}?",)
+    commutative_twins: bool = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -104,5 +109,6 @@ class Arithmetic(SyntheticBuilder, skip_registration=True):
         a, op, b, result = draw_problem(self.builder_config, rng)
         question = rng.choice(self.builder_config.formats).format(a=a, op=op, b=b)
         # The key ignores the wording: "What is 3 + 4?" and "3+4=" are one problem, so they
-        # never land in different splits.
-        return (a, op, b), {"question": question, "answer": str(result)}
+        # never land in different splits; without commutative twins, nor do "3+4" and "4+3".
+        key = (min(a, b), op, max(a, b)) if op in "+*" and not self.builder_config.commutative_twins else (a, op, b)
+        return key, {"question": question, "answer": str(result)}

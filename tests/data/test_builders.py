@@ -289,3 +289,15 @@ def test_word_problems_worked_answers_are_right_and_splits_disjoint(config, step
     assert seen_steps == steps
     train_keys, test_keys = {_word_problem_key(r["question"]) for r in train}, {_word_problem_key(r["question"]) for r in test}
     assert len(train_keys) == len(train) and not train_keys & test_keys
+
+
+def test_without_commutative_twins_no_test_sum_is_a_train_sums_twin(data_dir):
+    def pairs(twins, split):
+        source = load_source("arithmetic", split, data_dir=data_dir, builder_config="small", num_train=2000,
+                             num_test=300, ops=["+"], formats=["{a}{op}{b}="], commutative_twins=twins)
+        return [tuple(sorted(map(int, re.findall(r"\d+", r["question"])))) for r in rows(source)]
+
+    leaked = set(pairs(True, "test")) & set(pairs(True, "train"))
+    assert len(leaked) > 20  # the original sets: 2000 of 8100 ordered pairs drawn, twins land apart
+    assert not set(pairs(False, "test")) & set(pairs(False, "train"))
+    assert len(set(pairs(False, "train"))) == 2000  # and no twins within a split either
