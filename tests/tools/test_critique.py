@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from grpo_jax.rewards.math import math_accuracy
@@ -46,3 +47,45 @@ def test_a_runs_summary_carries_its_evaluations_and_the_reports_flags():
     assert [e["step"] for e in out["evals"]] == [0, 10, 20, 30, 40]
     assert out["evals"][2]["kl/k3"] == pytest.approx(0.02) and out["evals"][0]["kl/k3"] is None
     assert out["flags"] == ["overoptimisation", "retention_loss"] and "(step 10)" in out["flag_evidence"]["overoptimisation"]
+
+
+def test_the_seed_statistics_match_scipy_and_enumerate_the_sign_flips():
+    from scipy import stats
+
+    ps = _module("paired_stats")
+    x = [0.61, 0.64, 0.58, 0.66, 0.60, 0.63]
+    ci = ps.mean_ci(x)
+    lo, hi = stats.t.interval(0.95, len(x) - 1, loc=np.mean(x), scale=stats.sem(x))
+    assert (ci["lo"], ci["hi"]) == pytest.approx((lo, hi), abs=1e-4)
+    for df in (1, 5, 12, 30):
+        assert ps.t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3)
+    for t, df in ((0.5, 1), (2.1, 2), (1.7, 5), (3.3, 6), (2.0, 11), (0.0, 4)):
+        assert ps.t_p(t, df) == pytest.approx(2 * stats.t.sf(t, df), abs=1e-9)
+    # Six positive differences: only the all-plus and all-minus flips are as extreme, p = 2/64.
+    a, b = {s: 0.6 + 0.01 * s for s in range(6)}, {s: 0.5 + 0.003 * s**2 for s in range(7)}
+    r = ps.paired(a, b)
+    assert r["p_sign_flip"] == pytest.approx(2 / 64) and r["n"] == 6
+    d = [a[s] - b[s] for s in range(6)]
+    assert r["diff"] == pytest.approx(np.mean(d)) and r["p"] == pytest.approx(stats.ttest_1samp(d, 0).pvalue)
+    assert ps.sign_flip_p([0.1, -0.1]) == 1.0
+    assert ps.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+
+
+def test_stability_v3_compares_each_arm_with_grpo_by_seed_and_dapo_at_grpos_token_budget():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    v3 = _module("stability_v3")
+    runs = []
+    for s in range(6):
+        runs.append({"variant": "grpo", "seed": s, "eval_final": 0.60 + 0.01 * s, "sampled_tokens": 1000.0,
+                     "eval_tokens_curve": []})
+        runs.append({"variant": "ppo", "seed": s, "eval_final": 0.60 + 0.01 * s + (0.002 if s % 2 else -0.002),
+                     "sampled_tokens": 1000.0, "eval_tokens_curve": []})
+        runs.append({"variant": "dapo", "seed": s, "eval_final": 0.9, "sampled_tokens": 3000.0,
+                     "eval_tokens_curve": [(10, 500.0, 0.5), (20, 1005.0, 0.7 + 0.01 * s), (30, 3000.0, 0.9)]})
+    out = v3.compare(runs)
+    assert out["token_budget"] == 1000.0
+    assert out["arms"]["dapo"]["mean"] == pytest.approx(0.725)  # at 1,005 tokens, not its final 0.9
+    dapo, ppo = out["vs_grpo"]["dapo"], out["vs_grpo"]["ppo"]
+    assert dapo["diff"] == pytest.approx(0.1) and dapo["p_sign_flip"] == pytest.approx(2 / 64)
+    assert dapo["p"] < 1e-6 and dapo["p_holm"] == pytest.approx(2 * dapo["p"]) and dapo["real"]
+    assert ppo["diff"] == pytest.approx(0.0, abs=1e-12) and ppo["p"] > 0.9 and not ppo["real"]
