@@ -80,6 +80,11 @@ def _check_run(config, say: Callable[[str], None]) -> None:
                               f"{result.messages[spec.name]}")
         say(f"check: reward {spec.name!r}: runs on {len(few)} held-out examples (an empty completion scores "
             f"{float(result.total[0]):.3g})")
+    if (probe := prepared.eval.retention) is not None:
+        c = probe.corpus
+        say(f"check: eval.retention: {int((c.target_mask.sum(axis=1) > 0).sum())} rows of "
+            f"{config.eval.retention_corpus or 'the shipped general corpus'}, {int(c.target_mask.sum())} scored tokens, "
+            f"pi_0 kept as its top {probe.k} per position")
     for key, module in (("wandb", "wandb"), ("mlflow", "mlflow")):  # log.wandb / log.mlflow: installed?
         if getattr(config.log, key) is not None:
             importlib.import_module(module)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import sys
+
+import pytest
 from pathlib import Path
 
 from grpo_jax.cli import main
+from grpo_jax.config import ConfigError
 from grpo_jax.tools.check import check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,9 +20,10 @@ def test_the_demo_configs_check_out_without_compiling(tmp_path):
     compiled = []  # JAX reports every backend compile (a jitted call or an eager op) to its listeners
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, seconds, **kw: compiled.append(event) if event.endswith("backend_compile_duration") else None)
-    lines = check(config=ROOT / "configs" / "demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}"],
+    lines = check(config=ROOT / "configs" / "demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}", "eval.retention=true"],
                   for_command="train", log=lambda line: None)
     assert any("reward 'math_accuracy': runs" in line for line in lines)
+    assert any(line.startswith("check: eval.retention: 40 rows of the shipped general corpus") for line in lines)
     assert any("128 held-out prompts, a train batch of 32" in line for line in lines), lines
     assert lines[-1].endswith("ready for `grpo-jax train`")
     lines = check(config=ROOT / "configs" / "rm_demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}"],
@@ -52,3 +56,14 @@ def test_a_reward_that_reads_the_completion_length_checks_out(tmp_path):
     lines = check(config=ROOT / "configs" / "demo_cpu.yaml", overrides=[f"data.data_dir={tmp_path}", rewards],
                   for_command="train", log=lambda line: None)
     assert any("reward 'overlong': runs on 4 held-out examples (an empty completion scores 0)" in line for line in lines), lines
+
+
+def test_a_bad_retention_corpus_is_a_config_error_naming_its_line(tmp_path):
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "fine"}\n{"prompt": "no response"}\n')
+    with pytest.raises(ConfigError, match=r"eval.retention_corpus: .*corpus.jsonl:2: .*'text', or 'prompt' and 'response'"):
+        check(config=ROOT / "configs" / "demo_cpu.yaml", log=lambda line: None,
+              overrides=[f"data.data_dir={tmp_path}", "eval.retention=true", f"eval.retention_corpus={bad}"])
+    with pytest.raises(ConfigError, match="eval.retention_corpus is set but eval.retention is false"):
+        check(config=ROOT / "configs" / "demo_cpu.yaml", log=lambda line: None,
+              overrides=[f"data.data_dir={tmp_path}", f"eval.retention_corpus={bad}"])
