@@ -273,19 +273,31 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[5e-5, 1.5e-4, 4.5e-4], help="credit: policy learning rates")
     p.add_argument("--critic-lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3], help="credit: critic learning rates")
     p.add_argument("--value-warmup", type=int, default=100, help="credit: the critics' value warm-up steps")
+    p.add_argument("--append", action="store_true",
+                   help="keep the runs already in --output's summary.json (a run of the same name is replaced)")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     if args.steps is None and args.experiment != "retention":
         args.steps = 200 if args.experiment == "credit" else 300
     args.output.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
-    plot(args.experiment, runs, args.output / f"{args.experiment}.png")
+    # The code the runs use: the commit at the start (the runs read the working tree as it is then).
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
+    summary_file = args.output / "summary.json"
+    earlier = json.loads(summary_file.read_text()) if args.append and summary_file.exists() else None
+    if earlier is not None:  # more seeds for the same experiment: one summary, each part's command and commit
+        names = {r["run"] for r in runs}
+        runs = [r for r in earlier["runs"] if r["run"] not in names] + runs
+    plot(args.experiment, runs, args.output / f"{args.experiment}.png")
     result = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
               "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - t0),
               "machine": "this project's 2-core CPU machine", "runs": runs}
-    (args.output / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
+    if earlier is not None:
+        result["parts"] = earlier.get("parts", [{k: earlier[k] for k in ("command", "commit", "date", "wall_s")}])
+        result["parts"].append({k: result[k] for k in ("command", "commit", "date", "wall_s")})
+        result["wall_s"] = sum(part["wall_s"] for part in result["parts"])
+    summary_file.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from figure_blocks import RESULTS, load, minutes, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from paired_stats import mean_ci  # noqa: E402
+from paired_stats import mean_ci, paired  # noqa: E402
 
 
 def _ci(values, fmt=".3f") -> str:
@@ -35,24 +35,39 @@ def _flags(rs: list[dict]) -> str:
 
 
 def _header(d: dict) -> str:
-    return (f"`{d['command']}` ({d['date']}, commit {d['commit']}, {d['machine']}; {minutes(d['wall_s'])} in all; "
-            f"per-run metrics in `benchmarks/results/critique/{d['experiment']}*/`).\n\n")
+    parts = d.get("parts") or [d]
+    runs = " then ".join(f"`{p['command']}` ({p['date']}, commit {p['commit']}, {minutes(p['wall_s'])})" for p in parts)
+    return f"{runs}; {d['machine']}. Per-run metrics beside the summary in `benchmarks/results/critique/`.\n\n"
 
 
 def render_hacking() -> str:
     d = load("critique/hacking/summary.json")
+    arms = _groups(d["runs"], "arm")
+    strict_end = {r["seed"]: r["evals"][-1]["eval/verifier_accuracy"] for r in arms["strict"]}
     rows = []
-    for arm, rs in _groups(d["runs"], "arm").items():
+    for arm, rs in arms.items():
         first, last = [r["evals"][0] for r in rs], [r["evals"][-1] for r in rs]
-        gap = [e["eval/accuracy"] - e["eval/verifier_accuracy"] for e in last]
-        rows.append([f"`{arm}`", str(len(rs)), _ci([e["eval/accuracy"] for e in first]),
-                     _ci([e["eval/accuracy"] for e in last]), _ci([e["eval/verifier_accuracy"] for e in last]),
-                     _ci(gap), _ci([e["health/verifier_disagreement"] for e in last]), _flags(rs)])
+        gap = lambda es: _ci([e["eval/accuracy"] - e["eval/verifier_accuracy"] for e in es])  # noqa: E731
+        cost = "" if arm == "strict" else _paired({r["seed"]: r["evals"][-1]["eval/verifier_accuracy"] for r in rs},
+                                                  strict_end)
+        rows.append([f"`{arm}`", str(len(rs)), _ci([e["eval/accuracy"] for e in first]) + " -> "
+                     + _ci([e["eval/accuracy"] for e in last]), _ci([e["eval/verifier_accuracy"] for e in last]),
+                     gap(first), gap(last), cost, _flags(rs)])
     steps = d["runs"][0]["evals"][-1]["step"]
-    return (_header(d) + table(["trained on", "seeds", "its own judge, step 0", f"its own judge, step {steps}",
-                                f"strict verifier, step {steps}", "gap (own - strict)", "disagreement",
+    per_seed = "; ".join(f"`{arm}` " + ", ".join(f"{r['evals'][-1]['eval/verifier_accuracy']:.3f}" for r in rs)
+                         for arm, rs in arms.items())
+    return (_header(d) + table(["trained on", "seeds", f"its own judge, step 0 -> {steps}", f"strict verifier, step {steps}",
+                                "gap (own - strict), step 0", f"gap, step {steps}", "strict accuracy vs the strict-trained arm",
                                 "report flags (runs)"], rows)
-            + "\nMeans over seeds with 95% t intervals; 128 held-out prompts x 4 samples per evaluation.\n")
+            + f"\nMeans over seeds with 95% t intervals (128 held-out prompts x 4 samples per evaluation); the strict "
+            f"accuracy against the arm trained on the strict verifier is paired by seed (the same warm start): mean "
+            f"difference [95% t interval], paired t-test p. Per seed, the strict verifier's accuracy at step {steps}: "
+            f"{per_seed}.\n")
+
+
+def _paired(a: dict, b: dict) -> str:
+    r = paired(a, b)
+    return f"{r['diff']:+.3f} [{r['lo']:+.3f}, {r['hi']:+.3f}], p {r['p']:.2f}"
 
 
 def render_overopt() -> str:
