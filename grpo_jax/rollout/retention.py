@@ -51,14 +51,15 @@ class RetentionReference:
 
     top_ids: np.ndarray  # int32 [N, M, K]
     top_logp: np.ndarray  # float32 [N, M, K], descending
+    target_ids: np.ndarray  # int32 [N, M]: the corpus it was taken on (a resumed run's is compared)
 
     def save(self, path: Path) -> None:
-        np.savez(path, top_ids=self.top_ids, top_logp=self.top_logp)
+        np.savez(path, top_ids=self.top_ids, top_logp=self.top_logp, target_ids=self.target_ids)
 
     @classmethod
     def load(cls, path: Path) -> RetentionReference:
         with np.load(path) as f:
-            return cls(top_ids=f["top_ids"], top_logp=f["top_logp"])
+            return cls(top_ids=f["top_ids"], top_logp=f["top_logp"], target_ids=f["target_ids"])
 
 
 def read_rows(path: str | Path = GENERAL_CORPUS) -> list[dict]:
@@ -176,7 +177,7 @@ class Retention:
         c = self.corpus
         N, M = c.target_ids.shape
         if ref is None:  # no reference yet: the pass's KL is ignored (its top-k becomes the reference)
-            ref = RetentionReference(np.zeros((N, M, k), np.int32), np.zeros((N, M, k), np.float32))
+            ref = RetentionReference(np.zeros((N, M, k), np.int32), np.zeros((N, M, k), np.float32), c.target_ids)
         rows = batch_sharding(self.mesh, 1)
         inputs = [host_to_mesh(np.asarray(x), rows) for x in (c.context_ids, c.context_mask, c.target_ids,
                                                                 c.target_mask, ref.top_ids, ref.top_logp)]
@@ -186,7 +187,7 @@ class Retention:
     def reference(self, model) -> RetentionReference:
         """pi_0's top-k at every target position (kept as `self.ref`)."""
         *_, ids, logp = self._run(model, None)
-        self.ref = RetentionReference(np.asarray(ids), np.asarray(logp))
+        self.ref = RetentionReference(np.asarray(ids), np.asarray(logp), self.corpus.target_ids)
         return self.ref
 
     def begin(self, model, run_dir: Path, *, resumed: bool, primary: bool, log) -> None:
@@ -211,15 +212,22 @@ class Retention:
                 "so its first policy's distribution was not kept); retention/general_nll is")
             return
         ref = RetentionReference.load(path) if jax.process_index() == 0 else None
-        N, M = self.corpus.target_ids.shape
-        shape = (N, M, ref.top_ids.shape[-1] if ref is not None else 0)
-        shape = tuple(int(x) for x in _from_first_process(np.asarray(shape)))
-        if ref is None:
-            ref = RetentionReference(np.zeros(shape, np.int32), np.zeros(shape, np.float32))
-        if ref.top_ids.shape[:2] != (N, M):
-            raise ValueError(f"{path} was kept for another retention corpus ({ref.top_ids.shape[:2]} positions, this "
-                             f"config's is {(N, M)}); keep eval.retention_corpus and retention_max_tokens as the run had them")
-        self.ref = RetentionReference(*(np.asarray(_from_first_process(x)) for x in (ref.top_ids, ref.top_logp)))
+        shape = tuple(int(x) for x in _from_first_process(np.asarray(ref.top_ids.shape if ref else (0, 0, 0))))
+        if ref is None:  # every process takes process 0's arrays, in their shape
+            ref = RetentionReference(np.zeros(shape, np.int32), np.zeros(shape, np.float32),
+                                     np.zeros(shape[:2], np.int32))
+        ref = RetentionReference(*(np.asarray(_from_first_process(x)) for x in (ref.top_ids, ref.top_logp,
+                                                                                 ref.target_ids)))
+        c = self.corpus
+        N, M = c.target_ids.shape
+        real = int((c.target_mask.sum(axis=1) > 0).sum())
+        if ref.target_ids.shape[1] != M or ref.target_ids.shape[0] < real or (
+                ref.target_ids[:real] != c.target_ids[:real]).any() or ref.target_ids[real:].any():
+            raise ValueError(f"{path} was kept on another retention corpus than this config's (eval.retention_corpus, "
+                             "eval.retention_max_tokens and the tokenizer must be the run's own)")
+        # Rows past the real ones pad the corpus to the mesh's row shards: another mesh pads to another count.
+        rows = lambda x: np.pad(x[:N], [(0, max(0, N - x.shape[0]))] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+        self.ref = RetentionReference(rows(ref.top_ids), rows(ref.top_logp), c.target_ids)
 
     def metrics(self, model) -> dict[str, float]:
         """`retention/general_nll` and (with pi_0's reference) `retention/kl` of `model`, in nats per

@@ -4,6 +4,7 @@ logits gives its known KL, the NLL is the full forward pass's, and a mesh gives 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,3 +98,19 @@ def test_a_known_shift_of_the_logits_gives_its_known_kl_on_one_device_and_on_a_m
     below = Retention(corpus, mesh=one_device_mesh(), k=4, chunk=16)
     below.reference(model)
     assert 0 < below.metrics(shifted)["retention/kl"] < want
+
+
+def test_a_saved_reference_reads_back_on_a_mesh_that_pads_the_corpus_to_more_rows(setup, tmp_path):
+    corpus, model = setup  # 8 rows: one device pads none; a mesh of 3 row shards would pad to 9
+    probe = Retention(corpus, mesh=one_device_mesh(), k=8)
+    probe.begin(model, tmp_path, resumed=False, primary=True, log=print)
+    padded = build_corpus(TOK, read_rows()[:6] + read_rows()[-2:], max_tokens=24,
+                          mesh=make_mesh(MeshConfig(data=1, fsdp=3, tensor=1), jax.devices()[:3]))
+    assert padded.target_ids.shape[0] == 9
+    again = Retention(padded, mesh=one_device_mesh(), k=8)
+    again.begin(model, tmp_path, resumed=True, primary=True, log=print)
+    np.testing.assert_array_equal(again.ref.top_ids[:8], probe.ref.top_ids)
+    assert again.metrics(model)["retention/kl"] == 0.0
+    other = Retention(build_corpus(TOK, read_rows()[:3], max_tokens=24), mesh=one_device_mesh(), k=8)
+    with pytest.raises(ValueError, match="kept on another retention corpus"):
+        other.begin(model, tmp_path, resumed=True, primary=True, log=print)
