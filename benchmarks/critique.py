@@ -83,8 +83,33 @@ def compact(run_dir: Path) -> None:
 
 
 def evals(records: list[dict], *keys: str) -> list[dict]:
-    """Each evaluation's step and `keys` (with kl/k3 of the same step's update where logged)."""
-    return [{"step": r["step"], **{k: r.get(k) for k in keys}} for r in records if "eval/accuracy" in r]
+    """Each evaluation's step and `keys` (with kl/k3 of the same step's update where logged), and
+    `kl_window`: the mean kl/k3 of the updates since the previous evaluation (one batch's k3 is
+    noisy; the over-optimisation curve's x axis)."""
+    out, window = [], []
+    for r in records:
+        if r.get("kl/k3") is not None:
+            window.append(r["kl/k3"])
+        if "eval/accuracy" in r:
+            out.append({"step": r["step"], **{k: r.get(k) for k in keys},
+                        "kl_window": float(np.mean(window)) if window else (0.0 if r["step"] == 0 else None)})
+            window = []
+    return out
+
+
+def resummarise(output: Path) -> list[dict]:
+    """The summary's runs again from their kept metrics (metrics.jsonl.gz), each with what it had."""
+    earlier = json.loads((output / "summary.json").read_text())
+    runs = []
+    for r in earlier["runs"]:
+        path = output / r["run"] / "metrics.jsonl.gz"
+        if not path.exists():  # not a run (e.g. the credit stages' choices)
+            runs.append(r)
+            continue
+        records = [json.loads(line) for line in gzip.open(path, "rt") if line.strip()]
+        extra = {k: v for k, v in r.items() if k not in ("run", "wall_s", "evals", "flags", "flag_evidence")}
+        runs.append(summary(r["run"], records, r["wall_s"], 128 * 4, **extra))
+    return runs
 
 
 def summary(name: str, records: list[dict], wall: float, eval_samples: int, **extra) -> dict:
@@ -134,6 +159,8 @@ def overopt(args) -> list[dict]:
                                                                         f"train.seed={seed}"], args.python)
             out.append(summary(name, records, wall, 128 * 4, beta=beta, seed=seed))
             print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
+    for junk in ("checkpoints", "tensorboard"):  # kept: rm/hf (--append reuses it; not committed), its metrics
+        shutil.rmtree(rm_dir / junk, ignore_errors=True)
     return out
 
 
@@ -232,8 +259,8 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
     panels = {"hacking": [("step", "eval/accuracy", "weak judge (its own accuracy)"),
                           ("step", "eval/verifier_accuracy", "strict verifier accuracy"),
                           ("step", "retention/kl", "retention/kl")],
-              "overopt": [("kl/k3", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
-                          ("kl/k3", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
+              "overopt": [("kl_window", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
+                          ("kl_window", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
                           ("step", "retention/kl", "retention/kl")],
               "credit": [("step", "eval/accuracy", "held-out accuracy"), ("step", "kl/k3", "kl/k3"),
                          ("step", "retention/kl", "retention/kl")],
@@ -252,7 +279,7 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
                 xs, ys = np.asarray(pts, float).T
                 first = r["run"] == next(q["run"] for q in runs if q["run"].startswith(group + "_s"))
                 ax.plot(xs, ys, marker="o", markersize=3, alpha=0.8, color=colors[group], label=group if first else None)
-        ax.set(title=title, xlabel=x)
+        ax.set(title=title, xlabel="kl/k3 (mean over the updates since the last evaluation)" if x == "kl_window" else x)
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.savefig(path)
@@ -275,8 +302,17 @@ def main(argv=None) -> int:
     p.add_argument("--value-warmup", type=int, default=100, help="credit: the critics' value warm-up steps")
     p.add_argument("--append", action="store_true",
                    help="keep the runs already in --output's summary.json (a run of the same name is replaced)")
+    p.add_argument("--summarise-only", action="store_true",
+                   help="summarise and plot the runs already in --output again (from their metrics), running nothing")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
+    if args.summarise_only:
+        summary_file = args.output / "summary.json"
+        result = json.loads(summary_file.read_text())
+        result["runs"] = resummarise(args.output)
+        plot(args.experiment, result["runs"], args.output / f"{args.experiment}.png")
+        summary_file.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.steps is None and args.experiment != "retention":
         args.steps = 200 if args.experiment == "credit" else 300
     args.output.mkdir(parents=True, exist_ok=True)

@@ -17,8 +17,11 @@ from paired_stats import mean_ci, paired  # noqa: E402
 
 
 def _ci(values, fmt=".3f") -> str:
+    """The mean with its 95% t interval from 3 values on; with 2, the mean and both values."""
     c = mean_ci(values)
-    return f"{c['mean']:{fmt}}" if c["n"] < 2 else f"{c['mean']:{fmt}} [{c['lo']:{fmt}}, {c['hi']:{fmt}}]"
+    if c["n"] < 3:
+        return f"{c['mean']:{fmt}}" + (f" ({', '.join(f'{v:{fmt}}' for v in values)})" if c["n"] == 2 else "")
+    return f"{c['mean']:{fmt}} [{c['lo']:{fmt}}, {c['hi']:{fmt}}]"
 
 
 def _groups(runs: list[dict], key: str) -> dict:
@@ -76,10 +79,10 @@ def render_overopt() -> str:
     for beta, rs in sorted(_groups(d["runs"], "beta").items()):
         gold = [[e["eval/verifier_accuracy"] for e in r["evals"]] for r in rs]
         peak = [int(np.argmax(g)) for g in gold]
-        kl_peak = [r["evals"][i]["kl/k3"] or 0.0 for r, i in zip(rs, peak)]
+        kl_peak = [r["evals"][i]["kl_window"] for r, i in zip(rs, peak)]
         rows.append([f"{beta:g}", str(len(rs)), _ci([g[0] for g in gold]), _ci([max(g) for g in gold]),
-                     _ci([r["evals"][i]["step"] for r, i in zip(rs, peak)], ".0f"), _ci(kl_peak, ".4f"),
-                     _ci([g[-1] for g in gold]), _ci([r["evals"][-1]["kl/k3"] for r in rs], ".4f"),
+                     _ci([r["evals"][i]["step"] for r, i in zip(rs, peak)], ".0f"), _ci(kl_peak, ".3f"),
+                     _ci([g[-1] for g in gold]), _ci([r["evals"][-1]["kl_window"] for r in rs], ".3f"),
                      _ci([r["evals"][0]["eval/reward_mean"] for r in rs], ".2f") + " -> "
                      + _ci([r["evals"][-1]["eval/reward_mean"] for r in rs], ".2f"), _flags(rs)])
     rm = (RESULTS / "critique/overopt/rm_wall_s.txt")
@@ -87,8 +90,10 @@ def render_overopt() -> str:
     return (_header(d) + table(["grpo.beta", "seeds", "gold at step 0", "gold at its peak", "peak step",
                                 "kl/k3 at the peak", "gold at the end", "kl/k3 at the end",
                                 "proxy (held-out RM score)", "report flags (runs)"], rows)
-            + f"\nGold: the strict verifier's held-out accuracy; proxy: the reward model's held-out mean score{rm_s}."
-            + " The curve (gold and proxy against kl/k3): `benchmarks/results/critique/overopt/overopt.png`.\n")
+            + f"\nGold: the strict verifier's held-out accuracy; proxy: the reward model's held-out mean score{rm_s}; "
+            "kl/k3: the mean of the updates' k3 estimates of KL(pi || pi_0) since the evaluation before (nats per "
+            "token). With 2 seeds: the mean and each seed's value. The curve (gold and proxy against that KL): "
+            "`benchmarks/results/critique/overopt/overopt.png`.\n")
 
 
 def render_retention(path: str) -> str:
