@@ -62,9 +62,10 @@ def train(run_dir: Path, config: str, sets: list[str], python: str) -> tuple[lis
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    run_dir.with_suffix(".log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    log = run_dir.parent / f"{run_dir.name}.log"  # (with_suffix would cut "beta0.01_s0" at its dot)
+    log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode:
-        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}); see {run_dir.with_suffix('.log')}")
+        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}); see {log}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     compact(run_dir)
     return records, wall
