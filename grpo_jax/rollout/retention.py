@@ -68,12 +68,16 @@ def read_rows(path: str | Path = GENERAL_CORPUS) -> list[dict]:
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        ok = (isinstance(row.get("text"), str) and row["text"]) or all(
-            isinstance(row.get(k), str) and row[k] for k in ("prompt", "response"))
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        ok = isinstance(row, dict) and ((isinstance(row.get("text"), str) and row["text"]) or all(
+            isinstance(row.get(k), str) and row[k] for k in ("prompt", "response")))
         if not ok:
+            got = f"keys {sorted(row)}" if isinstance(row, dict) else f"a {type(row).__name__}"
             raise ValueError(f"{path}:{n}: a retention corpus row has a non-empty 'text', or 'prompt' and "
-                             f"'response' strings; got keys {sorted(row)}")
+                             f"'response' strings; got {got}")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path} holds no rows")

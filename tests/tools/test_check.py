@@ -64,6 +64,11 @@ def test_a_bad_retention_corpus_is_a_config_error_naming_its_line(tmp_path):
     with pytest.raises(ConfigError, match=r"eval.retention_corpus: .*corpus.jsonl:2: .*'text', or 'prompt' and 'response'"):
         check(config=ROOT / "configs" / "demo_cpu.yaml", log=lambda line: None,
               overrides=[f"data.data_dir={tmp_path}", "eval.retention=true", f"eval.retention_corpus={bad}"])
+    for line, said in (("{not json", "not JSON"), ("[1, 2]", "got a list")):
+        bad.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=rf"corpus.jsonl:1: .*{said}"):
+            check(config=ROOT / "configs" / "demo_cpu.yaml", log=lambda line: None,
+                  overrides=[f"data.data_dir={tmp_path}", "eval.retention=true", f"eval.retention_corpus={bad}"])
     with pytest.raises(ConfigError, match="eval.retention_corpus is set but eval.retention is false"):
         check(config=ROOT / "configs" / "demo_cpu.yaml", log=lambda line: None,
               overrides=[f"data.data_dir={tmp_path}", f"eval.retention_corpus={bad}"])
