@@ -92,8 +92,10 @@ def evals(records: list[dict], *keys: str) -> list[dict]:
         if r.get("kl/k3") is not None:
             window.append(r["kl/k3"])
         if "eval/accuracy" in r:
+            own, strict = r.get("eval/accuracy"), r.get("eval/verifier_accuracy")
             out.append({"step": r["step"], **{k: r.get(k) for k in keys},
-                        "kl_window": float(np.mean(window)) if window else (0.0 if r["step"] == 0 else None)})
+                        "kl_window": float(np.mean(window)) if window else (0.0 if r["step"] == 0 else None),
+                        "gap": None if strict is None else own - strict})  # the training judge over the second
             window = []
     return out
 
@@ -259,7 +261,7 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
 
     panels = {"hacking": [("step", "eval/accuracy", "weak judge (its own accuracy)"),
                           ("step", "eval/verifier_accuracy", "strict verifier accuracy"),
-                          ("step", "retention/kl", "retention/kl")],
+                          ("step", "gap", "gap: its own judge's accuracy - the strict one's")],
               "overopt": [("kl_window", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
                           ("kl_window", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
                           ("step", "retention/kl", "retention/kl")],
