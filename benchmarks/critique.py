@@ -226,6 +226,8 @@ def credit(args) -> list[dict]:
             out.append(row)
             best = row if best is None or row["ev_end"] > best["ev_end"] else best
         critic_lr[kind] = best["critic_lr"]
+    if args.critic_only:  # stage 1 alone: where each critic's explained variance goes in warm-up
+        return out + [{"run": "choices", "critic_lr": critic_lr, "evals": []}]
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
     base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}"]
 
@@ -265,26 +267,35 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
               "overopt": [("kl_window", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
                           ("kl_window", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
                           ("step", "retention/kl", "retention/kl")],
-              "credit": [("step", "eval/accuracy", "held-out accuracy"), ("step", "kl/k3", "kl/k3"),
-                         ("step", "retention/kl", "retention/kl")],
+              "credit": [("step", "ev_curve", "critics' explained variance (value/explained_variance)"),
+                         ("step", "eval/accuracy", "held-out accuracy"), ("step", "kl_window", "kl/k3")],
               "retention": [("step", "retention/kl", "retention/kl (nats/token)"),
                             ("step", "retention/general_nll", "retention/general_nll"),
                             ("step", "eval/accuracy", "held-out accuracy")]}[kind]
     fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
     axes = fig.subplots(1, len(panels))
+    runs = [r for r in runs if r["run"] != "choices"]
     groups = list(dict.fromkeys(r["run"].rsplit("_s", 1)[0] for r in runs))
     colors = dict(zip(groups, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     for ax, (x, y, title) in zip(axes, panels):
+        if y == "ev_curve":  # the critics' explained variance through their warm-up, one line per run
+            for r in runs:
+                if r.get("ev_curve"):
+                    ax.plot(range(1, len(r["ev_curve"]) + 1), r["ev_curve"], alpha=0.8, label=r["run"])
+            ax.set(title=title, xlabel="step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="x-small")
+            continue
         for r in runs:
             group = r["run"].rsplit("_s", 1)[0]
             pts = [(e[x], e[y]) for e in r["evals"] if e.get(x) is not None and e.get(y) is not None]
             if pts:
                 xs, ys = np.asarray(pts, float).T
-                first = r["run"] == next(q["run"] for q in runs if q["run"].startswith(group + "_s"))
+                first = r["run"] == next(q["run"] for q in runs if q["run"].rsplit("_s", 1)[0] == group)
                 ax.plot(xs, ys, marker="o", markersize=3, alpha=0.8, color=colors[group], label=group if first else None)
         ax.set(title=title, xlabel="kl/k3 (mean over the updates since the last evaluation)" if x == "kl_window" else x)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[-1 if kind == "credit" else 0].legend(fontsize="x-small")
     fig.savefig(path)
 
 
@@ -303,6 +314,7 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=[5e-5, 1.5e-4, 4.5e-4], help="credit: policy learning rates")
     p.add_argument("--critic-lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3], help="credit: critic learning rates")
     p.add_argument("--value-warmup", type=int, default=100, help="credit: the critics' value warm-up steps")
+    p.add_argument("--critic-only", action="store_true", help="credit: stage 1 alone (the critics' warm-up runs)")
     p.add_argument("--append", action="store_true",
                    help="keep the runs already in --output's summary.json (a run of the same name is replaced)")
     p.add_argument("--summarise-only", action="store_true",
