@@ -109,10 +109,29 @@ def render_retention(path: str) -> str:
                                "held-out accuracy", "report flags (runs)"], rows)
 
 
+def render_credit_critics() -> str:
+    d = load("critique/credit_critics/summary.json")
+    rows = []
+    for r in d["runs"]:
+        if r.get("stage") != "critic_lr":
+            continue
+        ev = r["ev_curve"]
+        plateau = r["ev_plateau_step"]
+        rows.append([f"`{r['kind']}`", f"{r['critic_lr']:g}", f"{ev[len(ev) // 2 - 1]:.3f}", f"{r['ev_end']:.3f}",
+                     f"{max(ev):.3f}", "not within the warm-up" if plateau is None else f"step {plateau}"])
+    chosen = next(r for r in d["runs"] if r["run"] == "choices")["critic_lr"]
+    steps = len(next(r for r in d["runs"] if r.get("ev_curve"))["ev_curve"])
+    return (_header(d) + table(["critic", "critic learning rate", f"explained variance at step {steps // 2}",
+                                f"over the last 10 of {steps} steps", "best step", "plateau"], rows)
+            + f"\nChosen (the highest explained variance at the end): value head {chosen['head']:g}, critic model "
+            f"{chosen['model']:g}. A plateau: the first 10-step window whose mean moved less than 0.02 from the "
+            "window before. The curves: `benchmarks/results/critique/credit_critics/credit.png`.\n")
+
+
 BLOCKS = {}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
-                           "retention_smollm2")):
+                           "retention_smollm2"), ("critique-credit-critics", render_credit_critics, "credit_critics")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
