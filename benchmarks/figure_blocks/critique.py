@@ -92,8 +92,18 @@ def render_overopt() -> str:
                                 "proxy (held-out RM score)", "report flags (runs)"], rows)
             + f"\nGold: the strict verifier's held-out accuracy; proxy: the reward model's held-out mean score{rm_s}; "
             "kl/k3: the mean of the updates' k3 estimates of KL(pi || pi_0) since the evaluation before (nats per "
-            "token). With 2 seeds: the mean and each seed's value. The curve (gold and proxy against that KL): "
-            "`benchmarks/results/critique/overopt/overopt.png`.\n")
+            "token). Means over seeds with 95% t intervals. The curve (gold and proxy against that KL): "
+            "`benchmarks/results/critique/overopt/overopt.png`.\n" + _beta_pairs(d["runs"]))
+
+
+def _beta_pairs(runs: list[dict]) -> str:
+    """Gold at the end, each KL coefficient against the smallest, paired by seed."""
+    by = {beta: {r["seed"]: r["evals"][-1]["eval/verifier_accuracy"] for r in rs}
+          for beta, rs in sorted(_groups(runs, "beta").items())}
+    low = min(by)
+    parts = [f"grpo.beta {beta:g}: {_paired(by[beta], by[low])}" for beta in by if beta != low]
+    return (f"Gold at the end against grpo.beta {low:g}, paired by seed (mean difference [95% t interval], "
+            f"paired t-test p): " + "; ".join(parts) + ".\n")
 
 
 def render_retention(path: str) -> str:
