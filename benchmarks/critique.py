@@ -276,7 +276,7 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
     axes = fig.subplots(1, len(panels))
     runs = [r for r in runs if r["run"] != "choices"]
     groups = list(dict.fromkeys(r["run"].rsplit("_s", 1)[0] for r in runs))
-    colors = dict(zip(groups, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    colors = {g: f"C{i % 10}" for i, g in enumerate(groups)}  # matplotlib's ten-colour cycle
     for ax, (x, y, title) in zip(axes, panels):
         if y == "ev_curve":  # the critics' explained variance through their warm-up, one line per run
             for r in runs:

@@ -127,12 +127,14 @@ def render_credit_critics() -> str:
             continue
         ev = r["ev_curve"]
         plateau = r["ev_plateau_step"]
+        flat = "none: it never rose above 0.05" if max(ev) < 0.05 else None
         rows.append([f"`{r['kind']}`", f"{r['critic_lr']:g}", f"{ev[len(ev) // 2 - 1]:.3f}", f"{r['ev_end']:.3f}",
-                     f"{max(ev):.3f}", "not within the warm-up" if plateau is None else f"step {plateau}"])
+                     f"{max(ev):.3f}", flat or ("not within the warm-up" if plateau is None else f"step {plateau}")])
     chosen = next(r for r in d["runs"] if r["run"] == "choices")["critic_lr"]
     steps = len(next(r for r in d["runs"] if r.get("ev_curve"))["ev_curve"])
     return (_header(d) + table(["critic", "critic learning rate", f"explained variance at step {steps // 2}",
-                                f"over the last 10 of {steps} steps", "best step", "plateau"], rows)
+                                f"over the last 10 of {steps} steps", "its highest", "plateau"], rows)
+            + f"\n{d['note'][0].upper() + d['note'][1:]}.\n" * bool(d.get("note"))
             + f"\nChosen (the highest explained variance at the end): value head {chosen['head']:g}, critic model "
             f"{chosen['model']:g}. A plateau: the first 10-step window whose mean moved less than 0.02 from the "
             "window before. The curves: `benchmarks/results/critique/credit_critics/credit.png`.\n")
