@@ -44,6 +44,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import stability  # noqa: E402
 from grpo_jax.observe.health_checks import diagnose  # noqa: E402
 
 REWARDS = "benchmarks/critique_rewards.py"
@@ -72,15 +74,9 @@ def train(run_dir: Path, config: str, sets: list[str], python: str) -> tuple[lis
 
 
 def compact(run_dir: Path) -> None:
-    """What the summary and a later look need, small enough to commit."""
-    for junk in ("checkpoints", "tensorboard", "model"):
-        shutil.rmtree(run_dir / junk, ignore_errors=True)
-    for junk in ("metrics.png", "report.html", "retention_reference.npz"):
-        (run_dir / junk).unlink(missing_ok=True)
-    metrics = run_dir / "metrics.jsonl"
-    with gzip.open(run_dir / "metrics.jsonl.gz", "wt", encoding="utf-8") as f:
-        f.write(metrics.read_text())
-    metrics.unlink()
+    """What the summary and a later look need (stability.compact), without the retention reference."""
+    (run_dir / "retention_reference.npz").unlink(missing_ok=True)
+    stability.compact(run_dir)
 
 
 def evals(records: list[dict], *keys: str) -> list[dict]:

@@ -56,9 +56,9 @@ class ArithmeticChain(SyntheticBuilder, skip_registration=True):
     name = "arithmetic_chain"
     DESCRIPTION = "Seeded chains of one-digit + and -, answered step by step; the reward reads the last total."
     BUILDER_CONFIGS = [
-        ChainConfig(name="short", description="4 operations (answers of ~8-12 characters)", steps=4,
+        ChainConfig(name="short", description="4 operations (answers of 7-11 characters)", steps=4,
                     num_train=5000, num_test=500),
-        ChainConfig(name="long", description="8 operations (answers of ~16-24 characters)", steps=8,
+        ChainConfig(name="long", description="8 operations (answers of 15-23 characters)", steps=8,
                     num_train=5000, num_test=500),
     ]
     DEFAULT_BUILDER_CONFIG_NAME = "short"

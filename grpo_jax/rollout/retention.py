@@ -174,6 +174,7 @@ class Retention:
     def __init__(self, corpus: Corpus, *, mesh: Mesh, k: int = 64, chunk: int = 64):
         self.corpus, self.mesh, self.k, self.chunk = corpus, mesh, k, chunk
         self.ref: RetentionReference | None = None
+        self._placed: tuple = (None, [])  # (the reference they hold, the pass's inputs on the mesh)
 
     def _run(self, model, ref: RetentionReference | None):
         graphdef, params = nnx.split(model, nnx.Param)
@@ -182,11 +183,12 @@ class Retention:
         N, M = c.target_ids.shape
         if ref is None:  # no reference yet: the pass's KL is ignored (its top-k becomes the reference)
             ref = RetentionReference(np.zeros((N, M, k), np.int32), np.zeros((N, M, k), np.float32), c.target_ids)
-        rows = batch_sharding(self.mesh, 1)
-        inputs = [host_to_mesh(np.asarray(x), rows) for x in (c.context_ids, c.context_mask, c.target_ids,
-                                                                c.target_mask, ref.top_ids, ref.top_logp)]
+        if self._placed[0] is not ref:  # the corpus and the reference go to the mesh once, not every evaluation
+            rows = batch_sharding(self.mesh, 1)
+            self._placed = (ref, [host_to_mesh(np.asarray(x), rows) for x in (
+                c.context_ids, c.context_mask, c.target_ids, c.target_mask, ref.top_ids, ref.top_logp)])
         step = _jitted(graphdef, self.mesh, k, self.chunk)
-        return step(params, *inputs)
+        return step(params, *self._placed[1])
 
     def reference(self, model) -> RetentionReference:
         """pi_0's top-k at every target position (kept as `self.ref`)."""
