@@ -239,11 +239,13 @@ def test_episodes_on_a_mesh_equal_one_device(model):
     examples = [*EXAMPLES, {"prompt": "Subtract 1 from 9."}]
     limits = EpisodeLimits(max_turns=2, max_env_tokens=40, max_model_tokens=16, timeout_s=10.0)
 
-    def go(m, mesh, **kw):
-        return run_episodes(m, examples, TOK, lambda: Scripted(delay_s=0.3), config(slots=4, max_new_tokens=16, **kw),
+    def go(m, mesh, delay_s=0.8, **kw):
+        # 0.8 s: longer than a segment of 4 decode steps on the 8-device mesh even on a loaded machine
+        # (at 0.3 s a CI run's environments answered before the poll and nothing parked).
+        return run_episodes(m, examples, TOK, lambda: Scripted(delay_s=delay_s), config(slots=4, max_new_tokens=16, **kw),
                             limits, jax.random.key(5), segment_steps=4, mesh=mesh)
 
-    alone = go(model, None)
+    alone = go(model, None, delay_s=0.3)  # the reference trajectories: the delay changes when, not what
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = Transformer(tiny("qwen3", vocab_size=len(TOK)), rngs=nnx.Rngs(0))
     place_model(sharded, mesh)
