@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import stability  # noqa: E402
 from grpo_jax.observe.health_checks import diagnose  # noqa: E402
+from grpo_jax.observe.heldout_checks import kl_windows  # noqa: E402
 
 REWARDS = "benchmarks/critique_rewards.py"
 COMMON = ["checkpoint.every=0", "train.progress=false", "eval.retention=true", "eval.retention_top_k=64"]
@@ -81,18 +82,16 @@ def compact(run_dir: Path) -> None:
 
 def evals(records: list[dict], *keys: str) -> list[dict]:
     """Each evaluation's step and `keys` (with kl/k3 of the same step's update where logged), and
-    `kl_window`: the mean kl/k3 of the updates since the previous evaluation (one batch's k3 is
-    noisy; the over-optimisation curve's x axis)."""
-    out, window = [], []
+    `kl_window`: the mean kl/k3 of the updates since the previous evaluation (`kl_windows`, what the
+    report's flag quotes too; one batch's k3 is noisy; the over-optimisation curve's x axis)."""
+    windows = kl_windows(records)
+    out = []
     for r in records:
-        if r.get("kl/k3") is not None:
-            window.append(r["kl/k3"])
         if "eval/accuracy" in r:
             own, strict = r.get("eval/accuracy"), r.get("eval/verifier_accuracy")
             out.append({"step": r["step"], **{k: r.get(k) for k in keys},
-                        "kl_window": float(np.mean(window)) if window else (0.0 if r["step"] == 0 else None),
+                        "kl_window": windows.get(r["step"], 0.0 if r["step"] == 0 else None),
                         "gap": None if strict is None else own - strict})  # the training judge over the second
-            window = []
     return out
 
 
@@ -201,27 +200,40 @@ def _plateau(curve: list[float], window: int = 10, tol: float = 0.02) -> int | N
     return None
 
 
-def credit(args) -> list[dict]:
-    """Four stages, each stage's choice read from the one before: (1) each critic kind's learning
-    rate, from value warm-up runs alone (explained variance at the end, where it plateaus); (2) each
-    arm's policy learning rate at seed 0 (final held-out accuracy); (3) the arms at their chosen
-    rates over --seeds; (4) VAPO's parts taken out one at a time over --seeds."""
-    config, out, warm = "configs/chain_cpu.yaml", [], args.value_warmup
-    critic_lr = {}
-    for kind in ("head", "model"):
+def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
+    """Stage 1: value warm-up runs alone (the policy held), one per critic kind and learning rate
+    (a critic model's trunk at --trunk-lr-ratio x its head's) -> (their rows, each kind's best rate
+    by explained variance over the last 10 steps). --control trains on `first_token_even` instead of
+    the chain's reward: an outcome the first token settles, so a critic that reads it explains most
+    of the return's variance after that token (a check that the critics can learn at all)."""
+    out, critic_lr, warm = [], {}, args.value_warmup
+    reward = [f"rewards=[{{name: '{REWARDS}:first_token_even'}}]"] if args.control else []
+    for kind in args.critic_kinds:
         best = None
         for clr in args.critic_lrs:
-            name = f"warmup_{kind}_clr{clr:g}"
-            records, wall = train(args.output / name, config, ["algorithm=ppo", f"ppo.critic={kind}",
-                                                               f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
-                                                               f"ppo.critic_learning_rate={clr}", "eval.every=0"],
-                                  args.python)
+            trunk = [] if kind == "head" or args.trunk_lr_ratio is None else \
+                [f"ppo.critic_trunk_learning_rate={clr * args.trunk_lr_ratio:g}"]
+            name = f"{'control_' if args.control else ''}warmup_{kind}_clr{clr:g}"
+            records, wall = train(args.output / name, config, [
+                "algorithm=ppo", f"ppo.critic={kind}", f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
+                f"ppo.critic_learning_rate={clr}", "eval.every=0", *trunk, *reward], args.python)
             ev = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
             row = summary(name, records, wall, 128 * 4, stage="critic_lr", kind=kind, critic_lr=clr, ev_curve=ev,
-                          ev_end=float(np.mean(ev[-10:])), ev_plateau_step=_plateau(ev))
+                          ev_end=float(np.mean(ev[-10:])), ev_plateau_step=_plateau(ev), control=args.control,
+                          trunk_lr=None if not trunk else clr * args.trunk_lr_ratio)
             out.append(row)
             best = row if best is None or row["ev_end"] > best["ev_end"] else best
         critic_lr[kind] = best["critic_lr"]
+    return out, critic_lr
+
+
+def credit(args) -> list[dict]:
+    """Four stages, each stage's choice read from the one before: (1) each critic kind's learning
+    rate, from value warm-up runs alone (`critic_warmups`); (2) each arm's policy learning rate at
+    seed 0 (final held-out accuracy); (3) the arms at their chosen rates over --seeds; (4) VAPO's
+    parts taken out one at a time over --seeds."""
+    config, warm = "configs/chain_cpu.yaml", args.value_warmup
+    out, critic_lr = critic_warmups(args, config)
     if args.critic_only:  # stage 1 alone: where each critic's explained variance goes in warm-up
         return out + [{"run": "choices", "critic_lr": critic_lr, "evals": []}]
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
@@ -311,6 +323,12 @@ def main(argv=None) -> int:
     p.add_argument("--critic-lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3], help="credit: critic learning rates")
     p.add_argument("--value-warmup", type=int, default=100, help="credit: the critics' value warm-up steps")
     p.add_argument("--critic-only", action="store_true", help="credit: stage 1 alone (the critics' warm-up runs)")
+    p.add_argument("--critic-kinds", nargs="+", choices=["head", "model"], default=["head", "model"],
+                   help="credit: the critics stage 1 warms up")
+    p.add_argument("--trunk-lr-ratio", type=float, default=None,
+                   help="credit: a critic model's trunk learning rate over its head's (default: the same rate)")
+    p.add_argument("--control", action="store_true",
+                   help="credit: stage 1 on the control reward `first_token_even` (implies --critic-only)")
     p.add_argument("--append", action="store_true",
                    help="keep the runs already in --output's summary.json (a run of the same name is replaced)")
     p.add_argument("--summarise-only", action="store_true",
@@ -324,6 +342,9 @@ def main(argv=None) -> int:
         plot(args.experiment, result["runs"], args.output / f"{args.experiment}.png")
         summary_file.write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    args.critic_only = args.critic_only or args.control
+    if args.experiment == "credit" and not args.critic_only and set(args.critic_kinds) != {"head", "model"}:
+        p.error("credit's comparison needs both critic kinds (--critic-kinds head model), or --critic-only")
     if args.steps is None and args.experiment != "retention":
         args.steps = 200 if args.experiment == "credit" else 300
     args.output.mkdir(parents=True, exist_ok=True)

@@ -32,3 +32,10 @@ def within_tolerance(prompts, completions, *, answer, tolerance: float = 0.1, **
         gold = float(_gold(a))
         out.append(float(bool(found) and abs(float(found[-1]) - gold) <= tolerance * max(abs(gold), 1.0)))
     return out
+
+
+def first_token_even(prompts, completions, **_):
+    """1.0 if the completion's first character is an even digit: a control for the critics (the
+    outcome is settled by the first token, so a value function that reads it explains nearly all of
+    the return's variance after that token; a group mean cannot)."""
+    return [float(bool(c) and c[0] in "02468") for c in completions]

@@ -67,10 +67,11 @@ SECOND_EDITION = ["grpo", "dapo", "dr_grpo", "cispo", "ppo", "vapo"]
 
 
 def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str, *, config: Path,
-            value_warmup: int = 50, critic_path: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+            value_warmup: int = 50, critic_path: str | None = None, extra: tuple[str, ...] = (),
+            reuse: bool = False) -> dict:
+    """One run's summary. `reuse`: a finished run of the same command in `out` (its run.json) is
+    read back instead of run again, so a long study interrupted part way goes on where it stopped."""
     run_dir = out / f"{variant}_s{seed}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
     fill = {"max_new_tokens": yaml.safe_load(config.read_text())["sampling"]["max_new_tokens"],
             "value_warmup": value_warmup, "critic_path": critic_path}
     if "{critic_path}" in " ".join(VARIANTS[variant]) and critic_path is None:
@@ -80,6 +81,12 @@ def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str, 
     cmd = [python, "-m", "grpo_jax", "train", "--config", str(config), "--output", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
+    done = run_dir / "run.json"
+    if reuse and done.exists() and json.loads(done.read_text())["sets"] == sets:
+        records = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt") if line.strip()]
+        return summarise(variant, seed, records, json.loads(done.read_text())["wall_s"])
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -88,6 +95,7 @@ def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str, 
         raise RuntimeError(f"{variant} seed {seed} failed (exit {proc.returncode}); see {variant}_s{seed}.log")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     compact(run_dir)
+    done.write_text(json.dumps({"sets": sets, "wall_s": wall}) + "\n")
     return summarise(variant, seed, records, wall)
 
 

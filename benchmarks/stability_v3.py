@@ -3,6 +3,9 @@ enough power to say which differences are real.
 
     python benchmarks/stability_v3.py --output benchmarks/results/stability_v3
 
+About 80 runs of ~90 s on 2 cores (2 h). A run finished earlier in --output with the same settings
+is read back, not run again: an interrupted study goes on where it stopped (--fresh: run all).
+
 What changed from the second edition (benchmarks/stability.md):
 - The data: 2-digit addition with `commutative_twins: false` (arithmetic's option), so no held-out
   sum has its twin (b + a) in training; 3,500 train / 500 held-out problems (the 4,095 unordered
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--critic-lrs", nargs="+", type=float, default=[3e-4, 1e-3, 3e-3])
     p.add_argument("--value-warmup", type=int, default=50)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--fresh", action="store_true",
+                   help="run every run again (default: a run already finished in --output with the same settings is reused)")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     out, t0 = args.output, time.perf_counter()
@@ -85,7 +90,7 @@ def main(argv=None) -> int:
     def run(variant, seed, where, extra):
         (out / where).mkdir(parents=True, exist_ok=True)
         return stability.run_one(variant, seed, out / where, args.steps, args.python, config=config,
-                                 value_warmup=args.value_warmup, extra=(DATA, *extra))
+                                 value_warmup=args.value_warmup, extra=(DATA, *extra), reuse=not args.fresh)
 
     critic_lr = {}
     for arm, kind in CRITICS.items():  # stage 1: warm-up alone, the critic's explained variance
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
             (out / "critic_lr" / f"clr{clr:g}").mkdir(parents=True, exist_ok=True)
             r = stability.run_one(arm, 0, out / "critic_lr" / f"clr{clr:g}", args.value_warmup, args.python, config=config,
                                   value_warmup=args.value_warmup,
-                                  extra=(DATA, f"ppo.critic_learning_rate={clr}", "eval.every=0"))
+                                  extra=(DATA, f"ppo.critic_learning_rate={clr}", "eval.every=0"), reuse=not args.fresh)
             ends[clr] = r["explained_variance_warmup_end"]
         critic_lr[arm] = max(ends, key=ends.get)
         result.setdefault("critic_lr_sweep", {})[arm] = {f"{k:g}": v for k, v in ends.items()}

@@ -68,11 +68,28 @@ def _at(records, step: int, key: str) -> float | None:
     return float(values[-1]) if values else None
 
 
+def kl_windows(records, key: str = "kl/k3") -> dict[int, float]:
+    """Each evaluation's step (a record with eval/accuracy) -> the mean of `key` over the updates
+    since the previous evaluation, its own step's included: one batch's k3 estimate is noisy, the
+    window's mean is what to quote and plot against. An evaluation with no update before it (step
+    0) is absent."""
+    out, window = {}, []
+    for r in records:
+        if r.get(key) is not None:
+            window.append(float(r[key]))
+        if "eval/accuracy" in r:
+            if window:
+                out[int(r["step"])] = float(np.mean(window))
+            window = []
+    return out
+
+
 def _kl_at(records, steps: tuple[int, int]) -> str:
-    """The KL from the initial policy at two evaluations' steps, as the run logged it."""
-    parts = []
+    """The KL from the initial policy at two evaluations' steps: kl/k3 as the mean over the updates
+    since the evaluation before (`kl_windows`), retention/kl (a fixed corpus, not noisy) as logged."""
+    parts, windows_ = [], kl_windows(records)
     for key in ("kl/k3", "retention/kl"):
-        a, b = (_at(records, s, key) for s in steps)
+        a, b = ((windows_.get(s) for s in steps) if key == "kl/k3" else (_at(records, s, key) for s in steps))
         if a is not None and b is not None:
             parts.append(f"{key} {a:.4f} -> {b:.4f}")
     return ("; KL from the initial policy at those steps: " + ", ".join(parts)) if parts else ""

@@ -155,3 +155,40 @@ def test_ppo_steps_fit_the_value_head_to_the_returns():
     # Policy frozen (lr 0): only the head learns; with lambda = 1 the returns are the rewards.
     assert losses[-1] < 0.5 * losses[0], losses
     assert float(metrics["value/explained_variance"]) > 0.3
+
+
+def test_value_warmup_steps_are_plain_regression_on_the_monte_carlo_returns():
+    """Issue 46's check of the critic machinery (a flat explained variance on the credit task): a
+    critic model's warm-up steps, micro-batched with the shared-prompt pass, move its parameters as
+    Adam on the mean squared error to each row's reward over its completion tokens does, computed
+    here without the step (no policy terms, nothing clipped or skipped, the returns as they should be).
+    SGD (Adam would magnify float dust in a gradient that should be 0)."""
+    from grpo_jax.learner.logprobs import completion_states
+    from grpo_jax.learner.ppo import values
+
+    opt = pair_optimizer(optax.sgd(0.0), optax.sgd(0.1))
+    graphdef, state, critic_graphdef = ppo_state(opt, "model")
+    critic, tx = jax.tree.map(jnp.copy, state.critic), optax.sgd(0.1)  # the step donates its state
+    opt_state = tx.init(critic)
+    step = one_device_step(graphdef, opt, GRPOConfig(), state, micro_batches=2, group_size=4,
+                           critic_graphdef=critic_graphdef, ppo_config=PPOConfig(critic="model", value_warmup_steps=9))
+
+    def mse(c, b):
+        h = completion_states(nnx.merge(critic_graphdef, c["model"]), b.prompt_ids, b.prompt_mask, b.completion_ids)
+        m = b.completion_mask.astype(jnp.float32)
+        # value_coef (0.5) x the PPO2 loss's 0.5 x the squared error's token mean
+        return 0.25 * jnp.sum((values(c, h) - b.rewards[:, None]) ** 2 * m) / m.sum()
+
+    params0 = jax.tree.map(jnp.copy, state.params)
+    for seed in range(3):
+        b = make_batch(seed=seed)
+        b = b.replace(prompt_ids=jnp.repeat(b.prompt_ids[::4], 4, axis=0), prompt_mask=jnp.repeat(b.prompt_mask[::4], 4, axis=0))
+        state, metrics = step(state, b)
+        updates, opt_state = tx.update(jax.grad(mse)(critic, b), opt_state, critic)
+        critic = optax.apply_updates(critic, updates)
+        assert float(metrics["value/warmup"]) == 1.0
+    for got, want in zip(jax.tree.leaves(state.critic), jax.tree.leaves(critic)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.critic), jax.tree.leaves(ppo_state(opt, "model")[1].critic))) > 1e-3
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params0)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

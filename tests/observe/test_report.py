@@ -200,7 +200,7 @@ def test_overoptimisation_is_flagged_with_the_kl_at_the_gold_peak_and_only_beyon
     flags = diagnose(records, eval_samples=400)
     assert [(f.key, f.level) for f in flags] == [("overoptimisation", "failure")], flags
     ev = flags[0].evidence
-    assert "fell from 0.600 (step 20) to 0.400 (step 60)" in ev and "kl/k3 0.0400 -> 0.1200" in ev
+    assert "fell from 0.600 (step 20) to 0.400 (step 60)" in ev and "kl/k3 0.0310 -> 0.1110" in ev  # the means of steps 11-20 and 51-60
     assert "retention/kl 0.0067 -> 0.0200" in ev
     assert dict(flags[0].knobs)["checkpoints/20"] and "grpo.beta" in dict(flags[0].knobs)
     # 0.2 below the peak is within 2 standard errors of 10 samples per evaluation: only the notice

@@ -89,3 +89,27 @@ def test_stability_v3_compares_each_arm_with_grpo_by_seed_and_dapo_at_grpos_toke
     assert dapo["diff"] == pytest.approx(0.1) and dapo["p_sign_flip"] == pytest.approx(2 / 64)
     assert dapo["p"] < 1e-6 and dapo["p_holm"] == pytest.approx(2 * dapo["p"]) and dapo["real"]
     assert ppo["diff"] == pytest.approx(0.0, abs=1e-12) and ppo["p"] > 0.9 and not ppo["real"]
+
+
+def test_a_finished_study_run_is_read_back_and_a_changed_one_runs_again(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    stability = _module("stability")
+    calls = []
+
+    def fake_run(cmd, **_):  # what `grpo-jax train` leaves: metrics.jsonl in --output
+        calls.append(cmd)
+        run_dir = Path(cmd[cmd.index("--output") + 1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text(
+            '{"step": 0, "eval/accuracy": 0.25, "eval/pass@k": 0.5}\n'
+            f'{{"step": 1, "reward/mean": 0.5, "eval/accuracy": {0.25 + 0.1 * len(calls)}, "eval/pass@k": 0.6}}\n')
+        return type("Done", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+
+    monkeypatch.setattr(stability.subprocess, "run", fake_run)
+    config = ROOT / "configs/demo_cpu.yaml"
+    first = stability.run_one("grpo", 0, tmp_path, 1, "python", config=config, reuse=True)
+    again = stability.run_one("grpo", 0, tmp_path, 1, "python", config=config, reuse=True)
+    assert len(calls) == 1 and again["eval_final"] == first["eval_final"] == pytest.approx(0.35)
+    changed = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config, reuse=True)  # other steps
+    fresh = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config)  # reuse off
+    assert len(calls) == 3 and changed["eval_final"] == pytest.approx(0.45) and fresh["eval_final"] == pytest.approx(0.55)
