@@ -113,3 +113,23 @@ def test_a_finished_study_run_is_read_back_and_a_changed_one_runs_again(tmp_path
     changed = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config, reuse=True)  # other steps
     fresh = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config)  # reuse off
     assert len(calls) == 3 and changed["eval_final"] == pytest.approx(0.45) and fresh["eval_final"] == pytest.approx(0.55)
+
+
+def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_does_not():
+    oracle = _module("credit_oracle")
+    assert oracle.gold_derivation("8-7+8+7-5=") == "1 9 16 11"
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(40):  # a slip at the first character loses; the rows are otherwise alike
+        a, b = rng.integers(1, 10, 2)
+        prompt = f"{a}+{b}-1="
+        gold = oracle.gold_derivation(prompt)
+        for g in range(8):
+            right = g % 2 == 0
+            samples.append({"step": 1, "prompt": prompt, "completion": gold if right else "x" + gold[1:],
+                            "reward": float(right)})
+    out = oracle.analyse(samples)
+    ev = out["explained_variance"]
+    assert ev["oracle_prefix"] > 0.8 and ev["oracle_last"] > 0.8  # all but the first state know
+    assert abs(ev["position"]) < 0.05 and ev["group_mean"] < 0.05  # 4 of 8 right in every group
+    assert out["first_slip_position"] == {"rows_with_slip": 160, "median": 1.0}
