@@ -119,8 +119,10 @@ def render_retention(path: str) -> str:
                                "held-out accuracy", "report flags (runs)"], rows)
 
 
-def render_credit_critics() -> str:
-    d = load("critique/credit_critics/summary.json")
+def render_credit_critics(path: str = "critique/credit_critics") -> str:
+    """One stage-1 sweep of `critique.py credit` (value warm-ups alone): each critic's explained
+    variance by learning rate (a critic model's trunk rate where it had its own)."""
+    d = load(f"{path}/summary.json")
     rows = []
     for r in d["runs"]:
         if r.get("stage") != "critic_lr":
@@ -128,22 +130,52 @@ def render_credit_critics() -> str:
         ev = r["ev_curve"]
         plateau = r["ev_plateau_step"]
         flat = "none: it never rose above 0.05" if max(ev) < 0.05 else None
-        rows.append([f"`{r['kind']}`", f"{r['critic_lr']:g}", f"{ev[len(ev) // 2 - 1]:.3f}", f"{r['ev_end']:.3f}",
+        rate = f"{r['critic_lr']:g}" + (f" (trunk {r['trunk_lr']:g})" if r.get("trunk_lr") else "")
+        rows.append([f"`{r['kind']}`", rate, f"{ev[len(ev) // 2 - 1]:.3f}", f"{r['ev_end']:.3f}",
                      f"{max(ev):.3f}", flat or ("not within the warm-up" if plateau is None else f"step {plateau}")])
     chosen = next(r for r in d["runs"] if r["run"] == "choices")["critic_lr"]
     steps = len(next(r for r in d["runs"] if r.get("ev_curve"))["ev_curve"])
+    picked = ", ".join(f"{'value head' if k == 'head' else 'critic model'} {v:g}" for k, v in chosen.items())
     return (_header(d) + table(["critic", "critic learning rate", f"explained variance at step {steps // 2}",
                                 f"over the last 10 of {steps} steps", "its highest", "plateau"], rows)
-            + f"\n{d['note'][0].upper() + d['note'][1:]}.\n" * bool(d.get("note"))
-            + f"\nChosen (the highest explained variance at the end): value head {chosen['head']:g}, critic model "
-            f"{chosen['model']:g}. A plateau: the first 10-step window whose mean moved less than 0.02 from the "
-            "window before. The curves: `benchmarks/results/critique/credit_critics/credit.png`.\n")
+            + (f"\n{d['note'][0].upper() + d['note'][1:]}.\n" if d.get("note") else "")
+            + f"\nChosen (the highest explained variance at the end): {picked}. A plateau: the first 10-step "
+            f"window whose mean moved less than 0.02 from the window before. The curves: `benchmarks/results/{path}/credit.png`.\n")
+
+
+ORACLES = (("credit_oracle", "the last total (the config's reward)"),
+           ("credit_oracle_derivation", "every total (`derivation_exact`)"),
+           ("credit_oracle_derivation_sft1500", "every total, a 1500-step warm start"))
+
+
+def render_credit_oracle() -> str:
+    """benchmarks/credit_oracle.py's runs side by side: how much of the return each value explains."""
+    runs = [(load(f"critique/{name}/summary.json"), what) for name, what in ORACLES
+            if (RESULTS / "critique" / name / "summary.json").exists()]
+    names = {"oracle_prefix": "a table by (position, prefix still gold)",
+             "oracle_last": "a table by (position, prefix still gold, last finished total right)",
+             "position": "a table by position alone (the mean per position)",
+             "group_mean": "the mean reward of the row's 7 group-mates (GRPO's baseline, leave-one-out)"}
+    rows = [[names[k], *(f"{d['explained_variance'][k]:.3f}" for d, _ in runs)] for k in names]
+    rows += [["accuracy of the rollouts (rows)", *(f"{d['accuracy']:.3f} ({d['rows']})" for d, _ in runs)],
+             ["rows that leave the gold derivation; median character of the first slip",
+              *(f"{d['first_slip_position']['rows_with_slip']}; {d['first_slip_position']['median']:.0f}" for d, _ in runs)]]
+    commands = "; ".join(f"`{d['command']}` ({minutes(d['wall_s'])})" for d, _ in runs)
+    return (f"{commands} ({runs[0][0]['date']}); this project's 2-core CPU machine. Each run's rows beside its summary.\n\n"
+            + table(["value of each completion token's state: explained variance, reward on", *(w for _, w in runs)], rows)
+            + "\nTables fitted on half the prompts and scored on the other half (cross-fitted both ways).\n")
 
 
 BLOCKS = {}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
-                           "retention_smollm2"), ("critique-credit-critics", render_credit_critics, "credit_critics")):
+                           "retention_smollm2"), ("critique-credit-critics", render_credit_critics, "credit_critics"),
+                          ("critique-credit-critics-300", lambda: render_credit_critics("critique/credit_critics_300"),
+                           "credit_critics_300"),
+                          ("critique-credit-control", lambda: render_credit_critics("critique/credit_control"),
+                           "credit_control"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
+                          ("critique-credit-derivation", lambda: render_credit_critics("critique/credit_derivation"),
+                           "credit_derivation")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
