@@ -3,19 +3,22 @@ the explained variance of values that know only what an oracle reads off the pre
 start's own rollouts, beside the group mean GRPO uses and the critics' (benchmarks/critique.py credit).
 
     python benchmarks/credit_oracle.py --output benchmarks/results/critique/credit_oracle
+    python benchmarks/credit_oracle.py --reward derivation --output benchmarks/results/critique/credit_oracle_derivation
 
 One `grpo-jax train` run of configs/chain_cpu.yaml with the policy held (PPO's value warm-up,
---steps steps) logs every rollout (train.samples_every 1, samples_count 256: 32 groups of 8 a
-step). The return of every completion token is the row's reward (the trainer's Monte-Carlo
-targets, lambda 1; the end-of-sequence token counted). Each value below is a table of mean
-rewards, fitted on half the prompts and scored on the other half (cross-fitted both ways), so no
-value is scored on rewards it was fitted to:
+--steps steps of 32 groups of 8) scores its rollouts with critique_rewards.py's `logged`, which
+writes every row of every group (`--reward`: `answer`, the config's reward on the last total, or
+`derivation`, every running total checked). The return of every completion token is the row's
+reward (the trainer's Monte-Carlo targets, lambda 1; the end-of-sequence token counted). Each
+value below is a table of mean rewards, fitted on half the prompts and scored on the other half
+(cross-fitted both ways), so no value is scored on rewards it was fitted to:
 - `oracle_prefix`: by (the state's position, whether the prefix written so far is still a prefix
   of the gold derivation). A lower bound on the best critic: it ignores the prompt and how close
   a consistent prefix is to a slip.
 - `oracle_last`: by (position, still a gold prefix, the last finished total right): the warm
   start often slips once and then writes the next total right again (it adds from the question,
-  not always from its own last total), so a slip is not the end; this table sees the recovery.
+  not always from its own last total), so under the answer reward a slip is not the end; this
+  table sees the recovery.
 - `position`: by position alone (what a critic that learns only the mean per step can reach).
 - `group_mean`: each row's value is the mean reward of the other 7 rows of its group, at every
   token (GRPO's leave-one-out baseline, read as a value function).
@@ -24,6 +27,7 @@ value is scored on rewards it was fitted to:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import subprocess
 import sys
@@ -32,36 +36,39 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/chain_cpu.yaml"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import stability  # noqa: E402
+from critique_rewards import gold_derivation  # noqa: E402
 
 
-def gold_derivation(question: str) -> str:
-    """"8-7+8+7=" -> "1 9 16": the running totals after each operation."""
-    body, totals, i = question.rstrip("="), [], 1
-    total = int(body[0])
-    while i < len(body):
-        total = total + int(body[i + 1]) if body[i] == "+" else total - int(body[i + 1])
-        totals.append(total)
-        i += 2
-    return " ".join(map(str, totals))
+def groups(samples: list[dict], group_size: int) -> list[tuple]:
+    """Each row's group: its prompt and which of that prompt's runs of `group_size` rows it is in
+    (the rows of a prompt in the order scored; a prompt drawn again later starts a new group)."""
+    seen: dict[str, int] = defaultdict(int)
+    out = []
+    for s in samples:
+        out.append((s["prompt"], seen[s["prompt"]] // group_size))
+        seen[s["prompt"]] += 1
+    return out
 
 
-def token_rows(samples: list[dict]) -> list[dict]:
-    """One entry per completion token (its characters and then <eos>): the row, its prompt's group
-    (the step and the prompt), the state's position t (before token t), whether the completion's
+def token_rows(samples: list[dict], group_size: int) -> list[dict]:
+    """One entry per completion token (its characters and then <eos>): the row, its group (the
+    prompt and which of its groups), the state's position t (before token t), whether the completion's
     first t characters are a prefix of the gold derivation, whether the last total finished before
     t is the gold one (None before the first), and the row's reward."""
     out = []
-    for row, s in enumerate(samples):
+    for row, (s, group) in enumerate(zip(samples, groups(samples, group_size), strict=True)):
         gold, text = gold_derivation(s["prompt"]), s["completion"]
         totals = gold.split(" ")
         for t in range(len(text) + 1):
             done = text[:t].split(" ")[:-1]  # totals followed by a space: finished
             last = None if not done else (len(done) <= len(totals) and done[-1] == totals[len(done) - 1])
-            out.append({"row": row, "group": (s["step"], s["prompt"]), "t": t, "last_right": last,
+            out.append({"row": row, "group": group, "t": t, "last_right": last,
                         "consistent": gold.startswith(text[:t]), "reward": float(s["reward"])})
     return out
 
@@ -69,27 +76,27 @@ def token_rows(samples: list[dict]) -> list[dict]:
 def cross_fitted(tokens: list[dict], key) -> np.ndarray:
     """Each token's value: the mean reward of the tokens with the same key(token) among the other
     half of the prompts (halves by prompt; a key unseen there takes that half's mean)."""
-    prompts = sorted({tok["group"][1] for tok in tokens})
+    prompts = sorted({tok["group"][0] for tok in tokens})
     half = {p: i % 2 for i, p in enumerate(prompts)}
     values = np.zeros(len(tokens))
     for h in (0, 1):
-        sums, fit = defaultdict(lambda: [0.0, 0]), [tok for tok in tokens if half[tok["group"][1]] != h]
+        sums, fit = defaultdict(lambda: [0.0, 0]), [tok for tok in tokens if half[tok["group"][0]] != h]
         for tok in fit:
             sums[key(tok)][0] += tok["reward"]
             sums[key(tok)][1] += 1
         mean = float(np.mean([tok["reward"] for tok in fit]))
         for i, tok in enumerate(tokens):
-            if half[tok["group"][1]] == h:
+            if half[tok["group"][0]] == h:
                 s, n = sums.get(key(tok), (0.0, 0))
                 values[i] = s / n if n else mean
     return values
 
 
-def group_means(samples: list[dict], tokens: list[dict]) -> np.ndarray:
+def group_means(samples: list[dict], tokens: list[dict], group_size: int) -> np.ndarray:
     """Each token's value: the mean reward of the other rows of its group (leave-one-out)."""
     rewards = defaultdict(list)
-    for s in samples:
-        rewards[(s["step"], s["prompt"])].append(float(s["reward"]))
+    for s, group in zip(samples, groups(samples, group_size), strict=True):
+        rewards[group].append(float(s["reward"]))
     own = [float(samples[tok["row"]]["reward"]) for tok in tokens]
     return np.array([(sum(rewards[tok["group"]]) - r) / max(len(rewards[tok["group"]]) - 1, 1)
                      for tok, r in zip(tokens, own, strict=True)])
@@ -99,13 +106,13 @@ def explained_variance(returns: np.ndarray, values: np.ndarray) -> float:
     return float(1.0 - np.var(returns - values) / np.var(returns))
 
 
-def analyse(samples: list[dict]) -> dict:
-    tokens = token_rows(samples)
+def analyse(samples: list[dict], group_size: int = 8) -> dict:
+    tokens = token_rows(samples, group_size)
     returns = np.array([tok["reward"] for tok in tokens])
     values = {"oracle_prefix": cross_fitted(tokens, lambda tok: (tok["t"], tok["consistent"])),
               "oracle_last": cross_fitted(tokens, lambda tok: (tok["t"], tok["consistent"], tok["last_right"])),
               "position": cross_fitted(tokens, lambda tok: tok["t"]),
-              "group_mean": group_means(samples, tokens)}
+              "group_mean": group_means(samples, tokens, group_size)}
     slips = [next((t for t in range(len(s["completion"]) + 1)
                    if not gold_derivation(s["prompt"]).startswith(s["completion"][:t])), None) for s in samples]
     return {"rows": len(samples), "tokens": len(tokens), "accuracy": float(np.mean([s["reward"] for s in samples])),
@@ -115,31 +122,44 @@ def analyse(samples: list[dict]) -> dict:
                                     "median": float(np.median([x for x in slips if x is not None] or [np.nan]))}}
 
 
+def rollouts(args) -> Path:
+    """Run the chain config with the policy held and every scored row logged -> the rows' file."""
+    run, rows = args.output / "rollouts", args.output / "rows.jsonl"
+    rows.unlink(missing_ok=True)
+    reward = f"{{name: 'benchmarks/critique_rewards.py:logged', kwargs: {{log: '{rows.resolve()}', reward: {args.reward}}}}}"
+    cmd = [args.python, "-m", "grpo_jax", "train", "--config", CONFIG, "--output", str(run)]
+    for s in ("algorithm=ppo", f"ppo.value_warmup_steps={args.steps}", f"train.steps={args.steps}",
+              f"rewards=[{reward}]", "eval.every=0", "checkpoint.every=0", "train.progress=false", *args.set):
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (args.output / "rollouts.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"the rollouts' run failed (exit {proc.returncode}); see {args.output / 'rollouts.log'}")
+    stability.compact(run)
+    with gzip.open(args.output / "rows.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(rows.read_text())
+    rows.unlink()
+    return args.output / "rows.jsonl.gz"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--reward", choices=["answer", "derivation"], default="answer")
     p.add_argument("--steps", type=int, default=8, help="warm-up steps whose rollouts are kept (256 rows each)")
-    p.add_argument("--samples", type=Path, default=None, help="analyse this samples.jsonl instead of running")
+    p.add_argument("--set", action="append", default=[], help="a config override for the run (e.g. sft.steps=1500)")
+    p.add_argument("--samples", type=Path, default=None, help="analyse this rows file (.jsonl or .jsonl.gz) instead of running")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
-    t0, path = time.perf_counter(), args.samples
-    if path is None:
-        run = args.output / "rollouts"
-        cmd = [args.python, "-m", "grpo_jax", "train", "--config", "configs/chain_cpu.yaml", "--output", str(run)]
-        for s in ("algorithm=ppo", f"ppo.value_warmup_steps={args.steps}", f"train.steps={args.steps}",
-                  "train.samples_every=1", "train.samples_count=256", "eval.every=0", "checkpoint.every=0",
-                  "train.progress=false"):
-            cmd += ["--set", s]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        (args.output / "rollouts.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-        if proc.returncode:
-            raise SystemExit(f"the rollouts' run failed (exit {proc.returncode}); see {args.output / 'rollouts.log'}")
-        stability.compact(run)
-        path = run / "samples.jsonl"
-    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    t0 = time.perf_counter()
+    path = args.samples or rollouts(args)
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+        samples = [json.loads(line) for line in f if line.strip()]
+    group_size = yaml.safe_load((ROOT / CONFIG).read_text())["sampling"]["group_size"]
     result = {"command": " ".join(["python", "benchmarks/credit_oracle.py", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d"), **analyse(samples), "wall_s": round(time.perf_counter() - t0)}
+              "date": time.strftime("%Y-%m-%d"), "reward": args.reward, **analyse(samples, group_size),
+              "wall_s": round(time.perf_counter() - t0)}
     (args.output / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["explained_variance"]))
     return 0

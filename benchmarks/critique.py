@@ -17,11 +17,13 @@ metrics (gzipped), a summary.json with the report's flags per run, and a plot un
   coefficient (grpo.beta) and seed. The over-optimisation curve is gold (eval/verifier_accuracy)
   against kl/k3 (the k3 estimate of KL(pi || pi_0) on the training batch, pi_0 the warm-started
   policy) at each evaluation.
-- credit: configs/chain_cpu.yaml (a long derivation whose reward rests on every step): GRPO, Dr.
-  GRPO, PPO (a value head) and VAPO (a critic model, length-adaptive GAE, a positive-example LM
-  loss), each critic's learning rate chosen from value warm-up runs (explained variance, and where
-  it plateaus), each arm's policy learning rate from a sweep, then the arms over seeds and VAPO's
-  parts taken out one at a time (`credit`'s docstring).
+- credit: configs/chain_cpu.yaml (a derivation of 8 running totals): GRPO, Dr. GRPO, PPO (a value
+  head) and VAPO (a critic model, length-adaptive GAE, a positive-example LM loss), each critic's
+  learning rate chosen from value warm-up runs (explained variance, and where it plateaus), each
+  arm's policy learning rate from a sweep, then the arms over seeds and VAPO's parts taken out one
+  at a time (`credit`'s docstring). --reward answer (the config's: the last total) or derivation
+  (every total checked, so the first slip settles the outcome); --control: stage 1 on a reward the
+  first token settles. benchmarks/credit_oracle.py says how much of the return any value could explain.
 - retention: the run with and without its KL term (grpo.beta 0 vs --beta), eval.retention on:
   retention/kl and retention/general_nll on the shipped general corpus at each evaluation.
 
@@ -200,6 +202,15 @@ def _plateau(curve: list[float], window: int = 10, tol: float = 0.02) -> int | N
     return None
 
 
+def _reward(args) -> tuple[list[str], str]:
+    """The credit runs' reward override and their names' prefix: the config's (the last total),
+    `derivation_exact` (--reward derivation: every running total checked) or the control's."""
+    name = "first_token_even" if args.control else {"answer": None, "derivation": "derivation_exact"}[args.reward]
+    if name is None:
+        return [], ""
+    return [f"rewards=[{{name: '{REWARDS}:{name}'}}]"], "control_" if args.control else "derivation_"
+
+
 def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
     """Stage 1: value warm-up runs alone (the policy held), one per critic kind and learning rate
     (a critic model's trunk at --trunk-lr-ratio x its head's) -> (their rows, each kind's best rate
@@ -207,13 +218,13 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
     the chain's reward: an outcome the first token settles, so a critic that reads it explains most
     of the return's variance after that token (a check that the critics can learn at all)."""
     out, critic_lr, warm = [], {}, args.value_warmup
-    reward = [f"rewards=[{{name: '{REWARDS}:first_token_even'}}]"] if args.control else []
+    reward, prefix = _reward(args)
     for kind in args.critic_kinds:
         best = None
         for clr in args.critic_lrs:
             trunk = [] if kind == "head" or args.trunk_lr_ratio is None else \
                 [f"ppo.critic_trunk_learning_rate={clr * args.trunk_lr_ratio:g}"]
-            name = f"{'control_' if args.control else ''}warmup_{kind}_clr{clr:g}"
+            name = f"{prefix}warmup_{kind}_clr{clr:g}"
             records, wall = train(args.output / name, config, [
                 "algorithm=ppo", f"ppo.critic={kind}", f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
                 f"ppo.critic_learning_rate={clr}", "eval.every=0", *trunk, *reward], args.python)
@@ -237,7 +248,7 @@ def credit(args) -> list[dict]:
     if args.critic_only:  # stage 1 alone: where each critic's explained variance goes in warm-up
         return out + [{"run": "choices", "critic_lr": critic_lr, "evals": []}]
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
-    base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}"]
+    base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}", *_reward(args)[0]]
 
     def arm_sets(arm, lr, extra=()):
         sets = [*base, *ARMS[arm.split("-")[0]], f"train.learning_rate={lr}", *extra]
@@ -327,6 +338,8 @@ def main(argv=None) -> int:
                    help="credit: the critics stage 1 warms up")
     p.add_argument("--trunk-lr-ratio", type=float, default=None,
                    help="credit: a critic model's trunk learning rate over its head's (default: the same rate)")
+    p.add_argument("--reward", choices=["answer", "derivation"], default="answer",
+                   help="credit: the chain config's reward on the last total, or every running total checked")
     p.add_argument("--control", action="store_true",
                    help="credit: stage 1 on the control reward `first_token_even` (implies --critic-only)")
     p.add_argument("--append", action="store_true",

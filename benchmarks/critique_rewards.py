@@ -39,3 +39,44 @@ def first_token_even(prompts, completions, **_):
     outcome is settled by the first token, so a value function that reads it explains nearly all of
     the return's variance after that token; a group mean cannot)."""
     return [float(bool(c) and c[0] in "02468") for c in completions]
+
+
+CHAIN = re.compile(r"(\d(?:[+-]\d)+)=\s*$")
+
+
+def gold_derivation(prompt: str) -> str:
+    """The chain task's gold answer in full: "8-7+8+7=" -> "1 9 16", the running totals after each
+    operation (the question is the prompt's last line)."""
+    found = CHAIN.search(prompt)
+    if found is None:
+        raise ValueError(f"not an arithmetic chain: {prompt[-40:]!r}")
+    body = found.group(1)
+    total, totals = int(body[0]), []
+    for i in range(1, len(body), 2):
+        total = total + int(body[i + 1]) if body[i] == "+" else total - int(body[i + 1])
+        totals.append(total)
+    return " ".join(map(str, totals))
+
+
+def derivation_exact(prompts, completions, **_):
+    """1.0 if every running total of the chain's derivation is right (a verifier that checks each
+    step, not only the last number): the first slip settles the outcome, so a value function that
+    sees it can assign the credit to that token and a group's mean cannot."""
+    return [float(c.strip() == gold_derivation(p)) for p, c in zip(prompts, completions, strict=True)]
+
+
+def logged(prompts, completions, *, log: str, reward: str = "answer", **kwargs):
+    """The chain task's reward (`answer`: math_accuracy on the last total; `derivation`:
+    derivation_exact), every row appended to the JSONL file `log` as it is scored (a group's rows
+    together): benchmarks/credit_oracle.py reads all rows of every group (a run's samples.jsonl
+    keeps one per group)."""
+    import json
+
+    from grpo_jax.rewards import math_accuracy
+
+    scores = (derivation_exact(prompts, completions) if reward == "derivation"
+              else math_accuracy(prompts, completions, **kwargs))
+    with open(log, "a", encoding="utf-8") as f:
+        for p, c, s in zip(prompts, completions, scores, strict=True):
+            f.write(json.dumps({"prompt": p, "completion": c, "reward": s}) + "\n")
+    return scores

@@ -4,6 +4,7 @@ strict one rejects (and what it accepts), and a run's summary carries the report
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -128,8 +129,24 @@ def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_do
             right = g % 2 == 0
             samples.append({"step": 1, "prompt": prompt, "completion": gold if right else "x" + gold[1:],
                             "reward": float(right)})
-    out = oracle.analyse(samples)
+    out = oracle.analyse(samples, group_size=8)
     ev = out["explained_variance"]
     assert ev["oracle_prefix"] > 0.8 and ev["oracle_last"] > 0.8  # all but the first state know
     assert abs(ev["position"]) < 0.05 and ev["group_mean"] < 0.05  # 4 of 8 right in every group
     assert out["first_slip_position"] == {"rows_with_slip": 160, "median": 1.0}
+
+
+def test_the_derivation_reward_checks_every_total_and_the_logged_reward_keeps_every_row(tmp_path):
+    rewards = _module("critique_rewards")
+    prompts = ["Q: 8-7+8+7=", "8-7+8+7=", "8-7+8+7=", "4+5="]
+    completions = ["1 9 16", "2 9 16", " 1 9 16 ", "9"]
+    assert rewards.derivation_exact(prompts, completions) == [1.0, 0.0, 1.0, 1.0]
+    # the answer reward reads the last number only: the slipped derivation still ends on 16
+    log = tmp_path / "rows.jsonl"
+    answer = ["16", "16", "16", "9"]
+    assert rewards.logged(prompts, completions, log=str(log), answer=answer) == [1.0, 1.0, 1.0, 1.0]
+    assert rewards.logged(prompts, completions, log=str(log), reward="derivation", answer=answer) == [1.0, 0.0, 1.0, 1.0]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["completion"] for r in rows] == completions * 2 and [r["reward"] for r in rows[4:]] == [1.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="not an arithmetic chain"):
+        rewards.derivation_exact(["what is 2+2?"], ["4"])
