@@ -57,23 +57,14 @@ MODELS = {"demo": "configs/demo_cpu.yaml", "smollm2": "configs/smollm2_135m_gsm8
           "gemma3": "configs/gemma3_270m_arith_cpu.yaml"}
 
 
-def train(run_dir: Path, config: str, sets: list[str], python: str) -> tuple[list[dict], float]:
-    """One `grpo-jax train` run -> (its metrics records, wall seconds); its log beside it."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    cmd = [python, "-m", "grpo_jax", "train", "--config", config, "--output", str(run_dir)]
+def train(run_dir: Path, config: str, sets: list[str], args) -> tuple[list[dict], float]:
+    """One `grpo-jax train` run -> (its metrics records, wall seconds); its log beside it. A finished
+    run of the same command is read back unless --fresh (stability.train_run)."""
+    cmd = [args.python, "-m", "grpo_jax", "train", "--config", config, "--output", str(run_dir)]
     for s in [*COMMON, *sets]:
         cmd += ["--set", s]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    log = run_dir.parent / f"{run_dir.name}.log"  # (with_suffix would cut "beta0.01_s0" at its dot)
-    log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    if proc.returncode:
-        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}); see {log}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    compact(run_dir)
-    return records, wall
+    # (with_suffix would cut "beta0.01_s0" at its dot)
+    return stability.train_run(run_dir, cmd, run_dir.parent / f"{run_dir.name}.log", reuse=not args.fresh)
 
 
 def compact(run_dir: Path) -> None:
@@ -130,8 +121,7 @@ def hacking(args) -> list[dict]:
     for arm, rewards in arms.items():
         for seed in args.seeds:
             name = f"{arm}_s{seed}"
-            records, wall = train(args.output / name, MODELS["demo"], [*sets, *rewards, f"train.seed={seed}"],
-                                  args.python)
+            records, wall = train(args.output / name, MODELS["demo"], [*sets, *rewards, f"train.seed={seed}"], args)
             out.append(summary(name, records, wall, 128 * 4, arm=arm, seed=seed))
             print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
     return out
@@ -156,7 +146,7 @@ def overopt(args) -> list[dict]:
         for seed in args.seeds:
             name = f"beta{beta:g}_s{seed}"
             records, wall = train(args.output / name, MODELS["demo"], [*sets, f"grpo.beta={beta}",
-                                                                        f"train.seed={seed}"], args.python)
+                                                                        f"train.seed={seed}"], args)
             out.append(summary(name, records, wall, 128 * 4, beta=beta, seed=seed))
             print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
     for junk in ("checkpoints", "tensorboard"):  # kept: rm/hf (--append reuses it; not committed), its metrics
@@ -172,8 +162,7 @@ def retention(args) -> list[dict]:
     for beta in (0.0, args.beta):
         for seed in args.seeds:
             name = f"beta{beta:g}_s{seed}"
-            records, wall = train(args.output / name, config, [*sets, f"grpo.beta={beta}", f"train.seed={seed}"],
-                                  args.python)
+            records, wall = train(args.output / name, config, [*sets, f"grpo.beta={beta}", f"train.seed={seed}"], args)
             out.append(summary(name, records, wall, 128 * 4, beta=beta, seed=seed, model=args.model))
             print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
     return out
@@ -227,7 +216,7 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
             name = f"{prefix}warmup_{kind}_clr{clr:g}"
             records, wall = train(args.output / name, config, [
                 "algorithm=ppo", f"ppo.critic={kind}", f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
-                f"ppo.critic_learning_rate={clr}", "eval.every=0", *trunk, *reward], args.python)
+                f"ppo.critic_learning_rate={clr}", "eval.every=0", *trunk, *reward], args)
             ev = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
             row = summary(name, records, wall, 128 * 4, stage="critic_lr", kind=kind, critic_lr=clr, ev_curve=ev,
                           ev_end=float(np.mean(ev[-10:])), ev_plateau_step=_plateau(ev), control=args.control,
@@ -257,7 +246,7 @@ def credit(args) -> list[dict]:
         return sets
 
     def one(name, sets, seed, **extra):
-        records, wall = train(args.output / f"{name}_s{seed}", config, [*sets, f"train.seed={seed}"], args.python)
+        records, wall = train(args.output / f"{name}_s{seed}", config, [*sets, f"train.seed={seed}"], args)
         evs = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
         out.append(summary(f"{name}_s{seed}", records, wall, 128 * 4, seed=seed, ev_curve=evs, **extra))
         print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
@@ -344,6 +333,8 @@ def main(argv=None) -> int:
                    help="credit: stage 1 on the control reward `first_token_even` (implies --critic-only)")
     p.add_argument("--append", action="store_true",
                    help="keep the runs already in --output's summary.json (a run of the same name is replaced)")
+    p.add_argument("--fresh", action="store_true",
+                   help="run every run again (by default a finished run of the same command in --output is read back)")
     p.add_argument("--summarise-only", action="store_true",
                    help="summarise and plot the runs already in --output again (from their metrics), running nothing")
     p.add_argument("--python", default=sys.executable)

@@ -81,22 +81,31 @@ def run_one(variant: str, seed: int, out: Path, steps: int | None, python: str, 
     cmd = [python, "-m", "grpo_jax", "train", "--config", str(config), "--output", str(run_dir)]
     for s in sets:
         cmd += ["--set", s]
-    done = run_dir / "run.json"
-    if reuse and done.exists() and json.loads(done.read_text())["sets"] == sets:
+    records, wall = train_run(run_dir, cmd, out / f"{variant}_s{seed}.log", reuse=reuse)
+    return summarise(variant, seed, records, wall)
+
+
+def train_run(run_dir: Path, cmd: list[str], log: Path, *, reuse: bool = False) -> tuple[list[dict], float]:
+    """`cmd` (a `grpo-jax train` whose --output is run_dir) -> (its metrics records, wall seconds);
+    its command and output in `log`, the run kept small (`compact`). With `reuse`, a finished run
+    of the same command (its run.json; the interpreter's and the run's paths aside) is read back
+    instead, so a long study interrupted part way goes on where it stopped."""
+    done, key = run_dir / "run.json", [c for c in cmd[1:] if c != str(run_dir)]
+    if reuse and done.exists() and json.loads(done.read_text())["cmd"] == key:
         records = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt") if line.strip()]
-        return summarise(variant, seed, records, json.loads(done.read_text())["wall_s"])
+        return records, json.loads(done.read_text())["wall_s"]
     if run_dir.exists():
         shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    (out / f"{variant}_s{seed}.log").write_text(proc.stdout + proc.stderr)
+    log.write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode:
-        raise RuntimeError(f"{variant} seed {seed} failed (exit {proc.returncode}); see {variant}_s{seed}.log")
+        raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}); see {log}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     compact(run_dir)
-    done.write_text(json.dumps({"sets": sets, "wall_s": wall}) + "\n")
-    return summarise(variant, seed, records, wall)
+    done.write_text(json.dumps({"cmd": key, "wall_s": wall}) + "\n")
+    return records, wall
 
 
 def compact(run_dir: Path) -> None:
