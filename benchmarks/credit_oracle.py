@@ -6,7 +6,7 @@ start's own rollouts, beside the group mean GRPO uses and the critics' (benchmar
     python benchmarks/credit_oracle.py --reward derivation --output benchmarks/results/critique/credit_oracle_derivation
 
 One `grpo-jax train` run of configs/chain_cpu.yaml with the policy held (PPO's value warm-up,
---steps steps of 32 groups of 8) scores its rollouts with critique_rewards.py's `logged`, which
+--steps steps of 32 groups of 8; the evaluations judge unlogged) scores its rollouts with critique_rewards.py's `logged`, which
 writes every row of every group (`--reward`: `answer`, the config's reward on the last total, or
 `derivation`, every running total checked). The return of every completion token is the row's
 reward (the trainer's Monte-Carlo targets, lambda 1; the end-of-sequence token counted). Each
@@ -126,10 +126,15 @@ def rollouts(args) -> Path:
     """Run the chain config with the policy held and every scored row logged -> the rows' file."""
     run, rows = args.output / "rollouts", args.output / "rows.jsonl"
     rows.unlink(missing_ok=True)
-    reward = f"{{name: 'benchmarks/critique_rewards.py:logged', kwargs: {{log: '{rows.resolve()}', reward: {args.reward}}}}}"
+    logged = f"{{name: 'benchmarks/critique_rewards.py:logged', kwargs: {{log: '{rows.resolve()}', reward: {args.reward}}}}}"
+    # The evaluations (before the first step and after the last, 4 samples a prompt, the same
+    # samples both times while the policy is held) judge by the same reward unlogged (weight 0
+    # in training), so the file holds the training groups alone.
+    plain = {"answer": "math_accuracy", "derivation": "benchmarks/critique_rewards.py:derivation_exact"}[args.reward]
     cmd = [args.python, "-m", "grpo_jax", "train", "--config", CONFIG, "--output", str(run)]
     for s in ("algorithm=ppo", f"ppo.value_warmup_steps={args.steps}", f"train.steps={args.steps}",
-              f"rewards=[{reward}]", "eval.every=0", "checkpoint.every=0", "train.progress=false", *args.set):
+              f"rewards=[{logged}, {{name: '{plain}', weight: 0.0}}]", f"eval.reward={plain}", "eval.every=0",
+              "checkpoint.every=0", "train.progress=false", *args.set):
         cmd += ["--set", s]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (args.output / "rollouts.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
@@ -156,7 +161,10 @@ def main(argv=None) -> int:
     path = args.samples or rollouts(args)
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         samples = [json.loads(line) for line in f if line.strip()]
-    group_size = yaml.safe_load((ROOT / CONFIG).read_text())["sampling"]["group_size"]
+    config = yaml.safe_load((ROOT / CONFIG).read_text())
+    group_size, per_step = config["sampling"]["group_size"], config["data"]["prompts_per_step"]
+    if args.samples is None and len(samples) != args.steps * per_step * group_size:
+        raise SystemExit(f"{len(samples)} rows logged, not the {args.steps * per_step * group_size} the training steps scored")
     result = {"command": " ".join(["python", "benchmarks/credit_oracle.py", *(argv or sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d"), "reward": args.reward, **analyse(samples, group_size),
               "wall_s": round(time.perf_counter() - t0)}
