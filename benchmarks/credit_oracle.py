@@ -6,9 +6,9 @@ start's own rollouts, beside the group mean GRPO uses and the critics' (benchmar
     python benchmarks/credit_oracle.py --reward derivation --output benchmarks/results/critique/credit_oracle_derivation
 
 One `grpo-jax train` run of configs/chain_cpu.yaml with the policy held (PPO's value warm-up,
---steps steps of 32 groups of 8; the evaluations judge unlogged) scores its rollouts with critique_rewards.py's `logged`, which
-writes every row of every group (`--reward`: `answer`, the config's reward on the last total, or
-`derivation`, every running total checked). The return of every completion token is the row's
+--steps steps of 32 groups of 8; the evaluations judge unlogged) scores its rollouts with
+critique_rewards.py's `logged`, which writes every row of every group (`--reward`: `answer`, the
+config's reward on the last total, or `derivation`, every running total checked). The return of every completion token is the row's
 reward (the trainer's Monte-Carlo targets, lambda 1; the end-of-sequence token counted). Each
 value below is a table of mean rewards, fitted on half the prompts and scored on the other half
 (cross-fitted both ways), so no value is scored on rewards it was fitted to:
