@@ -5,6 +5,7 @@ satisfy it without being right. Used as user code: `rewards: [{name: benchmarks/
 
 from __future__ import annotations
 
+import json
 import re
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -70,8 +71,6 @@ def logged(prompts, completions, *, log: str, reward: str = "answer", **kwargs):
     derivation_exact), every row appended to the JSONL file `log` as it is scored (a group's rows
     together): benchmarks/credit_oracle.py reads all rows of every group (a run's samples.jsonl
     keeps one per group)."""
-    import json
-
     from grpo_jax.rewards import math_accuracy
 
     scores = (derivation_exact(prompts, completions) if reward == "derivation"

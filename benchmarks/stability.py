@@ -112,7 +112,7 @@ def compact(run_dir: Path) -> None:
     """Keep what the summary and a later look need, small enough to commit."""
     for junk in ("checkpoints", "tensorboard", "model"):
         shutil.rmtree(run_dir / junk, ignore_errors=True)
-    for junk in ("metrics.png", "report.html"):
+    for junk in ("metrics.png", "report.html", "retention_reference.npz"):  # (pi_0's top-k: a resume's cache)
         (run_dir / junk).unlink(missing_ok=True)
     metrics = run_dir / "metrics.jsonl"
     with gzip.open(run_dir / "metrics.jsonl.gz", "wt", encoding="utf-8") as f:

@@ -133,9 +133,11 @@ def render_credit_critics(path: str = "critique/credit_critics") -> str:
         rate = f"{r['critic_lr']:g}" + (f" (trunk {r['trunk_lr']:g})" if r.get("trunk_lr") else "")
         rows.append([f"`{r['kind']}`", rate, f"{ev[len(ev) // 2 - 1]:.3f}", f"{r['ev_end']:.3f}",
                      f"{max(ev):.3f}", flat or ("not within the warm-up" if plateau is None else f"step {plateau}")])
-    chosen = next(r for r in d["runs"] if r["run"] == "choices")["critic_lr"]
+    chosen = {}  # each kind's best rate (what `critic_warmups` picks), over all the parts of an --append
+    for r in sorted((r for r in d["runs"] if r.get("stage") == "critic_lr"), key=lambda r: r["ev_end"]):
+        chosen[r["kind"]] = r["critic_lr"]
     steps = len(next(r for r in d["runs"] if r.get("ev_curve"))["ev_curve"])
-    picked = ", ".join(f"{'value head' if k == 'head' else 'critic model'} {v:g}" for k, v in chosen.items())
+    picked = ", ".join(f"{'value head' if k == 'head' else 'critic model'} {v:g}" for k, v in sorted(chosen.items()))
     return (_header(d) + table(["critic", "critic learning rate", f"explained variance at step {steps // 2}",
                                 f"over the last 10 of {steps} steps", "its highest", "plateau"], rows)
             + (f"\n{d['note'][0].upper() + d['note'][1:]}.\n" if d.get("note") else "")
@@ -170,12 +172,10 @@ BLOCKS = {}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
-                           "retention_smollm2"), ("critique-credit-critics", render_credit_critics, "credit_critics"),
-                          ("critique-credit-critics-300", lambda: render_credit_critics("critique/credit_critics_300"),
-                           "credit_critics_300"),
-                          ("critique-credit-control", lambda: render_credit_critics("critique/credit_control"),
-                           "credit_control"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
-                          ("critique-credit-derivation", lambda: render_credit_critics("critique/credit_derivation"),
-                           "credit_derivation")):
+                           "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
+# The critics' warm-up sweeps (stage 1 of `critique.py credit`): one block each, named by its folder.
+for _file in ("credit_critics", "credit_critics_300", "credit_control", "credit_derivation", "credit_derivation_1000"):
+    if (RESULTS / "critique" / _file / "summary.json").exists():
+        BLOCKS["critique-" + _file.replace("_", "-")] = lambda _path=f"critique/{_file}": render_credit_critics(_path)
