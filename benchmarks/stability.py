@@ -90,8 +90,8 @@ def train_run(run_dir: Path, cmd: list[str], log: Path, *, reuse: bool = False) 
     its command and output in `log`, the run kept small (`compact`). With `reuse`, a finished run
     of the same command (its run.json; the interpreter's and the run's paths aside) is read back
     instead, so a long study interrupted part way goes on where it stopped."""
-    done, key = run_dir / "run.json", [c for c in cmd[1:] if c != str(run_dir)]
-    if reuse and done.exists() and json.loads(done.read_text())["cmd"] == key:
+    done, key = run_dir / "run.json", _portable(cmd[1:], run_dir)
+    if reuse and done.exists() and _portable(json.loads(done.read_text())["cmd"], run_dir) == key:
         records = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt") if line.strip()]
         return records, json.loads(done.read_text())["wall_s"]
     if run_dir.exists():
@@ -106,6 +106,13 @@ def train_run(run_dir: Path, cmd: list[str], log: Path, *, reuse: bool = False) 
     compact(run_dir)
     done.write_text(json.dumps({"cmd": key, "wall_s": wall}) + "\n")
     return records, wall
+
+
+def _portable(args: list[str], run_dir: Path) -> list[str]:
+    """A run's command as run.json compares it: the run's own path dropped and the checkout's
+    prefix cut from the rest, so a study cloned elsewhere reads its finished runs back."""
+    root = str(ROOT) + "/"
+    return [a.removeprefix(root) for a in args if a != str(run_dir) and not a.endswith("/" + run_dir.name)]
 
 
 def compact(run_dir: Path) -> None:

@@ -111,6 +111,8 @@ def test_a_finished_study_run_is_read_back_and_a_changed_one_runs_again(tmp_path
     first = stability.run_one("grpo", 0, tmp_path, 1, "python", config=config, reuse=True)
     again = stability.run_one("grpo", 0, tmp_path, 1, "python", config=config, reuse=True)
     assert len(calls) == 1 and again["eval_final"] == first["eval_final"] == pytest.approx(0.35)
+    stored = json.loads((tmp_path / "grpo_s0" / "run.json").read_text())["cmd"]  # no checkout's or run's path
+    assert "configs/demo_cpu.yaml" in stored and not any(str(ROOT) in a or str(tmp_path) in a for a in stored)
     changed = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config, reuse=True)  # other steps
     fresh = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config)  # reuse off
     assert len(calls) == 3 and changed["eval_final"] == pytest.approx(0.45) and fresh["eval_final"] == pytest.approx(0.55)
