@@ -21,7 +21,8 @@ value below is a table of mean rewards, fitted on half the prompts and scored on
   table sees the recovery.
 - `position`: by position alone (what a critic that learns only the mean per step can reach).
 - `group_mean`: each row's value is the mean reward of the other 7 rows of its group, at every
-  token (GRPO's leave-one-out baseline, read as a value function).
+  token (RLOO's baseline, read as a value function; GRPO's mean counts the row itself, which would
+  let the value see 1/8 of the return it is scored against).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -136,11 +136,7 @@ def rollouts(args) -> Path:
               f"rewards=[{logged}, {{name: '{plain}', weight: 0.0}}]", f"eval.reward={plain}", "eval.every=0",
               "checkpoint.every=0", "train.progress=false", *args.set):
         cmd += ["--set", s]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (args.output / "rollouts.log").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-    if proc.returncode:
-        raise SystemExit(f"the rollouts' run failed (exit {proc.returncode}); see {args.output / 'rollouts.log'}")
-    stability.compact(run)
+    stability.train_run(run, cmd, args.output / "rollouts.log")
     with gzip.open(args.output / "rows.jsonl.gz", "wt", encoding="utf-8") as f:
         f.write(rows.read_text())
     rows.unlink()
@@ -161,7 +157,9 @@ def main(argv=None) -> int:
     path = args.samples or rollouts(args)
     with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
         samples = [json.loads(line) for line in f if line.strip()]
-    config = yaml.safe_load((ROOT / CONFIG).read_text())
+    # The run's own config (its --set overrides in), beside the rows it wrote
+    run_config = path.parent / "rollouts" / "config.yaml"
+    config = yaml.safe_load((run_config if run_config.exists() else ROOT / CONFIG).read_text())
     group_size, per_step = config["sampling"]["group_size"], config["data"]["prompts_per_step"]
     if args.samples is None and len(samples) != args.steps * per_step * group_size:
         raise SystemExit(f"{len(samples)} rows logged, not the {args.steps * per_step * group_size} the training steps scored")

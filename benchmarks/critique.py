@@ -67,12 +67,6 @@ def train(run_dir: Path, config: str, sets: list[str], args) -> tuple[list[dict]
     return stability.train_run(run_dir, cmd, run_dir.parent / f"{run_dir.name}.log", reuse=not args.fresh)
 
 
-def compact(run_dir: Path) -> None:
-    """What the summary and a later look need (stability.compact), without the retention reference."""
-    (run_dir / "retention_reference.npz").unlink(missing_ok=True)
-    stability.compact(run_dir)
-
-
 def evals(records: list[dict], *keys: str) -> list[dict]:
     """Each evaluation's step and `keys` (with kl/k3 of the same step's update where logged), and
     `kl_window`: the mean kl/k3 of the updates since the previous evaluation (`kl_windows`, what the
@@ -237,12 +231,14 @@ def credit(args) -> list[dict]:
     if args.critic_only:  # stage 1 alone: where each critic's explained variance goes in warm-up
         return out + [{"run": "choices", "critic_lr": critic_lr, "evals": []}]
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
+    trunk = [] if args.trunk_lr_ratio is None else [f"ppo.critic_trunk_learning_rate={crit['vapo'] * args.trunk_lr_ratio:g}"]
     base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}", *_reward(args)[0]]
 
     def arm_sets(arm, lr, extra=()):
         sets = [*base, *ARMS[arm.split("-")[0]], f"train.learning_rate={lr}", *extra]
         if arm.split("-")[0] in crit:
             sets += [f"ppo.critic_learning_rate={crit[arm.split('-')[0]]}", f"ppo.value_warmup_steps={warm}"]
+            sets += trunk if arm.split("-")[0] == "vapo" else []  # the trunk rate stage 1 chose it with
         return sets
 
     def one(name, sets, seed, **extra):
@@ -346,6 +342,8 @@ def main(argv=None) -> int:
         plot(args.experiment, result["runs"], args.output / f"{args.experiment}.png")
         summary_file.write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    if args.control and args.reward != "answer":
+        p.error("--control trains on its own reward: leave --reward out")
     args.critic_only = args.critic_only or args.control
     if args.experiment == "credit" and not args.critic_only and set(args.critic_kinds) != {"head", "model"}:
         p.error("credit's comparison needs both critic kinds (--critic-kinds head model), or --critic-only")

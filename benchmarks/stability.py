@@ -18,9 +18,11 @@ sampled tokens, wall time) and `stability.png`; `benchmarks/stability.md` report
 from __future__ import annotations
 
 import argparse
+import hashlib
 import gzip
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -90,10 +92,12 @@ def train_run(run_dir: Path, cmd: list[str], log: Path, *, reuse: bool = False) 
     its command and output in `log`, the run kept small (`compact`). With `reuse`, a finished run
     of the same command (its run.json; the interpreter's and the run's paths aside) is read back
     instead, so a long study interrupted part way goes on where it stopped."""
-    done, key = run_dir / "run.json", _portable(cmd[1:], run_dir)
-    if reuse and done.exists() and _portable(json.loads(done.read_text())["cmd"], run_dir) == key:
-        records = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt") if line.strip()]
-        return records, json.loads(done.read_text())["wall_s"]
+    done, key, inputs = run_dir / "run.json", _portable(cmd[1:]), _inputs(cmd)
+    if reuse and done.exists():
+        kept = json.loads(done.read_text())
+        if _portable(kept["cmd"], output=False) == key and kept.get("inputs") == inputs:
+            records = [json.loads(line) for line in gzip.open(run_dir / "metrics.jsonl.gz", "rt") if line.strip()]
+            return records, kept["wall_s"]
     if run_dir.exists():
         shutil.rmtree(run_dir)
     t0 = time.perf_counter()
@@ -104,15 +108,31 @@ def train_run(run_dir: Path, cmd: list[str], log: Path, *, reuse: bool = False) 
         raise RuntimeError(f"{run_dir.name} failed (exit {proc.returncode}); see {log}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     compact(run_dir)
-    done.write_text(json.dumps({"cmd": key, "wall_s": wall}) + "\n")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    done.write_text(json.dumps({"cmd": key, "inputs": inputs, "commit": commit, "wall_s": wall}) + "\n")
     return records, wall
 
 
-def _portable(args: list[str], run_dir: Path) -> list[str]:
-    """A run's command as run.json compares it: the run's own path dropped and the checkout's
-    prefix cut from the rest, so a study cloned elsewhere reads its finished runs back."""
+def _portable(args: list[str], output: bool = True) -> list[str]:
+    """A run's command as run.json compares it: --output's value dropped (`output`: it is still
+    there) and the checkout's path cut from the rest, so a study cloned elsewhere reads its
+    finished runs back."""
     root = str(ROOT) + "/"
-    return [a.removeprefix(root) for a in args if a != str(run_dir) and not a.endswith("/" + run_dir.name)]
+    drop = args.index("--output") + 1 if output and "--output" in args else -1
+    return [a.replace(root, "") for i, a in enumerate(args) if i != drop]
+
+
+def _inputs(cmd: list[str]) -> dict[str, str | None]:
+    """The files a run reads besides the library: its --config and the user code a --set names
+    (`path.py:function`), each by a hash of its content (None: not there), so a run whose config
+    or reward file changed since is run again, not read back."""
+    names = {cmd[cmd.index("--config") + 1]} if "--config" in cmd else set()
+    names |= set(re.findall(r"([\w./-]+\.py):\w", " ".join(cmd)))
+    out = {}
+    for name in sorted(names):
+        path = Path(name) if Path(name).is_absolute() else ROOT / name
+        out[name.replace(str(ROOT) + "/", "")] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
+    return out
 
 
 def compact(run_dir: Path) -> None:

@@ -157,7 +157,7 @@ def render_credit_oracle() -> str:
     names = {"oracle_prefix": "a table by (position, prefix still gold)",
              "oracle_last": "a table by (position, prefix still gold, last finished total right)",
              "position": "a table by position alone (the mean per position)",
-             "group_mean": "the mean reward of the row's 7 group-mates (GRPO's baseline, leave-one-out)"}
+             "group_mean": "the mean reward of the row's 7 group-mates (RLOO's baseline; GRPO's counts the row too)"}
     rows = [[names[k], *(f"{d['explained_variance'][k]:.3f}" for d, _ in runs)] for k in names]
     rows += [["accuracy of the rollouts (rows)", *(f"{d['accuracy']:.3f} ({d['rows']})" for d, _ in runs)],
              ["rows that leave the gold derivation; median character of the first slip",

@@ -166,7 +166,7 @@ def test_value_warmup_steps_are_plain_regression_on_the_monte_carlo_returns():
     from grpo_jax.learner.logprobs import completion_states
     from grpo_jax.learner.ppo import values
 
-    opt = pair_optimizer(optax.sgd(0.0), optax.sgd(0.1))
+    opt = pair_optimizer(optax.sgd(0.1), optax.sgd(0.1))  # the policy's rate too: the warm-up must hold it
     graphdef, state, critic_graphdef = ppo_state(opt, "model")
     critic, tx = jax.tree.map(jnp.copy, state.critic), optax.sgd(0.1)  # the step donates its state
     opt_state = tx.init(critic)

@@ -98,6 +98,8 @@ def test_a_finished_study_run_is_read_back_and_a_changed_one_runs_again(tmp_path
     calls = []
 
     def fake_run(cmd, **_):  # what `grpo-jax train` leaves: metrics.jsonl in --output
+        if cmd[0] == "git":  # the commit run.json records
+            return type("Done", (), {"returncode": 0, "stdout": "abc1234\n", "stderr": ""})()
         calls.append(cmd)
         run_dir = Path(cmd[cmd.index("--output") + 1])
         run_dir.mkdir(parents=True)
@@ -116,6 +118,13 @@ def test_a_finished_study_run_is_read_back_and_a_changed_one_runs_again(tmp_path
     changed = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config, reuse=True)  # other steps
     fresh = stability.run_one("grpo", 0, tmp_path, 2, "python", config=config)  # reuse off
     assert len(calls) == 3 and changed["eval_final"] == pytest.approx(0.45) and fresh["eval_final"] == pytest.approx(0.55)
+    copy = tmp_path / "demo.yaml"  # the same command, the config's content changed: run again
+    copy.write_text(config.read_text())
+    stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
+    stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
+    copy.write_text(config.read_text() + "# edited\n")
+    stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
+    assert len(calls) == 5
 
 
 def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_does_not():
@@ -134,7 +143,17 @@ def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_do
     out = oracle.analyse(samples, group_size=8)
     ev = out["explained_variance"]
     assert ev["oracle_prefix"] > 0.8 and ev["oracle_last"] > 0.8  # all but the first state know
-    assert abs(ev["position"]) < 0.05 and ev["group_mean"] < 0.05  # 4 of 8 right in every group
+    # 4 of 8 right in every group: the 7 mates' mean is 3/7 for a right row and 4/7 for a wrong one,
+    # so 1 - (4/7)^2 / 0.25 (a mean that counted the row itself would give 0)
+    assert abs(ev["position"]) < 0.05 and ev["group_mean"] == pytest.approx(1 - (4 / 7) ** 2 / 0.25)
+    # cross-fitted: a key seen in one half of the prompts only takes the other half's mean, never
+    # the rewards it is scored against
+    tokens = [{"group": (f"p{i}", 0), "reward": float(i % 2)} for i in range(4) for _ in range(3)]
+    values = oracle.cross_fitted(tokens, lambda tok: tok["group"][0])
+    halves = {p: i % 2 for i, p in enumerate(sorted({f"p{i}" for i in range(4)}))}
+    for tok, v in zip(tokens, values, strict=True):
+        other = [t["reward"] for t in tokens if halves[t["group"][0]] != halves[tok["group"][0]]]
+        assert v == pytest.approx(np.mean(other))
     assert out["first_slip_position"] == {"rows_with_slip": 160, "median": 1.0}
 
 
