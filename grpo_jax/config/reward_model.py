@@ -82,6 +82,7 @@ class RMTrainConfig:
         for name in ("warmup_steps", "weight_decay", "margin", "lm_coef", "eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        self.optimizer  # noqa: B018  (its checks: a cosine schedule needs steps past its warm-up)
 
     @property
     def optimizer(self) -> OptimizerConfig:

@@ -37,6 +37,9 @@ class OptimizerConfig:
         choice_in("optimizer", "lr_schedule", self.lr_schedule, LR_SCHEDULES)
         for name in ("warmup_steps", "total_steps", "weight_decay"):
             non_negative("optimizer", name, getattr(self, name))
+        if self.lr_schedule == "cosine" and self.total_steps <= max(self.warmup_steps, 1):
+            raise ValueError(f"train.lr_schedule: cosine decays after its warm-up, so train.warmup_steps "
+                             f"({self.warmup_steps}) must be below train.steps ({self.total_steps})")
         if self.max_grad_norm is not None:
             positive("optimizer", "max_grad_norm", self.max_grad_norm)
 

@@ -302,3 +302,13 @@ def test_model_chat_template_gives_the_tokenizer_a_template_from_text_or_a_file(
         raw = {**BASE, "model": {**BASE["model"], "chat_template": value}}
         with pytest.raises((ConfigError, FileNotFoundError), match=message):
             build_tokenizer(load_config(write(tmp_path, raw)).model)
+
+
+def test_a_cosine_schedule_with_no_steps_past_its_warm_up_is_refused_by_name():
+    from grpo_jax.config.reward_model import RMTrainConfig
+    from grpo_jax.config.training import OptimizerConfig
+
+    with pytest.raises(ValueError, match=r"train.warmup_steps \(30\) must be below train.steps \(10\)"):
+        RMTrainConfig(steps=10, warmup_steps=30, lr_schedule="cosine")  # at load, not in optax at step 1
+    RMTrainConfig(steps=10, warmup_steps=30)  # a constant schedule after a warm-up: fine
+    OptimizerConfig(learning_rate=1.0, lr_schedule="cosine", warmup_steps=1, total_steps=2)
