@@ -207,6 +207,7 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
         for clr in args.critic_lrs:
             trunk = [] if kind == "head" or args.trunk_lr_ratio is None else \
                 [f"ppo.critic_trunk_learning_rate={clr * args.trunk_lr_ratio:g}"]
+            trunk += [f"ppo.critic_path={args.critic_path}"] if kind == "model" and args.critic_path else []
             name = f"{prefix}warmup_{kind}_clr{clr:g}"
             records, wall = train(args.output / name, config, [
                 "algorithm=ppo", f"ppo.critic={kind}", f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
@@ -214,7 +215,8 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
             ev = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
             row = summary(name, records, wall, 128 * 4, stage="critic_lr", kind=kind, critic_lr=clr, ev_curve=ev,
                           ev_end=float(np.mean(ev[-10:])), ev_plateau_step=_plateau(ev), control=args.control,
-                          trunk_lr=None if not trunk else clr * args.trunk_lr_ratio)
+                          critic_path=args.critic_path if kind == "model" else None,
+                          trunk_lr=None if kind == "head" or args.trunk_lr_ratio is None else clr * args.trunk_lr_ratio)
             out.append(row)
             best = row if best is None or row["ev_end"] > best["ev_end"] else best
         critic_lr[kind] = best["critic_lr"]
@@ -232,13 +234,14 @@ def credit(args) -> list[dict]:
         return out + [{"run": "choices", "critic_lr": critic_lr, "evals": []}]
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
     trunk = [] if args.trunk_lr_ratio is None else [f"ppo.critic_trunk_learning_rate={crit['vapo'] * args.trunk_lr_ratio:g}"]
+    trunk += [f"ppo.critic_path={args.critic_path}"] if args.critic_path else []
     base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}", *_reward(args)[0]]
 
     def arm_sets(arm, lr, extra=()):
         sets = [*base, *ARMS[arm.split("-")[0]], f"train.learning_rate={lr}", *extra]
         if arm.split("-")[0] in crit:
             sets += [f"ppo.critic_learning_rate={crit[arm.split('-')[0]]}", f"ppo.value_warmup_steps={warm}"]
-            sets += trunk if arm.split("-")[0] == "vapo" else []  # the trunk rate stage 1 chose it with
+            sets += trunk if arm.split("-")[0] == "vapo" else []  # the trunk rate and start stage 1 chose it with
         return sets
 
     def one(name, sets, seed, **extra):
@@ -325,6 +328,8 @@ def main(argv=None) -> int:
                    help="credit: a critic model's trunk learning rate over its head's (default: the same rate)")
     p.add_argument("--reward", choices=["answer", "derivation"], default="answer",
                    help="credit: the chain config's reward on the last total, or every running total checked")
+    p.add_argument("--critic-path", default=None,
+                   help="credit: the critic model's starting weights (ppo.critic_path: a reward model's HF directory)")
     p.add_argument("--control", action="store_true",
                    help="credit: stage 1 on the control reward `first_token_even` (implies --critic-only)")
     p.add_argument("--append", action="store_true",

@@ -124,14 +124,20 @@ def _portable(args: list[str], output: bool = True) -> list[str]:
 
 def _inputs(cmd: list[str]) -> dict[str, str | None]:
     """The files a run reads besides the library: its --config and the user code a --set names
-    (`path.py:function`), each by a hash of its content (None: not there), so a run whose config
-    or reward file changed since is run again, not read back."""
+    (`path.py:function`), each by a hash of its content (a YAML file's settings, not its comments;
+    None: not there), so a run whose config or reward file changed since is run again, not read back."""
     names = {cmd[cmd.index("--config") + 1]} if "--config" in cmd else set()
     names |= set(re.findall(r"([\w./-]+\.py):\w", " ".join(cmd)))
     out = {}
     for name in sorted(names):
         path = Path(name) if Path(name).is_absolute() else ROOT / name
-        out[name.replace(str(ROOT) + "/", "")] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
+        if not path.exists():
+            out[name.replace(str(ROOT) + "/", "")] = None
+            continue
+        text = path.read_bytes()
+        if path.suffix in (".yaml", ".yml"):
+            text = json.dumps(yaml.safe_load(text), sort_keys=True).encode()
+        out[name.replace(str(ROOT) + "/", "")] = hashlib.sha256(text).hexdigest()[:16]
     return out
 
 

@@ -122,7 +122,10 @@ def test_a_finished_study_run_is_read_back_and_a_changed_one_runs_again(tmp_path
     copy.write_text(config.read_text())
     stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
     stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
-    copy.write_text(config.read_text() + "# edited\n")
+    copy.write_text(config.read_text() + "# a comment changes no setting\n")
+    stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
+    assert len(calls) == 4
+    copy.write_text(config.read_text().replace("seed: 0", "seed: 1", 1))
     stability.run_one("grpo", 0, tmp_path / "c", 2, "python", config=copy, reuse=True)
     assert len(calls) == 5
 
@@ -171,3 +174,13 @@ def test_the_derivation_reward_checks_every_total_and_the_logged_reward_keeps_ev
     assert [r["completion"] for r in rows] == completions * 2 and [r["reward"] for r in rows[4:]] == [1.0, 0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="not an arithmetic chain"):
         rewards.derivation_exact(["what is 2+2?"], ["4"])
+
+
+def test_a_slipped_derivation_carries_the_wrong_total_on():
+    verifier = _module("credit_verifier")
+    rng = __import__("random").Random(0)
+    for at in range(3):
+        bad = verifier.slipped("8-7+8+7=", [1, 9, 16], at, rng)
+        gold = [1, 9, 16]
+        assert bad[:at] == gold[:at] and bad[at] != gold[at] and 1 <= abs(bad[at] - gold[at]) <= 3 and bad[at] >= 0
+        assert all(b - g == bad[at] - gold[at] for b, g in zip(bad[at:], gold[at:], strict=True))  # carried on
