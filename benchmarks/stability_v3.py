@@ -97,12 +97,16 @@ def main(argv=None) -> int:
         if arm not in args.arms:
             continue
         ends = {}
+        # the policy held for the whole run: PPO's arm has no warm-up of its own, so it gets one here
+        warm = [] if "{value_warmup}" in " ".join(stability.VARIANTS[arm]) else [f"ppo.value_warmup_steps={args.value_warmup}"]
         for clr in args.critic_lrs:
             (out / "critic_lr" / f"clr{clr:g}").mkdir(parents=True, exist_ok=True)
             r = stability.run_one(arm, 0, out / "critic_lr" / f"clr{clr:g}", args.value_warmup, args.python, config=config,
                                   value_warmup=args.value_warmup,
-                                  extra=(DATA, f"ppo.critic_learning_rate={clr}", "eval.every=0"), reuse=not args.fresh)
+                                  extra=(DATA, f"ppo.critic_learning_rate={clr}", "eval.every=0", *warm), reuse=not args.fresh)
             ends[clr] = r["explained_variance_warmup_end"]
+            if not np.isfinite(ends[clr]):
+                raise RuntimeError(f"{arm}'s critic at {clr:g}: no warm-up step logged value/explained_variance")
         critic_lr[arm] = max(ends, key=ends.get)
         result.setdefault("critic_lr_sweep", {})[arm] = {f"{k:g}": v for k, v in ends.items()}
     result["critic_lr"] = critic_lr
