@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     if proc.returncode:
         raise SystemExit(f"train-rm failed (exit {proc.returncode}); see {out / 'rm.log'}")
     rm_wall = time.perf_counter() - t0
+    for junk in ("checkpoints", "tensorboard"):  # kept: rm/hf (the critic's start; not committed), metrics, config
+        shutil.rmtree(rm / junk, ignore_errors=True)
+    (out / "pairs_train.jsonl").unlink()  # drawn again by this command (seed 0); the held-out pairs stay
     evals = [json.loads(line) for line in (rm / "metrics.jsonl").read_text().splitlines() if "rm/pair_accuracy" in line]
     cmd = [args.python, "benchmarks/critique.py", "credit", "--critic-only", "--reward", "derivation", "--critic-kinds",
            "model", "--value-warmup", str(args.value_warmup), "--critic-lrs", *map(str, args.critic_lrs),

@@ -168,11 +168,23 @@ def render_credit_oracle() -> str:
             + "\nTables fitted on half the prompts and scored on the other half (cross-fitted both ways).\n")
 
 
+def render_credit_verifier() -> str:
+    """benchmarks/credit_verifier.py: the chain reward model's held-out pair accuracy, then the
+    warm-up of the critic started from it."""
+    d = load("critique/credit_verifier/summary.json")
+    acc = d["rm_pair_accuracy"]
+    return (f"`{d['command']}` ({d['date']}, {minutes(d['wall_s'])}, of which the reward model {minutes(d['rm_wall_s'])}); "
+            f"this project's 2-core CPU machine. The reward model's held-out pair accuracy (gold prefix against a slipped "
+            f"one): {acc[0][1]:.3f} at step {acc[0][0]}, {acc[-1][1]:.3f} at step {acc[-1][0]}. Its critic's warm-up:\n\n"
+            + render_credit_critics("critique/credit_verifier/critic").split("\n\n", 1)[1])
+
+
 BLOCKS = {}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
-                           "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle")):
+                           "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
+                          ("critique-credit-verifier", render_credit_verifier, "credit_verifier")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
 # The critics' warm-up sweeps (stage 1 of `critique.py credit`): one block each, named by its folder.
