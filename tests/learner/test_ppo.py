@@ -179,12 +179,13 @@ def test_value_warmup_steps_are_plain_regression_on_the_monte_carlo_returns():
         # value_coef (0.5) x the PPO2 loss's 0.5 x the squared error's token mean
         return 0.25 * jnp.sum((values(c, h) - b.rewards[:, None]) ** 2 * m) / m.sum()
 
+    grad = jax.jit(jax.grad(mse))
     params0 = jax.tree.map(jnp.copy, state.params)
     for seed in range(3):
         b = make_batch(seed=seed)
         b = b.replace(prompt_ids=jnp.repeat(b.prompt_ids[::4], 4, axis=0), prompt_mask=jnp.repeat(b.prompt_mask[::4], 4, axis=0))
         state, metrics = step(state, b)
-        updates, opt_state = tx.update(jax.grad(mse)(critic, b), opt_state, critic)
+        updates, opt_state = tx.update(grad(critic, b), opt_state, critic)
         critic = optax.apply_updates(critic, updates)
         assert float(metrics["value/warmup"]) == 1.0
     for got, want in zip(jax.tree.leaves(state.critic), jax.tree.leaves(critic)):
