@@ -347,6 +347,8 @@ def main(argv=None) -> int:
         plot(args.experiment, result["runs"], args.output / f"{args.experiment}.png")
         summary_file.write_text(json.dumps(result, indent=1) + "\n")
         return 0
+    if args.critic_path and "model" not in args.critic_kinds:
+        p.error("--critic-path starts the critic model: add model to --critic-kinds")
     if args.control and args.reward != "answer":
         p.error("--control trains on its own reward: leave --reward out")
     args.critic_only = args.critic_only or args.control
