@@ -1,16 +1,19 @@
-"""One process of a training run in its own interpreter (its own device count, and with several
+"""The processes of training runs in their own interpreter (its own device count, and with several
 processes a multi-host run), started by tests/trainer/test_multihost.py; not a test itself.
 
-    python tests/multihost_worker.py OUT_DIR RUN_DIR NUM_DEVICES NUM_PROCESSES PROCESS_ID PORT [--set k=v ...]
+    python tests/multihost_worker.py OUT_DIR NUM_DEVICES NUM_PROCESSES PROCESS_ID PORT RUNS_JSON
 
-Trains `configs/demo_cpu.yaml` with the overrides and writes OUT_DIR/process<ID>.npz:
+RUNS_JSON lists runs ({"name", "run_dir", "overrides"}), trained one after another in this one
+interpreter (one start, one `jax.distributed.initialize`; the later runs find the earlier ones'
+programs compiled). Each trains `configs/demo_cpu.yaml` with its overrides and writes
+OUT_DIR/<name>.process<ID>.npz:
 - `final/<i>`: the final parameters as this process holds them, assembled from its own addressable
   shards only (no communication), so two processes' files are two independent copies;
 - `warm/<i>`: the parameters after the warm start, the same way;
 - `metrics`: the JSON of every step's metrics (as the hooks saw them), `rows_read`: prompts this
   process loaded from the train split;
-- `placement/*` (when GRPO_TEST_PLACEMENT_MODEL names an HF directory): that model placed on a
-  (1, 4, 2) mesh over every process's devices, before training (`check_placement`).
+- `placement/*` (the first run's file, when GRPO_TEST_PLACEMENT_MODEL names an HF directory): that
+  model placed on a (1, 4, 2) mesh over every process's devices, before training (`check_placement`).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-out_dir, run_dir, num_devices, num_processes, process_id, port = sys.argv[1:7]
-overrides = [a for a in sys.argv[7:] if a != "--set"]
+out_dir, num_devices, num_processes, process_id, port, runs_json = sys.argv[1:7]
+RUNS = json.loads(Path(runs_json).read_text())
 # One compute thread per process: the test runs several of these on two cores at once.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_devices}"
                            " --xla_cpu_multi_thread_eigen=false").strip()
@@ -39,11 +42,15 @@ from grpo_jax.config import load_config  # noqa: E402
 from grpo_jax.runtime.devices import initialize_distributed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if int(num_processes) > 1:
-    overrides += ["distributed.enabled=true", f"distributed.coordinator_address=127.0.0.1:{port}",
-                  f"distributed.num_processes={num_processes}", f"distributed.process_id={process_id}"]
-config = load_config(ROOT / "configs" / "demo_cpu.yaml", overrides)
-initialize_distributed(config)
+DISTRIBUTED = ["distributed.enabled=true", f"distributed.coordinator_address=127.0.0.1:{port}",
+               f"distributed.num_processes={num_processes}", f"distributed.process_id={process_id}"]
+
+
+def run_config(overrides: list[str]):
+    return load_config(ROOT / "configs" / "demo_cpu.yaml", overrides + (DISTRIBUTED if int(num_processes) > 1 else []))
+
+
+initialize_distributed(run_config(RUNS[0]["overrides"]))
 assert jax.process_count() == int(num_processes) and jax.local_device_count() == int(num_devices)
 
 
@@ -153,15 +160,18 @@ def warm_start(prepared, model, log):
 
 
 setup_module.warm_start = warm_start
-seen: list[dict] = []
-trainer = trainer_module.Trainer(config, run_dir, hooks=[lambda step, m: seen.append(m)])
-trainer.run()
-final = own_copy(trainer.state.params)
-if config.parallelism == "pmap":  # stacked per-device copies: each must be the same
-    assert all(np.array_equal(a[0], a[i]) for a in final for i in range(1, a.shape[0]))
-    final = [a[0] for a in final]
-np.savez(Path(out_dir) / f"process{process_id}.npz",
-         **{f"final/{i}": a for i, a in enumerate(final)}, **{f"warm/{i}": a for i, a in enumerate(warm)},
-         metrics=np.asarray(json.dumps(seen)),
-         rows_read=np.asarray(trainer.prepared.train_stream.stats["rows_read"]), **placement)
-print(f"process {process_id}: done", flush=True)
+for run in RUNS:
+    config, seen = run_config(run["overrides"]), []
+    warm.clear()
+    trainer = trainer_module.Trainer(config, run["run_dir"], hooks=[lambda step, m: seen.append(m)])
+    trainer.run()
+    final = own_copy(trainer.state.params)
+    if config.parallelism == "pmap":  # stacked per-device copies: each must be the same
+        assert all(np.array_equal(a[0], a[i]) for a in final for i in range(1, a.shape[0]))
+        final = [a[0] for a in final]
+    np.savez(Path(out_dir) / f"{run['name']}.process{process_id}.npz",
+             **{f"final/{i}": a for i, a in enumerate(final)}, **{f"warm/{i}": a for i, a in enumerate(warm)},
+             metrics=np.asarray(json.dumps(seen)),
+             rows_read=np.asarray(trainer.prepared.train_stream.stats["rows_read"]), **placement)
+    placement = {}
+    print(f"{run['name']}, process {process_id}: done", flush=True)

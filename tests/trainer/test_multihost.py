@@ -2,8 +2,9 @@
 collectives) end exactly where one process with 8 devices ends, on a (2, 2, 2) mesh, with the static
 sampler and with the paged engine (the default, its page loop: fewer slots than rows).
 
-Both runs are the demo config shortened to a 2-step warm start and 2 GRPO steps, each process in
-its own interpreter (tests/multihost_worker.py: its own device count), all started at once. On
+Every run is the demo config shortened to a 2-step warm start and 2 GRPO steps. The runs on one
+process and those on two are two groups started at once, each process in its own interpreter
+(tests/multihost_worker.py: its own device count) training its group's runs one after another. On
 two hosts each process loads only its half of every batch, only process 0 writes the run
 directory's logs, and both write the checkpoint. Before training, the two processes also place a
 tiny HF model on a mesh over both of them, with no cross-host gather. (Sharded == one device is checked step by step
@@ -39,11 +40,13 @@ MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 STATIC = ["sampling.engine=static"]
 # The paged engine's 64 slots (16 per row shard) for the 256 rows of a step: refills happen.
 ENGINE = ["sampling.engine=paged", "sampling.slots=64"]
-# name: (devices per process, processes, overrides)
+# name: overrides. The runs on one process with 8 devices, and the same runs on two processes with 4
+# devices each: each group's runs one after another in the same interpreters (tests/multihost_worker.py).
 # The sampler on 4 of the devices (2 per process), the learner on the other 4, one step stale.
 SPLIT = ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "rollout.sampler_devices=4", "rollout.staleness=1"]
-RUNS = {"mesh": (8, 1, MESH + STATIC), "multi": (4, 2, MESH + STATIC), "cmesh": (8, 1, MESH + ENGINE), "cmulti": (4, 2, MESH + ENGINE),
-        "smesh": (8, 1, SPLIT), "smulti": (4, 2, SPLIT)}
+ONE = {"mesh": MESH + STATIC, "cmesh": MESH + ENGINE, "smesh": SPLIT}
+TWO = {"multi": MESH + STATIC, "cmulti": MESH + ENGINE, "smulti": SPLIT}
+GROUPS = {"one": (8, 1, ONE), "two": (4, 2, TWO)}  # (devices per process, processes, runs)
 
 
 def overrides(tfds_dir: Path) -> list[str]:
@@ -91,36 +94,39 @@ def runs(tmp_path_factory):
 
     build_hf_model("qwen3").save_pretrained(tmp / "hf")  # placed by the 2-process run (check_placement)
     procs = []
-    for name, (devices, nproc, extra) in RUNS.items():
+    for group, (devices, nproc, runs) in GROUPS.items():
         port = free_port()
-        (tmp / f"out_{name}").mkdir()
+        (tmp / f"out_{group}").mkdir()
+        listing = [{"name": name, "run_dir": str(tmp / name), "overrides": overrides(tfds_dir) + extra}
+                   for name, extra in runs.items()]
+        (tmp / f"{group}.json").write_text(json.dumps(listing))
         for pid in range(nproc):
-            cmd = [sys.executable, str(WORKER), str(tmp / f"out_{name}"), str(tmp / name), str(devices), str(nproc),
-                   str(pid), str(port), *[a for o in overrides(tfds_dir) + extra for a in ("--set", o)]]
-            log = open(tmp / f"{name}{pid}.log", "w")
-            run_env = dict(env, GRPO_TEST_PLACEMENT_MODEL=str(tmp / "hf")) if name == "multi" else env
-            procs.append((name, pid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log))
+            cmd = [sys.executable, str(WORKER), str(tmp / f"out_{group}"), str(devices), str(nproc), str(pid), str(port),
+                   str(tmp / f"{group}.json")]
+            log = open(tmp / f"{group}{pid}.log", "w")
+            run_env = dict(env, GRPO_TEST_PLACEMENT_MODEL=str(tmp / "hf")) if group == "two" else env
+            procs.append((group, pid, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env), log))
     failed = []
     try:
-        for name, pid, proc, log in procs:
+        for group, pid, proc, log in procs:
             try:
                 code = proc.wait(timeout=600)
             except subprocess.TimeoutExpired:
                 code = "timeout"
             log.close()
             if code != 0:
-                failed.append(f"{name} process {pid} exited {code}:\n" + (tmp / f"{name}{pid}.log").read_text()[-4000:])
+                failed.append(f"{group} process {pid} exited {code}:\n" + (tmp / f"{group}{pid}.log").read_text()[-4000:])
                 break
     finally:
         for _, _, proc, _ in procs:
             proc.kill()
     if failed:
         pytest.fail("\n\n".join(failed))
-    out = {name: load(tmp / f"out_{name}" / "process0.npz") for name in RUNS}
-    out["multi1"] = load(tmp / "out_multi" / "process1.npz")
-    out["cmulti1"] = load(tmp / "out_cmulti" / "process1.npz")
-    out["smulti1"] = load(tmp / "out_smulti" / "process1.npz")
-    out["dirs"] = {name: tmp / name for name in RUNS}
+    out = {name: load(tmp / f"out_{group}" / f"{name}.process0.npz") for group, (_, _, runs) in GROUPS.items()
+           for name in runs}
+    for name in TWO:
+        out[f"{name}1"] = load(tmp / "out_two" / f"{name}.process1.npz")
+    out["dirs"] = {name: tmp / name for name in (*ONE, *TWO)}
     return out
 
 
