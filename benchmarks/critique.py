@@ -218,6 +218,8 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
                           critic_path=args.critic_path if kind == "model" else None,
                           trunk_lr=None if kind == "head" or args.trunk_lr_ratio is None else clr * args.trunk_lr_ratio)
             out.append(row)
+            if getattr(args, "progress", None):
+                args.progress(out)
             best = row if best is None or row["ev_end"] > best["ev_end"] else best
         critic_lr[kind] = best["critic_lr"]
     return out, critic_lr
@@ -249,14 +251,20 @@ def credit(args) -> list[dict]:
         evs = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
         out.append(summary(f"{name}_s{seed}", records, wall, 128 * 4, seed=seed, ev_curve=evs, **extra))
         print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
+        if args.progress:  # the summary so far: an interrupted comparison still shows its finished runs
+            args.progress(out)
         return out[-1]["evals"][-1]["eval/accuracy"]
 
-    policy_lr = {}
+    policy_lr, swept = {}, {}
     for arm in ARMS:
         scores = {lr: one(f"{arm}_lr{lr:g}", arm_sets(arm, lr), 0, stage="policy_lr", arm=arm, lr=lr) for lr in args.lrs}
+        swept.update({(arm, lr): row for lr, row in zip(args.lrs, out[-len(args.lrs):])})
         policy_lr[arm] = max(scores, key=scores.get)
     for arm in ARMS:
         for seed in args.seeds:
+            if seed == 0:  # the sweep's run at the chosen rate is this seed's (the same command)
+                out.append({**swept[(arm, policy_lr[arm])], "stage": "compare"})
+                continue
             one(arm, arm_sets(arm, policy_lr[arm]), seed, stage="compare", arm=arm, lr=policy_lr[arm])
     for name, extra in ABLATIONS.items():
         for seed in args.seeds:
@@ -360,16 +368,18 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # The code the runs use: the commit at the start (the runs read the working tree as it is then).
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
     summary_file = args.output / "summary.json"
+    head = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
+            "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "machine": "this project's 2-core CPU machine"}
+    args.progress = None if args.append else lambda runs: summary_file.write_text(json.dumps(
+        {**head, "finished": False, "wall_s": round(time.perf_counter() - t0), "runs": runs}, indent=1) + "\n")
+    runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
     earlier = json.loads(summary_file.read_text()) if args.append and summary_file.exists() else None
     if earlier is not None:  # more seeds for the same experiment: one summary, each part's command and commit
         names = {r["run"] for r in runs}
         runs = [r for r in earlier["runs"] if r["run"] not in names] + runs
     plot(args.experiment, runs, args.output / f"{args.experiment}.png")
-    result = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
-              "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.perf_counter() - t0),
-              "machine": "this project's 2-core CPU machine", "runs": runs}
+    result = {**head, "wall_s": round(time.perf_counter() - t0), "runs": runs}
     if earlier is not None:
         result["parts"] = earlier.get("parts", [{k: earlier[k] for k in ("command", "commit", "date", "wall_s")}])
         result["parts"].append({k: result[k] for k in ("command", "commit", "date", "wall_s")})

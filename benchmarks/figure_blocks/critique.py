@@ -179,12 +179,58 @@ def render_credit_verifier() -> str:
             + render_credit_critics("critique/credit_verifier/critic").split("\n\n", 1)[1])
 
 
+CREDIT_ARMS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "ppo": "PPO (value head)", "vapo": "VAPO (critic model)",
+               "vapo-no_positive_lm": "VAPO without its positive-example LM loss",
+               "vapo-no_length_adaptive": "VAPO without length-adaptive GAE",
+               "vapo-no_decoupled_gae": "VAPO without decoupled GAE (the critic's lambda 0.95)",
+               "vapo-no_warmup": "VAPO without the value warm-up", "vapo-head_critic": "VAPO with a value head"}
+
+
+def _versus(rs: list[dict], ref: dict) -> str:
+    mine = {r["seed"]: r["evals"][-1]["eval/accuracy"] for r in rs}
+    if len(set(mine) & set(ref)) < 2:
+        return "(fewer than 2 seeds in common)"
+    t = paired(mine, ref)
+    return f"{t['diff']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}], p {t['p']:.3f} ({t['n']} seeds)"
+
+
+def render_credit_compare(path: str = "critique/credit_compare") -> str:
+    """Stages 2-4 of `critique.py credit`: each arm's policy learning-rate sweep (seed 0), the arms
+    at their chosen rates over seeds (against GRPO, paired by seed), VAPO's parts taken out one at a
+    time (against VAPO); each critic's explained variance over its run's last 10 steps."""
+    d = load(f"{path}/summary.json")
+    runs = d["runs"]
+    sweep = _groups([r for r in runs if r.get("stage") == "policy_lr"], "arm")
+    rows = [[CREDIT_ARMS[a], ", ".join(f"{r['lr']:g}: {r['evals'][-1]['eval/accuracy']:.3f}" for r in rs)]
+            for a, rs in sweep.items()]
+    out = _header(d) + table(["arm", "policy learning rate: final held-out accuracy (seed 0)"], rows)
+    final = lambda rs: [r["evals"][-1]["eval/accuracy"] for r in rs]  # noqa: E731
+    ev = lambda rs: _ci([float(np.mean(r["ev_curve"][-10:])) for r in rs]) if rs[0].get("ev_curve") else "-"  # noqa: E731
+    rows = []
+    groups = {**_groups([r for r in runs if r.get("stage") == "compare"], "arm"),
+              **_groups([r for r in runs if r.get("stage") == "ablate"], "arm")}
+    refs = {a: {r["seed"]: r["evals"][-1]["eval/accuracy"] for r in groups.get(a, [])} for a in ("grpo", "vapo")}
+    for arm, rs in groups.items():
+        against = "grpo" if "-" not in arm else "vapo"
+        rows.append([CREDIT_ARMS[arm], f"{rs[0]['lr']:g}", str(len(rs)), _ci(final(rs)),
+                     "(the reference)" if arm == against else _versus(rs, refs[against]), ev(rs)])
+    if rows:
+        out += "\n" + table(["arm", "learning rate", "seeds", "final held-out accuracy, mean [95% t interval]",
+                              "minus GRPO (an ablation: minus VAPO), paired by seed [95% interval], t-test p",
+                              "critic explained variance, last 10 steps"], rows)
+    if d.get("finished") is False:
+        out += (f"\nPart way: {sum('stage' in r and r['stage'] != 'critic_lr' for r in runs)} runs of the comparison "
+                "finished; the same command goes on from there (finished runs are read back).\n")
+    return out
+
+
 BLOCKS = {}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
                            "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
-                          ("critique-credit-verifier", render_credit_verifier, "credit_verifier")):
+                          ("critique-credit-verifier", render_credit_verifier, "credit_verifier"),
+                          ("critique-credit-compare", render_credit_compare, "credit_compare")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
 # The critics' warm-up sweeps (stage 1 of `critique.py credit`): one block each, named by its folder.

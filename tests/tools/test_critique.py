@@ -184,3 +184,39 @@ def test_a_slipped_derivation_carries_the_wrong_total_on():
         gold = [1, 9, 16]
         assert bad[:at] == gold[:at] and bad[at] != gold[at] and 1 <= abs(bad[at] - gold[at]) <= 3 and bad[at] >= 0
         assert all(b - g == bad[at] - gold[at] for b, g in zip(bad[at:], gold[at:], strict=True))  # carried on
+
+
+@pytest.mark.filterwarnings("ignore:constrained_layout not applied")
+def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_as_it_goes(tmp_path, monkeypatch):
+    """`critique.py credit`'s stages on a fake `train` (no subprocess): each critic's rate is the
+    warm-up's best, each arm's policy rate the sweep's best at seed 0; the comparison reuses that
+    run for seed 0 and runs the other seeds at the chosen rate, the ablations VAPO's; the summary is
+    written after every run (finished: false) and at the end."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    critique = _module("critique")
+    calls, partial = [], []
+
+    def fake_train(run_dir, config, sets, args):
+        calls.append(run_dir.name)
+        if (tmp_path / "summary.json").exists():  # what the runs so far left
+            partial.append(json.loads((tmp_path / "summary.json").read_text()))
+        got = dict(s.split("=", 1) for s in sets if "=" in s and not s.startswith("rewards"))
+        clr, lr = float(got.get("ppo.critic_learning_rate", 0)), float(got.get("train.learning_rate", 0))
+        ev = 0.5 - abs(clr - 1e-3) * 100  # the critic's best at 1e-3
+        acc = 0.6 - abs(lr - 1.5e-4) * 1000 + 0.01 * int(got["train.seed"] if "train.seed" in got else 0)
+        return [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "value/explained_variance": ev, "eval/accuracy": acc}], 1.0
+
+    monkeypatch.setattr(critique, "train", fake_train)
+    assert critique.main(["credit", "--output", str(tmp_path), "--seeds", "0", "1", "--reward", "derivation"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    choices = summary["runs"][-1]
+    assert choices["critic_lr"] == {"head": 1e-3, "model": 1e-3} and set(choices["policy_lr"].values()) == {1.5e-4}
+    assert "finished" not in summary and partial[-1]["finished"] is False
+    lengths = [len(p["runs"]) for p in partial]  # each run saved when it ended (seed 0's rows reused: +2)
+    assert lengths[0] == 1 and all(b - a in (1, 2) for a, b in zip(lengths, lengths[1:])) and lengths[-1] == len(calls) + 3
+    compare = [r for r in summary["runs"] if r.get("stage") == "compare"]
+    assert sorted(r["run"] for r in compare) == sorted(f"{a}_{s}" for a in ("grpo", "dr_grpo", "ppo", "vapo")
+                                                       for s in ("lr0.00015_s0", "s1"))
+    assert len(calls) == len(set(calls)) == 6 + 4 * 3 + 4 + 5 * 2  # warm-ups, sweep, seed 1, ablations
+    assert all(name.startswith("derivation_") for name in calls[:6])
+    assert all(r["lr"] == 1.5e-4 for r in summary["runs"] if r.get("stage") == "ablate")
