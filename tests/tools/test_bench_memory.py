@@ -73,8 +73,10 @@ def test_a_remote_model_path_without_a_preset_is_one_line(tmp_path, capsys):
 
 def test_a_critic_model_and_a_teacher_are_counted(tmp_path):
     """`ppo.critic: model` holds a second copy of the weights with its own Adam moments; a teacher
-    is resident with a program of its own."""
-    critic = _bench(tmp_path, "critic", "--devices", "4", "--set", "algorithm=ppo", "--set", "ppo.critic=model")
+    is resident with a program of its own. (In this process, on 4 of conftest's 8 devices; only the
+    program each adds is compiled: the resident bytes need none.)"""
+    critic = _bench(tmp_path, "critic", "--devices", "8", "--set", "algorithm=ppo", "--set", "ppo.critic=model",
+                    "--programs", "train_step")
     resident = critic["resident_bytes"]
     # The policy's moments (2 P), the critic's trunk (P) and its moments (2 P), the heads besides.
     assert resident["optimizer"] > 5 * resident["params"] and resident["teacher"] == 0
@@ -88,8 +90,8 @@ def test_a_critic_model_and_a_teacher_are_counted(tmp_path):
     tok = build_tokenizer(config_from_dict(CONFIG).model)
     teacher = Transformer(architecture({**CONFIG["model"]["architecture"], "num_layers": 3}, tok), rngs=nnx.Rngs(0))
     save_pretrained(teacher, teacher_dir, tokenizer=tok)
-    distill = _bench(tmp_path, "distill", "--devices", "4", "--set", "algorithm=distill",
-                     "--set", f"distill.teacher={teacher_dir}")
+    distill = _bench(tmp_path, "distill", "--devices", "8", "--set", "algorithm=distill",
+                     "--set", f"distill.teacher={teacher_dir}", "--programs", "teacher")
     assert "teacher" in distill["programs"]
     # A 3-layer teacher of the 2-layer policy's width: more than the policy, less than twice it.
     assert distill["resident_bytes"]["params"] < distill["resident_bytes"]["teacher"] < \
