@@ -20,6 +20,11 @@ value below is a table of mean rewards, fitted on half the prompts and scored on
   not always from its own last total), so under the answer reward a slip is not the end; this
   table sees the recovery.
 - `position`: by position alone (what a critic that learns only the mean per step can reach).
+- `rm_linear` (--rm DIR): the frozen reward model's score of the prompt and the prefix, made a
+  value by a least-squares line per position (benchmarks/credit_verifier.py's model: does its
+  score, which ranks a gold prefix above a slipped one, carry the value a critic started from it
+  would need?). With it, `rm_gold_first`: how often the score puts a still-gold state above a
+  slipped one at the same position, of the same prompt and of any prompt.
 - `group_mean`: each row's value is the mean reward of the other 7 rows of its group, at every
   token (RLOO's baseline, read as a value function; GRPO's mean counts the row itself, which would
   let the value see 1/8 of the return it is scored against).
@@ -102,21 +107,75 @@ def group_means(samples: list[dict], tokens: list[dict], group_size: int) -> np.
                      for tok, r in zip(tokens, own, strict=True)])
 
 
+def rm_scores(samples: list[dict], tokens: list[dict], path: str) -> np.ndarray:
+    """Each state's score by the reward model in `path` (frozen): its score of the prompt with the
+    completion's first t characters (benchmarks/credit_verifier.py's model scores gold chain
+    prefixes above slipped ones)."""
+    from grpo_jax.rewards.reward_model import RewardModelReward
+
+    rm = RewardModelReward(path=path, batch_size=256, max_length=64)
+    prompts = [samples[tok["row"]]["prompt"] for tok in tokens]
+    prefixes = [samples[tok["row"]]["completion"][:tok["t"]] for tok in tokens]
+    return np.asarray(rm.without_updates()(prompts, prefixes))
+
+
+def cross_fitted_linear(tokens: list[dict], x: np.ndarray) -> np.ndarray:
+    """Each token's value: a + b x, a and b least squares of the reward on x among the tokens of its
+    position in the other half of the prompts (a position with under 2 distinct x there: their mean)."""
+    prompts = sorted({tok["group"][0] for tok in tokens})
+    half = {p: i % 2 for i, p in enumerate(prompts)}
+    h_of = np.array([half[tok["group"][0]] for tok in tokens])
+    t_of, reward = np.array([tok["t"] for tok in tokens]), np.array([tok["reward"] for tok in tokens])
+    values = np.zeros(len(tokens))
+    for h in (0, 1):
+        for t in np.unique(t_of[h_of == h]):
+            fit, use = (h_of != h) & (t_of == t), (h_of == h) & (t_of == t)
+            if fit.sum() == 0:
+                values[use] = reward[h_of != h].mean()
+            elif np.ptp(x[fit]) == 0:
+                values[use] = reward[fit].mean()
+            else:
+                b, a = np.polyfit(x[fit], reward[fit], 1)
+                values[use] = a + b * x[use]
+    return values
+
+
+def ranking(tokens: list[dict], x: np.ndarray, same_prompt: bool) -> float:
+    """The share of (still-gold, slipped) state pairs at the same position, of the same prompt or of
+    any, that x orders gold first (ties half): the Mann-Whitney AUC, pooled over the pairs."""
+    cells = defaultdict(lambda: ([], []))
+    for tok, v in zip(tokens, x, strict=True):
+        cells[(tok["t"], tok["group"][0] if same_prompt else None)][0 if tok["consistent"] else 1].append(v)
+    wins = pairs = 0.0
+    for gold, slipped in cells.values():
+        if gold and slipped:
+            g, b = np.asarray(gold)[:, None], np.asarray(slipped)[None, :]
+            wins += float((g > b).sum() + 0.5 * (g == b).sum())
+            pairs += g.size * b.size
+    return wins / pairs if pairs else float("nan")
+
+
 def explained_variance(returns: np.ndarray, values: np.ndarray) -> float:
     return float(1.0 - np.var(returns - values) / np.var(returns))
 
 
-def analyse(samples: list[dict], group_size: int = 8) -> dict:
+def analyse(samples: list[dict], group_size: int = 8, rm: str | None = None) -> dict:
     tokens = token_rows(samples, group_size)
     returns = np.array([tok["reward"] for tok in tokens])
     values = {"oracle_prefix": cross_fitted(tokens, lambda tok: (tok["t"], tok["consistent"])),
               "oracle_last": cross_fitted(tokens, lambda tok: (tok["t"], tok["consistent"], tok["last_right"])),
               "position": cross_fitted(tokens, lambda tok: tok["t"]),
               "group_mean": group_means(samples, tokens, group_size)}
+    ranks = {}
+    if rm:  # the frozen reward model's score, made a value by a per-position linear fit
+        scores = rm_scores(samples, tokens, rm)
+        values["rm_linear"] = cross_fitted_linear(tokens, scores)
+        ranks = {"rm_gold_first": {"same_prompt": ranking(tokens, scores, True),
+                                   "any_prompt": ranking(tokens, scores, False)}}
     slips = [next((t for t in range(len(s["completion"]) + 1)
                    if not gold_derivation(s["prompt"]).startswith(s["completion"][:t])), None) for s in samples]
     return {"rows": len(samples), "tokens": len(tokens), "accuracy": float(np.mean([s["reward"] for s in samples])),
-            "explained_variance": {k: explained_variance(returns, v) for k, v in values.items()},
+            "explained_variance": {k: explained_variance(returns, v) for k, v in values.items()}, **ranks,
             # where the first slip is (the state whose prefix first leaves the gold derivation)
             "first_slip_position": {"rows_with_slip": int(sum(x is not None for x in slips)),
                                     "median": float(np.median([x for x in slips if x is not None] or [np.nan]))}}
@@ -150,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="warm-up steps whose rollouts are kept (256 rows each)")
     p.add_argument("--set", action="append", default=[], help="a config override for the run (e.g. sft.steps=1500)")
     p.add_argument("--samples", type=Path, default=None, help="analyse this rows file (.jsonl or .jsonl.gz) instead of running")
+    p.add_argument("--rm", default=None, help="also the value a frozen reward model's score gives (its HF directory): "
+                   "`rm_linear`, a per-position linear fit, cross-fitted as the tables are")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
     args.output.mkdir(parents=True, exist_ok=True)
@@ -164,7 +225,7 @@ def main(argv=None) -> int:
     if args.samples is None and len(samples) != args.steps * per_step * group_size:
         raise SystemExit(f"{len(samples)} rows logged, not the {args.steps * per_step * group_size} the training steps scored")
     result = {"command": " ".join(["python", "benchmarks/credit_oracle.py", *(argv or sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d"), "reward": args.reward, **analyse(samples, group_size),
+              "date": time.strftime("%Y-%m-%d"), "reward": args.reward, **analyse(samples, group_size, rm=args.rm),
               "wall_s": round(time.perf_counter() - t0)}
     (args.output / "summary.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["explained_variance"]))

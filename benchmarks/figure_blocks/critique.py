@@ -179,6 +179,18 @@ def render_credit_verifier() -> str:
             + render_credit_critics("critique/credit_verifier/critic").split("\n\n", 1)[1])
 
 
+def render_credit_rm_probe() -> str:
+    """benchmarks/credit_oracle.py --rm: the frozen chain reward model's score as a value."""
+    d = load("critique/credit_rm_probe/summary.json")
+    ev, first = d["explained_variance"], d["rm_gold_first"]
+    return (f"`{d['command']}` ({d['date']}, {minutes(d['wall_s'])}; the reward model is credit_verifier.py's, not "
+            f"committed: its run makes it). On the same {d['rows']} rows: the score as a value (a least-squares line per "
+            f"position, cross-fitted) explains {ev['rm_linear']:.3f} of the return's variance, the oracle's table "
+            f"{ev['oracle_prefix']:.3f}. The score puts a still-gold state above a slipped one at the same position in "
+            f"{first['same_prompt']:.3f} of the pairs from the same prompt and {first['any_prompt']:.3f} of the pairs "
+            "from any prompt.\n")
+
+
 CREDIT_ARMS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "ppo": "PPO (value head)", "vapo": "VAPO (critic model)",
                "vapo-no_positive_lm": "VAPO without its positive-example LM loss",
                "vapo-no_length_adaptive": "VAPO without length-adaptive GAE",
@@ -230,7 +242,8 @@ for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("cri
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
                            "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
                           ("critique-credit-verifier", render_credit_verifier, "credit_verifier"),
-                          ("critique-credit-compare", render_credit_compare, "credit_compare")):
+                          ("critique-credit-compare", render_credit_compare, "credit_compare"),
+                          ("critique-credit-rm-probe", render_credit_rm_probe, "credit_rm_probe")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
 # The critics' warm-up sweeps (stage 1 of `critique.py credit`): one block each, named by its folder.

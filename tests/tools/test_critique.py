@@ -158,6 +158,18 @@ def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_do
         other = [t["reward"] for t in tokens if halves[t["group"][0]] != halves[tok["group"][0]]]
         assert v == pytest.approx(np.mean(other))
     assert out["first_slip_position"] == {"rows_with_slip": 160, "median": 1.0}
+    # A score as a value (a frozen reward model's, --rm): a per-position line, cross-fitted. One
+    # that reads the slip explains what the oracle does; noise explains nothing.
+    all_tokens = oracle.token_rows(samples, 8)
+    returns = np.array([tok["reward"] for tok in all_tokens])
+    reads = np.array([3.0 * tok["consistent"] - 1.0 for tok in all_tokens])
+    line = oracle.cross_fitted_linear(all_tokens, reads)
+    assert oracle.explained_variance(returns, line) == pytest.approx(ev["oracle_prefix"], abs=1e-9)
+    noise = oracle.cross_fitted_linear(all_tokens, rng.normal(size=len(all_tokens)))
+    assert oracle.explained_variance(returns, noise) < 0.02
+    assert oracle.ranking(all_tokens, reads, same_prompt=True) == oracle.ranking(all_tokens, reads, False) == 1.0
+    assert oracle.ranking(all_tokens, -reads, same_prompt=True) == 0.0
+    assert 0.4 < oracle.ranking(all_tokens, rng.normal(size=len(all_tokens)), same_prompt=False) < 0.6
 
 
 def test_the_derivation_reward_checks_every_total_and_the_logged_reward_keeps_every_row(tmp_path):
