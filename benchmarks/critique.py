@@ -237,14 +237,20 @@ def credit(args) -> list[dict]:
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
     trunk = [] if args.trunk_lr_ratio is None else [f"ppo.critic_trunk_learning_rate={crit['vapo'] * args.trunk_lr_ratio:g}"]
     trunk += [f"ppo.critic_path={args.critic_path}"] if args.critic_path else []
-    base = [f"eval.every={args.eval_every}", f"train.steps={args.steps}", *_reward(args)[0]]
+    base = [f"eval.every={args.eval_every}", *_reward(args)[0]]
 
     def arm_sets(arm, lr, extra=()):
-        sets = [*base, *ARMS[arm.split("-")[0]], f"train.learning_rate={lr}", *extra]
-        if arm.split("-")[0] in crit:
-            sets += [f"ppo.critic_learning_rate={crit[arm.split('-')[0]]}", f"ppo.value_warmup_steps={warm}"]
-            sets += trunk if arm.split("-")[0] == "vapo" else []  # the trunk rate and start stage 1 chose it with
-        return sets
+        """The arm's settings, an ablation's `extra` last (it wins). A critic's warm-up steps come on
+        top of --steps (the policy makes --steps updates in every arm); a value head takes the rate
+        stage 1 chose for heads, a critic model the model's, with its trunk rate and start."""
+        kind, extra = arm.split("-")[0], list(extra)
+        sets = [*base, *ARMS[kind], f"train.learning_rate={lr}"]
+        if kind in crit:
+            head = kind == "ppo" or "ppo.critic=head" in extra
+            sets += [f"ppo.critic_learning_rate={crit['ppo' if head else 'vapo']}", f"ppo.value_warmup_steps={warm}"]
+            sets += [] if head else trunk
+        warmup = warm if kind in crit and "ppo.value_warmup_steps=0" not in extra else 0
+        return [*sets, *extra, f"train.steps={args.steps + warmup}"]
 
     def one(name, sets, seed, **extra):
         records, wall = train(args.output / f"{name}_s{seed}", config, [*sets, f"train.seed={seed}"], args)

@@ -208,8 +208,11 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     critique = _module("critique")
     calls, partial = [], []
 
+    settings = {}
+
     def fake_train(run_dir, config, sets, args):
         calls.append(run_dir.name)
+        settings[run_dir.name] = sets
         if (tmp_path / "summary.json").exists():  # what the runs so far left
             partial.append(json.loads((tmp_path / "summary.json").read_text()))
         got = dict(s.split("=", 1) for s in sets if "=" in s and not s.startswith("rewards"))
@@ -232,3 +235,10 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     assert len(calls) == len(set(calls)) == 6 + 4 * 3 + 4 + 5 * 2  # warm-ups, sweep, seed 1, ablations
     assert all(name.startswith("derivation_") for name in calls[:6])
     assert all(r["lr"] == 1.5e-4 for r in summary["runs"] if r.get("stage") == "ablate")
+    last = lambda run, key: [s for s in settings[run] if s.startswith(key + "=")][-1]  # noqa: E731  (the last --set wins)
+    # The policy makes 200 updates in every arm: a critic's 100 warm-up steps come on top.
+    assert last("grpo_s1", "train.steps") == "train.steps=200" and last("vapo_s1", "train.steps") == "train.steps=300"
+    assert last("vapo-no_warmup_s1", "ppo.value_warmup_steps") == "ppo.value_warmup_steps=0"
+    assert last("vapo-no_warmup_s1", "train.steps") == "train.steps=200"
+    assert last("vapo-head_critic_s1", "ppo.critic") == "ppo.critic=head"  # the ablation's setting wins
+    assert last("vapo-no_positive_lm_s1", "ppo.positive_lm_coef") == "ppo.positive_lm_coef=0"
