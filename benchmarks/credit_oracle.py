@@ -205,7 +205,9 @@ def rollouts(args) -> Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, required=True)
-    p.add_argument("--reward", choices=["answer", "derivation"], default="answer")
+    p.add_argument("--reward", choices=["answer", "derivation"], default=None,
+                   help="the reward the rollouts are scored with (default answer); with --samples, the one they were "
+                   "scored with (recorded only; required)")
     p.add_argument("--steps", type=int, default=8, help="warm-up steps whose rollouts are kept (256 rows each)")
     p.add_argument("--set", action="append", default=[], help="a config override for the run (e.g. sft.steps=1500)")
     p.add_argument("--samples", type=Path, default=None, help="analyse this rows file (.jsonl or .jsonl.gz) instead of running")
@@ -213,6 +215,9 @@ def main(argv=None) -> int:
                    "`rm_linear`, a per-position linear fit, cross-fitted as the tables are")
     p.add_argument("--python", default=sys.executable)
     args = p.parse_args(argv)
+    if args.samples is not None and args.reward is None:
+        p.error("--samples: say which reward the rows were scored with (--reward answer or derivation)")
+    args.reward = args.reward or "answer"
     args.output.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     path = args.samples or rollouts(args)

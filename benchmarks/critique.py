@@ -325,7 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("experiment", choices=["hacking", "overopt", "retention", "credit"])
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=None, help="train.steps (default: hacking/overopt 300, retention the config's)")
+    p.add_argument("--steps", type=int, default=None, help="train.steps (default: hacking/overopt 300, credit 200 policy updates (a critic's warm-up "
+                   "on top), retention the config's)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--betas", type=float, nargs="+", default=[0.001, 0.01, 0.1], help="overopt: grpo.beta per arm")
     p.add_argument("--rm-steps", type=int, default=600, help="overopt: the proxy reward model's training steps")

@@ -54,7 +54,7 @@ def render_quickstart() -> str:
 
 def render_ci() -> str:
     # the newest record with a CI run (a day's file may hold measurements only, until its first run)
-    path = max(p for p in (RESULTS / "ci").glob("*.json") if json.loads(p.read_text())["runs"])
+    path = max(p for p in (RESULTS / "ci").glob("*.json") if json.loads(p.read_text()).get("runs"))
     data = json.loads(path.read_text())
     run = data["runs"][0]
     tests = re.match(r"(\d+) passed", run["pytest_line"]).group(1)

@@ -230,8 +230,11 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
         out += "\n" + table(["arm", "learning rate", "seeds", "final held-out accuracy, mean [95% t interval]",
                               "minus GRPO (an ablation: minus VAPO), paired by seed [95% interval], t-test p",
                               "critic explained variance, last 10 steps"], rows)
+        out += ("\nEvery arm makes the same number of policy updates (a critic's warm-up steps come on top), so a "
+                "seed pairs the warm start; the prompts after a warm-up are not the same ones. Seed 0 of each arm is "
+                "its sweep's run at the chosen rate.\n")
     if d.get("finished") is False:
-        out += (f"\nPart way: {sum('stage' in r and r['stage'] != 'critic_lr' for r in runs)} runs of the comparison "
+        out += (f"\nPart way: {len({r['run'] for r in runs if r.get('stage') not in (None, 'critic_lr')})} runs of the comparison "
                 "finished; the same command goes on from there (finished runs are read back).\n")
     return out
 

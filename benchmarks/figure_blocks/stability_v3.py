@@ -63,9 +63,31 @@ def _zero(x: float) -> str:
     return f"{x:.3f}".replace("-0.000", "0.000")
 
 
+def _spearman(a: dict, b: dict) -> float:
+    """Spearman's rank correlation of two {seed: value} (no ties expected)."""
+    seeds = sorted(set(a) & set(b))
+    ra, rb = (np.argsort(np.argsort([x[s] for s in seeds])) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _sweep_flips(d: dict) -> tuple[list[str], list[str]]:
+    """(the arms whose chosen rate seed 1 alone would not have chosen, the arms whose sweep tied
+    at the top: max() took the first of --lrs)."""
+    flips, ties = [], []
+    for arm, got in d["lr_sweep"].items():
+        seed1 = {r["lr"]: r["eval_final"] for r in d["runs"] if r["variant"] == arm and r["seed"] == 1
+                 and r.get("stage") == "sweep"}
+        if seed1 and max(seed1, key=seed1.get) != d["policy_lr"][arm]:
+            flips.append(NAMES[arm])
+        if sorted(got.values())[-2:].count(max(got.values())) == 2:
+            ties.append(NAMES[arm])
+    return flips, ties
+
+
 def render_verdict() -> str:
-    """What the study says, each figure computed from summary.json: which differences are real,
-    how much the seed moves the result, DAPO at equal steps against equal tokens, the critics."""
+    """What the study says, each statement computed from summary.json: which differences are real,
+    how much the seed moves the result, DAPO at equal steps against equal tokens, the critics, and
+    what decided the sweeps."""
     import sys
 
     d = load(SUMMARY)
@@ -76,39 +98,54 @@ def render_verdict() -> str:
     for r in d["runs"]:
         if r["lr"] == d["policy_lr"][r["variant"]]:
             chosen.setdefault(r["variant"], {})[r["seed"]] = r
-    real = [NAMES[a] for a, v in stats.get("vs_grpo", {}).items() if v["real"]]
-    grpo = {s: r["eval_final"] for s, r in chosen["grpo"].items()}
-    warm = {s: r["eval_start"] for s, r in chosen["grpo"].items()}
-    objectives = {a: v for a, v in stats["vs_grpo"].items() if a not in ("grpo_random", "dapo")}
+    versus = stats["vs_grpo"]
+    real = [NAMES[a] for a, v in versus.items() if v["real"]]
+    objectives = {a: v for a, v in versus.items() if a not in ("grpo_random", "dapo")}
+    real_objectives = [NAMES[a] for a, v in objectives.items() if v["real"]]
     widest = max(objectives.values(), key=lambda v: abs(v["diff"]))
     halves = sorted((v["hi"] - v["lo"]) / 2 for v in objectives.values())
-    weak = min(warm, key=warm.get)
-    random_final = stats["arms"]["grpo_random"]["mean"]
     lines = [f"- Real (Holm-adjusted p at most 0.05, interval excluding 0): {', '.join(real) or 'none'}. "
-             f"No objective differs from GRPO beyond noise; the largest paired difference of one (DAPO at equal tokens "
-             f"aside) is {widest['diff']:+.3f}, and the paired intervals' half-widths run from {halves[0]:.3f} to "
-             f"{halves[-1]:.3f}: with 6 seeds a difference smaller than about {halves[0]:.3f} could not be seen at all."]
+             + (f"Objectives that differ from GRPO beyond noise: {', '.join(real_objectives)}. " if real_objectives else
+                "No objective differs from GRPO beyond noise. ")
+             + f"The largest paired difference of one (DAPO at equal tokens aside) is {widest['diff']:+.3f}; the paired "
+             f"intervals' half-widths run from {halves[0]:.3f} to {halves[-1]:.3f}: with {versus['ppo']['n']} seeds a "
+             f"difference smaller than about {halves[0]:.3f} could not be seen at all."]
+    grpo = {s: r["eval_final"] for s, r in chosen["grpo"].items()}
+    warm = {s: r["eval_start"] for s, r in chosen["grpo"].items()}
+    weak = min(warm, key=warm.get)
+    arms_weak = [r[weak]["eval_final"] for a, r in chosen.items() if a != "grpo_random" and weak in r]
+    control_weak = chosen["grpo_random"][weak]["eval_final"] if weak in chosen.get("grpo_random", {}) else None
     lines.append(f"- The seed moves the result more than any objective: GRPO's final accuracy runs from "
-                 f"{min(grpo.values()):.3f} to {max(grpo.values()):.3f} over its seeds, each seed's warm start "
-                 f"({', '.join(f'{warm[s]:.3f}' for s in sorted(warm))}) setting where it ends. Seed {weak}'s "
-                 f"warm start ({warm[weak]:.3f}) left every objective near the random-reward control's "
-                 f"{random_final:.3f}: a group whose 8 samples are all wrong carries no advantage, so GRPO and its "
-                 "relatives cannot start from a policy that is almost never right.")
+                 f"{min(grpo.values()):.3f} to {max(grpo.values()):.3f} over its seeds, following each seed's warm start "
+                 f"({', '.join(f'{warm[s]:.3f}' for s in sorted(warm))}; rank correlation {_spearman(warm, grpo):.2f}). From seed {weak}'s ({warm[weak]:.3f}) no "
+                 f"arm got far: {min(arms_weak):.3f} to {max(arms_weak):.3f} at the end"
+                 + (f", against {control_weak:.3f} for the random-reward control of that seed" if control_weak is not None else "")
+                 + f", although {1 - chosen['grpo'][weak]['frac_zero_std']:.2f} of GRPO's groups there had rewards that "
+                 "differed.")
     if "dapo" in chosen:
         dapo_end = paired({s: r["eval_final"] for s, r in chosen["dapo"].items()}, grpo)
         wins = sum(chosen["dapo"][s]["eval_final"] > grpo[s] for s in grpo)
         tokens = float(np.mean([r["sampled_tokens"] for r in chosen["dapo"].values()]))
-        v = stats["vs_grpo"]["dapo"]
-        lines.append(f"- DAPO after the same steps leads GRPO on {wins} of {len(grpo)} seeds ({dapo_end['diff']:+.3f}, "
-                     f"p {dapo_end['p']:.3f}) having sampled {tokens / stats['token_budget']:.1f}x GRPO's tokens; at GRPO's "
-                     f"token budget it trails ({v['diff']:+.3f}, Holm {v['p_holm']:.3f}): its lead is bought with samples.")
-    ev = {a: [r["explained_variance_late"] for r in chosen[a].values()] for a in ("ppo", "vapo") if a in chosen}
+        v = versus["dapo"]
+        lines.append(f"- DAPO after the same steps is above GRPO on {wins} of {len(grpo)} seeds ({dapo_end['diff']:+.3f}, "
+                     f"unadjusted p {dapo_end['p']:.3f}, outside the family above) having sampled "
+                     f"{tokens / stats['token_budget']:.1f}x GRPO's tokens; at GRPO's token budget it is "
+                     f"{v['diff']:+.3f} (Holm {v['p_holm']:.3f}: " + ("real" if v["real"] else "not beyond noise")
+                     + "): what it gains, it gains with samples.")
+    ev = {a: float(np.mean([r["explained_variance_late"] for r in chosen[a].values()])) for a in ("ppo", "vapo") if a in chosen}
     sweep = [x for got in d.get("critic_lr_sweep", {}).values() for x in got.values()]
-    lines.append(f"- The critics explained nothing: {_zero(min(sweep))} to {_zero(max(sweep))} of the return's variance "
-                 "at the end of the warm-ups at the three rates (so the rate chosen is chosen among noise), and "
-                 + ", ".join(f"{NAMES[a]} {_zero(float(np.mean(v)))}" for a, v in ev.items())
-                 + " over the last steps of the compared runs. PPO and VAPO land within noise of GRPO: on a task whose "
-                 "outcome the last tokens settle, a value function has nothing to add to the group's mean.")
+    critics_real = [NAMES[a] for a in ev if versus[a]["real"]]
+    lines.append(f"- The critics' explained variance at the end of the warm-ups was {_zero(min(sweep))} to "
+                 f"{_zero(max(sweep))} at the three rates (so the rate chosen was chosen among values near 0), and "
+                 + ", ".join(f"{NAMES[a]} {_zero(v)}" for a, v in ev.items())
+                 + " over the last steps of the compared runs. "
+                 + (f"{', '.join(critics_real)} differed from GRPO beyond noise." if critics_real else
+                    "Neither critic-based arm differs from GRPO beyond noise."))
+    flips, ties = _sweep_flips(d)
+    if flips or ties:
+        lines.append(f"- The sweeps averaged seeds 0 and 1; seed 1 alone would have chosen another rate for "
+                     f"{', '.join(flips) or 'no arm'}" + (f", and {', '.join(ties)}'s top two rates tied (the first "
+                                                          "listed was taken)" if ties else "") + ".")
     return "\n".join(lines) + "\n"
 
 

@@ -169,6 +169,11 @@ def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_do
     assert oracle.explained_variance(returns, noise) < 0.02
     assert oracle.ranking(all_tokens, reads, same_prompt=True) == oracle.ranking(all_tokens, reads, False) == 1.0
     assert oracle.ranking(all_tokens, -reads, same_prompt=True) == 0.0
+    # A per-prompt offset: every prompt orders its own states right, across prompts the offset mixes them.
+    offset = {p: i for i, p in enumerate(sorted({tok["group"][0] for tok in all_tokens}))}
+    shifted = reads + np.array([offset[tok["group"][0]] for tok in all_tokens])
+    assert oracle.ranking(all_tokens, shifted, same_prompt=True) == 1.0 > oracle.ranking(all_tokens, shifted, False)
+    assert oracle.ranking(all_tokens, np.zeros(len(all_tokens)), same_prompt=True) == 0.5  # ties count half
     assert 0.4 < oracle.ranking(all_tokens, rng.normal(size=len(all_tokens)), same_prompt=False) < 0.6
 
 
@@ -217,15 +222,17 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
             partial.append(json.loads((tmp_path / "summary.json").read_text()))
         got = dict(s.split("=", 1) for s in sets if "=" in s and not s.startswith("rewards"))
         clr, lr = float(got.get("ppo.critic_learning_rate", 0)), float(got.get("train.learning_rate", 0))
-        ev = 0.5 - abs(clr - 1e-3) * 100  # the critic's best at 1e-3
+        best = 3e-3 if got.get("ppo.critic") == "head" else 1e-3  # each kind its own best rate
+        ev = 0.5 - abs(clr - best) * 100
         acc = 0.6 - abs(lr - 1.5e-4) * 1000 + 0.01 * int(got["train.seed"] if "train.seed" in got else 0)
         return [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "value/explained_variance": ev, "eval/accuracy": acc}], 1.0
 
     monkeypatch.setattr(critique, "train", fake_train)
-    assert critique.main(["credit", "--output", str(tmp_path), "--seeds", "0", "1", "--reward", "derivation"]) == 0
+    assert critique.main(["credit", "--output", str(tmp_path), "--seeds", "0", "1", "--reward", "derivation",
+                          "--trunk-lr-ratio", "0.1", "--critic-path", "rm/hf"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     choices = summary["runs"][-1]
-    assert choices["critic_lr"] == {"head": 1e-3, "model": 1e-3} and set(choices["policy_lr"].values()) == {1.5e-4}
+    assert choices["critic_lr"] == {"head": 3e-3, "model": 1e-3} and set(choices["policy_lr"].values()) == {1.5e-4}
     assert "finished" not in summary and partial[-1]["finished"] is False
     lengths = [len(p["runs"]) for p in partial]  # each run saved when it ended (seed 0's rows reused: +2)
     assert lengths[0] == 1 and all(b - a in (1, 2) for a, b in zip(lengths, lengths[1:])) and lengths[-1] == len(calls) + 3
@@ -240,5 +247,12 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     assert last("grpo_s1", "train.steps") == "train.steps=200" and last("vapo_s1", "train.steps") == "train.steps=300"
     assert last("vapo-no_warmup_s1", "ppo.value_warmup_steps") == "ppo.value_warmup_steps=0"
     assert last("vapo-no_warmup_s1", "train.steps") == "train.steps=200"
+    assert last("ppo_s1", "train.steps") == "train.steps=300"
     assert last("vapo-head_critic_s1", "ppo.critic") == "ppo.critic=head"  # the ablation's setting wins
+    # A value head takes the heads' rate, a critic model the models' with its trunk rate and start.
+    assert last("vapo-head_critic_s1", "ppo.critic_learning_rate") == last("ppo_s1", "ppo.critic_learning_rate") \
+        == "ppo.critic_learning_rate=0.003"
+    assert last("vapo_s1", "ppo.critic_learning_rate") == "ppo.critic_learning_rate=0.001"
+    assert "ppo.critic_trunk_learning_rate=0.0001" in settings["vapo_s1"] and "ppo.critic_path=rm/hf" in settings["vapo_s1"]
+    assert not any(x.startswith(("ppo.critic_trunk", "ppo.critic_path")) for x in settings["vapo-head_critic_s1"])
     assert last("vapo-no_positive_lm_s1", "ppo.positive_lm_coef") == "ppo.positive_lm_coef=0"

@@ -112,7 +112,7 @@ def runs(tmp_path_factory):
     try:
         for group, pid, proc, log in procs:
             try:
-                code = proc.wait(timeout=600)
+                code = proc.wait(timeout=600 * len(GROUPS[group][2]))  # 10 minutes a run
             except subprocess.TimeoutExpired:
                 code = "timeout"
             log.close()
