@@ -57,14 +57,15 @@ def test_a_tiny_config_compiled_by_xla_tpu_for_a_v5e_slice(tmp_path, capsys):
 def test_a_workload_that_cannot_fit_is_a_verdict_with_xla_tpus_figures(tmp_path):
     """A 2-layer model whose MLP is 4M wide, replicated (mesh.data only): 6 GiB of float32
     parameters per chip, so the update (with Adam's two moments) cannot fit a v5e's HBM and XLA:TPU
-    refuses to compile it; the samplers still compile. v5e:2x2 has 4 chips, conftest's process has
-    8 host devices: measured in a process of its own."""
+    refuses to compile it; the sampler still compiles (the evaluation's and the reference's are
+    not asked for). v5e:2x4's 8 chips are conftest's 8 host devices: measured in this process."""
     _libtpu()
     config = {**CONFIG, "model": {**CONFIG["model"], "architecture": {**CONFIG["model"]["architecture"],
                                                                       "intermediate_size": 1 << 22}}}
     path = write_config(tmp_path, {**config, "mesh": {"data": -1}, "eval": {"num_prompts": 8, "k": 2}})
-    got = _bench(tmp_path, path, "--topology", "v5e:2x2", "--set", "grpo.beta=0", "--set", "data.prompts_per_step=8")
-    assert got["backend"] == "tpu (compiled for v5e:2x2, XLA:TPU)" and got["devices"] == 4
+    got = _bench(tmp_path, path, "--topology", "v5e:2x4", "--set", "grpo.beta=0", "--set", "data.prompts_per_step=8",
+                 "--programs", "sampler,train_step")
+    assert got["backend"] == "tpu (compiled for v5e:2x4, XLA:TPU)" and got["devices"] == 8
     train = got["programs"]["train_step"]
     assert train["compiled"] is False and train["error"].startswith("RESOURCE_EXHAUSTED")
     # v5e: 16 GiB, of which the runtime keeps 0.25; the update needs the parameters, their gradient
