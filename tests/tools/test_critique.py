@@ -225,6 +225,7 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
         best = 3e-3 if got.get("ppo.critic") == "head" else 1e-3  # each kind its own best rate
         ev = 0.5 - abs(clr - best) * 100
         acc = 0.6 - abs(lr - 1.5e-4) * 1000 + 0.01 * int(got["train.seed"] if "train.seed" in got else 0)
+        acc += 0.05 * (got.get("ppo.critic") == "model")  # a critic model's arms 0.05 above the rest
         return [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "value/explained_variance": ev, "eval/accuracy": acc}], 1.0
 
     monkeypatch.setattr(critique, "train", fake_train)
@@ -256,3 +257,14 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     assert "ppo.critic_trunk_learning_rate=0.0001" in settings["vapo_s1"] and "ppo.critic_path=rm/hf" in settings["vapo_s1"]
     assert not any(x.startswith(("ppo.critic_trunk", "ppo.critic_path")) for x in settings["vapo-head_critic_s1"])
     assert last("vapo-no_positive_lm_s1", "ppo.positive_lm_coef") == "ppo.positive_lm_coef=0"
+    # RESULTS' block of the comparison: each arm and ablation a row, each paired against its reference.
+    from figure_blocks.critique import CREDIT_ARMS, render_credit_compare
+
+    block = render_credit_compare(str(tmp_path))
+    rows = [line for line in block.splitlines() if line.startswith("| ") and "0.00015 | 2 |" in line]
+    assert [row.split(" | ")[0][2:] for row in rows] == list(CREDIT_ARMS.values())
+    versus = dict(zip(CREDIT_ARMS, (row.split(" | ")[4] for row in rows)))
+    assert versus["grpo"] == "(the reference)" and versus["vapo"].startswith("+0.050")  # VAPO against GRPO
+    assert versus["ppo"].startswith("+0.000") and versus["vapo-head_critic"].startswith("-0.050")  # ablations against VAPO
+    assert all(versus[a].startswith("+0.000") for a in CREDIT_ARMS if a.startswith("vapo-") and a != "vapo-head_critic")
+    assert "Part way" not in block
