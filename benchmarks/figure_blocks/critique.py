@@ -215,7 +215,11 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
     sweep = _groups([r for r in runs if r.get("stage") == "policy_lr"], "arm")
     rows = [[CREDIT_ARMS[a], ", ".join(f"{r['lr']:g}: {r['evals'][-1]['eval/accuracy']:.3f}" for r in rs)]
             for a, rs in sweep.items()]
-    out = _header(d) + table(["arm", "policy learning rate: final held-out accuracy (seed 0)"], rows)
+    out = _header(d)
+    if any(r.get("stage") == "critic_lr" for r in runs):  # stage 1: the critics' warm-ups
+        out += "Stage 1, the critics' warm-ups:\n\n" + render_credit_critics(path).split("\n\n", 1)[1] + "\n"
+    if rows:
+        out += table(["arm", "policy learning rate: final held-out accuracy (seed 0)"], rows)
     final = lambda rs: [r["evals"][-1]["eval/accuracy"] for r in rs]  # noqa: E731
     ev = lambda rs: _ci([float(np.mean(r["ev_curve"][-10:])) for r in rs]) if rs[0].get("ev_curve") else "-"  # noqa: E731
     rows = []
@@ -234,7 +238,8 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
                 "seed pairs the warm start; the prompts after a warm-up are not the same ones. Seed 0 of each arm is "
                 "its sweep's run at the chosen rate.\n")
     if d.get("finished") is False:
-        out += (f"\nPart way: {len({r['run'] for r in runs if r.get('stage') not in (None, 'critic_lr')})} runs of the comparison "
+        out = out.rstrip("\n") + "\n"
+        out += (f"\nPart way: {len({r['run'] for r in runs if r.get('stage') not in (None, 'critic_lr')})} runs of stages 2-4 "
                 "finished; the same command goes on from there (finished runs are read back).\n")
     return out
 
