@@ -78,11 +78,15 @@ def token_rows(samples: list[dict], group_size: int) -> list[dict]:
     return out
 
 
+def prompt_halves(tokens: list[dict]) -> dict[str, int]:
+    """The cross-fitting's two halves: each prompt's half (0 or 1), alternating in sorted order."""
+    return {p: i % 2 for i, p in enumerate(sorted({tok["group"][0] for tok in tokens}))}
+
+
 def cross_fitted(tokens: list[dict], key) -> np.ndarray:
     """Each token's value: the mean reward of the tokens with the same key(token) among the other
     half of the prompts (halves by prompt; a key unseen there takes that half's mean)."""
-    prompts = sorted({tok["group"][0] for tok in tokens})
-    half = {p: i % 2 for i, p in enumerate(prompts)}
+    half = prompt_halves(tokens)
     values = np.zeros(len(tokens))
     for h in (0, 1):
         sums, fit = defaultdict(lambda: [0.0, 0]), [tok for tok in tokens if half[tok["group"][0]] != h]
@@ -122,8 +126,7 @@ def rm_scores(samples: list[dict], tokens: list[dict], path: str) -> np.ndarray:
 def cross_fitted_linear(tokens: list[dict], x: np.ndarray) -> np.ndarray:
     """Each token's value: a + b x, a and b least squares of the reward on x among the tokens of its
     position in the other half of the prompts (a position with under 2 distinct x there: their mean)."""
-    prompts = sorted({tok["group"][0] for tok in tokens})
-    half = {p: i % 2 for i, p in enumerate(prompts)}
+    half = prompt_halves(tokens)
     h_of = np.array([half[tok["group"][0]] for tok in tokens])
     t_of, reward = np.array([tok["t"] for tok in tokens]), np.array([tok["reward"] for tok in tokens])
     values = np.zeros(len(tokens))

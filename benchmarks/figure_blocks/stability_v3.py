@@ -3,9 +3,15 @@ check, the learning rates its sweeps chose, and each arm against GRPO paired by 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from figure_blocks import RESULTS, load, minutes, table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from paired_stats import paired  # noqa: E402
 
 SUMMARY = "stability_v3/summary.json"
 NAMES = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "rloo": "RLOO", "cispo": "CISPO", "dapo": "DAPO", "ppo": "PPO",
@@ -88,12 +94,7 @@ def render_verdict() -> str:
     """What the study says, each statement computed from summary.json: which differences are real,
     how much the seed moves the result, DAPO at equal steps against equal tokens, the critics, and
     what decided the sweeps."""
-    import sys
-
     d = load(SUMMARY)
-    sys.path.insert(0, str(RESULTS.parent))
-    from paired_stats import paired
-
     stats, chosen = d["stats"], {}
     for r in d["runs"]:
         if r["lr"] == d["policy_lr"][r["variant"]]:
