@@ -295,7 +295,7 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
                             ("step", "eval/accuracy", "held-out accuracy")]}[kind]
     fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
     axes = fig.subplots(1, len(panels))
-    runs = [r for r in runs if r["run"] != "choices"]
+    runs = list({r["run"]: r for r in runs if r["run"] != "choices"}.values())  # seed 0 of compare is a sweep run
     groups = list(dict.fromkeys(r["run"].rsplit("_s", 1)[0] for r in runs))
     colors = {g: f"C{i % 10}" for i, g in enumerate(groups)}  # matplotlib's ten-colour cycle
     for ax, (x, y, title) in zip(axes, panels):
@@ -314,7 +314,8 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
                 xs, ys = np.asarray(pts, float).T
                 first = r["run"] == next(q["run"] for q in runs if q["run"].rsplit("_s", 1)[0] == group)
                 ax.plot(xs, ys, marker="o", markersize=3, alpha=0.8, color=colors[group], label=group if first else None)
-        ax.set(title=title, xlabel="kl/k3 (mean over the updates since the last evaluation)" if x == "kl_window" else x)
+        ax.set(title=title, xlabel="kl/k3 (mean over the updates since the last evaluation)" if x == "kl_window"
+               else "step (with a critic's warm-up steps)" if kind == "credit" else x)
         ax.grid(alpha=0.3)
     axes[-1 if kind == "credit" else 0].legend(fontsize="x-small")
     fig.savefig(path)

@@ -63,10 +63,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # The slowest files first: CI runs the suite on 2 xdist workers by file (`--dist loadfile`), which
 # hands out files in collection order, so starting the long ones early keeps both workers busy to the
-# end instead of leaving one of them alone with a long file at the tail.
-SLOW_FIRST = ("test_gguf.py", "test_gguf_gemma3.py", "test_multihost.py", "test_loop.py", "test_reward_training.py",
-              "test_lora.py", "test_shared_prompt.py", "test_sharding.py", "test_bench.py", "test_cli.py",
-              "test_sampling.py", "test_stability_runs.py", "test_preemption.py", "test_train_step.py")
+# end instead of leaving one of them alone with a long file at the tail. The order: each file's test
+# time in a profile of the suite (benchmarks/results/ci/2026-12-06.json), the two GGUF files first.
+SLOW_FIRST = ("test_gguf.py", "test_gguf_gemma3.py", "test_multihost.py", "test_episodes.py", "test_loop.py",
+              "test_lora.py", "test_pipeline.py", "test_paged.py", "test_reward_training.py", "test_sampling.py",
+              "test_preemption.py", "test_moe_routing.py", "test_critic_distill.py", "test_bench_memory.py",
+              "test_moe_replay.py", "test_bench_tpu.py", "test_models_parity.py", "test_episodes_train.py",
+              "test_vapo.py", "test_stability_runs.py", "test_engine.py", "test_files.py", "test_shared_prompt.py")
 
 
 def pytest_collection_modifyitems(config, items):

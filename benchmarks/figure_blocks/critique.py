@@ -136,7 +136,7 @@ def render_credit_critics(path: str = "critique/credit_critics") -> str:
     chosen = {}  # each kind's best rate (what `critic_warmups` picks), over all the parts of an --append
     for r in sorted((r for r in d["runs"] if r.get("stage") == "critic_lr"), key=lambda r: r["ev_end"]):
         chosen[r["kind"]] = r["critic_lr"]
-    steps = len(next(r for r in d["runs"] if r.get("ev_curve"))["ev_curve"])
+    steps = len(next(r for r in d["runs"] if r.get("stage") == "critic_lr" and r.get("ev_curve"))["ev_curve"])
     picked = ", ".join(f"{'value head' if k == 'head' else 'critic model'} {v:g}" for k, v in sorted(chosen.items()))
     return (_header(d) + table(["critic", "critic learning rate", f"explained variance at step {steps // 2}",
                                 f"over the last 10 of {steps} steps", "its highest", "plateau"], rows)

@@ -38,7 +38,7 @@ def few_shot(n: int) -> str:
 def test_gemma3_logits_match_transformers_within_and_beyond_the_sliding_window(gemma):
     ours, tokenizer, reference, reference_tokenizer = gemma
     assert ours.config.family == "gemma3_text" and ours.config.sliding_window == 512
-    for n in (5, 70):
+    for n in (70,):  # 848 tokens: positions on both sides of the window (the greedy test's prompt is short)
         ids = tokenizer(few_shot(n))["input_ids"]
         assert ids == reference_tokenizer(few_shot(n))["input_ids"]
         # Every 8th position and the last 8: both sides of the window at 848 tokens, without the
