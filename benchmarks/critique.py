@@ -57,6 +57,9 @@ MODELS = {"demo": "configs/demo_cpu.yaml", "smollm2": "configs/smollm2_135m_gsm8
           "gemma3": "configs/gemma3_270m_arith_cpu.yaml"}
 
 
+PART = ("command", "commit", "date", "wall_s")  # what a summary says of each part of its runs
+
+
 def train(run_dir: Path, config: str, sets: list[str], args) -> tuple[list[dict], float]:
     """One `grpo-jax train` run -> (its metrics records, wall seconds); its log beside it. A finished
     run of the same command is read back unless --fresh (stability.train_run)."""
@@ -379,18 +382,28 @@ def main(argv=None) -> int:
     summary_file = args.output / "summary.json"
     head = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
             "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "machine": "this project's 2-core CPU machine"}
+    # Resuming the same command's unfinished summary: its parts (command, commit, date, time) go on.
+    before = json.loads(summary_file.read_text()) if summary_file.exists() and not (args.append or args.fresh) else {}
+    prior = (before.get("parts") or [{k: before[k] for k in PART}]) if before.get("finished") is False and \
+        before["command"] == head["command"] else []
+
+    def parted(**extra) -> dict:  # the summary's head: this part's time, on top of the parts before it
+        now = round(time.perf_counter() - t0)
+        parts = [*prior, {**{k: head[k] for k in PART[:3]}, "wall_s": now}] if prior else None
+        return {**head, **extra, "wall_s": sum(p["wall_s"] for p in prior) + now, **({"parts": parts} if parts else {})}
+
     args.progress = None if args.append else lambda runs: summary_file.write_text(json.dumps(
-        {**head, "finished": False, "wall_s": round(time.perf_counter() - t0), "runs": runs}, indent=1) + "\n")
+        {**parted(finished=False), "runs": runs}, indent=1) + "\n")
     runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
     earlier = json.loads(summary_file.read_text()) if args.append and summary_file.exists() else None
     if earlier is not None:  # more seeds for the same experiment: one summary, each part's command and commit
         names = {r["run"] for r in runs}
         runs = [r for r in earlier["runs"] if r["run"] not in names] + runs
     plot(args.experiment, runs, args.output / f"{args.experiment}.png")
-    result = {**head, "wall_s": round(time.perf_counter() - t0), "runs": runs}
+    result = {**parted(), "runs": runs}
     if earlier is not None:
-        result["parts"] = earlier.get("parts", [{k: earlier[k] for k in ("command", "commit", "date", "wall_s")}])
-        result["parts"].append({k: result[k] for k in ("command", "commit", "date", "wall_s")})
+        result["parts"] = earlier.get("parts", [{k: earlier[k] for k in PART}])
+        result["parts"].append({k: result[k] for k in PART})
         result["wall_s"] = sum(part["wall_s"] for part in result["parts"])
     summary_file.write_text(json.dumps(result, indent=1) + "\n")
     return 0

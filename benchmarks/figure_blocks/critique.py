@@ -38,9 +38,12 @@ def _flags(rs: list[dict]) -> str:
 
 
 def _header(d: dict) -> str:
-    parts = d.get("parts") or [d]
-    runs = " then ".join(f"`{p['command']}` ({p['date']}, commit {p['commit']}, {minutes(p['wall_s'])})" for p in parts)
-    return f"{runs}; {d['machine']}. Per-run metrics beside the summary in `benchmarks/results/critique/`.\n\n"
+    runs, last = [], None
+    for p in d.get("parts") or [d]:  # a part that resumed the same command: its commit and time beside
+        when = f"{p['date']}, commit {p['commit']}, {minutes(p['wall_s'])}"
+        runs += [runs.pop()[:-1] + f"; resumed: {when})"] if p["command"] == last else [f"`{p['command']}` ({when})"]
+        last = p["command"]
+    return f"{' then '.join(runs)}; {d['machine']}. Per-run metrics beside the summary in `benchmarks/results/critique/`.\n\n"
 
 
 def render_hacking() -> str:

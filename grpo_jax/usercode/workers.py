@@ -72,7 +72,9 @@ def _write(conn, outbox: queue.SimpleQueue) -> None:
     while (payload := outbox.get()) is not None:
         try:
             conn.send_bytes(payload)
-        except OSError:  # the worker is gone or its pipe closed: the poller finds it lost
+        except (OSError, TypeError, ValueError):
+            # The worker is gone or its pipe closed (by the trainer, while this thread was sending:
+            # the connection's handle is then None): the poller finds it lost.
             return
 
 

@@ -218,7 +218,7 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     def fake_train(run_dir, config, sets, args):
         calls.append(run_dir.name)
         settings[run_dir.name] = sets
-        if (tmp_path / "summary.json").exists():  # what the runs so far left
+        if json.loads((tmp_path / "summary.json").read_text())["runs"]:  # what the runs so far left
             partial.append(json.loads((tmp_path / "summary.json").read_text()))
         got = dict(s.split("=", 1) for s in sets if "=" in s and not s.startswith("rewards"))
         clr, lr = float(got.get("ppo.critic_learning_rate", 0)), float(got.get("train.learning_rate", 0))
@@ -229,9 +229,16 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
         return [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "value/explained_variance": ev, "eval/accuracy": acc}], 1.0
 
     monkeypatch.setattr(critique, "train", fake_train)
-    assert critique.main(["credit", "--output", str(tmp_path), "--seeds", "0", "1", "--reward", "derivation",
-                          "--trunk-lr-ratio", "0.1", "--critic-path", "rm/hf"]) == 0
+    argv = ["credit", "--output", str(tmp_path), "--seeds", "0", "1", "--reward", "derivation", "--trunk-lr-ratio", "0.1",
+            "--critic-path", "rm/hf"]
+    # An earlier part of the same command stopped part way: its commit and time stay in the summary.
+    earlier = {"command": " ".join(["python", "benchmarks/critique.py", *argv]), "commit": "abc1234", "date": "2026-12-05",
+               "wall_s": 600, "finished": False, "runs": []}
+    (tmp_path / "summary.json").write_text(json.dumps(earlier))
+    assert critique.main(argv) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["commit"] for p in summary["parts"]][0] == "abc1234" and len(summary["parts"]) == 2
+    assert summary["wall_s"] == 600 + summary["parts"][1]["wall_s"]
     choices = summary["runs"][-1]
     assert choices["critic_lr"] == {"head": 3e-3, "model": 1e-3} and set(choices["policy_lr"].values()) == {1.5e-4}
     assert "finished" not in summary and partial[-1]["finished"] is False
