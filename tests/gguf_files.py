@@ -2,18 +2,20 @@
 what a run sees of a tokenizer (`tokenizer_behaviour`), to compare ours with transformers'.
 
 A GGUF test loads one file four times: our conversion (the weights and the tokenizer, from one
-reader), and transformers' reference (its config, its weights, its tokenizer). Our conversion and
-the reference's config parse the file's metadata with `gguf.GGUFReader` (Gemma 3's 262,144-token
-vocabulary takes tens of seconds to parse on these machines); transformers 5.24 reads the tokenizer,
-and the weights of the architectures its GGUF quantizer covers, with a reader of its own.
-`one_parse_per_file` makes each `gguf.GGUFReader` parse and each `gguf.dequantize` happen once per
-file and process: what the tests compare (our name mapping, layouts, q/k un-permutation, config,
-tokenizer files and model code against transformers' own) is computed by each side as before.
+reader), and transformers' reference (its config, its weights, its tokenizer). Our conversion reads
+the file with grpo_jax/models/gguf_reader.py; the reference's config parses it with
+`gguf.GGUFReader` (Gemma 3's 262,144-token vocabulary takes that ~10 s on these machines);
+transformers 5.24 reads the tokenizer, and the weights of the architectures its GGUF quantizer
+covers, with a reader of its own. `one_parse_per_file` makes each `gguf.GGUFReader` parse and
+each `gguf.dequantize` of the same bytes happen once per process: what the tests compare (our
+reader, name mapping, layouts, q/k un-permutation, config, tokenizer files and model code against
+transformers' own) is computed by each side as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 
 import numpy as np
@@ -23,7 +25,7 @@ import pytest
 @contextlib.contextmanager
 def one_parse_per_file():
     """Within the block, `gguf.GGUFReader(path)` returns one reader per unchanged file and
-    `gguf.dequantize` computes each tensor of a reader once (callers get their own copy)."""
+    `gguf.dequantize` computes each tensor once (callers get their own copy)."""
     import gguf
     from gguf import quants
 
@@ -38,9 +40,8 @@ def one_parse_per_file():
         return readers[key]
 
     def dequantize_once(data, qtype):
-        # The shared reader hands both sides the same memory-mapped views: their address, shape and
-        # type name the tensor.
-        key = (data.__array_interface__["data"][0], data.shape, data.dtype.str, int(qtype))
+        # Each side maps the file itself: the bytes, their shape and type name the tensor.
+        key = (hashlib.blake2b(np.ascontiguousarray(data).data).digest(), data.shape, data.dtype.str, int(qtype))
         if key not in tensors:
             tensors[key] = dequantize(data, qtype)
         return np.array(tensors[key], copy=True)
@@ -50,6 +51,32 @@ def one_parse_per_file():
         mp.setattr(gguf, "dequantize", dequantize_once)
         mp.setattr(quants, "dequantize", dequantize_once)
         yield
+
+
+def reader_mismatches(path) -> list[str]:
+    """Where grpo_jax's GGUF reader (models/gguf_reader.py) and `gguf.GGUFReader` read `path`
+    differently: each field's key, value and Python type, each tensor's name, type, shape, the dtype
+    and shape of its data and every byte of it."""
+    import gguf
+
+    from grpo_jax.models.gguf_reader import Reader, read
+
+    ours, theirs = read(path), gguf.GGUFReader(str(path))
+    assert isinstance(ours, Reader)  # a little-endian file: ours, not gguf's
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # gguf's own header entries
+    out = [] if keys == list(ours.fields) else [f"keys: {sorted(set(keys) ^ set(ours.fields))}"]
+    for key in keys:
+        want, got = theirs.fields[key].contents(), ours.fields.get(key)
+        if want != got or type(want) is not type(got):
+            out.append(f"field {key}: {str(got)[:60]} != {str(want)[:60]}")
+    if len(ours.tensors) != len(theirs.tensors):
+        out.append(f"{len(ours.tensors)} tensors != {len(theirs.tensors)}")
+    for a, b in zip(ours.tensors, theirs.tensors):
+        same = (a.name, a.tensor_type, a.shape.tolist(), a.data.dtype, a.data.shape) == \
+            (b.name, b.tensor_type, b.shape.tolist(), b.data.dtype, b.data.shape)
+        if not (same and np.array_equal(a.data, np.asarray(b.data))):
+            out.append(f"tensor {b.name}")
+    return out
 
 
 # Plain ASCII, digits (split one by one or in threes), runs of spaces, tabs and newlines, accents and

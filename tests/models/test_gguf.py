@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf_files import one_parse_per_file, tokenizer_behaviour
+from gguf_files import one_parse_per_file, reader_mismatches, tokenizer_behaviour
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import from_pretrained, load_tokenizer, save_pretrained
@@ -39,7 +39,28 @@ def loaded(tmp_path_factory):
         reference = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name,
                                                          dtype=torch.float32)
         reference_tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+        READ["mismatches"] = reader_mismatches(SMOLLM2)  # gguf.GGUFReader's parse is the reference's
     return ours, tokenizer, reference, reference_tokenizer, cache
+
+
+READ = {}  # what the fixture found comparing our GGUF reader with gguf's
+
+
+def test_our_gguf_reader_reads_every_field_and_tensor_as_gguf_does(loaded):
+    assert READ["mismatches"] == []
+
+
+def test_our_gguf_reader_refuses_a_cut_or_foreign_file(tmp_path):
+    from grpo_jax.models.gguf_reader import read
+
+    data = SMOLLM2.read_bytes()  # 40: within the first field's key (its length at bytes 24-31)
+    for end, where in ((30, "inside its header"), (40, "inside a string"), (len(data) - 100, "inside tensor")):
+        (tmp_path / "cut.gguf").write_bytes(data[:end])
+        with pytest.raises(ValueError, match=f"GGUF file ends at byte {end:,}, {where}"):
+            read(tmp_path / "cut.gguf")
+    (tmp_path / "other.gguf").write_bytes(b"PK\x03\x04" + data[4:4096])
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read(tmp_path / "other.gguf")
 
 
 def chat_ids(tokenizer) -> list[int]:

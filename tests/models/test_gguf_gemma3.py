@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf_files import one_parse_per_file, tokenizer_behaviour
+from gguf_files import one_parse_per_file, reader_mismatches, tokenizer_behaviour
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.models import from_pretrained, load_tokenizer
@@ -28,7 +28,15 @@ def gemma(tmp_path_factory):
         ours, tokenizer = from_pretrained(path), load_tokenizer(path)
         reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         reference_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        READ["mismatches"] = reader_mismatches(path)  # gguf.GGUFReader's parse is the reference's
     return ours, tokenizer, reference, reference_tokenizer
+
+
+READ = {}  # what the fixture found comparing our GGUF reader with gguf's
+
+
+def test_our_gguf_reader_reads_gemmas_262k_token_strings_and_quantised_tensors_as_gguf_does(gemma):
+    assert READ["mismatches"] == []
 
 
 def few_shot(n: int) -> str:
@@ -38,7 +46,7 @@ def few_shot(n: int) -> str:
 def test_gemma3_logits_match_transformers_within_and_beyond_the_sliding_window(gemma):
     ours, tokenizer, reference, reference_tokenizer = gemma
     assert ours.config.family == "gemma3_text" and ours.config.sliding_window == 512
-    for n in (70,):  # 848 tokens: positions on both sides of the window (the greedy test's prompt is short)
+    for n in (5, 70):
         ids = tokenizer(few_shot(n))["input_ids"]
         assert ids == reference_tokenizer(few_shot(n))["input_ids"]
         # Every 8th position and the last 8: both sides of the window at 848 tokens, without the
