@@ -58,10 +58,11 @@ def render_ci() -> str:
     data = json.loads(path.read_text())
     run = data["runs"][0]
     tests = re.match(r"(\d+) passed", run["pytest_line"]).group(1)
+    after = (f", {minutes(run['plain_install_s'])} after them for the plain install's config checks" if run["plain_install_s"]
+             else "; `.ci/plain_install`'s install and config checks ran beside them")
     return (f"measured {data['date']} from a fresh clone: {minutes(run['wall_s'])} in all: {minutes(run['tests_s'])} "
-            f"for the install and the {tests} tests, {minutes(run['plain_install_s'])} after them for `.ci/plain_install` (its\n"
-            "dependencies install beside the tests' own); "
-            f"the runs' figures and slowest tests: `{path.relative_to(ROOT)}`).\n")
+            f"for the install and the {tests} tests{after}; "
+            f"the runs' figures and slowest tests:\n`{path.relative_to(ROOT)}`).\n")
 
 
 def render_lora_demo() -> str:

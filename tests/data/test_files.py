@@ -191,14 +191,22 @@ def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tm
     assert not (tmp_path / "refused").exists()
 
 
-@pytest.mark.parametrize("kind", ["csv", "parquet", "json", "save_to_disk"])
-def test_each_format_trains_two_steps_counting_its_malformed_rows(tmp_path, kind):
+def test_each_format_skips_and_counts_its_malformed_rows_and_a_csv_run_logs_them(tmp_path):
+    """Every format's rows through the run's own reading (data_sources) and formatter: each empty
+    prompt skipped and counted, every other row formatted (the readers give the same rows: above);
+    CSV, whose reader types the columns itself, also trains two steps and logs the count."""
     rows = [dict(r) for r in ROWS * 2]
     for r in rows[2::4]:
         r["question"] = ""  # an empty prompt: skipped and counted
     (tmp_path / "my_rewards.py").write_text(REWARD)
-    path = _write_all(tmp_path, rows)[kind]
-    config = _run_config(tmp_path, {"path": path, "template": "{question}"},
+    paths = _write_all(tmp_path, rows)
+    for kind in ("csv", "parquet", "json", "save_to_disk"):
+        train, held = data_sources(_config(tmp_path, path=paths[kind], eval_fraction=0.2).data, [])
+        fmt = PromptFormatter(char_tokenizer(), template="{question}", max_prompt_tokens=8, answer_field="answer")
+        split = [source[i] for source in (train, held) for i in range(len(source))]
+        assert [fmt.encode(r) is None for r in split] == [r["question"] in ("", None) for r in split], kind
+        assert fmt.stats["skipped_malformed"] == len(rows[2::4]) and fmt.stats["formatted"] == len(rows) - len(rows[2::4])
+    config = _run_config(tmp_path, {"path": paths["csv"], "template": "{question}"},
                          [{"name": "math_accuracy"}, {"name": f"{tmp_path}/my_rewards.py:difficulty_bonus"}])
     assert cli.main(["train", "--config", write_config(tmp_path, config), "--output", str(tmp_path / "run")]) == 0
     last = read_metrics(tmp_path / "run")[-1]
