@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -364,7 +365,7 @@ def main(argv=None) -> int:
         result = json.loads(summary_file.read_text())
         result["runs"] = resummarise(args.output)
         plot(args.experiment, result["runs"], args.output / f"{args.experiment}.png")
-        summary_file.write_text(json.dumps(result, indent=1) + "\n")
+        save(summary_file, result)
         return 0
     if args.critic_path and "model" not in args.critic_kinds:
         p.error("--critic-path starts the critic model: add model to --critic-kinds")
@@ -383,7 +384,10 @@ def main(argv=None) -> int:
     head = {"experiment": args.experiment, "command": " ".join(["python", "benchmarks/critique.py", *(argv or sys.argv[1:])]),
             "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"), "machine": "this project's 2-core CPU machine"}
     # Resuming the same command's unfinished summary: its parts (command, commit, date, time) go on.
-    before = json.loads(summary_file.read_text()) if summary_file.exists() and not (args.append or args.fresh) else {}
+    try:  # (a summary cut short is a fresh start)
+        before = json.loads(summary_file.read_text()) if not (args.append or args.fresh) else {}
+    except (OSError, json.JSONDecodeError):
+        before = {}
     prior = (before.get("parts") or [{k: before[k] for k in PART}]) if before.get("finished") is False and \
         before["command"] == head["command"] else []
 
@@ -392,8 +396,7 @@ def main(argv=None) -> int:
         parts = [*prior, {**{k: head[k] for k in PART[:3]}, "wall_s": now}] if prior else None
         return {**head, **extra, "wall_s": sum(p["wall_s"] for p in prior) + now, **({"parts": parts} if parts else {})}
 
-    args.progress = None if args.append else lambda runs: summary_file.write_text(json.dumps(
-        {**parted(finished=False), "runs": runs}, indent=1) + "\n")
+    args.progress = None if args.append else lambda runs: save(summary_file, {**parted(finished=False), "runs": runs})
     runs = {"hacking": hacking, "overopt": overopt, "retention": retention, "credit": credit}[args.experiment](args)
     earlier = json.loads(summary_file.read_text()) if args.append and summary_file.exists() else None
     if earlier is not None:  # more seeds for the same experiment: one summary, each part's command and commit
@@ -405,8 +408,15 @@ def main(argv=None) -> int:
         result["parts"] = earlier.get("parts", [{k: earlier[k] for k in PART}])
         result["parts"].append({k: result[k] for k in PART})
         result["wall_s"] = sum(part["wall_s"] for part in result["parts"])
-    summary_file.write_text(json.dumps(result, indent=1) + "\n")
+    save(summary_file, result)
     return 0
+
+
+def save(path: Path, summary: dict) -> None:
+    """Whole or not at all: a run killed while saving leaves the summary before it."""
+    part = path.with_suffix(".json.part")
+    part.write_text(json.dumps(summary, indent=1) + "\n")
+    os.replace(part, path)
 
 
 if __name__ == "__main__":

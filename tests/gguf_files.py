@@ -67,14 +67,15 @@ def reader_mismatches(path) -> list[str]:
     out = [] if keys == list(ours.fields) else [f"keys: {sorted(set(keys) ^ set(ours.fields))}"]
     for key in keys:
         want, got = theirs.fields[key].contents(), ours.fields.get(key)
-        if want != got or type(want) is not type(got):
+        if want != got or type(want) is not type(got) or (
+                isinstance(want, list) and any(type(a) is not type(b) for a, b in zip(want, got))):
             out.append(f"field {key}: {str(got)[:60]} != {str(want)[:60]}")
     if len(ours.tensors) != len(theirs.tensors):
         out.append(f"{len(ours.tensors)} tensors != {len(theirs.tensors)}")
     for a, b in zip(ours.tensors, theirs.tensors):
         same = (a.name, a.tensor_type, a.shape.tolist(), a.data.dtype, a.data.shape) == \
             (b.name, b.tensor_type, b.shape.tolist(), b.data.dtype, b.data.shape)
-        if not (same and np.array_equal(a.data, np.asarray(b.data))):
+        if not (same and a.data.tobytes() == np.asarray(b.data).tobytes()):
             out.append(f"tensor {b.name}")
     return out
 

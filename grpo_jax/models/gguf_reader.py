@@ -11,6 +11,7 @@ file (rare) is read by `gguf.GGUFReader` itself.
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,6 +40,8 @@ class Reader:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import quant_shape_to_byte_shape
 
+        if Path(path).stat().st_size == 0:
+            raise ValueError("GGUF file is empty")
         self.data = np.memmap(path, mode="r")
         self.buffer, self.offset = memoryview(self.data), 0
         magic, version = self.unpack("<II")
@@ -58,17 +61,19 @@ class Reader:
             name = self.string()
             dims = self.unpack(f"<{self.unpack('<I')[0]}Q")
             infos.append((name, dims, *self.unpack("<IQ")))
-        alignment = int(self.fields.get("general.alignment", 32))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"GGUF alignment {alignment} is not a power of two")
+        alignment = self.fields.get("general.alignment", 32)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"GGUF alignment {alignment!r} is not a power of two")
         start = -(-self.offset // alignment) * alignment
         plain = {GGMLQuantizationType[name]: dtype for name, dtype in (
             ("F16", np.float16), ("F32", np.float32), ("F64", np.float64), ("I8", np.int8), ("I16", np.int16),
             ("I32", np.int32), ("I64", np.int64))}
         self.tensors: list[Tensor] = []
+        if len({info[0] for info in infos}) < len(infos):
+            raise ValueError("GGUF file names a tensor twice")
         for name, dims, kind, offset in infos:
             qtype = GGMLQuantizationType(kind)
-            count, shape = int(np.prod(dims)), tuple(reversed(dims))
+            count, shape = math.prod(dims), tuple(reversed(dims))
             if qtype in plain:
                 dtype = plain[qtype]
             else:

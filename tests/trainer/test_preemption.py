@@ -18,7 +18,7 @@ from runs import CONFIG, assert_same_run, write_config
 from grpo_jax import cli
 from grpo_jax.observe.writers import read_metrics
 
-STEPS = 20  # the signal comes once step 2 is logged: 18 steps of margin on a loaded machine
+STEPS = 30
 
 
 def _config(tmp_path):
