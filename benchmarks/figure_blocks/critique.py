@@ -224,7 +224,8 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
     if rows:
         out += table(["arm", "policy learning rate: final held-out accuracy (seed 0)"], rows)
     final = lambda rs: [r["evals"][-1]["eval/accuracy"] for r in rs]  # noqa: E731
-    ev = lambda rs: _ci([float(np.mean(r["ev_curve"][-10:])) for r in rs]) if rs[0].get("ev_curve") else "-"  # noqa: E731
+    ev = lambda rs: _ci([float(np.nanmean([np.nan if v is None else v for v in r["ev_curve"][-10:]]))  # noqa: E731
+                         for r in rs]) if rs[0].get("ev_curve") else "-"  # a diverged critic's NaN is null in JSON
     rows = []
     groups = {**_groups([r for r in runs if r.get("stage") == "compare"], "arm"),
               **_groups([r for r in runs if r.get("stage") == "ablate"], "arm")}
