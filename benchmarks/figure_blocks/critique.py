@@ -248,6 +248,19 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
     return out
 
 
+def render_credit_warmstarts() -> str:
+    """benchmarks/credit_warmstarts.py: the chain's warm start by SFT steps and seed."""
+    d = load("critique/credit_warmstarts/summary.json")
+    seeds = sorted({r["seed"] for r in d["runs"]})
+    by = {(r["sft_steps"], r["seed"]): r["warm_start_accuracy"] for r in d["runs"]}
+    rows = [[str(steps), *(f"{by[(steps, s)]:.3f}" if (steps, s) in by else "-" for s in seeds)]
+            for steps in sorted({r["sft_steps"] for r in d["runs"]})]
+    runs_time = minutes(sum(r["wall_s"] for r in d["runs"]))  # a resumed command read finished runs back
+    return (f"`{d['command']}` ({d['date']}, commit {d['commit']}, {runs_time} of runs); {d['machine']}.\n\n"
+            + table(["sft.steps", *(f"seed {s}: held-out accuracy at step 0" for s in seeds)], rows)
+            + ("\nPart way: the runs marked - had not run; the same command goes on.\n" if d.get("finished") is False else ""))
+
+
 BLOCKS = {}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
@@ -255,7 +268,8 @@ for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("cri
                            "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
                           ("critique-credit-verifier", render_credit_verifier, "credit_verifier"),
                           ("critique-credit-compare", render_credit_compare, "credit_compare"),
-                          ("critique-credit-rm-probe", render_credit_rm_probe, "credit_rm_probe")):
+                          ("critique-credit-rm-probe", render_credit_rm_probe, "credit_rm_probe"),
+                          ("critique-credit-warmstarts", render_credit_warmstarts, "credit_warmstarts")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn
 # The critics' warm-up sweeps (stage 1 of `critique.py credit`): one block each, named by its folder.
