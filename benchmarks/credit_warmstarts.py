@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    sets = ["train.steps=1", "eval.every=1", *critique._reward(argparse.Namespace(control=False, reward="derivation"))[0]]
+    sets = ["train.steps=1", "eval.every=1", *critique.reward_sets("derivation_exact")]
     runs = []
     head = {"experiment": "credit_warmstarts", "commit": commit.strip(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(["python", "benchmarks/credit_warmstarts.py", *(argv or sys.argv[1:])]),

@@ -195,7 +195,12 @@ def _reward(args) -> tuple[list[str], str]:
     name = "first_token_even" if args.control else {"answer": None, "derivation": "derivation_exact"}[args.reward]
     if name is None:
         return [], ""
-    return [f"rewards=[{{name: '{REWARDS}:{name}'}}]"], "control_" if args.control else "derivation_"
+    return reward_sets(name), "control_" if args.control else "derivation_"
+
+
+def reward_sets(name: str) -> list[str]:
+    """The --set that trains on benchmarks/critique_rewards.py's reward `name` alone."""
+    return [f"rewards=[{{name: '{REWARDS}:{name}'}}]"]
 
 
 def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
