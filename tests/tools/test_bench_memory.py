@@ -9,6 +9,7 @@ from runs import CONFIG, write_config
 
 from grpo_jax import cli
 from grpo_jax.tools.bench.memory import CHIPS, with_device_count
+from grpo_jax.tools.bench.programs import NOT_ASKED
 
 PROGRAMS = ("sampler", "eval_sampler", "reference", "train_step")  # CONFIG has grpo.beta > 0: a reference pass
 FIGURES = ("argument_bytes", "output_bytes", "temp_bytes")
@@ -46,7 +47,8 @@ def test_memory_of_each_program_per_device_and_block_remat_lowers_the_train_step
     assert none["peak_bytes"] == max(p["peak_bytes"] for p in none["programs"].values())
     assert none["margin_bytes"] == CHIPS["v5e"] - none["peak_bytes"] and none["verdict"] == "fits"
 
-    block = _bench(tmp_path, "block", "--devices", "8", "--set", "train.micro_batches=4", "--set", "model.remat=block")
+    block = _bench(tmp_path, "block", "--devices", "8", "--set", "train.micro_batches=4", "--set", "model.remat=block",
+                   "--programs", "sampler,train_step")  # (the two compared)
     assert block["model"]["remat"] == "block"
     assert block["programs"]["train_step"]["temp_bytes"] < 0.8 * train["temp_bytes"]
     # Passes without gradients are the same programs.
@@ -55,9 +57,10 @@ def test_memory_of_each_program_per_device_and_block_remat_lowers_the_train_step
 
 def test_another_device_count_is_measured_in_a_process_of_its_own(tmp_path):
     two = _bench(tmp_path, "two", "--devices", "2", "--set", "mesh={data: -1}", "--set", "grpo.beta=0",
-                 "--chip", "v6e")
+                 "--chip", "v6e", "--programs", "reference,train_step")  # (--programs goes to the process too)
     assert two["devices"] == 2 and two["mesh"] == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
-    assert two["hbm_bytes"] == CHIPS["v6e"] and "reference" in two["not_compiled"]
+    assert two["hbm_bytes"] == CHIPS["v6e"] and two["not_compiled"]["reference"].startswith("grpo.beta = 0")
+    assert two["not_compiled"]["sampler"] == NOT_ASKED and list(two["programs"]) == ["train_step"]
     assert two["programs"]["train_step"]["temp_bytes"] > 0
     assert with_device_count("--xla_cpu_foo=1 --xla_force_host_platform_device_count=8", 2) == (
         "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
