@@ -220,7 +220,7 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
             name = f"{prefix}warmup_{kind}_clr{clr:g}"
             records, wall = train(args.output / name, config, [
                 "algorithm=ppo", f"ppo.critic={kind}", f"ppo.value_warmup_steps={warm}", f"train.steps={warm}",
-                f"ppo.critic_learning_rate={clr}", "eval.every=0", *trunk, *reward], args)
+                f"ppo.critic_learning_rate={clr}", "eval.every=0", *trunk, *reward, *args.start], args)
             ev = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
             row = summary(name, records, wall, 128 * 4, stage="critic_lr", kind=kind, critic_lr=clr, ev_curve=ev,
                           ev_end=float(np.mean(ev[-10:])), ev_plateau_step=_plateau(ev), control=args.control,
@@ -234,19 +234,39 @@ def critic_warmups(args, config: str) -> tuple[list[dict], dict[str, float]]:
     return out, critic_lr
 
 
+def shared_warm_start(args, config: str) -> tuple[list[str], dict]:
+    """--warm-start: the chain's supervised warm start, made once -> (the --set that start a run from
+    it, what it is). A LoRA run of one step writes its warm-started base, before any adapter comes,
+    to RUN/base (grpo_jax.trainer.lora_base), as an HF directory; every run then loads it
+    (model.path) with no warm start of its own (sft.steps=0), so a run's seed varies only its RL."""
+    run = args.output / f"warm_start_sft{args.warm_start}_s{args.warm_start_seed}"
+    base = (run / "base").resolve()
+    if not (base / "config.json").exists():  # (not committed: made again, the same, from a clone)
+        (run / "run.json").unlink(missing_ok=True)
+    records, wall = train(run, config, [f"sft.steps={args.warm_start}", f"train.seed={args.warm_start_seed}",
+                                        "lora.rank=8", "train.steps=1", "eval.every=1", *_reward(args)[0]], args)
+    first = next(r for r in records if "eval/accuracy" in r)
+    about = {"sft_steps": args.warm_start, "seed": args.warm_start_seed, "accuracy": first["eval/accuracy"],
+             "pass_at_k": first.get("eval/pass@k"), "wall_s": round(wall, 1)}
+    print(json.dumps({"warm_start": about}), flush=True)
+    return [f"model.path={base}", "model.architecture=null", "sft.steps=0"], about
+
+
 def credit(args) -> list[dict]:
     """Four stages, each stage's choice read from the one before: (1) each critic kind's learning
     rate, from value warm-up runs alone (`critic_warmups`); (2) each arm's policy learning rate at
     seed 0 (final held-out accuracy); (3) the arms at their chosen rates over --seeds; (4) VAPO's
-    parts taken out one at a time over --seeds."""
+    parts taken out one at a time over --seeds. With --warm-start every run starts from one shared
+    warm start (`shared_warm_start`); else each from its own seed's (the config's sft.steps)."""
     config, warm = "configs/chain_cpu.yaml", args.value_warmup
+    args.start, start = shared_warm_start(args, config) if args.warm_start else ([], None)
     out, critic_lr = critic_warmups(args, config)
     if args.critic_only:  # stage 1 alone: where each critic's explained variance goes in warm-up
-        return out + [{"run": "choices", "critic_lr": critic_lr, "evals": []}]
+        return out + [{"run": "choices", "critic_lr": critic_lr, "warm_start": start, "evals": []}]
     crit = {"ppo": critic_lr["head"], "vapo": critic_lr["model"]}
     trunk = [] if args.trunk_lr_ratio is None else [f"ppo.critic_trunk_learning_rate={crit['vapo'] * args.trunk_lr_ratio:g}"]
     trunk += [f"ppo.critic_path={args.critic_path}"] if args.critic_path else []
-    base = [f"eval.every={args.eval_every}", *_reward(args)[0]]
+    base = [f"eval.every={args.eval_every}", *_reward(args)[0], *args.start]
 
     def arm_sets(arm, lr, extra=()):
         """The arm's settings, an ablation's `extra` last (it wins). A critic's warm-up steps come on
@@ -284,7 +304,7 @@ def credit(args) -> list[dict]:
     for name, extra in ABLATIONS.items():
         for seed in args.seeds:
             one(name, arm_sets("vapo", policy_lr["vapo"], extra), seed, stage="ablate", arm=name, lr=policy_lr["vapo"])
-    out.append({"run": "choices", "critic_lr": critic_lr, "policy_lr": policy_lr, "evals": []})
+    out.append({"run": "choices", "critic_lr": critic_lr, "policy_lr": policy_lr, "warm_start": start, "evals": []})
     return out
 
 
@@ -357,6 +377,10 @@ def main(argv=None) -> int:
                    help="credit: the critic model's starting weights (ppo.critic_path: a reward model's HF directory)")
     p.add_argument("--control", action="store_true",
                    help="credit: stage 1 on the control reward `first_token_even` (implies --critic-only)")
+    p.add_argument("--warm-start", type=int, default=None, metavar="SFT_STEPS",
+                   help="credit: every run starts from one warm start (SFT_STEPS supervised steps at --warm-start-seed), "
+                        "made once, instead of its own seed's (the config's sft.steps)")
+    p.add_argument("--warm-start-seed", type=int, default=0, help="credit: the shared warm start's seed")
     p.add_argument("--append", action="store_true",
                    help="keep the runs already in --output's summary.json (a run of the same name is replaced)")
     p.add_argument("--fresh", action="store_true",

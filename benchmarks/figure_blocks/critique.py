@@ -4,6 +4,8 @@ results/critique/ (each run's metrics beside them)."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -219,6 +221,9 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
     rows = [[CREDIT_ARMS[a], ", ".join(f"{r['lr']:g}: {r['evals'][-1]['eval/accuracy']:.3f}" for r in rs)]
             for a, rs in sweep.items()]
     out = _header(d)
+    shared = _shared_warm_start(path)
+    if shared:
+        out += shared
     if any(r.get("stage") == "critic_lr" for r in runs):  # stage 1: the critics' warm-ups
         out += "Stage 1, the critics' warm-ups:\n\n" + render_credit_critics(path).split("\n\n", 1)[1] + "\n"
     if rows:
@@ -239,13 +244,27 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
                               "minus GRPO (an ablation: minus VAPO), paired by seed [95% interval], t-test p",
                               "critic explained variance, last 10 steps"], rows)
         out += ("\nEvery arm makes the same number of policy updates (a critic's warm-up steps come on top), so a "
-                "seed pairs the warm start; the prompts after a warm-up are not the same ones. Seed 0 of each arm is "
-                "its sweep's run at the chosen rate.\n")
+                + ("seed pairs the RL's sampling (every run starts from the one warm start)" if shared else
+                   "seed pairs the warm start") + "; the prompts after a warm-up are not the same ones. Seed 0 of "
+                "each arm is its sweep's run at the chosen rate.\n")
     if d.get("finished") is False:
         out = out.rstrip("\n") + "\n"
         out += (f"\nPart way: {len({r['run'] for r in runs if r.get('stage') not in (None, 'critic_lr')})} runs of stages 2-4 "
                 "finished; the same command goes on from there (finished runs are read back).\n")
     return out
+
+
+def _shared_warm_start(path: str) -> str:
+    """`critique.py credit --warm-start`'s one warm start (its run beside the others): what it was."""
+    for run in sorted((RESULTS / path).glob("warm_start_sft*")):
+        if not (run / "metrics.jsonl.gz").exists():
+            continue
+        steps, seed = run.name.removeprefix("warm_start_sft").split("_s")
+        first = next(r for r in map(json.loads, gzip.open(run / "metrics.jsonl.gz", "rt")) if "eval/accuracy" in r)
+        return (f"Every run starts from one warm start ({steps} SFT steps at seed {seed}, made once by the command, "
+                f"its run `{run.name}`): held-out accuracy {first['eval/accuracy']:.3f}, pass@{first['eval/k']} "
+                f"{first['eval/pass@k']:.3f} at step 0 on the run's reward.\n\n")
+    return ""
 
 
 def render_credit_warmstarts() -> str:
@@ -268,6 +287,7 @@ for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("cri
                            "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
                           ("critique-credit-verifier", render_credit_verifier, "credit_verifier"),
                           ("critique-credit-compare", render_credit_compare, "credit_compare"),
+                          ("critique-credit-shared", lambda: render_credit_compare("critique/credit_shared"), "credit_shared"),
                           ("critique-credit-rm-probe", render_credit_rm_probe, "credit_rm_probe"),
                           ("critique-credit-warmstarts", render_credit_warmstarts, "credit_warmstarts")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
