@@ -152,7 +152,8 @@ def render_credit_critics(path: str = "critique/credit_critics") -> str:
 
 ORACLES = (("credit_oracle", "the last total (the config's reward)"),
            ("credit_oracle_derivation", "every total (`derivation_exact`)"),
-           ("credit_oracle_derivation_sft1500", "every total, a 1500-step warm start"))
+           ("credit_oracle_derivation_sft1500", "every total, a 1500-step warm start"),
+           ("credit_oracle_shared", "every total, the comparison's shared warm start (800 steps)"))
 
 
 def render_credit_oracle() -> str:
@@ -208,7 +209,8 @@ def _versus(rs: list[dict], ref: dict) -> str:
     if len(set(mine) & set(ref)) < 2:
         return "(fewer than 2 seeds in common)"
     t = paired(mine, ref)
-    return f"{t['diff']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}], p {t['p']:.3f} ({t['n']} seeds)"
+    # (the sign-flip test's too: with 3 seeds no p below 0.25, and a t-test of equal differences says 0)
+    return f"{t['diff']:+.3f} [{t['lo']:+.3f}, {t['hi']:+.3f}], p {t['p']:.3f}, sign-flip p {t['p_sign_flip']:.3f} ({t['n']} seeds)"
 
 
 def render_credit_compare(path: str = "critique/credit_compare") -> str:
@@ -241,7 +243,7 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
                      "(the reference)" if arm == against else _versus(rs, refs[against]), ev(rs)])
     if rows:
         out += "\n" + table(["arm", "learning rate", "seeds", "final held-out accuracy, mean [95% t interval]",
-                              "minus GRPO (an ablation: minus VAPO), paired by seed [95% interval], t-test p",
+                              "minus GRPO (an ablation: minus VAPO), paired by seed [95% interval], t-test p, sign-flip p",
                               "critic explained variance, last 10 steps"], rows)
         out += ("\nEvery arm makes the same number of policy updates (a critic's warm-up steps come on top), so a "
                 + ("seed pairs the RL's sampling (every run starts from the one warm start)" if shared else
@@ -262,7 +264,7 @@ def _shared_warm_start(path: str) -> str:
         steps, seed = run.name.removeprefix("warm_start_sft").split("_s")
         first = next(r for r in map(json.loads, gzip.open(run / "metrics.jsonl.gz", "rt")) if "eval/accuracy" in r)
         return (f"Every run starts from one warm start ({steps} SFT steps at seed {seed}, made once by the command, "
-                f"its run `{run.name}`): held-out accuracy {first['eval/accuracy']:.3f}, pass@{first['eval/k']} "
+                f"its run `{run.name}`): held-out accuracy {first['eval/accuracy']:.3f}, pass@{first['eval/k']:g} "
                 f"{first['eval/pass@k']:.3f} at step 0 on the run's reward.\n\n")
     return ""
 
