@@ -26,13 +26,17 @@ for config in sys.argv[2:]:
         os.dup2(log.fileno(), 2)
         try:
             code = main(["check", "--config", config, "--for", command, "--set", f"data.data_dir={work}/tfds", *extra])
-        except BaseException:  # a crash fails this config; the lane goes on to the next
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # an exception or an exit fails this config; the lane goes on to the next
             traceback.print_exc()
             code = 1
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
     if code:
         with open(f"{work}/failed", "a") as failed:
             failed.write(config + "\n")

@@ -241,7 +241,7 @@ def shared_warm_start(args, config: str) -> tuple[list[str], dict]:
     (model.path) with no warm start of its own (sft.steps=0), so a run's seed varies only its RL."""
     run = args.output / f"warm_start_sft{args.warm_start}_s{args.warm_start_seed}"
     base = (run / "base").resolve()
-    if not (base / "config.json").exists():  # (not committed: made again, the same, from a clone)
+    if not (base / "config.json").exists():  # (committed with the runs; one deleted is made again)
         (run / "run.json").unlink(missing_ok=True)
     records, wall = train(run, config, [f"sft.steps={args.warm_start}", f"train.seed={args.warm_start_seed}",
                                         "lora.rank=8", "train.steps=1", "eval.every=1", *_reward(args)[0]], args)

@@ -62,8 +62,8 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The slowest files first: CI runs the suite on 2 xdist workers by file (`--dist loadfile`), which
-# hands out files in collection order (pyproject's --no-loadscope-reorder: by default xdist 3.8 re-sorts
-# them by their number of tests, and this order only broke ties), so starting the long ones early keeps both workers busy to the
+# hands out files in collection order with the test command's --no-loadscope-reorder (without it,
+# xdist >= 3.5 re-sorts them by their number of tests and this order only breaks ties), so starting the long ones early keeps both workers busy to the
 # end instead of leaving one of them alone with a long file at the tail. The order: each file's test
 # time in a profile of the suite (benchmarks/results/ci/2026-12-06.json), the two GGUF files first.
 SLOW_FIRST = ("test_gguf.py", "test_gguf_gemma3.py", "test_multihost.py", "test_episodes.py", "test_loop.py",

@@ -168,8 +168,8 @@ def render_credit_oracle() -> str:
     rows += [["accuracy of the rollouts (rows)", *(f"{d['accuracy']:.3f} ({d['rows']})" for d, _ in runs)],
              ["rows that leave the gold derivation; median character of the first slip",
               *(f"{d['first_slip_position']['rows_with_slip']}; {d['first_slip_position']['median']:.0f}" for d, _ in runs)]]
-    commands = "; ".join(f"`{d['command']}` ({minutes(d['wall_s'])})" for d, _ in runs)
-    return (f"{commands} ({runs[0][0]['date']}); this project's 2-core CPU machine. Each run's rows beside its summary.\n\n"
+    commands = "; ".join(f"`{d['command']}` ({d['date']}, {minutes(d['wall_s'])})" for d, _ in runs)
+    return (f"{commands}; this project's 2-core CPU machine. Each run's rows beside its summary.\n\n"
             + table(["value of each completion token's state: explained variance, reward on", *(w for _, w in runs)], rows)
             + "\nTables fitted on half the prompts and scored on the other half (cross-fitted both ways).\n")
 
@@ -223,7 +223,7 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
     rows = [[CREDIT_ARMS[a], ", ".join(f"{r['lr']:g}: {r['evals'][-1]['eval/accuracy']:.3f}" for r in rs)]
             for a, rs in sweep.items()]
     out = _header(d)
-    shared = _shared_warm_start(path)
+    shared = _shared_warm_start(d, path)
     if shared:
         out += shared
     if any(r.get("stage") == "critic_lr" for r in runs):  # stage 1: the critics' warm-ups
@@ -256,17 +256,19 @@ def render_credit_compare(path: str = "critique/credit_compare") -> str:
     return out
 
 
-def _shared_warm_start(path: str) -> str:
-    """`critique.py credit --warm-start`'s one warm start (its run beside the others): what it was."""
-    for run in sorted((RESULTS / path).glob("warm_start_sft*")):
-        if not (run / "metrics.jsonl.gz").exists():
-            continue
-        steps, seed = run.name.removeprefix("warm_start_sft").split("_s")
-        first = next(r for r in map(json.loads, gzip.open(run / "metrics.jsonl.gz", "rt")) if "eval/accuracy" in r)
-        return (f"Every run starts from one warm start ({steps} SFT steps at seed {seed}, made once by the command, "
-                f"its run `{run.name}`): held-out accuracy {first['eval/accuracy']:.3f}, pass@{first['eval/k']:g} "
-                f"{first['eval/pass@k']:.3f} at step 0 on the run's reward.\n\n")
-    return ""
+def _shared_warm_start(d: dict, path: str) -> str:
+    """`critique.py credit --warm-start`'s one warm start (its run beside the others, named by the
+    command's --warm-start and --warm-start-seed): what it was. "" for a command without it."""
+    words = d["command"].split()
+    if "--warm-start" not in words:
+        return ""
+    steps = words[words.index("--warm-start") + 1]
+    seed = words[words.index("--warm-start-seed") + 1] if "--warm-start-seed" in words else "0"
+    run = RESULTS / path / f"warm_start_sft{steps}_s{seed}"
+    first = next(r for r in map(json.loads, gzip.open(run / "metrics.jsonl.gz", "rt")) if "eval/accuracy" in r)
+    return (f"Every run starts from one warm start ({steps} SFT steps at seed {seed}, made once by the command, "
+            f"its run `{run.name}` with its weights in `base/`): held-out accuracy {first['eval/accuracy']:.3f}, "
+            f"pass@{first['eval/k']:g} {first['eval/pass@k']:.3f} at step 0 on the run's reward.\n\n")
 
 
 def render_credit_warmstarts() -> str:
