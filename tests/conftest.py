@@ -63,8 +63,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # The slowest files first: CI runs the suite on 2 xdist workers by file (`--dist loadfile`), which
 # hands out files in collection order with the test command's --no-loadscope-reorder (without it,
-# xdist >= 3.5 re-sorts them by their number of tests and this order only breaks ties), so starting the long ones early keeps both workers busy to the
-# end instead of leaving one of them alone with a long file at the tail. The order: each file's test
+# xdist >= 3.5 re-sorts them by their number of tests and this order only breaks ties), so
+# starting the long ones early keeps both workers busy to the end instead of leaving one of them
+# alone with a long file at the tail. The order: each file's test
 # time in a profile of the suite (benchmarks/results/ci/2026-12-06.json), the two GGUF files first.
 SLOW_FIRST = ("test_gguf.py", "test_gguf_gemma3.py", "test_multihost.py", "test_episodes.py", "test_loop.py",
               "test_lora.py", "test_pipeline.py", "test_paged.py", "test_reward_training.py", "test_sampling.py",
