@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -308,17 +309,68 @@ def credit(args) -> list[dict]:
     return out
 
 
+def _by_step(rows: list[dict], curve) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """steps, and the mean, min and max over `rows` of curve(row) -> {step: value} at each step."""
+    at = defaultdict(list)
+    for r in rows:
+        for step, v in curve(r).items():
+            at[step].append(v)
+    steps = np.asarray(sorted(at), float)
+    vals = [np.asarray(at[s], float) for s in sorted(at)]
+    return steps, np.array([v.mean() for v in vals]), np.array([v.min() for v in vals]), np.array([v.max() for v in vals])
+
+
+def plot_credit(runs: list[dict], path: Path) -> None:
+    """The credit study in three panels: the critics' value warm-ups (stage 1, one line per critic
+    and rate), then per arm (the comparison's and the ablations', mean of seeds, band min to max) the
+    critic's explained variance and held-out accuracy against policy updates (a critic arm's
+    warm-up steps taken off, so every arm starts at 0)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    warm, ev, acc = fig.subplots(1, 3)
+    for r in runs:
+        if r.get("stage") == "critic_lr" and r.get("ev_curve"):
+            warm.plot(range(1, len(r["ev_curve"]) + 1), r["ev_curve"], label=f"{r['kind']} critic, rate {r['critic_lr']:g}")
+    arms = defaultdict(dict)  # arm -> run name -> row (seed 0 of the comparison is a sweep run)
+    for r in runs:
+        if r.get("stage") in ("compare", "ablate"):
+            arms[r["arm"]][r["run"]] = r
+    last = {a: max((e["step"] for r in rows.values() for e in r["evals"]), default=0) for a, rows in arms.items()}
+    updates = min(last.values(), default=0)  # an arm without a critic's warm-up makes only the policy's updates
+    for i, (arm, rows) in enumerate(arms.items()):
+        style = {"color": f"C{i % 10}", "linestyle": "--" if arm.startswith("vapo-") else "-", "label": arm}
+        off = last[arm] - updates
+        if any(r.get("ev_curve") for r in rows.values()):
+            x, m, lo, hi = _by_step(list(rows.values()), lambda r: dict(enumerate(r.get("ev_curve") or [], 1)))
+            ev.plot(x - off, m, **style)
+            ev.fill_between(x - off, lo, hi, color=style["color"], alpha=0.1)
+        x, m, lo, hi = _by_step(list(rows.values()), lambda r: {e["step"]: e["eval/accuracy"] for e in r["evals"]
+                                                                if e.get("eval/accuracy") is not None})
+        if len(x):
+            acc.plot(x - off, m, marker="o", markersize=3, **style)
+            acc.fill_between(x - off, lo, hi, color=style["color"], alpha=0.1)
+    for ax, title, xlabel in ((warm, "value warm-up, policy held: explained variance", "warm-up step"),
+                              (ev, "critic arms: explained variance (mean of seeds)", "policy update (< 0: warm-up)"),
+                              (acc, "held-out accuracy (mean of seeds, band min-max)", "policy update (< 0: warm-up)")):
+        ax.set(title=title, xlabel=xlabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
+    fig.savefig(path)
+
+
 def plot(kind: str, runs: list[dict], path: Path) -> None:
     from matplotlib.figure import Figure
 
+    if kind == "credit":
+        return plot_credit(runs, path)
     panels = {"hacking": [("step", "eval/accuracy", "weak judge (its own accuracy)"),
                           ("step", "eval/verifier_accuracy", "strict verifier accuracy"),
                           ("step", "gap", "gap: its own judge's accuracy - the strict one's")],
               "overopt": [("kl_window", "eval/verifier_accuracy", "gold (strict verifier) vs KL from pi_0"),
                           ("kl_window", "eval/reward_mean", "proxy (reward model, held-out) vs KL"),
                           ("step", "retention/kl", "retention/kl")],
-              "credit": [("step", "ev_curve", "critics' explained variance (value/explained_variance)"),
-                         ("step", "eval/accuracy", "held-out accuracy"), ("step", "kl_window", "kl/k3")],
               "retention": [("step", "retention/kl", "retention/kl (nats/token)"),
                             ("step", "retention/general_nll", "retention/general_nll"),
                             ("step", "eval/accuracy", "held-out accuracy")]}[kind]
@@ -328,14 +380,6 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
     groups = list(dict.fromkeys(r["run"].rsplit("_s", 1)[0] for r in runs))
     colors = {g: f"C{i % 10}" for i, g in enumerate(groups)}  # matplotlib's ten-colour cycle
     for ax, (x, y, title) in zip(axes, panels):
-        if y == "ev_curve":  # the critics' explained variance through their warm-up, one line per run
-            for r in runs:
-                if r.get("ev_curve"):
-                    ax.plot(range(1, len(r["ev_curve"]) + 1), r["ev_curve"], alpha=0.8, label=r["run"])
-            ax.set(title=title, xlabel="step")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize="x-small")
-            continue
         for r in runs:
             group = r["run"].rsplit("_s", 1)[0]
             pts = [(e[x], e[y]) for e in r["evals"] if e.get(x) is not None and e.get(y) is not None]
@@ -343,10 +387,9 @@ def plot(kind: str, runs: list[dict], path: Path) -> None:
                 xs, ys = np.asarray(pts, float).T
                 first = r["run"] == next(q["run"] for q in runs if q["run"].rsplit("_s", 1)[0] == group)
                 ax.plot(xs, ys, marker="o", markersize=3, alpha=0.8, color=colors[group], label=group if first else None)
-        ax.set(title=title, xlabel="kl/k3 (mean over the updates since the last evaluation)" if x == "kl_window"
-               else "step (with a critic's warm-up steps)" if kind == "credit" else x)
+        ax.set(title=title, xlabel="kl/k3 (mean over the updates since the last evaluation)" if x == "kl_window" else x)
         ax.grid(alpha=0.3)
-    axes[-1 if kind == "credit" else 0].legend(fontsize="x-small")
+    axes[0].legend(fontsize="x-small")
     fig.savefig(path)
 
 

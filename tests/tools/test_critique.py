@@ -275,3 +275,6 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     assert versus["ppo"].startswith("+0.000") and versus["vapo-head_critic"].startswith("-0.050")  # ablations against VAPO
     assert all(versus[a].startswith("+0.000") for a in CREDIT_ARMS if a.startswith("vapo-") and a != "vapo-head_critic")
     assert "Part way" not in block
+    assert (tmp_path / "credit.png").stat().st_size > 0  # the per-arm plot drew from these rows
+    steps, mean, lo, hi = critique._by_step([{"a": {0: 1.0, 5: 2.0}}, {"a": {0: 3.0}}], lambda r: r["a"])
+    assert steps.tolist() == [0, 5] and mean.tolist() == [2.0, 2.0] and lo.tolist() == [1.0, 2.0] and hi.tolist() == [3.0, 2.0]
