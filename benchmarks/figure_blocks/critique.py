@@ -120,8 +120,15 @@ def render_retention(path: str) -> str:
                      _ci([e["retention/general_nll"] for e in first]) + " -> " + _ci([e["retention/general_nll"] for e in last]),
                      _ci([e["eval/accuracy"] for e in first]) + " -> " + _ci([e["eval/accuracy"] for e in last]),
                      _flags(rs)])
-    return _header(d) + table(["grpo.beta", "seeds", "steps", "retention/kl at the end", "retention/general_nll",
-                               "held-out accuracy", "report flags (runs)"], rows)
+    # each evaluation's retention/kl (the mean over seeds), to see its trend
+    trend = {f"{b:g}": ", ".join(f"{np.mean([r['evals'][i]['retention/kl'] for r in rs]):.4f}"
+                                 for i in range(min(len(r["evals"]) for r in rs)))
+             for b, rs in sorted(_groups(d["runs"], "beta").items())}
+    steps = ", ".join(str(e["step"]) for e in d["runs"][0]["evals"])
+    return (_header(d) + table(["grpo.beta", "seeds", "steps", "retention/kl at the end", "retention/general_nll",
+                                "held-out accuracy", "report flags (runs)"], rows)
+            + f"\nretention/kl at the evaluations of steps {steps}: "
+            + "; ".join(f"grpo.beta {b}: {t}" for b, t in trend.items()) + ".\n")
 
 
 def render_credit_critics(path: str = "critique/credit_critics") -> str:
@@ -195,6 +202,26 @@ def render_credit_rm_probe() -> str:
             f"{ev['oracle_prefix']:.3f}. The score puts a still-gold state above a slipped one at the same position in "
             f"{first['same_prompt']:.3f} of the pairs from the same prompt and {first['any_prompt']:.3f} of the pairs "
             "from any prompt.\n")
+
+
+def render_credit_fit() -> str:
+    """benchmarks/credit_fit.py: the critics' networks fitted at rest to the shared warm start's
+    rows, scored on the held-out prompts, beside the oracle's table on the same rows."""
+    d = load("critique/credit_fit/summary.json")
+    oracle = load("critique/credit_oracle_shared/summary.json")["explained_variance"]["oracle_prefix"]
+    ls = d["head_least_squares"]
+    rows = [["value head, least squares on the frozen policy's states (its optimum)", "-",
+             f"{ls['fitted']:.3f}", f"{ls['held_out']:.3f}", "-"]]
+    names = {"head": "value head on the frozen policy (Adam)", "model": "critic model: the policy's weights and a head, all trained"}
+    for f in d["fits"]:
+        best = next(c for c in f["curve"] if c["step"] == f["best_step"])
+        rows.append([names[f["kind"]], f"{f['lr']:g}", f"{f['curve'][-1]['fitted']:.3f}", f"{f['held_out_end']:.3f}",
+                     f"{best['held_out']:.3f} at step {best['step']} (fitted {best['fitted']:.3f})"])
+    return (f"`{d['command']}` ({d['date']}, {minutes(d['wall_s'])}); this project's 2-core CPU machine. {d['rows']['fitted']} "
+            f"rows fitted ({d['steps']} steps of {d['batch_size']}), {d['rows']['held_out']} held out (other prompts); "
+            f"{d['tokens']} tokens in all. On the same rows the oracle's table explains {oracle:.3f} (cross-fitted).\n\n"
+            + table(["critic", "rate", f"explained variance, fitted rows (step {d['steps']})",
+                     f"held-out rows (step {d['steps']})", "best held-out (eval every 50-100 steps)"], rows))
 
 
 CREDIT_ARMS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "ppo": "PPO (value head)", "vapo": "VAPO (critic model)",
@@ -284,15 +311,46 @@ def render_credit_warmstarts() -> str:
             + ("\nPart way: the runs marked - had not run; the same command goes on.\n" if d.get("finished") is False else ""))
 
 
-BLOCKS = {}
+COSTS = (("1. over-optimisation (3 KL coefficients x 3 seeds)", "critique/overopt"),
+         ("2. retention, the demo", "critique/retention_demo"),
+         ("2. retention, SmolLM2-135M, 80 steps", "critique/retention_smollm2_80"),
+         ("3. hacking a weak verifier (2 weak, 1 strict x 6 seeds)", "critique/hacking"),
+         ("4. credit: the comparison from one warm start (sweeps, 3 seeds, ablations)", "critique/credit_shared"),
+         ("4. credit: the oracle's tables at that warm start", "critique/credit_oracle_shared"),
+         ("4. credit: the critics fitted at rest", "critique/credit_fit"),
+         ("4. credit: a critic started from a chain verifier", "critique/credit_verifier"),
+         ("5. stability study v3", "stability_v3"))
+
+
+def render_critique_costs() -> str:
+    """What each experiment of issue 46 cost on this machine: its command's recorded time and, for
+    a command of many runs, the sum of its runs' times (a command resumed part way read the runs
+    it had finished back, so its own time can be the smaller)."""
+    rows, total = [], 0.0
+    for what, path in COSTS:
+        if not (RESULTS / path / "summary.json").exists():
+            continue
+        d = load(f"{path}/summary.json")
+        runs = sum(r.get("wall_s", 0) for r in d.get("runs", []))
+        total += max(d["wall_s"], runs)
+        commands = list(dict.fromkeys(part["command"] for part in d.get("parts") or [d]))  # seeds appended: each part's
+        rows.append([what, " then ".join(f"`{c}`" for c in commands), minutes(d["wall_s"]), minutes(runs) if runs else "-"])
+    return (table(["experiment", "command", "its recorded time", "its runs' time"], rows)
+            + f"\nIn all about {total / 3600:.1f} h of one 2-core CPU machine (the larger of the two times each).\n")
+
+
+BLOCKS = {"critique-costs": render_critique_costs}
 for _name, _fn, _file in (("critique-hacking", render_hacking, "hacking"), ("critique-overopt", render_overopt, "overopt"),
                           ("critique-retention-demo", lambda: render_retention("critique/retention_demo"), "retention_demo"),
                           ("critique-retention-smollm2", lambda: render_retention("critique/retention_smollm2"),
-                           "retention_smollm2"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
+                           "retention_smollm2"),
+                          ("critique-retention-smollm2-80", lambda: render_retention("critique/retention_smollm2_80"),
+                           "retention_smollm2_80"), ("critique-credit-oracle", render_credit_oracle, "credit_oracle"),
                           ("critique-credit-verifier", render_credit_verifier, "credit_verifier"),
                           ("critique-credit-compare", render_credit_compare, "credit_compare"),
                           ("critique-credit-shared", lambda: render_credit_compare("critique/credit_shared"), "credit_shared"),
                           ("critique-credit-rm-probe", render_credit_rm_probe, "credit_rm_probe"),
+                          ("critique-credit-fit", render_credit_fit, "credit_fit"),
                           ("critique-credit-warmstarts", render_credit_warmstarts, "credit_warmstarts")):
     if (RESULTS / "critique" / _file / "summary.json").exists():  # a block is added with its result file
         BLOCKS[_name] = _fn

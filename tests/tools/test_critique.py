@@ -177,6 +177,37 @@ def test_the_credit_oracle_explains_returns_a_slip_settles_and_the_group_mean_do
     assert 0.4 < oracle.ranking(all_tokens, rng.normal(size=len(all_tokens)), same_prompt=False) < 0.6
 
 
+def test_the_critic_fit_encodes_the_oracles_states_and_its_least_squares_head_finds_a_linear_value():
+    """benchmarks/credit_fit.py: one state per character and one before <eos> (the oracle's), each
+    with its row's return; the frozen policy's least-squares head recovers a value that is linear in
+    its states (held-out rows included), and explains nothing of one that is not."""
+    import jax
+
+    from grpo_jax.data.tokenizer import char_tokenizer
+    from grpo_jax.learner.logprobs import completion_states
+    from grpo_jax.models.hf import from_pretrained
+
+    fit, oracle = _module("credit_fit"), _module("credit_oracle")
+    samples = [{"prompt": f"{a}+{b}-1=", "completion": oracle.gold_derivation(f"{a}+{b}-1=")[:n], "reward": float(n % 2)}
+               for a in range(1, 9) for b in range(1, 9, 2) for n in (3, 4)]
+    tok = char_tokenizer(add_bos=True)
+    data = fit.encode(samples, tok)
+    assert data["mask"].sum() == len(oracle.token_rows(samples, 8))
+    assert tok.decode(data["prompt_ids"][0][data["prompt_mask"][0] > 0], skip_special_tokens=True) == samples[0]["prompt"]
+    rewards = np.array([s["reward"] for s in samples], np.float32)
+    assert np.array_equal(data["returns"], data["mask"] * rewards[:, None])  # the row's reward on its real tokens
+    base = str(ROOT / fit.BASE)
+    model = from_pretrained(base)
+    h = np.asarray(jax.jit(lambda b: completion_states(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"]))(data))
+    w = np.random.default_rng(0).normal(size=h.shape[-1])
+    rows = np.arange(len(samples))
+    linear = {**data, "returns": (h @ w + 0.5).astype(np.float32) * data["mask"]}
+    got = fit.linear_ceiling(linear, rows[::2], rows[1::2], base, ridge=1e-8)
+    assert got["fitted"] > 0.999 and got["held_out"] > 0.99
+    noise = {**data, "returns": np.random.default_rng(1).normal(size=data["mask"].shape).astype(np.float32)}
+    assert fit.linear_ceiling(noise, rows[::2], rows[1::2], base)["held_out"] < 0.05
+
+
 def test_the_derivation_reward_checks_every_total_and_the_logged_reward_keeps_every_row(tmp_path):
     rewards = _module("critique_rewards")
     prompts = ["Q: 8-7+8+7=", "8-7+8+7=", "8-7+8+7=", "4+5="]
