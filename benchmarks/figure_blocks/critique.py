@@ -209,7 +209,7 @@ def render_credit_fit() -> str:
     rows, scored on the held-out prompts, beside the oracle's table on the same rows."""
     d = load("critique/credit_fit/summary.json")
     oracle = load("critique/credit_oracle_shared/summary.json")["explained_variance"]["oracle_prefix"]
-    ls = d["head_least_squares"]
+    ls, every = d["head_least_squares"], d["fits"][0]["curve"][1]["step"]
     rows = [["value head, least squares on the frozen policy's states (its optimum)", "-",
              f"{ls['fitted']:.3f}", f"{ls['held_out']:.3f}", "-"]]
     names = {"head": "value head on the frozen policy (Adam)", "model": "critic model: the policy's weights and a head, all trained"}
@@ -221,7 +221,7 @@ def render_credit_fit() -> str:
             f"rows fitted ({d['steps']} steps of {d['batch_size']}), {d['rows']['held_out']} held out (other prompts); "
             f"{d['tokens']} tokens in all. On the same rows the oracle's table explains {oracle:.3f} (cross-fitted).\n\n"
             + table(["critic", "rate", f"explained variance, fitted rows (step {d['steps']})",
-                     f"held-out rows (step {d['steps']})", "best held-out (eval every 50-100 steps)"], rows))
+                     f"held-out rows (step {d['steps']})", f"best held-out (scored every {every} steps)"], rows))
 
 
 CREDIT_ARMS = {"grpo": "GRPO", "dr_grpo": "Dr. GRPO", "ppo": "PPO (value head)", "vapo": "VAPO (critic model)",
