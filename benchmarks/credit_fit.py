@@ -114,10 +114,17 @@ def fit(kind: str, lr: float, data: dict, train: np.ndarray, held: np.ndarray, a
             "held_out_best": best["held_out"], "best_step": best["step"], "wall_s": round(time.perf_counter() - t0)}
 
 
+def split_by_prompt(samples: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows fitted, rows held out): credit_oracle's halves, by prompt, so no prompt is in both."""
+    half = prompt_halves([{"group": g} for g in groups(samples, 8)])
+    side = np.array([half[s["prompt"]] for s in samples])
+    return np.flatnonzero(side == 0), np.flatnonzero(side == 1)
+
+
 def linear_ceiling(data: dict, train: np.ndarray, held: np.ndarray, base: str, ridge: float = 1e-3) -> dict:
-    """The best any value head on the frozen policy's states can do: the least-squares line (ridge
-    `ridge`) from the states [E] and 1 to the return, fitted on the tokens of `train`, scored on
-    both halves (what `head` converges to at best, without its optimiser's path)."""
+    """A value head on the frozen policy's states without its optimiser's path: the least-squares
+    line (ridge `ridge`, the intercept penalised too) from the states [E] and 1 to the return,
+    fitted on the tokens of `train`, scored on both halves."""
     from grpo_jax.learner.logprobs import completion_states
     from grpo_jax.models.hf import from_pretrained
 
@@ -125,8 +132,8 @@ def linear_ceiling(data: dict, train: np.ndarray, held: np.ndarray, base: str, r
     states = jax.jit(lambda b: completion_states(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"]))
 
     def features(rows):
-        h = np.concatenate([np.asarray(states({k: a[rows[i:i + 256]] for k, a in data.items()}))
-                            for i in range(0, len(rows), 256)])
+        h = np.concatenate([np.asarray(states({k: a[rows[i:i + 256]] for k, a in data.items()}), np.float64)
+                            for i in range(0, len(rows), 256)])  # float64: the normal equations square the condition
         m = data["mask"][rows] > 0
         return np.concatenate([h[m], np.ones((int(m.sum()), 1), h.dtype)], axis=1), data["returns"][rows][m]
 
@@ -160,9 +167,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with gzip.open(args.samples, "rt") as f:
         samples = [json.loads(line) for line in f if line.strip()]
-    half = prompt_halves([{"group": g} for g in groups(samples, 8)])  # credit_oracle's halves: by prompt
-    side = np.array([half[s["prompt"]] for s in samples])
-    train, held = np.flatnonzero(side == 0), np.flatnonzero(side == 1)
+    train, held = split_by_prompt(samples)
     data = encode(samples, char_tokenizer(add_bos=True))
     n_tokens = int(data["mask"].sum())
     if n_tokens != len(token_rows(samples, 8)):  # one state per character and one before <eos>, as the oracle's

@@ -285,7 +285,8 @@ def credit(args) -> list[dict]:
     def one(name, sets, seed, **extra):
         records, wall = train(args.output / f"{name}_s{seed}", config, [*sets, f"train.seed={seed}"], args)
         evs = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
-        out.append(summary(f"{name}_s{seed}", records, wall, 128 * 4, seed=seed, ev_curve=evs, **extra))
+        warmup = int(next((s.split("=")[1] for s in reversed(sets) if s.startswith("ppo.value_warmup_steps=")), 0))
+        out.append(summary(f"{name}_s{seed}", records, wall, 128 * 4, seed=seed, ev_curve=evs, warmup=warmup, **extra))
         print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
         if args.progress:  # the summary so far: an interrupted comparison still shows its finished runs
             args.progress(out)
@@ -336,20 +337,23 @@ def plot_credit(runs: list[dict], path: Path) -> None:
     for r in runs:
         if r.get("stage") in ("compare", "ablate"):
             arms[r["arm"]][r["run"]] = r
+    # Each run's warm-up steps (recorded since the plot began; for older summaries of finished runs,
+    # how many steps its arm ran past the arms that make only the policy's updates).
     last = {a: max((e["step"] for r in rows.values() for e in r["evals"]), default=0) for a, rows in arms.items()}
-    updates = min(last.values(), default=0)  # an arm without a critic's warm-up makes only the policy's updates
+    updates = min(last.values(), default=0)
+    warmup = lambda r: r["warmup"] if "warmup" in r else last[r["arm"]] - updates  # noqa: E731
     for i, (arm, rows) in enumerate(arms.items()):
         style = {"color": f"C{i % 10}", "linestyle": "--" if arm.startswith("vapo-") else "-", "label": arm}
-        off = last[arm] - updates
         if any(r.get("ev_curve") for r in rows.values()):
-            x, m, lo, hi = _by_step(list(rows.values()), lambda r: dict(enumerate(r.get("ev_curve") or [], 1)))
-            ev.plot(x - off, m, **style)
-            ev.fill_between(x - off, lo, hi, color=style["color"], alpha=0.1)
-        x, m, lo, hi = _by_step(list(rows.values()), lambda r: {e["step"]: e["eval/accuracy"] for e in r["evals"]
-                                                                if e.get("eval/accuracy") is not None})
+            x, m, lo, hi = _by_step(list(rows.values()), lambda r: {t - warmup(r): v for t, v in
+                                                                    enumerate(r.get("ev_curve") or [], 1)})
+            ev.plot(x, m, **style)
+            ev.fill_between(x, lo, hi, color=style["color"], alpha=0.1)
+        x, m, lo, hi = _by_step(list(rows.values()), lambda r: {e["step"] - warmup(r): e["eval/accuracy"]
+                                                                for e in r["evals"] if e.get("eval/accuracy") is not None})
         if len(x):
-            acc.plot(x - off, m, marker="o", markersize=3, **style)
-            acc.fill_between(x - off, lo, hi, color=style["color"], alpha=0.1)
+            acc.plot(x, m, marker="o", markersize=3, **style)
+            acc.fill_between(x, lo, hi, color=style["color"], alpha=0.1)
     for ax, title, xlabel in ((warm, "value warm-up, policy held: explained variance", "warm-up step"),
                               (ev, "critic arms: explained variance (mean of seeds)", "policy update (< 0: warm-up)"),
                               (acc, "held-out accuracy (mean of seeds, band min-max)", "policy update (< 0: warm-up)")):

@@ -210,7 +210,7 @@ def render_credit_fit() -> str:
     d = load("critique/credit_fit/summary.json")
     oracle = load("critique/credit_oracle_shared/summary.json")["explained_variance"]["oracle_prefix"]
     ls, every = d["head_least_squares"], d["fits"][0]["curve"][1]["step"]
-    rows = [["value head, least squares on the frozen policy's states (its optimum)", "-",
+    rows = [[f"value head, least squares on the frozen policy's states (ridge {ls['ridge']:g})", "-",
              f"{ls['fitted']:.3f}", f"{ls['held_out']:.3f}", "-"]]
     names = {"head": "value head on the frozen policy (Adam)", "model": "critic model: the policy's weights and a head, all trained"}
     for f in d["fits"]:
@@ -313,6 +313,7 @@ def render_credit_warmstarts() -> str:
 
 COSTS = (("1. over-optimisation (3 KL coefficients x 3 seeds)", "critique/overopt"),
          ("2. retention, the demo", "critique/retention_demo"),
+         ("2. retention, SmolLM2-135M, 30 steps", "critique/retention_smollm2"),
          ("2. retention, SmolLM2-135M, 80 steps", "critique/retention_smollm2_80"),
          ("3. hacking a weak verifier (2 weak, 1 strict x 6 seeds)", "critique/hacking"),
          ("4. credit: the comparison from one warm start (sweeps, 3 seeds, ablations)", "critique/credit_shared"),
@@ -331,7 +332,8 @@ def render_critique_costs() -> str:
         if not (RESULTS / path / "summary.json").exists():
             continue
         d = load(f"{path}/summary.json")
-        runs = sum(r.get("wall_s", 0) for r in d.get("runs", []))
+        # each run once (the credit comparison's seed 0 repeats its sweep's run)
+        runs = sum({r.get("run", i): r.get("wall_s", 0) for i, r in enumerate(d.get("runs", []))}.values())
         total += max(d["wall_s"], runs)
         commands = list(dict.fromkeys(part["command"] for part in d.get("parts") or [d]))  # seeds appended: each part's
         rows.append([what, " then ".join(f"`{c}`" for c in commands), minutes(d["wall_s"]), minutes(runs) if runs else "-"])

@@ -189,7 +189,7 @@ def test_the_critic_fit_encodes_the_oracles_states_and_its_least_squares_head_fi
 
     fit, oracle = _module("credit_fit"), _module("credit_oracle")
     samples = [{"prompt": f"{a}+{b}-1=", "completion": oracle.gold_derivation(f"{a}+{b}-1=")[:n], "reward": float(n % 2)}
-               for a in range(1, 9) for b in range(1, 9, 2) for n in (3, 4)]
+               for a in range(1, 10) for b in range(1, 10) for n in (3, 4)]
     tok = char_tokenizer(add_bos=True)
     data = fit.encode(samples, tok)
     assert data["mask"].sum() == len(oracle.token_rows(samples, 8))
@@ -200,12 +200,18 @@ def test_the_critic_fit_encodes_the_oracles_states_and_its_least_squares_head_fi
     model = from_pretrained(base)
     h = np.asarray(jax.jit(lambda b: completion_states(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"]))(data))
     w = np.random.default_rng(0).normal(size=h.shape[-1])
-    rows = np.arange(len(samples))
+    train, held = fit.split_by_prompt(samples)  # halves by prompt: no prompt on both sides
+    assert len(train) + len(held) == len(samples) and len(train) > 60 and len(held) > 60
+    assert not {samples[i]["prompt"] for i in train} & {samples[i]["prompt"] for i in held}
+    assert data["mask"][train].sum() > 2 * h.shape[-1]  # more fitted states than the head has weights
     linear = {**data, "returns": (h @ w + 0.5).astype(np.float32) * data["mask"]}
-    got = fit.linear_ceiling(linear, rows[::2], rows[1::2], base, ridge=1e-8)
+    got = fit.linear_ceiling(linear, train, held, base, ridge=1e-8)
     assert got["fitted"] > 0.999 and got["held_out"] > 0.99
-    noise = {**data, "returns": np.random.default_rng(1).normal(size=data["mask"].shape).astype(np.float32)}
-    assert fit.linear_ceiling(noise, rows[::2], rows[1::2], base)["held_out"] < 0.05
+    # A return drawn once per prompt: fitted rows can be memorised, other prompts cannot be foretold.
+    per_prompt = {p: v for p, v in zip(sorted({s["prompt"] for s in samples}), np.random.default_rng(1).normal(size=81))}
+    noise = {**data, "returns": np.array([per_prompt[s["prompt"]] for s in samples], np.float32)[:, None] * data["mask"]}
+    got = fit.linear_ceiling(noise, train, held, base)
+    assert got["held_out"] < 0.05 < got["fitted"]
 
 
 def test_the_derivation_reward_checks_every_total_and_the_logged_reward_keeps_every_row(tmp_path):
@@ -307,5 +313,8 @@ def test_credit_picks_each_rate_from_its_stage_reuses_the_sweeps_seed_and_saves_
     assert all(versus[a].startswith("+0.000") for a in CREDIT_ARMS if a.startswith("vapo-") and a != "vapo-head_critic")
     assert "Part way" not in block
     assert (tmp_path / "credit.png").stat().st_size > 0  # the per-arm plot drew from these rows
+    # Each run records its critic's warm-up steps: the plot takes them off its x axis.
+    warmups = {r["run"]: r["warmup"] for r in summary["runs"] if r.get("stage") in ("compare", "ablate")}
+    assert warmups["grpo_s1"] == warmups["vapo-no_warmup_s1"] == 0 and warmups["vapo_s1"] == warmups["ppo_s1"] == 100
     steps, mean, lo, hi = critique._by_step([{"a": {0: 1.0, 5: 2.0}}, {"a": {0: 3.0}}], lambda r: r["a"])
     assert steps.tolist() == [0, 5] and mean.tolist() == [2.0, 2.0] and lo.tolist() == [1.0, 2.0] and hi.tolist() == [3.0, 2.0]
