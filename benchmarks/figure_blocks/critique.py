@@ -311,34 +311,38 @@ def render_credit_warmstarts() -> str:
             + ("\nPart way: the runs marked - had not run; the same command goes on.\n" if d.get("finished") is False else ""))
 
 
-COSTS = (("1. over-optimisation (3 KL coefficients x 3 seeds)", "critique/overopt"),
-         ("2. retention, the demo", "critique/retention_demo"),
-         ("2. retention, SmolLM2-135M, 30 steps", "critique/retention_smollm2"),
-         ("2. retention, SmolLM2-135M, 80 steps", "critique/retention_smollm2_80"),
-         ("3. hacking a weak verifier (2 weak, 1 strict x 6 seeds)", "critique/hacking"),
-         ("4. credit: the comparison from one warm start (sweeps, 3 seeds, ablations)", "critique/credit_shared"),
-         ("4. credit: the oracle's tables at that warm start", "critique/credit_oracle_shared"),
-         ("4. credit: the critics fitted at rest", "critique/credit_fit"),
-         ("4. credit: a critic started from a chain verifier", "critique/credit_verifier"),
-         ("5. stability study v3", "stability_v3"))
+COSTS = (("1. over-optimisation (3 KL coefficients x 3 seeds)", "critique/overopt", True),
+         ("2. retention, the demo", "critique/retention_demo", True),
+         ("2. retention, SmolLM2-135M, 30 steps", "critique/retention_smollm2", False),
+         ("2. retention, SmolLM2-135M, 80 steps", "critique/retention_smollm2_80", True),
+         ("3. hacking a weak verifier (2 weak, 1 strict x 6 seeds)", "critique/hacking", True),
+         ("4. credit: the comparison from one warm start (sweeps, 3 seeds, ablations)", "critique/credit_shared", True),
+         ("4. credit: the oracle's tables at that warm start", "critique/credit_oracle_shared", True),
+         ("4. credit: the critics fitted at rest", "critique/credit_fit", False),
+         ("4. credit: a critic started from a chain verifier", "critique/credit_verifier", False),
+         ("5. stability study v3", "stability_v3", True))
 
 
 def render_critique_costs() -> str:
     """What each experiment of issue 46 cost on this machine: its command's recorded time and, for
     a command of many runs, the sum of its runs' times (a command resumed part way read the runs
-    it had finished back, so its own time can be the smaller)."""
-    rows, total = [], 0.0
-    for what, path in COSTS:
+    it had finished back, so its own time can be the smaller). The rows marked False are
+    diagnostics (or a shorter run of the same experiment), not the deliverables' main commands."""
+    rows, total, main = [], 0.0, 0.0
+    for what, path, core in COSTS:
         if not (RESULTS / path / "summary.json").exists():
             continue
         d = load(f"{path}/summary.json")
         # each run once (the credit comparison's seed 0 repeats its sweep's run)
         runs = sum({r.get("run", i): r.get("wall_s", 0) for i, r in enumerate(d.get("runs", []))}.values())
         total += max(d["wall_s"], runs)
+        main += max(d["wall_s"], runs) if core else 0.0
         commands = list(dict.fromkeys(part["command"] for part in d.get("parts") or [d]))  # seeds appended: each part's
-        rows.append([what, " then ".join(f"`{c}`" for c in commands), minutes(d["wall_s"]), minutes(runs) if runs else "-"])
+        rows.append([what + ("" if core else " (a diagnostic)"), " then ".join(f"`{c}`" for c in commands),
+                     minutes(d["wall_s"]), minutes(runs) if runs else "-"])
     return (table(["experiment", "command", "its recorded time", "its runs' time"], rows)
-            + f"\nIn all about {total / 3600:.1f} h of one 2-core CPU machine (the larger of the two times each).\n")
+            + f"\nIn all about {total / 3600:.1f} h of one 2-core CPU machine (the larger of the two times each); the "
+            f"deliverables' main commands, without the diagnostics, about {main / 3600:.1f} h.\n")
 
 
 BLOCKS = {"critique-costs": render_critique_costs}
