@@ -335,8 +335,8 @@ def render_critique_costs() -> str:
         d = load(f"{path}/summary.json")
         # each run once (the credit comparison's seed 0 repeats its sweep's run)
         runs = sum({r.get("run", i): r.get("wall_s", 0) for i, r in enumerate(d.get("runs", []))}.values())
-        total += max(d["wall_s"], runs)
-        main += max(d["wall_s"], runs) if core else 0.0
+        spent = max(d["wall_s"], runs)
+        total, main = total + spent, main + (spent if core else 0.0)
         commands = list(dict.fromkeys(part["command"] for part in d.get("parts") or [d]))  # seeds appended: each part's
         rows.append([what + ("" if core else " (a diagnostic)"), " then ".join(f"`{c}`" for c in commands),
                      minutes(d["wall_s"]), minutes(runs) if runs else "-"])
