@@ -6,6 +6,7 @@ loader, cached, and exported back to a directory transformers loads with the sam
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import jax
@@ -40,7 +41,8 @@ def loaded(tmp_path_factory):
                                                          dtype=torch.float32)
         reference_tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
         READ["mismatches"] = reader_mismatches(SMOLLM2)  # gguf.GGUFReader's parse is the reference's
-    return ours, tokenizer, reference, reference_tokenizer, cache
+    yield ours, tokenizer, reference, reference_tokenizer, cache
+    shutil.rmtree(cache, ignore_errors=True)  # the float32 conversion, 0.5 GB: not kept past the module
 
 
 READ = {}  # what the fixture found comparing our GGUF reader with gguf's
