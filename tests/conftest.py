@@ -27,6 +27,13 @@ os.environ["XLA_FLAGS"] = (
     TEST_XLA_FLAGS + " " + os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU client runs each device's part of a program on a pool of max(cores, devices) threads: 8
+# here. Two programs with collectives in flight at once (dispatched back to back, neither waiting on
+# the other) can fill it with parts waiting at a rendezvous for parts that never get a thread, and
+# the process aborts after 40 s; two 8-device programs dispatched in turn deadlock every time with
+# the default pool and never with 16 threads (measured 2026-12-06; seen once in the multi-host
+# test's one-process run). PJRT_NPROC sizes the pool (and Eigen's: no slower on the suite's files).
+os.environ.setdefault("PJRT_NPROC", "16")
 
 
 def _test_cache_root() -> str:

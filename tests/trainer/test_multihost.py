@@ -92,11 +92,9 @@ def runs(tmp_path_factory):
     env = dict(os.environ)  # conftest's compile flags, less its device count (each worker sets its own)
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    # XLA's CPU client runs each device's part of a program on a pool of max(cores, devices)
-    # threads, here 8 (or 4); two programs with collectives in flight at once can fill it with parts
-    # waiting at a rendezvous for parts that get no thread. Seen once (2026-12-06) in the one-process
-    # run's paged engine: every thread waiting, then abort after 40 s. PJRT_NPROC sets the pool
-    # (and Eigen's, unused here: the workers compute single-threaded); 32 leaves room for four.
+    # The CPU client's thread pool (tests/conftest.py's PJRT_NPROC): a hang of two programs in
+    # flight was seen here once (2026-12-06, the one-process run's paged engine). The workers
+    # compute single-threaded, so a larger pool costs nothing: room for four 8-device programs.
     env["PJRT_NPROC"] = "32"
     from hf_models import build_hf_model
 
