@@ -1,8 +1,8 @@
-"""XLA's CPU client runs each device's part of a program on a thread of a pool as large as the
-device count (8 here) unless PJRT_NPROC sets it. Two multi-device programs with collectives,
-dispatched in turn and neither waiting on the other, then deadlock: each pool thread holds a part
-waiting at a rendezvous for a part that has no thread, and XLA aborts the process after 40 s (every
-time with the default pool, measured 2026-12-06; seen once in tests/trainer/test_multihost.py).
+"""XLA's CPU client runs each device's part of a program on a pool of max(cores, devices) threads (8
+here) unless PJRT_NPROC sets it. Two multi-device programs with collectives, dispatched in turn and
+neither waiting on the other, can then deadlock: each pool thread holds a part waiting at a
+rendezvous for a part that has no thread, and XLA aborts the process after 40 s (this program: 3 of
+3 tries with the default pool, 2026-12-06; seen once in tests/trainer/test_multihost.py).
 tests/conftest.py sets PJRT_NPROC=16; this runs the two programs under the suite's own
 environment, in a process of its own so that a deadlock is a failure here, not a lost worker."""
 

@@ -94,7 +94,8 @@ def runs(tmp_path_factory):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     # The CPU client's thread pool (tests/conftest.py's PJRT_NPROC): a hang of two programs in
     # flight was seen here once (2026-12-06, the one-process run's paged engine). The workers
-    # compute single-threaded, so a larger pool costs nothing: room for four 8-device programs.
+    # compute single-threaded (Eigen's pool, which PJRT_NPROC also sizes, idle), so more threads
+    # wait rather than compete.
     env["PJRT_NPROC"] = "32"
     from hf_models import build_hf_model
 
