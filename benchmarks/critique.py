@@ -270,9 +270,9 @@ def credit(args) -> list[dict]:
     base = [f"eval.every={args.eval_every}", *_reward(args)[0], *args.start]
 
     def arm_sets(arm, lr, extra=()):
-        """The arm's settings, an ablation's `extra` last (it wins). A critic's warm-up steps come on
-        top of --steps (the policy makes --steps updates in every arm); a value head takes the rate
-        stage 1 chose for heads, a critic model the model's, with its trunk rate and start."""
+        """(the arm's settings, an ablation's `extra` last (it wins); its critic's warm-up steps). The
+        warm-up comes on top of --steps (the policy makes --steps updates in every arm); a value head
+        takes the rate stage 1 chose for heads, a critic model the model's, with its trunk rate and start."""
         kind, extra = arm.split("-")[0], list(extra)
         sets = [*base, *ARMS[kind], f"train.learning_rate={lr}"]
         if kind in crit:
@@ -280,12 +280,12 @@ def credit(args) -> list[dict]:
             sets += [f"ppo.critic_learning_rate={crit['ppo' if head else 'vapo']}", f"ppo.value_warmup_steps={warm}"]
             sets += [] if head else trunk
         warmup = warm if kind in crit and "ppo.value_warmup_steps=0" not in extra else 0
-        return [*sets, *extra, f"train.steps={args.steps + warmup}"]
+        return [*sets, *extra, f"train.steps={args.steps + warmup}"], warmup
 
-    def one(name, sets, seed, **extra):
+    def one(name, planned, seed, **extra):
+        sets, warmup = planned  # arm_sets' pair
         records, wall = train(args.output / f"{name}_s{seed}", config, [*sets, f"train.seed={seed}"], args)
         evs = [r["value/explained_variance"] for r in records if "value/explained_variance" in r]
-        warmup = int(next((s.split("=")[1] for s in reversed(sets) if s.startswith("ppo.value_warmup_steps=")), 0))
         out.append(summary(f"{name}_s{seed}", records, wall, 128 * 4, seed=seed, ev_curve=evs, warmup=warmup, **extra))
         print(json.dumps({k: out[-1][k] for k in ("run", "wall_s", "flags")}), flush=True)
         if args.progress:  # the summary so far: an interrupted comparison still shows its finished runs
