@@ -34,7 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # with the default pool and finished in 4 of 4 with 16 threads (tests/runtime/test_cpu_thread_pool.py;
 # seen once in the multi-host test's one-process run). PJRT_NPROC sizes the pool, and Eigen's: two
 # test files ran in 67.6 and 67.2 s with it, 71.3 and 69.5 s without (benchmarks/results/ci/2026-12-06.json).
-os.environ.setdefault("PJRT_NPROC", "16")
+os.environ.setdefault("PJRT_NPROC", "16")  # the subprocesses tests start (multi-host workers, the CLI) inherit it
 
 
 def _test_cache_root() -> str:

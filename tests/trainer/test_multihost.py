@@ -92,11 +92,6 @@ def runs(tmp_path_factory):
     env = dict(os.environ)  # conftest's compile flags, less its device count (each worker sets its own)
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    # The CPU client's thread pool (tests/conftest.py's PJRT_NPROC): a hang of two programs in
-    # flight was seen here once (2026-12-06, the one-process run's paged engine). The workers
-    # compute single-threaded (Eigen's pool, which PJRT_NPROC also sizes, idle), so more threads
-    # wait rather than compete.
-    env["PJRT_NPROC"] = "32"
     from hf_models import build_hf_model
 
     build_hf_model("qwen3").save_pretrained(tmp / "hf")  # placed by the 2-process run (check_placement)
