@@ -93,6 +93,11 @@ class SamplingConfig:
         return 0 if self.pad_token_id is None else self.pad_token_id
 
 
+# The settings of a built-in dataset, which a `data.path` replaces (configs/demo_cpu.yaml's arithmetic builder
+# with `--set data.path=rows.jsonl` trains on the rows, not on arithmetic).
+BUILTIN_DATASET_KEYS = ("name", "builder_config", "builder_kwargs", "manual_dir")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Prompts: a TFDS dataset (project builders `arithmetic`, `countdown`, `word_problems`, or `gsm8k`)
@@ -121,19 +126,24 @@ class DataConfig:
     max_prompt_tokens: int = 256
     overlong: Overlong = "skip"
     prompts_per_step: int = 8
+    # The built-in dataset settings a `path` replaced ("data.name='gsm8k'", ...): the run says so in one line.
+    replaced: tuple[str, ...] = dataclasses.field(default=(), init=False, compare=False)
 
     def __post_init__(self):
         choice_in("data", "chat_template", self.chat_template, CHAT_TEMPLATES)
         choice_in("data", "overlong", self.overlong, OVERLONG)
         positive("data", "max_prompt_tokens", self.max_prompt_tokens)
         positive("data", "prompts_per_step", self.prompts_per_step)
-        if self.path is not None:
-            builder = [k for k, v, default in (("name", self.name, "arithmetic"), ("builder_config", self.builder_config,
-                       None), ("builder_kwargs", dict(self.builder_kwargs), {}), ("manual_dir", self.manual_dir, None))
-                       if v != default]
-            if builder:
-                raise ValueError(f"data.path reads your own rows; data.{builder[0]} names a built-in dataset's setting: "
-                                 "set one of them")
+        if self.path is not None:  # your own rows: a built-in dataset's settings (a shipped config's) go
+            replaced = []
+            for name in BUILTIN_DATASET_KEYS:
+                default = _DATA_DEFAULTS[name]
+                if (dict(getattr(self, name)) if name == "builder_kwargs" else getattr(self, name)) != default:
+                    replaced.append(f"data.{name}={_shown(getattr(self, name))}")
+                    object.__setattr__(self, name, default)  # still constructing: the config stays frozen after
+            if replaced and not replaced[0].startswith("data.name="):
+                replaced.insert(0, f"data.name={self.name!r}")  # the default's name was the config's dataset too
+            object.__setattr__(self, "replaced", tuple(replaced))
         elif self.eval_path is not None or self.eval_fraction is not None:
             raise ValueError("data.eval_path and data.eval_fraction are for data.path's rows; a built-in "
                              "dataset's held-out rows are its data.eval_split")
@@ -251,3 +261,11 @@ class EvalConfig:
         positive("eval", "k", self.k)
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+
+
+_DATA_DEFAULTS = {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+                  for f in dataclasses.fields(DataConfig) if f.name in BUILTIN_DATASET_KEYS}
+
+
+def _shown(value: Any) -> str:
+    return repr(dict(value)) if isinstance(value, Mapping) else repr(value)

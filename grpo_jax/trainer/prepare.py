@@ -252,8 +252,12 @@ def _streams(config: RunConfig, tokenizer, mesh: Mesh, notes: list[str]) -> dict
     # batch a single process would read.
     def stream(batch: int, seed: int):
         share = row_share(mesh, batch)
-        sampler = data.IndexSampler(len(train_source), seed=seed, process_index=share.index,
-                                    process_count=share.count, block=share.size)
+        try:
+            sampler = data.IndexSampler(len(train_source), seed=seed, process_index=share.index,
+                                        process_count=share.count, block=share.size)
+        except ValueError as e:  # fewer rows than a batch (a small file of your own)
+            raise ConfigError(f"data: {len(train_source)} train rows of {d.path or d.name} are too few for a batch "
+                              f"of {batch} prompts ({e}); lower data.prompts_per_step or give more rows") from None
         return data.PromptStream(train_source, sampler, formatter()), share
 
     train_stream, share = stream(d.prompts_per_step, config.train.seed)
@@ -266,9 +270,10 @@ def _streams(config: RunConfig, tokenizer, mesh: Mesh, notes: list[str]) -> dict
                           f"prompt (the last: {eval_formatter.last_skip_reason}); check data.template's fields "
                           "and data.max_prompt_tokens")
     if len(eval_examples) < config.eval.num_prompts:
+        held = "held-out part" if d.path else f"{d.eval_split!r} split"
         notes.append(f"eval: {len(eval_examples)} prompts, not eval.num_prompts={config.eval.num_prompts}: the "
-                     f"{d.eval_split!r} split has {len(eval_source)} rows, {rejected} of them unusable (too long or "
-                     "missing template fields); each prompt is evaluated once")
+                     f"{held} has {len(eval_source)} rows, {rejected} of them unusable (too long or missing template "
+                     "fields); each prompt is evaluated once")
     return dict(train_stream=train_stream, share=share, sft_stream=sft_stream, eval_examples=eval_examples)
 
 
@@ -276,6 +281,8 @@ def data_sources(d, notes: list[str]) -> tuple[Any, Any]:
     """(train rows, held-out rows): `data.path`'s (grpo_jax.data.files) or a built-in dataset's."""
     try:
         if d.path is not None:
+            if d.replaced:  # a shipped config's built-in dataset, with --set data.path=FILE over it
+                notes.append(f"data.path {d.path} replaces the config's built-in dataset ({', '.join(d.replaced)})")
             train, held, note = data.load_path(d.path, train_split=d.train_split, eval_split=d.eval_split,
                                                eval_path=d.eval_path, eval_fraction=d.eval_fraction,
                                                split_seed=d.split_seed, cache_dir=Path(d.data_dir) / "files")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+import yaml
 
 from grpo_jax import cli
 from grpo_jax.config import ConfigError, load_config
@@ -20,6 +21,7 @@ from grpo_jax.observe.writers import read_metrics
 from grpo_jax.trainer.prepare import check_rows, data_sources
 from tests.runs import CONFIG, write_config
 
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"question": f"{a}+{b}=", "answer": str(a + b), "level": a % 3} for a in range(5) for b in range(4)]
 
 
@@ -109,8 +111,11 @@ def test_bad_lines_cost_only_themselves_and_a_file_of_bad_rows_is_one_error(tmp_
     with pytest.raises(ConfigError, match=r"data.answer_field 'solution' is not a field of .*rows.jsonl \(fields: "
                                           r"question, answer, level\)"):
         check_rows(data_sources(cfg.data, [])[0], fmt, cfg.data, [])
-    with pytest.raises(ConfigError, match="data.path reads your own rows; data.builder_config names a built-in"):
-        _config(tmp_path, path="x.jsonl", builder_config="tiny")
+    # Over a built-in dataset's settings (a shipped config's), data.path replaces them, and says which.
+    replaced = _config(tmp_path, path="x.jsonl", name="gsm8k", builder_config="tiny", builder_kwargs={"digits": 3}).data
+    assert (replaced.name, replaced.builder_config, dict(replaced.builder_kwargs)) == ("arithmetic", None, {})
+    assert replaced.replaced == ("data.name='gsm8k'", "data.builder_config='tiny'", "data.builder_kwargs={'digits': 3}")
+    assert _config(tmp_path, path="x.jsonl").data.replaced == ()
     with pytest.raises(ConfigError, match="data: data.path .*nothing.jsonl: no such file"):
         data_sources(_config(tmp_path, path=str(tmp_path / "nothing.jsonl")).data, [])
 
@@ -137,6 +142,24 @@ def _run_config(tmp_path, data: dict, rewards: list[dict]) -> dict:
             "rewards": rewards, "sampling": {**CONFIG["sampling"], "prompt_buckets": [12]},
             "sft": {"steps": 0}, "train": {**CONFIG["train"], "steps": 2},
             "eval": {"every": 0, "num_prompts": 4, "k": 2}, "checkpoint": {"every": 0}}
+
+
+def test_your_file_over_every_shipped_config_in_one_set(tmp_path, capsys):
+    """`--set data.path=FILE` over any shipped config: its built-in dataset's settings are replaced
+    (one notice line), and `grpo-jax check` reads the file's rows through the config's template."""
+    shipped = sorted((ROOT / "configs").glob("*.yaml"))
+    for path in shipped:
+        if "data" in yaml.safe_load(path.read_text()) and not path.name.startswith("rm_"):
+            data = load_config(path, ["data.path=rows.jsonl"]).data
+            assert data.path == "rows.jsonl" and data.builder_config is None and not data.builder_kwargs, path
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                                 for a in range(10) for b in range(10)))
+    assert cli.main(["check", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--set",
+                     f"data.path={tmp_path / 'rows.jsonl'}", "--set", f"data.data_dir={tmp_path / 'd'}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("replaces the config's built-in dataset") == 1, out
+    assert "data.name='arithmetic', data.builder_config='small', data.builder_kwargs=" in out, out
+    assert "10 of the 100 rows of" in out and "ready for `grpo-jax train`" in out, out
 
 
 def test_a_run_trains_on_a_chat_field_with_its_own_answer_field_checked_first(tmp_path, capsys):
