@@ -180,7 +180,7 @@ def test_requires_python_is_what_jax_and_the_workers_venv_ask_for():
     assert ours == max(theirs.values()) == (3, 11), theirs
     script = (SCRIPTS_DIR / "worker_venv.sh").read_text()
     assert f"\nMIN={ours[0]}.{ours[1]} " in script
-    for doc in (ROOT / "README.md", SCRIPTS_DIR / "README.md"):
+    for doc in (ROOT / "README.md", ROOT / "docs" / "pods.md", SCRIPTS_DIR / "README.md"):
         assert "3.10+" not in doc.read_text() and "3.11+" in doc.read_text(), doc
 
 
@@ -355,15 +355,15 @@ def test_a_bucket_or_allow_local_output_skips_the_check(tmp_path, args, run_dir)
 
 
 def test_the_pod_walkthrough_keeps_spot_runs_in_a_bucket():
-    # The README's walkthroughs run on Spot slices, where launch.sh refuses a local run directory;
+    # The pod walkthroughs (docs/pods.md) run on Spot slices, where launch.sh refuses a local run directory;
     # and a v5litepod-32 is 8 worker VMs of 4 chips, which the docs must not count as 4 hosts.
-    readme = (ROOT / "README.md").read_text()
-    launches = [line for line in readme.splitlines() if "tpu_scripts/launch.sh " in line]
+    pods = (ROOT / "docs" / "pods.md").read_text()
+    launches = [line for line in pods.splitlines() if "tpu_scripts/launch.sh " in line]
     assert len(launches) >= 3
     for line in launches:
         assert "--output gs://" in line, line
-    assert "4 hosts of 8 chips" not in readme and "8 TPU VMs of 4 chips" in readme
-    assert "delete.sh --queued --yes" in readme and "create.sh --spot" in readme
+    assert "4 hosts of 8 chips" not in pods and "8 TPU VMs of 4 chips" in pods
+    assert "delete.sh --queued --yes" in pods and "create.sh --spot" in pods
 
 
 def test_launch_rejects_a_set_without_value(bare_path):
