@@ -1,4 +1,4 @@
-"""The figures of README.md and benchmarks/RESULTS.md, written from committed result files.
+"""The figures of README.md, docs/ and benchmarks/RESULTS.md, written from committed result files.
 
 A figure block is marked in the Markdown, and everything between its markers is this script's:
 
@@ -30,7 +30,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from figure_blocks import all_blocks, evals, minutes  # noqa: E402  (benchmarks/figure_blocks: the other render functions)
 
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = (ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md", ROOT / "benchmarks" / "stability.md",
+# Every page whose figures are checked: the blocks in them are rewritten, and tests/test_figures.py finds a
+# measured figure written by hand outside a block in any of them. docs/paged_engine_design.md is a design memo
+# (its figures are the plan's estimates), not a page of measurements, so it is not one of them.
+PAGES = ("training", "data", "environments", "models", "sampling", "long-sequences", "pods", "benchmarks",
+         "testing", "internals")
+DOCS = (ROOT / "README.md", *(ROOT / "docs" / f"{page}.md" for page in PAGES), ROOT / "CHANGELOG.md",
+        ROOT / "benchmarks" / "RESULTS.md", ROOT / "benchmarks" / "stability.md",
         ROOT / "configs" / "qwen3_30b_a3b_gsm8k_v5p16.yaml", ROOT / "configs" / "qwen3_30b_a3b_gsm8k_v5e64.yaml")
 # A block's markers may be indented (inside a list item), or in a YAML comment ("# "): its lines get
 # the same indent.
@@ -78,17 +84,6 @@ def render_lora_demo() -> str:
             "`benchmarks/results/real_models/smollm2{,_lora}/`).\n")
 
 
-def render_toc() -> str:
-    """README's sections, each a link to its heading (GitHub's anchors)."""
-    lines, fenced = [], False
-    for line in (ROOT / "README.md").read_text().splitlines():
-        fenced ^= line.startswith("```")
-        if not fenced and (m := re.fullmatch(r"(##+) (.+)", line)):
-            anchor = re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-")
-            lines.append(f"{'  ' * (len(m.group(1)) - 2)}- [{m.group(2)}](#{anchor})")
-    return "\n".join(["**Contents**", "", *lines]) + "\n"
-
-
 def render_tools() -> str:
     """The tool demos: held-out accuracy before and after GRPO, with and without the tool."""
     def acc(name: str) -> str:
@@ -105,7 +100,7 @@ def render_tools() -> str:
 
 
 def render_paged() -> str:
-    """The paged engine's headline figures (README "Sampling")."""
+    """The paged engine's headline figures (docs/sampling.md)."""
     d = RESULTS / "engine_paged"
     static = json.loads((d / "memory" / "sampler_16k_static.json").read_text())["programs"]["sampler"]
     paged = json.loads((d / "memory" / "sampler_16k_paged.json").read_text())
@@ -119,7 +114,7 @@ def render_paged() -> str:
             f"continuous engine's bytes but ran {lt['paged_vs_continuous']:.2f}x its speed on a long tail "
             f"({lt['paged_vs_static_batched']:.2f}x the static engine in\nbatches), and matched static on fixed lengths "
             "(\"Paged engine\" in `benchmarks/RESULTS.md`; `benchmarks/results/engine_paged/`).\n"
-            "Multi-turn episodes (below) and one-pass over-sampling run on it too. It is the default because it\n"
+            "Multi-turn episodes ([environments.md](environments.md)) and one-pass over-sampling run on it too. It is the default because it\n"
             f"is at least as fast as `static` on both the fixed-length and the long-tailed workloads "
             f"({fx['paged_vs_static_batched']:.2f}x and\n{lt['paged_vs_static_batched']:.2f}x the static engine in "
             f"batches, {fx['paged_vs_static_all']:.2f}x and {lt['paged_vs_static_all']:.2f}x with every row at once).\n")
@@ -188,7 +183,9 @@ def _lora_bench() -> dict[str, dict]:
 
 
 def render_lora_speed() -> str:
-    b = _lora_bench()
+    from figure_blocks.models import lora_1b
+
+    b, big = _lora_bench(), lora_1b()
     full, lora = b["full"], b["lora"]
     share = lora["memory"]["trainable_params_bytes"] / lora["memory"]["frozen_params_bytes"]
     step = lora["step_s_median"] / full["step_s_median"]
@@ -196,7 +193,8 @@ def render_lora_speed() -> str:
     return (f"On the benchmark workload (`benchmarks/RESULTS.md`, `benchmarks/results/lora/`) rank-16 adapters make the "
             f"update {1 - update:.0%} faster\nand the step {1 - step:.0%}; the state is {1 + 3 * share:.2f} copies of the "
             "weights' size against 4 for a full fine-tune with\na KL reference (the reference copy alone is one of them: "
-            f"{full['memory']['reference_params_bytes'] / 1e6:.1f} MB there, 5.0 GB for a 1.24B model).\n")
+            f"{full['memory']['reference_params_bytes'] / 1e6:.1f} MB there, {big['reference_bytes'] / 1e9:.1f} GB for a "
+            f"{big['params'] / 1e9:.2f}B model).\n")
 
 
 def render_lora_table() -> str:
@@ -219,7 +217,7 @@ def render_lora_table() -> str:
 
 
 def render_chunked() -> str:
-    """README "Long sequences": the chunked attention's speed against XLA's at the longest length measured."""
+    """docs/long-sequences.md: the chunked attention's speed against XLA's at the longest length measured."""
     rows = json.loads((RESULTS / "attention" / "cpu.json").read_text())["rows"]
     top = max(rows, key=lambda r: r["tokens"])
     diff = max(c["max_abs_diff"] for r in rows for c in r["chunked"].values())
@@ -229,7 +227,7 @@ def render_chunked() -> str:
 
 
 def render_packing() -> str:
-    """README "Long sequences": packed against padded, the update and the whole step, over the pairs of runs."""
+    """docs/long-sequences.md: packed against padded, the update and the whole step, over the pairs of runs."""
     ratios = []
     for padded in sorted((RESULTS / "packing").glob("packing_false*.json")):
         packed = json.loads(padded.with_name(padded.name.replace("false", "true")).read_text())
@@ -242,7 +240,7 @@ def render_packing() -> str:
 
 
 def render_pipeline() -> str:
-    """README "Rollouts on their own devices": the split and stale layout against shared and synchronous."""
+    """docs/sampling.md "Rollouts on their own devices": the split and stale layout against shared and synchronous."""
     runs = {r["name"]: r for r in json.loads((RESULTS / "pipeline" / "peers" / "summary.json").read_text())}
     base, split, both = runs["shared_k0"], runs["split_k0"], runs["split_k1"]
     return ("Measured on 2 cores with 8 emulated devices (`benchmarks/RESULTS.md`, \"Pipelined runs\";\n"
@@ -290,7 +288,6 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "engine-paged": render_engine_paged,
     "tools": render_tools,
     "paged": render_paged,
-    "toc": render_toc,
     "quickstart": render_quickstart,
     "ci": render_ci,
     "lora-demo": render_lora_demo,

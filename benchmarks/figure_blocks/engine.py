@@ -1,5 +1,5 @@
 """The rollout engines' figures: RESULTS.md's "Continuous engine (issue 27)" and the parts of "Paged engine
-(issue 42)" outside figures.py's three tables (with "Multi-turn episodes on pages"), and README's sentences
+(issue 42)" outside figures.py's three tables (with "Multi-turn episodes on pages"), and the docs pages' sentences
 on them ("Sampling", "Multi-turn episodes with tools"). Files: results/engine/ (c7fd8ed/: the runs before
 323d990) and results/engine_paged/.
 """
@@ -257,7 +257,7 @@ def render_continuous_step() -> str:
 
 
 def render_continuous_readme() -> str:
-    """README "Sampling", the continuous engine's figures (results/engine/{long_tail,smollm2}.json)."""
+    """docs/sampling.md, the continuous engine's figures (results/engine/{long_tail,smollm2}.json)."""
     tail, smol = (load(f"engine/{n}.json")["ratios"] for n in ("long_tail", "smollm2"))
     return (f"drew {_x(tail['continuous_vs_static_batched'])} (a long-tailed workload) and "
             f"{_x(smol['continuous_vs_static_batched'])} (SmolLM2 on word problems) the useful tokens/s of\nthe "

@@ -1,5 +1,5 @@
 """The paged engine's figures outside figures.py's three tables: RESULTS.md's "Paged engine (issue 42)" (its
-run, the GPU and SmolLM2 notes, the targets, the TPU compile, "Multi-turn episodes on pages") and README's
+run, the GPU and SmolLM2 notes, the targets, the TPU compile, "Multi-turn episodes on pages") and the docs pages'
 "Multi-turn episodes with tools" sentence on it. Files: results/engine_paged/ (and results/engine/long_tail.json
 for the day before).
 """
@@ -22,7 +22,7 @@ def render_paged_run() -> str:
     """RESULTS.md "Paged engine": the machine and its speed that day (engine_paged/long_tail.json against
     engine/long_tail.json, the day before)."""
     today, before = _paged("long_tail"), load("engine/long_tail.json")
-    return ("`sampling.engine: paged` (README \"Sampling\"): the continuous engine's slots over a pool of cache "
+    return ("`sampling.engine: paged` ([docs/sampling.md](../docs/sampling.md)): the continuous engine's slots over a pool of cache "
             "pages,\nadmission by free pages, preemption and recompute of the youngest sequence when the pool runs "
             "short.\n2026-12-03, this project's 2-core CPU machine (slower today than on 2026-12-02: the continuous "
             f"engine\ntook {today['engines']['continuous']['wall_s']:.1f} s on the long tail where it took "
@@ -223,7 +223,7 @@ def render_tools_episodes() -> str:
 
 
 def render_tools_readme() -> str:
-    """README "Multi-turn episodes with tools": the paged engine on the calculator demo
+    """docs/environments.md: the paged engine on the calculator demo
     (engine_paged/tools_episodes/summary.json)."""
     runs = load("engine_paged/tools_episodes/summary.json")["runs"]
     three, half = runs["paged_three_quarter_bytes"], runs["paged_half_bytes"]

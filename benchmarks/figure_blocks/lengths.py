@@ -1,5 +1,5 @@
 """RESULTS.md's "Reasoning lengths" (issue 41) and "Memory of the pod configs" (issue 26) sections, and
-README's long-sequence and pod memory figures, written from results/attention, results/packing,
+the docs pages' long-sequence and pod memory figures, written from results/attention, results/packing,
 results/memory_length, results/memory_tpu and results/memory_qwen3_*.json.
 
 The memory tables keep their hand-written layout; every figure in them is read from a file, and a
@@ -248,7 +248,7 @@ def render_memory_notes() -> str:
 
 
 def render_readme_offload() -> str:
-    """README "Long sequences", `model.remat: offload`: Qwen3-0.6B at 16k on v5e
+    """docs/long-sequences.md, `model.remat: offload`: Qwen3-0.6B at 16k on v5e
     (results/memory_length/qwen3-0.6b_v5e-8_16384_auto{_remat-offload,}.json)."""
     fit, block = _ml("~16384" + OFF), _ml("~16384_auto")
     where = "needs more than the chip" if block["m"] < 0 else f"needs {block['pk']:.2f} GiB"
@@ -372,7 +372,7 @@ def render_pod_tpu_notes() -> str:
 
 
 def render_readme_pod_margin() -> str:
-    """README "Scaling out on TPU pods": what the two pod configs keep free (results/memory_qwen3_*.json)."""
+    """docs/pods.md: what the two pod configs keep free (results/memory_qwen3_*.json)."""
     low = _about(min(load(f)["margin_frac"] for f in POD))
     share = "about half" if low == 50 else f"about {low}%"
     return ("XLA:CPU's figures for the TPU run, so keep a margin (the two `configs/qwen3_*_v5e*.yaml` keep\n"

@@ -1,5 +1,5 @@
 """Figure blocks of the real models (SmolLM2-135M-Instruct, Gemma 3 270M) and of LoRA against full
-fine-tuning: RESULTS.md's "LoRA vs full fine-tuning" notes, its "Real models" section, and README's
+fine-tuning: RESULTS.md's "LoRA vs full fine-tuning" notes, its "Real models" section, and the docs pages'
 GGUF models paragraph.
 """
 
@@ -167,7 +167,7 @@ def render_real_samples() -> str:
 
 
 def render_readme_time() -> str:
-    """README's GGUF models paragraph: how long the two configs' steps took
+    """docs/models.md's GGUF models paragraph: how long the two configs' steps took
     (results/real_models/{smollm2,gemma3}/metrics.jsonl)."""
     s, g = _steps("smollm2"), _steps("gemma3")
     total = [sum(r["perf/step_s"] for r in rows) / 60 for rows in (s, g)]
@@ -186,7 +186,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
 
 
 def render_readme_memory() -> str:
-    """README "Memory on CPU": the peak resident memory of a two-step run of each real-model config
+    """docs/models.md "Memory on CPU": the peak resident memory of a two-step run of each real-model config
     (results/real_models/peak_memory.json: /usr/bin/time -v)."""
     data = load(REAL / "peak_memory.json")
     gb = {name: run["max_rss_bytes"] / 1e9 for name, run in data["runs"].items()}
@@ -199,3 +199,34 @@ def render_readme_memory() -> str:
 
 
 BLOCKS["models-readme-memory"] = render_readme_memory
+
+
+LLAMA_1B = "memory_length/llama3.2-1b_v5e-8_8192_auto_remat-offload.json"  # `bench memory`'s count of its parameters
+
+
+def lora_1b() -> dict[str, float]:
+    """The LoRA accounting (params, two Adam moments, a reference copy, fp32) carried to Llama 3.2 1B: its
+    parameter count from a `grpo-jax bench memory` result, its rank-16 adapters on every projection from
+    the preset's shapes (grpo_jax/tools/bench/parity.py)."""
+    from grpo_jax.tools.bench.parity import PRESETS
+
+    shape = PRESETS["llama3.2-1b"][1]
+    params = load(LLAMA_1B)["model"]["parameters"]
+    e, f, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_kv_heads"] * shape["head_dim"]
+    q = shape["num_heads"] * shape["head_dim"]
+    per_layer = 16 * ((e + q) + 2 * (e + kv) + (q + e) + 2 * (e + f) + (f + e))  # q, k, v, o, gate, up, down
+    adapters = per_layer * shape["num_layers"]
+    return {"params": params, "adapters": adapters, "lora_bytes": 4 * (params + 3 * adapters),
+            "full_bytes": 4 * 4 * params, "reference_bytes": 4 * params}
+
+
+def render_lora_1b() -> str:
+    """RESULTS.md "LoRA vs full fine-tuning": the same accounting on Llama 3.2 1B."""
+    a = lora_1b()
+    return (f"On Llama 3.2 1B ({a['params'] / 1e9:.2f}B parameters, as `grpo-jax bench memory` counts them: "
+            f"`benchmarks/results/{LLAMA_1B}`;\nrank-16 adapters on every projection are {a['adapters'] / 1e6:.1f}M, "
+            f"{a['adapters'] / a['params']:.1%}) in fp32 the same accounting is {a['lora_bytes'] / 1e9:.1f} GB against "
+            f"{a['full_bytes'] / 1e9:.1f} GB,\nof which the reference copy alone is {a['reference_bytes'] / 1e9:.1f} GB.\n")
+
+
+BLOCKS["models-lora-1b"] = render_lora_1b

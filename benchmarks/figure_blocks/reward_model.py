@@ -1,4 +1,4 @@
-"""The reward-model figures: README "Reward models and LLM judges" and RESULTS.md "Reward model
+"""The reward-model figures: docs/data.md "Reward models and LLM judges" and RESULTS.md "Reward model
 trained on preference pairs", from benchmarks/results/reward_model/.
 
 Each of the runs in its own folder (`demo_4layer/`: configs/rm_demo_cpu.yaml; `lm_2layer/`: the same
@@ -96,7 +96,7 @@ def _slips(run: str, last: int = 3) -> str:
 
 
 def render_readme_table() -> str:
-    """README: the reward models, their pair and near-miss accuracy, and GRPO on each alone (verifier accuracy)."""
+    """docs/data.md: the reward models, their pair and near-miss accuracy, and GRPO on each alone (verifier accuracy)."""
     first = _pair_evals("rm_demo_cpu_metrics.jsonl")[-1]
     rows = [[f"2 layers, Bradley-Terry only, {first['step']} steps (2026-12-01)", _kinds(first), "not measured",
              "not run (it ranks style only)"]]

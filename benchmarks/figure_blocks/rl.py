@@ -1,7 +1,7 @@
 """RL figures: the stability labs, on-policy distillation and the tool episodes.
 
 RESULTS.md's sections "Stability lab" (both editions), "On-policy distillation on the demo" and
-"Multi-turn episodes with tools", and the README's paragraphs that quote the tool runs. Each block's
+"Multi-turn episodes with tools", and the docs pages' paragraphs that quote the tool runs. Each block's
 prose is a template below, filled from the result files by its render function. The pipelined runs'
 figures: figure_blocks/rl_pipeline.py.
 """
@@ -286,10 +286,10 @@ def render_tools_smol() -> str:
         tok_no=n["mean"]("completion/len_mean"))
 
 
-# -- the README's sentences ------------------------------------------------------------------------------------
+# -- the docs pages' sentences ------------------------------------------------------------------------------------
 
 def render_readme_tools() -> str:
-    """README "Multi-turn episodes with tools": what the tool demos show, after their table, from
+    """docs/environments.md: what the tool demos show, after their table, from
     results/tools/{tools,smol_tools,smol_no_tools}/metrics.jsonl."""
     arith, smol, smol_no = (_tool_run(n)["acc"] for n in ("tools", "smol_tools", "smol_no_tools"))
     return ("The tiny model cannot add or multiply 4-digit numbers itself; with the calculator it learns to copy\n"
@@ -317,7 +317,7 @@ log-probs of exactly those sequences: `health/sampler_train_logprob_diff` stays 
 
 
 def render_readme_logprob() -> str:
-    """README "Multi-turn episodes with tools": the paragraph on exact tokens, with the sampler-trainer log-prob
+    """docs/environments.md: the paragraph on exact tokens, with the sampler-trainer log-prob
     gap of the tool demo (its largest per-step mean) from results/tools/tools/metrics.jsonl."""
     return _LOGPROB.format(diff=_e(_tool_run("tools")["diff"], 0))
 

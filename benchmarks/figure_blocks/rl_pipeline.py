@@ -1,6 +1,6 @@
 """RL figures, pipelined runs: the sampler on its own devices and bounded staleness.
 
-RESULTS.md's section "Pipelined runs" and the README's "Rollouts on their own devices" (after its
+RESULTS.md's section "Pipelined runs" and the docs pages' "Rollouts on their own devices" (after its
 `pipeline` block, which benchmarks/figures.py writes). The rest of the RL figures: figure_blocks/rl.py.
 """
 
@@ -207,7 +207,7 @@ def render_pipeline_cost() -> str:
 
 
 def render_readme_staleness() -> str:
-    """README "Rollouts on their own devices": what staleness cost the demo and what a split buys on a pod, from
+    """docs/sampling.md "Rollouts on their own devices": what staleness cost the demo and what a split buys on a pod, from
     results/pipeline/demo*/summary.json and results/pipeline/{peers,decode_heavy}/cost_model.json."""
     a = _staleness()
     change = lambda key: statistics.mean(x - y for x, y in zip(a[key], a["k0"]))  # noqa: E731
