@@ -6,8 +6,8 @@ The main API, importable from here:
   checkpoints to and from our Flax NNX decoder (grpo_jax.models);
 - `generate(model, prompts, config, rng) -> Rollout` with `SamplingConfig` (grpo_jax.engine.sampling);
 - `group_advantages(rewards, group_size, *, scale, estimator, ddof=0)` (grpo_jax.learner.grpo);
-- `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir)`
-  (grpo_jax.trainer.loop);
+- `RunConfig`, `load_config(path, overrides)` (grpo_jax.config) and `train(config, run_dir) ->
+  RunResult` (grpo_jax.trainer.loop, grpo_jax.trainer.run_state);
 - `mesh_device_grid(mesh_config, devices)`: the host-aware device order of a run's mesh
   (grpo_jax.runtime.sharding).
 
@@ -30,6 +30,7 @@ _EXPORTS = {
     "RunConfig": "grpo_jax.config",
     "load_config": "grpo_jax.config",
     "train": "grpo_jax.trainer.loop",
+    "RunResult": "grpo_jax.trainer.run_state",
     "mesh_device_grid": "grpo_jax.runtime.sharding",
     "Environment": "grpo_jax.env",
     "EnvStep": "grpo_jax.env",

@@ -76,7 +76,7 @@ def test_the_package_exports_the_main_api_lazily():
 
     expected = {"from_pretrained", "save_pretrained", "generate", "SamplingConfig", "group_advantages", "gae",
                 "policy_loss", "get_reward_fn", "RunConfig", "load_config", "train", "mesh_device_grid",
-                "Environment", "EnvStep"}
+                "Environment", "EnvStep", "RunResult"}
     assert set(grpo_jax.__all__) == expected and expected <= set(dir(grpo_jax))
     from grpo_jax import config, models
     from grpo_jax.learner import grpo

@@ -65,28 +65,32 @@ class AfterTheRun:
               f"(send {name} again to abort at once)", file=sys.stderr)
 
 
+def _run_dir(args: argparse.Namespace) -> str:
+    """--output (a local path or gs://...), else runs/<the config's name>."""
+    return args.output if args.output and "://" in args.output else str(Path(args.output or Path("runs") / Path(args.config).stem))
+
+
 def _train(args: argparse.Namespace) -> int:
     from grpo_jax.runtime.devices import initialize_distributed
     from grpo_jax.trainer.loop import train
 
     config = load_config(args.config, args.set or ())
     initialize_distributed(config)
-    out = args.output if args.output and "://" in args.output else Path(args.output or Path("runs") / Path(args.config).stem)
-    summary = train(config, out)
+    result = train(config, _run_dir(args))
     with AfterTheRun(keep=args.own_process):
-        if "stopped" in summary:  # a preemption notice or Ctrl-C: saved, resumable, not an error
-            print(json.dumps(summary))
+        if result.stopped:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+            print(json.dumps({"stopped": result.stopped, "step": result.step, "run_dir": result.run_dir}))
             return 0
-        start, end = summary["eval_start"], summary["eval_end"]
-        print(json.dumps({"run_dir": summary["run_dir"], "metrics": f"{summary['run_dir']}/metrics.jsonl",
-                          "plot": summary["plot"], "eval_accuracy_start": start["eval/accuracy"],
+        start, end = result.eval_start, result.eval_end
+        print(json.dumps({"run_dir": result.run_dir, "metrics": f"{result.run_dir}/metrics.jsonl",
+                          "plot": result.plot, "eval_accuracy_start": start["eval/accuracy"],
                           "eval_accuracy_end": end["eval/accuracy"], "eval_pass@k_start": start["eval/pass@k"],
                           "eval_pass@k_end": end["eval/pass@k"]}))
         return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    from grpo_jax.tools.check import check
+    from grpo_jax.trainer.check import check
 
     check(args.config, args.set or (), for_command=args.for_command)
     return 0
@@ -94,17 +98,16 @@ def _check(args: argparse.Namespace) -> int:
 
 def _train_rm(args: argparse.Namespace) -> int:
     from grpo_jax.config import load_rm_config
-    from grpo_jax.tools.reward_run import train_reward_model
+    from grpo_jax.trainer.reward_run import train_reward_model
 
     config = load_rm_config(args.config, args.set or ())
-    out = Path(args.output or Path("runs") / Path(args.config).stem)
-    last = train_reward_model(config, out)
+    result = train_reward_model(config, _run_dir(args))
     with AfterTheRun(keep=args.own_process):
-        if "stopped" in last:  # a preemption notice or Ctrl-C: saved, resumable, not an error
-            print(json.dumps(last))
+        if result.stopped:  # a preemption notice or Ctrl-C: saved, resumable, not an error
+            print(json.dumps({"stopped": result.stopped, "step": result.step, "run_dir": result.run_dir}))
             return 0
-        print(json.dumps({"output": str(out), "metrics": str(out / "metrics.jsonl"), "model": str(out / "hf"),
-                          "rm/pair_accuracy": last["rm/pair_accuracy"]}))
+        print(json.dumps({"output": result.run_dir, "metrics": f"{result.run_dir}/metrics.jsonl",
+                          "model": f"{result.run_dir}/hf", "rm/pair_accuracy": result.eval_end["rm/pair_accuracy"]}))
         return 0
 
 
@@ -158,7 +161,7 @@ def _training_command(sub, name: str, func, about: str, *, example: str, output:
 
 def add_commands(sub) -> None:
     """The parsers of `train`, `train-rm`, `check` and `eval`."""
-    from grpo_jax.tools import check as check_tool
+    from grpo_jax.trainer import check as check_tool
 
     _training_command(sub, "train", _train, "run GRPO as a YAML config says", example="configs/demo_cpu.yaml",
                       output="run directory")

@@ -4,7 +4,7 @@
            + lm_coef * (the backbone's next-token cross-entropy on the chosen answers' tokens),
 
 and its train and scoring steps, built by the step factory (grpo_jax.learner.step_factory) as the
-RL and warm-start steps are. The pairs and the run: grpo_jax.tools.reward_training and reward_run.
+RL and warm-start steps are. The pairs and the run: grpo_jax.trainer.reward_pairs and reward_run.
 
 Shape letters: grpo_jax.shapes (B pairs of a batch, T tokens, E embedding width).
 """

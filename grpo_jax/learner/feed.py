@@ -2,7 +2,7 @@
 from a `StepSource`, hands it to the learner's update, and gives the source the parameters the
 update produced. The RL trainer's sources are `RolloutSource`s (grpo_jax.rollout.source: sampled
 groups, scored); the reward-model trainer's is its stream of preference pairs
-(grpo_jax.tools.reward_run). Every method the loop calls is declared here."""
+(grpo_jax.trainer.reward_run). Every method the loop calls is declared here."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ value head's.
 
 Every optimizer of the package is built by it from a config section's `OptimizerConfig`: the
 GRPO/PPO update and its critic (`run_optimizer`), the supervised warm start
-(`warm_start_optimizer`) and reward-model training (grpo_jax.tools.reward_training).
+(`warm_start_optimizer`) and reward-model training (grpo_jax.trainer.reward_pairs).
 """
 
 from __future__ import annotations

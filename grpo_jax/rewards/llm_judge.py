@@ -88,11 +88,11 @@ greedy generation function the verdicts are written with (see the module docstri
 
         self.mesh = place_on(self.model, mesh)
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         """Nothing to keep across a resume: the judge's weights come from its path."""
         return {}
 
-    def load_state(self, state) -> None:
+    def load_state_dict(self, state) -> None:
         pass
 
     def without_updates(self):

@@ -118,8 +118,8 @@ def build_spec(name: str, kwargs: Mapping[str, Any], weight: float, where: tuple
     except (ValueError, OSError, TypeError) as e:
         raise ConfigError(f"{where[1]}: {type(e).__name__}: {e}") from None
     if not isinstance(built, StatefulReward):
-        raise ConfigError(f"{where[0]}: {fn.__name__} is a class but not a StatefulReward (place, state, "
-                          "load_state, without_updates); register a function or implement those")
+        raise ConfigError(f"{where[0]}: {fn.__name__} is a class but not a StatefulReward (place, state_dict, "
+                          "load_state_dict, without_updates); register a function or implement those")
     return RewardSpec(name=name, fn=TimedReward(built, timeout_s) if is_user_name(name) else built, weight=weight)
 
 

@@ -15,7 +15,7 @@ the policy's chat template (the `prompt_messages` example field), so a reward mo
 template than the policy's never sees the policy's.
 
 normalize: scores become (score - mean) / std over every score this reward has produced so far
-(running, this batch included; `state` / `load_state` carry the statistics across a resume), so
+(running, this batch included; `state` / `load_state_dict` carry the statistics across a resume), so
 the reward model's scale does not set the weight it gets beside verifiable rewards.
 """
 
@@ -192,9 +192,9 @@ class RewardModelReward:
         return [float(s) for s in scores]
 
     # ------------------------------------------------------------------ resume
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         m = self.moments
         return {"count": m.count, "mean": m.mean, "m2": m.m2}
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.moments.count, self.moments.mean, self.moments.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.models.lora import LoRAParam, has_adapters, merge_adapters, strip_adapters
-from grpo_jax.rewards import StatefulReward
+from grpo_jax.rewards import RewardStates
 from grpo_jax.rollout.source import InFlight, RolloutSource, Trajectories
 from grpo_jax.runtime.sharding import param_shardings
 from grpo_jax.runtime.transfer import copy_to
@@ -116,8 +116,8 @@ class PipelinedSource(RolloutSource):
     def _make(self, params_step: int | None = None) -> None:
         step = self.to_make
         p = self.inner.prepared
-        self.rewind[step] = {"stream": p.train_stream.state_dict(),
-                             "rewards": {s.name: s.fn.state() for s in p.rewards if isinstance(s.fn, StatefulReward)}}
+        # Named as the checkpoint's components (grpo_jax.trainer.run_state): these states replace theirs.
+        self.rewind[step] = {"data": p.train_stream.state_dict(), "rewards": RewardStates(p.rewards).state_dict()}
         self.params_of[step] = self._params()
         self.queue[step] = self.inner.next(step)
         self.made_with[step] = self.params_step if params_step is None else params_step

@@ -86,7 +86,7 @@ class Trajectories:
 class InFlight:
     """A pipelined source's batches in flight when a checkpoint is taken: `meta` (JSON: their steps
     and the steps whose parameters sampled them), `params` (those parameters, one copy per batch)
-    and `rewind` (the prompt stream's and stateful rewards' states before the first of them: a
+    and `rewind` (the `data` and `rewards` components' states before the first of them: a
     resumed run samples them again)."""
 
     meta: dict

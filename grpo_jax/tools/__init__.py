@@ -1,3 +1,3 @@
-"""Tools around training: benchmarks (`bench`), FLOP counts, the reward-model trainer (`reward_run`,
-in the trainer's own loop, over `reward_training`'s pairs, model and loss), input checks (`check`)
-and the smoke check. The top floor but the CLI: nothing below imports it."""
+"""Benchmarks' tooling: benchmarks (`bench`), FLOP counts and the smoke check. The product's commands
+(train-rm, check) live with the trainer (grpo_jax.trainer). The top floor but the CLI: nothing below
+imports it."""

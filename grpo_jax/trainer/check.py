@@ -94,7 +94,7 @@ def _check_run(config, say: Callable[[str], None]) -> None:
 
 
 def _check_rm(config, say: Callable[[str], None]) -> None:
-    from grpo_jax.tools.reward_training import encode_pairs, read_rows
+    from grpo_jax.trainer.reward_pairs import encode_pairs, read_rows
     from grpo_jax.models.build import build_tokenizer
 
     tokenizer = build_tokenizer(config.model)

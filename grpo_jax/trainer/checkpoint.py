@@ -4,7 +4,8 @@ Layout of `RUN_DIR/checkpoints/<step>/` (an orbax `CheckpointManager` directory)
 - `params`: the policy parameters (an `nnx.State` of `nnx.Param`), restorable on their own, so
   `grpo-jax eval` and `export` never need the optimizer;
 - `train_state`: step, optimizer state and skip counters;
-- `meta`: JSON (data stream position, rng seed, metrics of the step).
+- `meta`: JSON, a versioned `run_state.CheckpointMeta` (the step, the seed, each stateful component's
+  state per process: the prompt stream's position, rewards' statistics; a LoRA run's base).
 The model's architecture and tokenizer are in `RUN_DIR/model/` (config.json and tokenizer files,
 written at the start of the run) and the run's resolved configuration in `RUN_DIR/config.yaml`;
 `find_run` walks up from a checkpoint path to them.
@@ -25,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,16 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from grpo_jax.config import ConfigError
-from grpo_jax.runtime.hosts import any_host, gather_json, multi_process
+from grpo_jax.runtime.hosts import any_host, multi_process
 from grpo_jax.trainer import checkpoint_faults as faults
 from grpo_jax.trainer import lora_base
 from grpo_jax.trainer.checkpoint_faults import CheckpointError, short_error
 from grpo_jax.models import Transformer, from_pretrained, load_config, load_tokenizer
 from grpo_jax.models.lora import LoRAParam, add_adapters
-from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.learner.step_factory import TrainState
+from grpo_jax.trainer.run_state import CheckpointMeta, Stateful, save_components
 
 T = TypeVar("T")
 
@@ -86,14 +87,14 @@ class Checkpointer:
         self._newest = max(self._manager.all_steps(), default=None)  # the newest complete step
         self._failed = False
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any], reference=None, in_flight=None) -> None:
+    def save(self, step: int, state: TrainState, meta: CheckpointMeta, reference=None, in_flight=None) -> None:
         """`reference`: the KL reference policy's params (grpo.beta > 0), saved so a resumed run
         measures KL against the same policy; `in_flight`: a pipelined run's parameter copies that
         sampled its batches in flight (grpo_jax.rollout.pipeline)."""
         self._settle()  # the previous save's error is its own, not this one's
         rest = dataclasses.replace(state, params=None)
         items = {PARAMS: ocp.args.StandardSave(state.params), TRAIN_STATE: ocp.args.StandardSave(rest),
-                 META: ocp.args.JsonSave(meta)}
+                 META: ocp.args.JsonSave(meta.to_json())}
         if reference is not None:
             items[REFERENCE] = ocp.args.StandardSave(reference)
         if in_flight:
@@ -145,13 +146,13 @@ class Checkpointer:
             items[IN_FLIGHT] = ocp.args.StandardRestore(list(in_flight))
         out = self._manager.restore(step, args=ocp.args.Composite(**items))
         restored = dataclasses.replace(out[TRAIN_STATE], params=out[PARAMS])
-        return (restored, (out[REFERENCE] if reference is not None else None), dict(out[META]),
+        return (restored, (out[REFERENCE] if reference is not None else None), CheckpointMeta.from_json(out[META]),
                 (list(out[IN_FLIGHT]) if in_flight else None))
 
-    def restore_meta(self, step: int) -> dict:
+    def restore_meta(self, step: int) -> CheckpointMeta:
         """The `meta` item of a saved step alone (no arrays read)."""
         out = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))
-        return dict(out[META])
+        return CheckpointMeta.from_json(out[META])
 
     def all_steps(self) -> list[int]:
         """Saved steps orbax lists as finalized, newest first (one may still be damaged)."""
@@ -246,16 +247,17 @@ def restore_params(files: RunFiles, abstract_params):
     return restored[PARAMS]
 
 
-def read_meta(files: RunFiles) -> dict:
+def read_meta(files: RunFiles) -> CheckpointMeta:
     """The `meta` item of the step `files` names (no arrays read)."""
     with ocp.CheckpointManager(files.checkpoints) as manager:
-        return dict(manager.restore(files.step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])
+        raw = manager.restore(files.step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    return CheckpointMeta.from_json(raw)
 
 
 def local_base(files: RunFiles) -> str | None:
     """A LoRA run's base as a local HF directory (RUN_DIR/base, or `model.path` when it is one),
     from the step's metadata (its fingerprint checked), else None (a .gguf file, a remote copy)."""
-    saved = read_meta(files)["base"]
+    saved = read_meta(files).base
     directory = lora_base.locate(saved, files.run_dir)
     if saved["path"] == lora_base.BASE_DIR or Path(saved["path"]).resolve() == Path(directory).resolve():
         return str(Path(directory).resolve())
@@ -265,7 +267,7 @@ def local_base(files: RunFiles) -> str | None:
 def _lora_policy(files: RunFiles, lora: dict, *, dtype, param_dtype):
     """A LoRA run's policy at one saved step: its base (from where the step's metadata says, its
     fingerprint checked: `grpo_jax.trainer.lora_base`) with the step's adapters."""
-    model = from_pretrained(lora_base.locate(read_meta(files)["base"], files.run_dir), dtype=dtype,
+    model = from_pretrained(lora_base.locate(read_meta(files).base, files.run_dir), dtype=dtype,
                             param_dtype=param_dtype)
     add_adapters(model, rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]),
                  dropout=lora.get("dropout", 0.0), key=jax.random.key(0))
@@ -339,48 +341,15 @@ def load_policy(checkpoint: str | Path, *, dtype=jnp.float32, param_dtype=jnp.fl
     return model, load_tokenizer(files.run_dir / "model"), here
 
 
-def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, seed: int,
-              reference=None, base: dict | None = None, rewards: Sequence = (),
-              source: RolloutSource | None = None) -> None:
+def save_step(checkpointer: Checkpointer, step: int, state: TrainState, *, components: Mapping[str, Stateful],
+              seed: int, reference=None, base: dict | None = None, source: RolloutSource | None = None) -> None:
     """Checkpoint `step` (collective: every process saves its shards): the state, the KL reference
-    and every host's prompt-stream position (`stream.state_dict()`, gathered); a LoRA run's `base`
-    record (`grpo_jax.trainer.lora_base.record`) goes into the metadata, and so does the state of every
-    reward that keeps one (`fn.state()`: a reward model's running normalisation), per host. A
-    pipelined `source` with batches in flight adds their parameters, and the stream and rewards are
-    saved as they were before the first of them (a resumed run samples them again)."""
+    and every host's state of each component (`state_dict()`, gathered: the prompt stream as
+    `data`, the rewards that keep state as `rewards`); a LoRA run's `base` record
+    (`grpo_jax.trainer.lora_base.record`) goes into the metadata. A pipelined `source` with batches
+    in flight adds their parameters, and the components it names are saved as they were before the
+    first of them (a resumed run samples them again)."""
     flight = source.in_flight() if source is not None else None
-    position = stream.state_dict() if flight is None else flight.rewind["stream"]
-    streams = gather_json(position)  # each host's position in its share
-    meta = {"step": step, "seed": seed, "data": streams[0], **({"data_by_process": streams} if len(streams) > 1 else {}),
-            **({"base": base} if base is not None else {}), **({"pipeline": flight.meta} if flight else {})}
-    held = {spec.name: spec.fn.state() for spec in rewards if isinstance(spec.fn, StatefulReward)}
-    if flight is not None:
-        held = flight.rewind["rewards"]
-    if held:
-        meta["rewards_by_process"] = gather_json(held)
+    meta = CheckpointMeta(step=step, seed=seed, components=save_components(components, rewind=flight and flight.rewind),
+                          base=base, pipeline=flight.meta if flight else None)
     checkpointer.save(step, state, meta, reference=reference, in_flight=flight.params if flight else None)
-
-
-def checkpoint_hook(checkpointer: Checkpointer, signals, *, learner, prepared, base: dict | None,
-                    synced: Callable[[], None], source: RolloutSource | None = None) -> Callable[..., bool]:
-    """The loop's checkpoint hook (the function of a `loop.Hook` run every step: a signal is looked
-    for at every step, on every host): saves the step (`save_step`, then `synced()`)
-    every `checkpoint.every` steps, at the last step, and when `signals.check(step)` (a
-    `preemption.StopSignals`, the same on every host) says a stop signal arrived or the clock made a
-    checkpoint due. Returns True (stop the run after this step) after a signal. A save that failed
-    since the last step raises CheckpointError here (`Checkpointer.check`)."""
-    cfg = prepared.config
-
-    def hook(info) -> bool:
-        step = info.step
-        checkpointer.check()
-        stop, due = signals.check(step)
-        every = cfg.checkpoint.every
-        if stop or due or every and step % every == 0 or step == cfg.train.steps:
-            save_step(checkpointer, step, learner.unplace(info.state), stream=prepared.train_stream, seed=cfg.train.seed,
-                      reference=learner.reference, base=base, rewards=prepared.rewards, source=source)
-            synced()
-            signals.saved()
-        return stop
-
-    return hook

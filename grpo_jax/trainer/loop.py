@@ -20,27 +20,28 @@ shards), so the run directory must be on storage all hosts share.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo_jax.config import ConfigError, RunConfig, config_to_dict
+from grpo_jax.config import RunConfig, config_to_dict
+from grpo_jax.learner.feed import StepSource
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.observe.trackers import open_trackers
+from grpo_jax.rewards import RewardStates
 from grpo_jax.rewards.watch import RewardWatch
 from grpo_jax.rollout.evaluation import evaluate_run
-from grpo_jax.learner.feed import StepSource
-from grpo_jax.runtime.hosts import any_host, is_primary
-from grpo_jax.runtime.run_lock import RunLock
-from grpo_jax.runtime.storage import RunDirectory
-from grpo_jax.trainer.checkpoint import Checkpointer, checkpoint_hook
+from grpo_jax.runtime.hosts import any_host
+from grpo_jax.trainer.checkpoint import Checkpointer, save_step
 from grpo_jax.trainer.hooks import Hook, MetricHook, StepInfo
-from grpo_jax.trainer.preemption import StoppedBeforeStart, StopSignals, stop_report
-from grpo_jax.trainer.prepare import Prepared, model_json, open_run_dir, prepare
+from grpo_jax.trainer.preemption import StoppedBeforeStart, StopSignals
+from grpo_jax.trainer.prepare import Prepared, model_json, prepare, write_model_files
 from grpo_jax.trainer.resume import restore_state, resumable_steps
+from grpo_jax.trainer.run_state import RunResult
+from grpo_jax.trainer.session import RunSession
 from grpo_jax.trainer.setup import Built, build
+
 
 def run_steps(source: StepSource, learner, state, steps: range, hooks: Sequence[Hook]):
     """The loop -> (state, the step it stopped after when a hook asked to stop early, else None).
@@ -67,18 +68,11 @@ def run_steps(source: StepSource, learner, state, steps: range, hooks: Sequence[
 class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path, *, hooks: Sequence[MetricHook] = (),
                  log: Callable[[str], None] | None = None):
-        # Log lines go above the progress bar (to stderr), unless the caller takes them.
-        # A remote run directory (gs://...) stages the small files locally (grpo_jax.runtime.storage).
-        self.storage = RunDirectory(run_dir)
-        self.config, self.run_dir, self.hooks = config, self.storage.local, list(hooks)
-        self.bar: ProgressBar | None = None
-        self.log = log or (lambda line: (self.bar.write(line) if self.bar else print(line, file=sys.stderr)))
-        self.primary = is_primary()  # process 0 writes the run directory's files
-        if not self.primary:
-            self.log = lambda line: None
-        self.sync = self.storage.sync if self.primary else (lambda: None)  # upload the staged files (gs://...)
-        # Installed by `run` from its first input check to its last file (grpo_jax.trainer.preemption).
-        self.signals = StopSignals(self.log, every_minutes=config.checkpoint.every_minutes, stage="setup")
+        # Lock, run directory (gs:// too), config.yaml, logs, progress bar, stop signals and the
+        # checkpoint hook: the lifecycle train-rm shares (grpo_jax.trainer.session).
+        self.session = RunSession(run_dir, checkpoint=config.checkpoint, resume=config.train.resume, log=log)
+        self.config, self.storage, self.run_dir = config, self.session.storage, self.session.run_dir
+        self.hooks, self.log, self.primary = list(hooks), self.session.log, self.session.primary
         self.prepared: Prepared | None = None  # every input check, before any compile (by `run`)
         self.evals: list[tuple[int, dict]] = []  # (step, eval metrics), for the summary
         self.rewards: list[float] = []  # each step's reward/mean
@@ -86,41 +80,39 @@ class Trainer:
         self.built: Built | None = None
         self.state = None
 
-    def run(self) -> dict:
-        cfg = self.config
-        with self.signals:
-            self.prepared = prepare(cfg)
+    @property
+    def signals(self) -> StopSignals:
+        return self.session.signals
+
+    def run(self) -> RunResult:
+        with self.session:
+            self.prepared = prepare(self.config)
             for note in self.prepared.notes:
                 self.log(note)
-            # One run per directory: process 0 holds its lock from before the checkpoint check to the end.
-            with RunLock(self.storage.target, log=self.log, hold=self.primary), \
-                    Checkpointer(self.storage.checkpoints, keep=cfg.checkpoint.keep,
-                                 log=self.log) as checkpointer:
+            with self.session.claim() as checkpointer:
                 return self._start_or_resume(checkpointer)
 
-    def _start_or_resume(self, checkpointer: Checkpointer) -> dict:
-        cfg, candidates = self.config, []
+    def _start_or_resume(self, checkpointer: Checkpointer) -> RunResult:
+        candidates = []
         try:
-            steps = checkpointer.all_steps()
-            if steps and not cfg.train.resume:
-                raise ConfigError(f"{self.storage} already holds checkpoints (newest: step {steps[0]}); resume "
-                                  "it (train.resume: true) or choose another --output")
-            if steps:  # every reason to refuse the restart is found before anything is written
+            if steps := self.session.saved_steps():  # every reason to refuse the restart is found before anything is written
                 if self.primary:
                     self.storage.pull()  # a remote run's model/config.json, to compare
                 candidates = resumable_steps(checkpointer, steps, prepared=self.prepared, run_dir=self.run_dir,
                                              model_json=model_json(self.prepared), where=str(self.storage),
                                              warn=self.log)
             self.signals.stop_point()  # before anything is written
-            open_run_dir(self.prepared, self.storage, primary=self.primary, resuming=bool(candidates), log=self.log)
+            self.session.open(self.config, resuming=bool(candidates))
+            if self.primary:
+                write_model_files(self.prepared, self.run_dir / "model")
             return self._run(checkpointer, candidates)
-        except StoppedBeforeStart as stop:
-            return self._stopped(checkpointer, None, str(stop), resuming=bool(candidates))
+        except StoppedBeforeStart:
+            return self.session.stopped(None, steps=self.config.train.steps, resuming=bool(candidates))
 
     def _start(self, checkpointer: Checkpointer, candidates: list[int]) -> tuple[Any, int | None]:
         """(state, the step it resumes after) with the pieces built and the evaluations so far (a
         fresh run's at step 0); a stop signal meanwhile stops the run here (StoppedBeforeStart)."""
-        saved_base = checkpointer.restore_meta(candidates[0]).get("base") if candidates else None
+        saved_base = checkpointer.restore_meta(candidates[0]).base if candidates else None
         self.built = b = build(self.prepared, run_dir=self.run_dir, saved_base=saved_base,
                                resuming=bool(candidates), log=self.log)
         state, resume_from = b.state, None
@@ -144,47 +136,45 @@ class Trainer:
         self.signals.stage = "steps"  # from here a signal ends the step in flight, and it is saved
         return state, resume_from
 
-    def _run(self, checkpointer: Checkpointer, candidates: list[int]) -> dict:
-        cfg, signals = self.config, self.signals
+    def _run(self, checkpointer: Checkpointer, candidates: list[int]) -> RunResult:
+        cfg, signals, session = self.config, self.signals, self.session
         state, resume_from = self._start(checkpointer, candidates)
         b, first = self.built, (resume_from or 0) + 1
-        self.writer = MetricsWriter(self.run_dir, trackers=open_trackers(
-            cfg.log, self.run_dir, config_to_dict(cfg), log=self.log)) if self.primary else None
-        if self.writer is not None and resume_from is not None:
-            self.writer.truncate_after(resume_from)  # what the interrupted run wrote after its last checkpoint
-        elif self.writer is not None:
-            if dropped := self.writer.start_over():  # an earlier start stopped before its first checkpoint
-                self.log(f"{self.storage}: the logs of {dropped} steps of a start without a checkpoint are dropped")
+        self.writer = session.metrics_writer(resume_from, trackers=open_trackers(
+            cfg.log, self.run_dir, config_to_dict(cfg), log=self.log) if self.primary else ())
+        if self.writer is not None and resume_from is None:
             self.writer.write(0, self.evals[0][1])
-        self.bar = ProgressBar(cfg.train.steps, enabled=cfg.train.progress and self.primary,
-                               initial=min(first - 1, cfg.train.steps), every=cfg.log.every,
-                               start=self.evals[-1][1] if self.evals else None)
+        bar = session.progress(cfg.train.steps, enabled=cfg.train.progress, initial=min(first - 1, cfg.train.steps),
+                               every=cfg.log.every, start=self.evals[-1][1] if self.evals else None)
         watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
+        components = {"data": self.prepared.train_stream, "rewards": RewardStates(self.prepared.rewards)}
+
+        def save(info: StepInfo) -> None:
+            save_step(checkpointer, info.step, b.learner.unplace(info.state), components=components,
+                      seed=cfg.train.seed, reference=b.learner.reference, base=b.base, source=b.source)
 
         hooks = [Hook(lambda i: signals.fail(watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages,
                                                          i.batch.log.first.env_error))),
                  Hook(self._evaluate_hook, every=cfg.eval.every, at_last=True),
                  Hook(self._write_metrics), Hook(self._write_samples, every=cfg.train.samples_every),
-                 Hook(self._tell),
-                 Hook(checkpoint_hook(checkpointer, signals, learner=b.learner, prepared=self.prepared, base=b.base,
-                                      synced=self.sync, source=b.source))]
+                 Hook(lambda i: self._tell(i, bar)),
+                 Hook(session.checkpoint_hook(save, every=cfg.checkpoint.every, last=cfg.train.steps))]
         try:
             state, stopped_at = run_steps(b.source, b.learner, state, range(first, cfg.train.steps + 1), hooks)
             signals.stage = "finish"
             if stopped_at is None and any_host(not self.evals):  # resumed after the last step, on a host without the logs
                 self.evals.append((cfg.train.steps, self._evaluate(cfg.train.steps)))
         finally:
-            self.bar.close()
-            self.bar = None
+            session.close_progress()
             if self.writer is not None:
                 self.writer.close()
-            self.sync()  # what there is, even when the run stops with an error
+            session.sync()  # what there is, even when the run stops with an error
         self.state = state  # the final train state (placed), for callers that inspect it
         if stopped_at is not None or signals.failure:  # user code that failed at the last step stops it too
-            return self._stopped(checkpointer, stopped_at or cfg.train.steps, signals.received)
+            return session.stopped(stopped_at or cfg.train.steps, steps=cfg.train.steps)
         checkpointer.wait()  # the last checkpoint committed before the summary says the run is done
-        return {**self._summary(), "learner_bytes": b.learner.footprint(state)}
+        return self._summary(b.learner.footprint(state))
 
     # --- hooks ------------------------------------------------------------------------------------
     def _evaluate_hook(self, info: StepInfo) -> None:
@@ -205,11 +195,11 @@ class Trainer:
             t = info.batch
             self.writer.write_samples(info.step, t.log.samples(self.config.train.samples_count, t.group_size))
 
-    def _tell(self, info: StepInfo) -> None:
+    def _tell(self, info: StepInfo, bar: ProgressBar) -> None:
         """The caller's metric hooks (`train(hooks=...)`) and the progress bar."""
         for hook in self.hooks:
             hook(info.step, info.metrics)
-        self.bar.update(info.step, info.metrics)
+        bar.update(info.step, info.metrics)
 
     # --- around the loop --------------------------------------------------------------------------
     def _evaluate(self, step: int) -> dict:
@@ -227,24 +217,18 @@ class Trainer:
             return []
         return [(r["step"], r) for r in read_metrics(self.run_dir) if "eval/accuracy" in r and r["step"] <= resume_from]
 
-    def _stopped(self, checkpointer: Checkpointer, step: int | None, why: str, *, resuming: bool = False) -> dict:
-        """After a stop signal: the step's checkpoint (if any) complete on storage, one line on how to go on."""
-        checkpointer.wait()
-        self.sync()
-        return stop_report(why, step=step, steps=self.config.train.steps, where=str(self.storage),
-                           resuming=resuming, log=self.log, failure=self.signals.failure)
-
-    def _summary(self) -> dict:
+    def _summary(self, learner_bytes: dict) -> RunResult:
         plot = plot_run(self.run_dir) if self.primary else None
-        self.sync()
+        self.session.sync()
         start, end = self.evals[0][1], self.evals[-1][1]
         self.log(f"eval accuracy {start['eval/accuracy']:.3f} -> {end['eval/accuracy']:.3f}; "
                  f"metrics: {self.run_dir / 'metrics.jsonl'}; plot: {plot}")
-        return {"eval_start": start, "eval_end": end, "reward": self.rewards, "run_dir": str(self.storage),
-                "plot": str(plot) if plot else None}
+        return RunResult(run_dir=str(self.storage), step=self.config.train.steps, eval_start=start, eval_end=end,
+                         reward=tuple(self.rewards), plot=str(plot) if plot else None, learner_bytes=learner_bytes)
 
 
 def train(config: RunConfig, run_dir: str | Path, *, hooks: Sequence[MetricHook] = (),
-          log: Callable[[str], None] | None = None) -> dict:
-    """Run GRPO as configured; returns start/end evaluation and the per-step mean rewards."""
+          log: Callable[[str], None] | None = None) -> RunResult:
+    """Run GRPO as configured; returns its RunResult: the start and end evaluations and the
+    per-step mean rewards, or, when a stop signal ended it, the step whose checkpoint is complete."""
     return Trainer(config, run_dir, hooks=hooks, log=log).run()

@@ -156,8 +156,8 @@ class StopSignals:
 
 
 def stop_report(why: str | None, *, step: int | None, steps: int, where: str, resuming: bool,
-                log: Callable[[str], None], failure: str | None = None) -> dict:
-    """The summary of a run a stop signal ended, and its last line (to `log`): after `step`, whose
+                log: Callable[[str], None], failure: str | None = None) -> None:
+    """The last line (to `log`) of a run a stop signal ended: after `step`, whose
     checkpoint is complete in `where`, or before its first step (`step` None): nothing saved yet,
     or nothing new for a `resuming` run. Without a signal (`why` None) the run stopped for
     `failure`: RunFailed, in one line."""
@@ -176,4 +176,3 @@ def stop_report(why: str | None, *, step: int | None, steps: int, where: str, re
     else:
         line = f"stopped by {why} before the first checkpoint: nothing was saved yet; {again} start the run"
     log(line)
-    return {"stopped": why, "step": step, "run_dir": where}

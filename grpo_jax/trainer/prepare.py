@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import yaml
 from jax.sharding import Mesh
 
 from grpo_jax import data
-from grpo_jax.config import ConfigError, EvalConfig, ModelConfig, RunConfig, SamplingConfig, config_to_dict
+from grpo_jax.config import ConfigError, EvalConfig, ModelConfig, RunConfig, SamplingConfig
 from grpo_jax.data.stream import PromptStream
 from grpo_jax.engine.sampling import greedy_completions
 from grpo_jax.models import Transformer, TransformerConfig, config_to_hf, load_config
@@ -318,35 +317,6 @@ def check_rows(source: data.FileSource, formatter, d, notes: list[str], *, limit
 def model_json(prepared: Prepared) -> dict:
     """The HF config.json of the run's architecture (what `write_model_files` writes)."""
     return config_to_hf(prepared.model_config, dtype_name=prepared.config.model.param_dtype)
-
-
-def open_run_dir(prepared: Prepared, storage, *, primary: bool, resuming: bool, log) -> None:
-    """Write the run's config and model files into `storage.local` (after the checkpoint check: a
-    refused start leaves an existing run directory as it was; a resumed one keeps its config)."""
-    run_dir = storage.local
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if jax.process_count() > 1 and not storage.remote:
-        log(f"run directory {run_dir} is a local path: every host must see the same directory "
-            "(a shared file system), or each host's checkpoint shards land on its own disk; use gs://...")
-    if storage.remote:
-        log(f"run directory {storage}: checkpoints written there, logs staged in {run_dir} and "
-            "uploaded at every checkpoint")
-    if primary:
-        write_run_config(prepared.config, run_dir, resuming=resuming, log=log)
-        write_model_files(prepared, run_dir / "model")
-
-
-def write_run_config(config: RunConfig, run_dir: Path, *, resuming: bool, log) -> None:
-    """`run_dir/config.yaml`: the resolved config of a fresh start; a resumed run keeps the one it
-    started with, and says which settings of this restart differ."""
-    saved, now = run_dir / "config.yaml", config_to_dict(config)
-    text = yaml.safe_dump(now, sort_keys=False)
-    if not (resuming and saved.exists()):
-        saved.write_text(text)
-    elif saved.read_text() != text:
-        before = yaml.safe_load(saved.read_text()) or {}
-        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-        log(f"config.yaml kept as the run started it; this restart's settings differ in: {', '.join(changed)}")
 
 
 def write_model_files(prepared: Prepared, directory: Path) -> None:

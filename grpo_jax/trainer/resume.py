@@ -12,21 +12,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 
 from grpo_jax.config import ConfigError, RunConfig
 from grpo_jax.learner.step_factory import TrainState
-from grpo_jax.rewards import StatefulReward
+from grpo_jax.rewards import RewardStates
 from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.hosts import any_host
 from grpo_jax.trainer import lora_base
 from grpo_jax.trainer.checkpoint import Checkpointer, NothingRestores, first_restorable
+from grpo_jax.trainer.run_state import CheckpointMeta, load_components
 
 
-def check_base(config: RunConfig, meta: dict, run_dir: Path, where: str) -> None:
+def check_base(config: RunConfig, meta: CheckpointMeta, run_dir: Path, where: str) -> None:
     """A LoRA run resumes only LoRA checkpoints of the same base (fingerprint), a full fine-tune
     only full ones: a ConfigError otherwise."""
-    saved = meta.get("base")
+    saved = meta.base
     if config.lora.enabled != (saved is not None):
         kinds = ("LoRA adapters", "full parameters")
         have, want = kinds[saved is None], kinds[not config.lora.enabled]
@@ -45,7 +45,7 @@ def resumable_steps(checkpointer: Checkpointer, steps: list[int], *, prepared, r
         check_resumable(checkpointer, step, stream=prepared.train_stream, run_dir=run_dir, model_json=model_json)
         meta = checkpointer.restore_meta(step)
         check_base(prepared.config, meta, run_dir, where)
-        if meta.get("pipeline") and not prepared.config.rollout.pipelined:
+        if meta.pipeline and not prepared.config.rollout.pipelined:
             raise ConfigError(f"{where}: checkpoint step {step} is of a run with rollout.staleness > 0 (it holds "
                               "batches in flight); resume it with its rollout settings")
 
@@ -94,36 +94,20 @@ def check_resumable(checkpointer: Checkpointer, step: int, *, stream, run_dir: P
             diff = ", ".join(f"{k} {saved.get(k)!r} -> {model_json.get(k)!r}" for k in changed[:6])
             raise ConfigError(f"{run_dir} holds a run of another model ({diff}); resume it with its own config "
                               f"({Path(run_dir) / 'config.yaml'}) or choose another --output")
-    meta = checkpointer.restore_meta(step)
-    _load_stream(meta, step, stream)
-
-
-def _load_stream(meta: dict, step: int, stream) -> None:
-    streams = meta.get("data_by_process") or [meta["data"]]
-    if len(streams) != jax.process_count():
-        raise ConfigError(f"checkpoint step {step} was written by {len(streams)} processes, this run has "
-                          f"{jax.process_count()}; resume with the same number of hosts")
-    try:
-        stream.load_state_dict(streams[jax.process_index()])
-    except ValueError as e:
-        raise ConfigError(f"cannot resume step {step} with this config: {e}") from None
+    load_components(checkpointer.restore_meta(step), {"data": stream}, required=("data",))
 
 
 def resume(checkpointer: Checkpointer, step: int, state: TrainState, *, stream, reference=None,
            rewards: Sequence = (), source: RolloutSource | None = None):
     """(state, reference) of checkpoint `step`, placed like `state` and `reference`, with this
-    host's prompt stream moved to where it was and its rewards' states (`save_step`) restored, and
-    a pipelined `source` given its batches in flight. A checkpoint of another number of hosts, or a
-    stream with other settings, is a ConfigError."""
+    host's prompt stream moved to where it was and its rewards' states restored (the components
+    `save_step` wrote), and a pipelined `source` given its batches in flight. A checkpoint of
+    another number of hosts, or a stream with other settings, is a ConfigError."""
     # A pipelined run's batches in flight (a synchronous run never gets here with them: resumable_steps).
-    flight = checkpointer.restore_meta(step).get("pipeline") if source is not None else None
+    flight = checkpointer.restore_meta(step).pipeline if source is not None else None
     like = source.in_flight_like(len(flight["steps"])) if flight else None
     restored, saved_reference, meta, in_flight = checkpointer.restore(step, state, reference, in_flight=like)
     if flight:
         source.restore(flight, in_flight)
-    _load_stream(meta, step, stream)
-    saved = (meta.get("rewards_by_process") or [{}] * jax.process_count())[jax.process_index()]
-    for spec in rewards:
-        if isinstance(spec.fn, StatefulReward) and spec.name in saved:
-            spec.fn.load_state(saved[spec.name])
+    load_components(meta, {"data": stream, "rewards": RewardStates(rewards)}, required=("data",))
     return restored, (reference if saved_reference is None else saved_reference)

@@ -1,6 +1,6 @@
 """`grpo-jax train-rm`'s preference pairs, and how a trained reward model is scored on held-out ones
 (the loss and steps: grpo_jax.learner.bradley_terry; the model: grpo_jax.models.build; the run, in
-the RL trainer's loop: grpo_jax.tools.reward_run). A reward model trained on preference pairs with
+the RL trainer's loop: grpo_jax.trainer.reward_run). A reward model trained on preference pairs with
 the Bradley-Terry loss:
 
     loss = mean over pairs of -log sigmoid(r(prompt, chosen) - r(prompt, rejected) - margin)

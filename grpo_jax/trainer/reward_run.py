@@ -4,7 +4,7 @@ own. The source is the stream of training pairs (`PairSource`), the learner the 
 Bradley-Terry step (`PairLearner`); held-out pair accuracy, metrics.jsonl, the progress bar and
 orbax checkpoints (`OUTPUT/checkpoints/<step>`: the train state and the pair stream's position)
 are hooks. `train.resume: true` continues from the newest checkpoint that restores, and equals the
-uninterrupted run. The pairs: grpo_jax.tools.reward_training; the model: grpo_jax.models.build; the
+uninterrupted run. The pairs: grpo_jax.trainer.reward_pairs; the model: grpo_jax.models.build; the
 loss and steps: grpo_jax.learner.bradley_terry.
 """
 
@@ -16,25 +16,23 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 from flax import nnx
 
 from grpo_jax.config import ConfigError, RMRunConfig
-from grpo_jax.config.loading import config_to_dict
 from grpo_jax.learner.bradley_terry import make_steps
 from grpo_jax.learner.feed import StepSource
 from grpo_jax.learner.optimizer import make_optimizer
 from grpo_jax.learner.step_factory import TrainState, check_skips, new_state
 from grpo_jax.models.build import build_reward_model, build_tokenizer
 from grpo_jax.models.reward_model import save_reward_model
-from grpo_jax.observe import MetricsWriter, ProgressBar
 from grpo_jax.runtime.sharding import make_mesh, mesh_devices, on_mesh, round_to_row_shards
-from grpo_jax.tools.reward_training import Pairs, encode_pairs, evaluate_pairs, read_rows
-from grpo_jax.runtime.run_lock import RunLock
 from grpo_jax.trainer.checkpoint import Checkpointer, NothingRestores, first_restorable
 from grpo_jax.trainer.hooks import Hook, StepInfo
 from grpo_jax.trainer.loop import run_steps
-from grpo_jax.trainer.preemption import StopSignals, stop_report
+from grpo_jax.trainer.preemption import StoppedBeforeStart
+from grpo_jax.trainer.reward_pairs import Pairs, encode_pairs, evaluate_pairs, read_rows
+from grpo_jax.trainer.run_state import CheckpointMeta, RunResult, load_components, save_components
+from grpo_jax.trainer.session import RunSession
 
 
 @dataclasses.dataclass
@@ -141,72 +139,78 @@ def restore(checkpointer: Checkpointer, steps: list[int], run: RMRun, source: Pa
     """(state, step) of the newest checkpoint that restores, with the pair stream where it was."""
     def attempt(step: int):
         state, _, meta, _ = checkpointer.restore(step, run.state)
-        return state, meta
+        load_components(meta, {"pairs": source}, required=("pairs",))
+        return state
 
     try:
-        step, (state, meta), _ = first_restorable(steps, attempt, where=str(checkpointer.directory), warn=log)
+        step, state, _ = first_restorable(steps, attempt, where=str(checkpointer.directory), warn=log)
     except NothingRestores as e:
         raise ConfigError(str(e)) from None
-    source.load_state_dict(meta["pairs"])
     return state, step
 
 
-def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable[[str], None] = print) -> dict:
-    """Train (see the module docstring); returns the last evaluation's metrics (or, when a stop
-    signal ended the run, where to resume it)."""
-    out, t = Path(output), config.train
-    # The stop signals' handlers stay until the last checkpoint is closed and the lock released.
-    with StopSignals(log, every_minutes=config.checkpoint.every_minutes) as signals, RunLock(out, log=log), \
-            Checkpointer(out / "checkpoints", keep=config.checkpoint.keep, log=log) as checkpointer:
-        saved = checkpointer.all_steps()
-        if saved and not t.resume:
-            raise ConfigError(f"{out} already holds checkpoints (newest: step {saved[0]}); resume it "
-                              "(train.resume: true) or choose another --output")
-        out.mkdir(parents=True, exist_ok=True)
-        if not saved:  # a resumed run keeps the config.yaml it started with
-            (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-        return _train(checkpointer, saved, build_run(config, out, log), signals, log)
+def train_reward_model(config: RMRunConfig, output: str | Path, *, log: Callable[[str], None] | None = None
+                       ) -> RunResult:
+    """Train (see the module docstring); returns its RunResult (`eval_end`: the last evaluation's
+    metrics), or, when a stop signal ended the run, where to resume it. The run's lifecycle (lock,
+    run directory incl. gs://, config.yaml, logs, progress bar, stop signals) is the RL run's
+    (grpo_jax.trainer.session)."""
+    session = RunSession(output, checkpoint=config.checkpoint, resume=config.train.resume, log=log)
+    with session:
+        with session.claim() as checkpointer:
+            saved = session.saved_steps()
+            session.open(config, resuming=bool(saved))
+            try:
+                return _train(session, checkpointer, saved, build_run(config, session.run_dir, session.log))
+            except StoppedBeforeStart:
+                return session.stopped(None, steps=config.train.steps, resuming=bool(saved))
 
 
-def _train(checkpointer: Checkpointer, saved: list[int], run: RMRun, signals: StopSignals, log) -> dict:
-    t, every = run.config.train, run.config.checkpoint.every
+def _train(session: RunSession, checkpointer: Checkpointer, saved: list[int], run: RMRun) -> RunResult:
+    t, log = run.config.train, session.log
     source = PairSource(run.train, run.batch, t.seed)
     state, resumed = restore(checkpointer, saved, run, source, log) if saved else (run.state, None)
-    last = {"eval": evaluate_pairs(run.score, state.params, run.held, run.batch)}
-    log(f"eval at step {resumed or 0}: pair accuracy {last['eval']['rm/pair_accuracy']:.3f}")
+    first = evaluate_pairs(run.score, state.params, run.held, run.batch)
+    last = {"eval": first}
+    log(f"eval at step {resumed or 0}: pair accuracy {first['rm/pair_accuracy']:.3f}")
+    session.signals.stop_point()  # a signal during setup: nothing new to save
+    session.signals.stage = "steps"
 
     def evaluate(info: StepInfo) -> None:
         last["eval"] = evaluate_pairs(run.score, info.state.params, run.held, run.batch)
         info.metrics.update(last["eval"])
-        bar.write(f"eval at step {info.step}: pair accuracy {last['eval']['rm/pair_accuracy']:.3f}")
+        log(f"eval at step {info.step}: pair accuracy {last['eval']['rm/pair_accuracy']:.3f}")
 
-    def save(info: StepInfo) -> bool:
-        checkpointer.check()  # a save that failed since: CheckpointError, one line
-        stop, due = signals.check(info.step)
-        if stop or due or every and info.step % every == 0 or info.last:
-            checkpointer.save(info.step, info.state, {"step": info.step, "seed": t.seed, "pairs": source.state_dict()})
-            signals.saved()
-        return stop
+    def save(info: StepInfo) -> None:
+        meta = CheckpointMeta(step=info.step, seed=t.seed, components=save_components({"pairs": source}))
+        checkpointer.save(info.step, info.state, meta)
 
-    with MetricsWriter(run.out) as writer, ProgressBar(
-            t.steps, enabled=t.progress, initial=resumed or 0, start=last["eval"],
-            fields=(("loss", ("rm/loss",), False), ("acc", ("rm/accuracy",), False),
-                    ("held-out pairs", ("rm/pair_accuracy",), True))) as bar:
-        if resumed is None:
-            writer.write(0, last["eval"])
-        else:
-            writer.truncate_after(resumed)  # what the interrupted run wrote after its last checkpoint
-        hooks = [Hook(evaluate, every=t.eval_every, at_last=True), Hook(lambda i: writer.write(i.step, i.metrics)),
-                 Hook(lambda i: bar.update(i.step, {**i.metrics, **last["eval"]})),
-                 Hook(save)]
-        learner = PairLearner(run.train_step, max_consecutive_skips=t.max_consecutive_skips)
+    writer = session.metrics_writer(resumed)
+    if writer is not None and resumed is None:
+        writer.write(0, first)
+    bar = session.progress(t.steps, enabled=t.progress, initial=resumed or 0, start=first,
+                           fields=(("loss", ("rm/loss",), False), ("acc", ("rm/accuracy",), False),
+                                   ("held-out pairs", ("rm/pair_accuracy",), True)))
+    hooks = [Hook(evaluate, every=t.eval_every, at_last=True),
+             Hook(lambda i: writer.write(i.step, i.metrics) if writer is not None else None),
+             Hook(lambda i: bar.update(i.step, {**i.metrics, **last["eval"]})),
+             Hook(session.checkpoint_hook(save, every=run.config.checkpoint.every, last=t.steps))]
+    learner = PairLearner(run.train_step, max_consecutive_skips=t.max_consecutive_skips)
+    try:
         state, stopped_at = run_steps(source, learner, state, range((resumed or 0) + 1, t.steps + 1), hooks)
-    checkpointer.wait()
+        session.signals.stage = "finish"
+    finally:
+        session.close_progress()
+        if writer is not None:
+            writer.close()
+        session.sync()
     if stopped_at is not None:
-        return stop_report(signals.received, step=stopped_at, steps=t.steps, where=str(run.out), resuming=False,
-                           log=log)
-    nnx.update(run.model, state.params)
-    save_reward_model(run.model, run.out / "hf", tokenizer=run.tokenizer)
+        return session.stopped(stopped_at, steps=t.steps)
+    checkpointer.wait()
+    if session.primary:
+        nnx.update(run.model, state.params)
+        save_reward_model(run.model, run.out / "hf", tokenizer=run.tokenizer)
+        session.sync()
     log(f"train-rm: held-out pair accuracy {last['eval']['rm/pair_accuracy']:.3f}; saved the reward model to "
-        f"{run.out / 'hf'}")
-    return last["eval"]
+        f"{session.storage}/hf")
+    return RunResult(run_dir=str(session.storage), step=t.steps, eval_start=first, eval_end=last["eval"])

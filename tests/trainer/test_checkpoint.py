@@ -10,11 +10,12 @@ import pytest
 from flax import nnx
 
 from grpo_jax.trainer.checkpoint import Checkpointer, save_step
+from grpo_jax.trainer.run_state import CheckpointMeta
 from grpo_jax.config import ConfigError, OptimizerConfig
 from grpo_jax.data import IndexSampler
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.rewards import RewardSpec
+from grpo_jax.rewards import RewardSpec, RewardStates
 from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
 from grpo_jax.learner.optimizer import make_optimizer
 from grpo_jax.learner.train_step import init_state
@@ -44,8 +45,8 @@ def test_a_saved_step_resumes_state_reference_and_stream(tmp_path):
     normaliser = Moments()  # a reward with state (a reward model's running normalisation)
     normaliser.moments.update(np.array([1.0, 2.0, 4.0]))
     checkpointer = Checkpointer(tmp_path / "checkpoints")
-    save_step(checkpointer, 5, saved, stream=stream, seed=3, reference=reference,
-              rewards=[RewardSpec("rm", normaliser), RewardSpec("plain", lambda p, c, **_: [0.0] * len(c))])
+    rewards = RewardStates([RewardSpec("rm", normaliser), RewardSpec("plain", lambda p, c, **_: [0.0] * len(c))])
+    save_step(checkpointer, 5, saved, components={"data": stream, "rewards": rewards}, seed=3, reference=reference)
     checkpointer.close()
 
     fresh = IndexSampler(50, seed=3)
@@ -54,7 +55,7 @@ def test_a_saved_step_resumes_state_reference_and_stream(tmp_path):
     assert checkpointer.all_steps()[0] == 5
     state, ref = resume(checkpointer, 5, state_of(2), stream=fresh, reference=state_of(2).params,
                         rewards=[RewardSpec("rm", restored_normaliser)])
-    assert restored_normaliser.state() == normaliser.state() and restored_normaliser.moments.count == 3
+    assert restored_normaliser.state_dict() == normaliser.state_dict() and restored_normaliser.moments.count == 3
     for a, b in zip(leaves(saved), leaves(state)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(leaves(reference), leaves(ref)):
@@ -69,8 +70,7 @@ def test_a_saved_step_resumes_state_reference_and_stream(tmp_path):
 def test_a_checkpoint_of_another_host_count_is_refused(tmp_path):
     stream = IndexSampler(50, seed=3)
     checkpointer = Checkpointer(tmp_path / "checkpoints")
-    checkpointer.save(2, state_of(0), {"step": 2, "data": stream.state_dict(),
-                                       "data_by_process": [stream.state_dict()] * 2})
+    checkpointer.save(2, state_of(0), CheckpointMeta(step=2, seed=3, components={"data": (stream.state_dict(),) * 2}))
     checkpointer.close()
     checkpointer = Checkpointer(tmp_path / "checkpoints")
     with pytest.raises(ConfigError, match="written by 2 processes, this run has 1"):

@@ -20,6 +20,7 @@ from grpo_jax import cli
 from grpo_jax.data import IndexSampler
 from grpo_jax.observe.writers import read_metrics
 from grpo_jax.trainer.checkpoint import Checkpointer, save_step
+from grpo_jax.trainer.run_state import CheckpointMeta
 from grpo_jax.trainer.checkpoint_faults import STEP_METADATA, TMP_SUFFIX, CheckpointError
 from grpo_jax.trainer.resume import resume
 
@@ -73,10 +74,10 @@ def test_a_save_the_full_disk_refuses_is_one_line_naming_it_and_the_previous_che
         tmp_path, monkeypatch, caplog, when):
     directory, stream, saved = tmp_path / "checkpoints", IndexSampler(50, seed=3), state_of(0)
     checkpointer = Checkpointer(directory, keep=1)  # orbax deletes step 1 once a step 2 commits
-    save_step(checkpointer, 1, saved, stream=stream, seed=3)
+    save_step(checkpointer, 1, saved, components={"data": stream}, seed=3)
     with monkeypatch.context() as patch, pytest.raises(CheckpointError) as failed:
         disk_full(patch) if when == "in the background" else disk_full_at_once(patch, checkpointer)
-        save_step(checkpointer, 2, state_of(1), stream=stream, seed=3)  # in the background: returns
+        save_step(checkpointer, 2, state_of(1), components={"data": stream}, seed=3)  # in the background: returns
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the loop's checkpoint hook asks at every step
             checkpointer.check()
@@ -101,7 +102,7 @@ def test_a_step_left_without_metadata_is_removed_at_the_next_start_with_one_noti
     directory = tmp_path / "checkpoints"
     with Checkpointer(directory) as checkpointer:
         for step in (1, 2, 3):
-            checkpointer.save(step, state_of(0), {"step": step})
+            checkpointer.save(step, state_of(0), CheckpointMeta(step=step, seed=0))
     # A kill while orbax deleted step 1 (its deleter removes files in any order, the metadata among
     # the first), and one while it saved step 4 (a temporary directory).
     (directory / "1" / STEP_METADATA).unlink()

@@ -17,6 +17,7 @@ from runs import CONFIG, assert_same_run, write_config
 
 from grpo_jax import cli
 from grpo_jax.observe.writers import read_metrics
+from grpo_jax.trainer.run_state import RunResult
 
 STEPS = 30
 
@@ -155,6 +156,7 @@ def test_a_signal_after_the_run_returned_is_acknowledged_and_the_command_exits_0
     script = textwrap.dedent(f"""
         import atexit, os, signal, sys, time
         from grpo_jax.trainer import loop, preemption
+        from grpo_jax.trainer.run_state import RunResult
 
         # Registered before the command's own exit handler, so it runs after it: a signal during
         # the interpreter's exit is ignored (Python resets its own handlers while it tears down).
@@ -163,8 +165,8 @@ def test_a_signal_after_the_run_returned_is_acknowledged_and_the_command_exits_0
         def train(config, run_dir):  # returns as a finished run does: its checkpoint done, its handlers gone
             with preemption.StopSignals(print, stage="finish"):
                 pass
-            return {{"eval_start": {{"eval/accuracy": 0.0, "eval/pass@k": 0.0}}, "plot": None,
-                     "eval_end": {{"eval/accuracy": 0.5, "eval/pass@k": 1.0}}, "run_dir": str(run_dir)}}
+            return RunResult(eval_start={{"eval/accuracy": 0.0, "eval/pass@k": 0.0}}, plot=None,
+                             eval_end={{"eval/accuracy": 0.5, "eval/pass@k": 1.0}}, run_dir=str(run_dir))
 
         loop.train = train
         from grpo_jax.cli import main
@@ -183,7 +185,7 @@ def test_a_signal_after_the_run_returned_is_acknowledged_and_the_command_exits_0
     assert '"eval_accuracy_end": 0.5' in proc.stdout and proc.stdout.endswith("exiting\n")
 
     # Called in a process of its own caller's (a test, a notebook), the command leaves its handlers as they were.
-    monkeypatch.setattr(loop, "train", lambda config, run_dir: {"stopped": "SIGTERM", "step": 1, "run_dir": out})
+    monkeypatch.setattr(loop, "train", lambda config, run_dir: RunResult(stopped="SIGTERM", step=1, run_dir=out))
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert cli.main(["train", "--config", path, "--output", out]) == 0
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before

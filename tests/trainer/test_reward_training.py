@@ -18,7 +18,7 @@ from grpo_jax.config import ConfigError, load_config, load_rm_config
 from grpo_jax.data import char_tokenizer
 from grpo_jax.observe.writers import read_metrics
 from grpo_jax.rewards import LLMJudgeReward, parse_score
-from grpo_jax.tools.reward_training import encode_pairs, read_rows
+from grpo_jax.trainer.reward_pairs import encode_pairs, read_rows
 from grpo_jax.rewards.reward_model import RewardModelReward, RunningMoments
 
 TINY = {"family": "qwen3", "hidden_size": 64, "intermediate_size": 192, "num_layers": 2, "num_heads": 4,
@@ -137,7 +137,7 @@ def test_running_normalisation_matches_numpy_and_survives_a_state_round_trip():
     scorer.moments = m
     copy = RewardModelReward.__new__(RewardModelReward)
     copy.moments = RunningMoments()
-    copy.load_state(json.loads(json.dumps(scorer.state())))
+    copy.load_state_dict(json.loads(json.dumps(scorer.state_dict())))
     assert (copy.moments.count, copy.moments.mean, copy.moments.m2) == (m.count, m.mean, m.m2)
 
 
