@@ -58,16 +58,36 @@ def one_device_mesh():
     return make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
 
 
+def step_spec(graphdef, optimizer, config, *, ppo_config=None, distill_config=None, critic_graphdef=None,
+              moe_config=None, **kw):
+    """A `StepSpec` with the objective these sections make (as `objectives.make_objective` makes a
+    run's from its config); `kw`: the spec's other fields (micro_batches, group_size, ...)."""
+    from grpo_jax.config import MoEConfig
+    from grpo_jax.learner.objectives import DistillObjective, GRPOObjective, PPOObjective
+    from grpo_jax.learner.train_step import StepSpec
+
+    moe = moe_config or MoEConfig()
+    common = dict(replay=moe.routing_replay == "sampler", aux_loss_coef=moe.aux_loss_coef)
+    if ppo_config is not None:
+        objective = PPOObjective(ppo=ppo_config, critic_graphdef=critic_graphdef, **common)
+    elif distill_config is not None:
+        objective = DistillObjective(distill=distill_config, **common)
+    else:
+        objective = GRPOObjective(**common)
+    return StepSpec(graphdef=graphdef, optimizer=optimizer, config=config, objective=objective, **kw)
+
+
 def one_device_step(graphdef, optimizer, config, state, *, frozen=None, **kw):
-    """`make_train_step` on `one_device_mesh()` for `state` (and a LoRA run's `frozen` base)."""
+    """`make_train_step` on `one_device_mesh()` for `state` (and a LoRA run's `frozen` base); `kw`:
+    `step_spec`'s."""
     from grpo_jax.learner.train_step import make_train_step
     from grpo_jax.runtime.sharding import place_train_state, replicated
 
     mesh = one_device_mesh()
     _, shardings, _ = place_train_state(state, mesh)
     frozen_shardings = None if frozen is None else replicated(mesh)  # one device: a prefix for the whole tree
-    return make_train_step(graphdef, optimizer, config, mesh=mesh, state_shardings=shardings,
-                           frozen_shardings=frozen_shardings, **kw)
+    return make_train_step(step_spec(graphdef, optimizer, config, **kw), mesh=mesh, state_shardings=shardings,
+                           frozen_shardings=frozen_shardings)
 
 
 def one_device_ref_step(graphdef, params, **kw):

@@ -19,6 +19,15 @@ def test_importing_the_config_loads_no_framework():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_command_line_parser_loads_no_framework():
+    """`grpo-jax bench memory` sets JAX's device count before JAX starts: building the parser (every
+    command's, `check`'s included) must not start it."""
+    code = ("import sys; from grpo_jax.cli import build_parser; build_parser(); "
+            f"print(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -222,3 +231,53 @@ def test_every_subpackage_says_what_it_is_for_and_no_package_reaches_into_anothe
                 if parts[1] != own and any(part.startswith("_") for part in parts[2:]):
                     reaching.append(f"{path.relative_to(PACKAGE.parent)}: {node.module}")
     assert reaching == []
+
+
+def mode_comparisons(package: Path = PACKAGE) -> dict[str, list[str]]:
+    """{"engine": [...], "algorithm": [...]}: `file:line` of each comparison of an engine's or an
+    algorithm's name with a string outside config/ (`x.engine == "paged"`, `algorithm in ("ppo",)`):
+    a mode is an object chosen from a registry once, not a string tested where it is used."""
+    found = {"engine": [], "algorithm": []}
+
+    def named(n):
+        return getattr(n, "attr", getattr(n, "id", None)) if isinstance(n, (ast.Attribute, ast.Name)) else None
+
+    def text(n):
+        if isinstance(n, (ast.Tuple, ast.List, ast.Set)):
+            return all(text(e) for e in n.elts)
+        return isinstance(n, ast.Constant) and isinstance(n.value, str)
+
+    for path in sorted(package.rglob("*.py")):
+        if "config" in path.relative_to(package).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                kinds = {named(s) for s in sides} & set(found)
+                if kinds and any(text(s) for s in sides):
+                    found[kinds.pop()].append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    return found
+
+
+def test_modes_are_chosen_once_not_compared_where_they_are_used(tmp_path):
+    found = mode_comparisons()
+    # An algorithm picks its objective (learner.objectives.OBJECTIVES), an engine its object
+    # (engine.engines.ENGINES, its traits in config.rollout.ENGINE_TRAITS): both asked, never named.
+    assert found == {"engine": [], "algorithm": []}, found
+    (tmp_path / "m.py").write_text('if cfg.algorithm == "ppo" or engine in ("paged", "static"):\n    pass\n')
+    assert mode_comparisons(tmp_path) == {"engine": [f"{tmp_path.name}/m.py:1"], "algorithm": [f"{tmp_path.name}/m.py:1"]}
+
+
+def test_the_update_step_is_state_and_batch_with_its_static_half_bound_once():
+    import dataclasses
+    import inspect
+
+    from grpo_jax.learner import train_step as ts
+
+    assert list(inspect.signature(ts.train_step).parameters) == ["state", "batch", "frozen", "spec"]
+    assert inspect.signature(ts.train_step).parameters["spec"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert dataclasses.is_dataclass(ts.StepSpec) and ts.StepSpec.__dataclass_params__.frozen
+    assert list(inspect.signature(ts.bind_train_step).parameters) == ["spec"]
+    # No mode name is threaded through the objectives and the loss: the pmap mode lives in learner/pmap.py.
+    for name in ("objectives.py", "train_step.py", "step_factory.py", "grpo.py", "ppo.py", "learner.py"):
+        assert "axis_name" not in (PACKAGE / "learner" / name).read_text(), name

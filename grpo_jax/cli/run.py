@@ -123,6 +123,7 @@ def _eval_target(args: argparse.Namespace) -> tuple[str, Path]:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from grpo_jax.learner.objectives import objective_class
     from grpo_jax.models import JNP_DTYPES
     from grpo_jax.rollout.evaluation import evaluate_run, evaluation_mesh
     from grpo_jax.runtime.sharding import place_model
@@ -134,7 +135,7 @@ def _eval(args: argparse.Namespace) -> int:
     prepared = prepare(config)  # data and reward checks before the checkpoint is read
     for note in prepared.notes:
         print(note, file=sys.stderr)
-    if config.algorithm == "distill":
+    if objective_class(config).teacher:
         print("eval: eval/distill_reverse_kl is the trainer's (it holds the teacher); this evaluation loads "
               "no teacher", file=sys.stderr)
     model, _, files = load_policy(checkpoint, dtype=JNP_DTYPES[config.model.dtype],

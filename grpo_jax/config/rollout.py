@@ -15,6 +15,10 @@ Engine = Literal["static", "continuous", "paged"]
 PagedAttention = Literal["auto", "gather", "pallas"]
 PAGED_ATTENTION: tuple[str, ...] = get_args(PagedAttention)
 ENGINES: tuple[str, ...] = get_args(Engine)
+# What each engine is, the one table of it (grpo_jax.engine.engines builds its engines from it):
+# (decodes `sampling.slots` rows at once, refilled as rows finish; its cache is a page pool).
+ENGINE_TRAITS: dict[str, tuple[bool, bool]] = {"static": (False, False), "continuous": (True, False),
+                                               "paged": (True, True)}
 CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
 OVERLONG: tuple[str, ...] = get_args(Overlong)
 

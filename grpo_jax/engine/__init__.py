@@ -1,5 +1,6 @@
 """The decode engine (the actor's device side): `generate(model, prompts, config, rng) -> Rollout`
-with one shared prefill per group, the static lock-step loop (`lockstep`), the continuous engine
+with one shared prefill per group, the engines as objects chosen once by `sampling.engine`
+(`engines`), the static lock-step loop (`lockstep`), the continuous engine
 (`continuous`: decode slots refilled on device, the drain), its typed loop state (`state`) and slot
 cache (`slots`), how a token is drawn (`draw`) and which experts a mixture-of-experts model sent each
 token to (`routing`). A call without a mesh runs on a 1x1x1 mesh,

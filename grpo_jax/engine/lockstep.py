@@ -16,12 +16,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.draw import Rollout, sample_tokens
+from grpo_jax.engine.draw import Rollout, rollout_shardings, sample_tokens
 from grpo_jax.engine.routing import expert_buffer, stored
-from grpo_jax.runtime.sharding import BATCH, batch_sharding
+from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
 
 
 def prefill_rows(model, ids_NP, mask_NP, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
@@ -128,3 +129,21 @@ def constrain_rows(tree, mesh):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(BATCH)))
 
     return jax.tree.map(one, tree)
+
+
+@functools.lru_cache(maxsize=64)
+def static_program(graphdef, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
+    """The jitted static engine `generate` runs on `mesh`: `(model state, ids [N, P], mask [N, P],
+    key) -> (Rollout, {})` (it counts nothing), rows split over (data, fsdp, expert), the model state where it was placed. Its `.lower` with
+    jax.ShapeDtypeStructs (each state leaf carrying its sharding) shows its memory before any
+    parameter exists (`grpo-jax bench memory`)."""
+    rows = batch_sharding(mesh, 2)
+    # The state's shardings are left unspecified: the params keep the placement they arrive with.
+    return jax.jit(functools.partial(_static, graphdef, config=config, share_prefill=share_prefill, mesh=mesh),
+                   in_shardings=(None, rows, rows, replicated(mesh)), out_shardings=(rollout_shardings(mesh), {}))
+
+
+def _static(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
+            mesh: Mesh) -> tuple[Rollout, dict]:
+    return lockstep_decode(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config,
+                           share_prefill=share_prefill, mesh=mesh)[0], {}

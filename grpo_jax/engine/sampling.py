@@ -28,7 +28,6 @@ Per-step randomness is `fold_in(rng, step)`: the same rng gives the same rollout
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import chex
@@ -36,17 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
 from grpo_jax.runtime.hosts import replicated_key
 from grpo_jax.models.transformer import Transformer
-from grpo_jax.engine.draw import Rollout, rollout_shardings, sample_tokens  # noqa: F401 - sample_tokens re-exported
-from grpo_jax.engine.continuous import continuous_program
-from grpo_jax.engine.lockstep import lockstep_decode
-from grpo_jax.engine.paged import paged_program
-from grpo_jax.runtime.sharding import (batch_sharding, mesh_or_one_device, pow2_bucket, replicated, round_to_row_shards,
-                                       shard_rows)
+from grpo_jax.engine.draw import Rollout, sample_tokens  # noqa: F401 - sample_tokens re-exported
+from grpo_jax.engine.engines import engine_of
+from grpo_jax.runtime.sharding import mesh_or_one_device, pow2_bucket, round_to_row_shards, shard_rows
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,22 +92,17 @@ def generate_with_stats(model: Transformer, prompts, config: SamplingConfig, rng
     """`generate`, and the engine's own counts (int32 scalars on device; {} for the static engine):
     steps, slot-steps, useful slot-steps, and for the paged engine its preemptions, recomputed
     tokens and pages held (`engine.paged.STATS`)."""
-    if not share_prefill and config.engine != "static":
+    engine = engine_of(config)
+    if not share_prefill and engine.slots:
         raise ValueError(f"share_prefill=False is the static engine's reference path (every prompt repeated G times "
-                         f"before prefill); the {config.engine} engine always prefills each prompt once: pass a config "
+                         f"before prefill); the {engine.name} engine always prefills each prompt once: pass a config "
                          "with engine='static'")
     ids, mask = _prompt_arrays(prompts, config)
     graphdef, state = nnx.split(model)
     mesh = mesh_or_one_device(mesh, state)
     ids, mask = shard_rows((ids, mask), mesh)  # global arrays (grpo_jax.runtime.hosts.to_global) stay where they are
     rng = replicated_key(rng, mesh)
-    stats = {}
-    if config.engine == "continuous":
-        rollout, stats = continuous_program(graphdef, config, mesh)(state, ids, mask, rng)
-    elif config.engine == "paged":
-        rollout, stats = paged_program(graphdef, config, mesh)(state, ids, mask, rng)
-    else:
-        rollout = static_program(graphdef, config, share_prefill, mesh)(state, ids, mask, rng)
+    rollout, stats = engine.program(graphdef, config, mesh, share_prefill=share_prefill)(state, ids, mask, rng)
     check_rollout(rollout, rows=ids.shape[0] * config.group_size, max_new_tokens=config.max_new_tokens)
     return rollout, stats
 
@@ -211,21 +201,3 @@ def _check(field: str, assertion, *args) -> None:
         assertion(*args)
     except AssertionError as e:
         raise ValueError(f"{field}: {e}") from None
-
-
-@functools.lru_cache(maxsize=64)
-def static_program(graphdef, config: SamplingConfig, share_prefill: bool, mesh: Mesh):
-    """The jitted static engine `generate` runs on `mesh`: `(model state, ids [N, P], mask [N, P],
-    key) -> Rollout`, rows split over (data, fsdp, expert), the model state where it was placed. Its `.lower` with
-    jax.ShapeDtypeStructs (each state leaf carrying its sharding) shows its memory before any
-    parameter exists (`grpo-jax bench memory`)."""
-    rows = batch_sharding(mesh, 2)
-    # The state's shardings are left unspecified: the params keep the placement they arrive with.
-    return jax.jit(functools.partial(_static, graphdef, config=config, share_prefill=share_prefill, mesh=mesh),
-                   in_shardings=(None, rows, rows, replicated(mesh)), out_shardings=rollout_shardings(mesh))
-
-
-def _static(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, share_prefill: bool,
-            mesh: Mesh) -> Rollout:
-    return lockstep_decode(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config,
-                           share_prefill=share_prefill, mesh=mesh)[0]

@@ -33,6 +33,7 @@ from grpo_jax.episodes.host import EpisodeHost
 from grpo_jax.episodes.paged_turns import paged_turn_programs
 from grpo_jax.episodes.turns import turn_programs
 from grpo_jax.runtime.sharding import mesh_or_one_device
+from grpo_jax.engine.engines import engine_of
 
 
 @dataclasses.dataclass
@@ -160,12 +161,13 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     T, U = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    programs = paged_turn_programs if config.engine == "paged" else turn_programs
+    paged = engine_of(config).pages
+    programs = paged_turn_programs if paged else turn_programs
     start, advance, update, move = programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
     st = start(state, ids, mask, rng)
     shards = st.engine.seq.shape[0]
     host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park,
-                       by_episode=config.engine == "paged")
+                       by_episode=paged)
     while int(np.asarray(st.engine.done).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
         answers = host.answer(st)
@@ -185,7 +187,7 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
     engine = {}
-    if config.engine == "paged":
+    if paged:
         cache = st.engine.cache
         engine = {**st.engine.counts, "pool_pages": cache.pool, "shards": shards,
                   "pages_held_at_end": int((cache.pool - np.asarray(cache.nfree)).sum())}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from grpo_jax.config import OptimizerConfig, RunConfig
+from grpo_jax.learner.objectives import objective_class
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
@@ -57,7 +58,7 @@ def run_optimizer(config: RunConfig) -> optax.GradientTransformation:
     `ppo.critic_trunk_learning_rate` when set (each with its own clipping)."""
     policy = config.train.optimizer
     optimizer = make_optimizer(policy)
-    if config.algorithm != "ppo":
+    if not objective_class(config).critic:
         return optimizer
     ppo = config.ppo
     critic = make_optimizer(policy if ppo.critic_learning_rate is None else _constant(policy, ppo.critic_learning_rate))

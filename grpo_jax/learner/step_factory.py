@@ -1,7 +1,7 @@
 """The one place a training step applies an optimizer update, and the one way a step is built from a loss.
 
 `update` is the core every training step runs: gradients of a loss summed over micro-batches in
-a scan (grpo_jax.learner.micro_batches.accumulate), summed across devices under pmap, then one
+a scan (grpo_jax.learner.micro_batches.accumulate), summed across programs (pmap's devices), then one
 optimizer update (gradient clipping is inside the optax chain, grpo_jax.learner.optimizer). A
 non-finite loss or gradient leaves params and optimizer state bit-identical and is counted in the
 state (`skipped_total`, `skipped_streak`; the host aborts after too many in a row:
@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from grpo_jax.config import check_micro_batches
 from grpo_jax.learner.grpo import MAX_SUMS
 from grpo_jax.learner.micro_batches import accumulate, grad_noise_scale, sq_norm
+from grpo_jax.learner.across import ONE_PROGRAM, Across
 from grpo_jax.learner.optimizer import hold_policy_half
 from grpo_jax.runtime.sharding import batch_sharding, replicated, sharded_jit
 
@@ -90,28 +91,24 @@ def apply_update(state: TrainState, grads, loss: jax.Array, optimizer: optax.Gra
 
 def update(state: TrainState, micro_loss: MicroLoss, rows, step_key: jax.Array, *,
            optimizer: optax.GradientTransformation, micro_batches: int = 1, unit: int = 1,
-           axis_name: str | None = None, hold_policy: jax.Array | bool = False,
+           across: Across = ONE_PROGRAM, hold_policy: jax.Array | bool = False,
            ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
     """One update of `state` from the gradients of `micro_loss` over `rows` (a pytree of [R, ...]
     arrays) cut into `micro_batches` (runs of `unit` rows kept whole; micro-batch m draws with
     fold_in(step_key, m)) -> (state, metrics, the loss's sums over the whole batch).
 
-    Under `jax.pmap(..., axis_name=axis_name)` each device's loss is already divided by the whole
-    batch's normaliser, so losses, gradients and sums are summed across devices (grpo.MAX_SUMS
-    by their maximum) and every device applies the whole batch's update.
+    Split over several programs (`across`: the pmap mode's devices) each program's loss is
+    already divided by the whole batch's normaliser, so losses, gradients and sums are summed
+    across them (grpo.MAX_SUMS by their maximum) and every program applies the whole batch's update.
 
     metrics: `train/loss`, `train/grad_norm` (before clipping), `train/skipped_steps`,
     `train/skipped_streak` and `health/grad_noise_scale` (from the micro-batch gradients, over
-    micro-batches x devices; NaN from one piece)."""
+    micro-batches x programs; NaN from one piece)."""
     loss, grads, sums, sq = accumulate(micro_loss, trainable_of(state), rows, step_key, micro_batches, unit=unit)
-    pieces, row_count = micro_batches, jax.tree.leaves(rows)[0].shape[0]
-    if axis_name is not None:
-        # Each device's loss is already divided by the whole batch's normaliser: sum, don't average.
-        loss, grads, sq = jax.lax.psum((loss, grads, sq), axis_name)
-        sums = {k: (jax.lax.pmax(v, axis_name) if k in MAX_SUMS else jax.lax.psum(v, axis_name))
-                for k, v in sums.items()}
-        devices = jax.lax.psum(1, axis_name)
-        pieces, row_count = pieces * devices, row_count * devices
+    # Each program's loss is already divided by the whole batch's normaliser: sum, don't average.
+    loss, grads, sq = across.sum((loss, grads, sq))
+    sums = {k: (across.max(v) if k in MAX_SUMS else across.sum(v)) for k, v in sums.items()}
+    pieces, row_count = micro_batches * across.count(), jax.tree.leaves(rows)[0].shape[0] * across.count()
     noise_scale = grad_noise_scale(sq, sq_norm(grads), pieces=pieces, rows=row_count)
     state, grad_norm = apply_update(state, grads, loss, optimizer, hold_policy=hold_policy)
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/skipped_steps": state.skipped_total,

@@ -1,4 +1,5 @@
-"""The pure GRPO steps: `train_step(state, batch) -> (state, metrics)`, jitted once with donation,
+"""The pure GRPO steps: `step(state, batch) -> (state, metrics)` (`train_step` with its static half,
+a `StepSpec`, bound once), jitted once with donation,
 and beside it the two steps that complete a batch on device: `advantages_step` (group
 normalisation of the global rewards array) and `ref_logprobs_step` (the KL reference's
 log-probs).
@@ -15,6 +16,7 @@ Shape suffixes: grpo_jax.shapes (R rows = N prompts x G samples, P prompt bucket
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -25,13 +27,13 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from grpo_jax.config import DistillConfig, GRPOConfig, MoEConfig, PPOConfig, check_micro_batches
+from grpo_jax.config import GRPOConfig, check_micro_batches
 from grpo_jax.learner.grpo import GroupAdvantages, group_advantages, loss_metrics
 from grpo_jax.learner.logprobs import completion_logprobs
 from grpo_jax.learner.micro_batches import merge_micro_batches, split_micro_batches
-from grpo_jax.learner.objectives import Objective, micro_loss_fn, policy_frozen, router_metrics, whole_batch
+from grpo_jax.learner.across import ONE_PROGRAM, Across
+from grpo_jax.learner.objectives import GRPOObjective
 from grpo_jax.learner.packing import PackRows, packed_logprobs
-from grpo_jax.learner.ppo import explained_variance
 from grpo_jax.learner.step_factory import TrainState, new_state, update
 from grpo_jax.models.lora import LoRAParam, has_adapters
 from grpo_jax.runtime.sharding import batch_sharding, replicated, sharded_jit
@@ -152,81 +154,67 @@ def init_state(model, optimizer: optax.GradientTransformation, *,
     return graphdef, new_state(params, optimizer, critic=critic)
 
 
-def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None, *, graphdef,
-               optimizer: optax.GradientTransformation,
-               config: GRPOConfig, micro_batches: int = 1, logprob_chunk: int = 128,
-               temperature: float = 1.0, axis_name: str | None = None,
-               group_size: int = 1, ppo_config: PPOConfig | None = None,
-               seed: int = 0, row_sharding=None, distill_config: DistillConfig | None = None,
-               critic_graphdef: nnx.GraphDef | None = None,
-               moe_config: MoEConfig | None = None) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One GRPO update (or PPO's, when the state holds a critic: `ppo.ppo_loss` with `ppo_config`;
-    `critic_graphdef`: a separate critic model's structure, `ppo.critic: model`; or on-policy
-    distillation's with `distill_config`, the batch holding the teacher's log-probs).
-    `frozen`: the parameters that do not train (a LoRA run's base weights), else None.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """The static half of the RL update, bound once (`bind_train_step`): the policy's structure
+    (`graphdef`), the optimizer, the `grpo` section, the objective (`objectives.make_objective`:
+    GRPO, PPO with its critic, distillation), micro-batches, the log-prob chunk, the sampling
+    temperature, the rows that share one prompt pass (`group_size`), the seed of adapter dropout,
+    where the activations' rows live on a mesh (`row_sharding`), and how a program's rows relate to
+    the whole batch (`across`: one program, or the pmap mode's devices)."""
+
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    config: GRPOConfig
+    objective: GRPOObjective = GRPOObjective()
+    micro_batches: int = 1
+    logprob_chunk: int = 128
+    temperature: float = 1.0
+    group_size: int = 1
+    seed: int = 0
+    row_sharding: object = None
+    across: Across = ONE_PROGRAM
+
+
+def train_step(state: TrainState, batch: Batch, frozen: nnx.State | None = None, *,
+               spec: StepSpec) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One update of `spec.objective` (GRPO's; PPO's, the state holding a critic; on-policy
+    distillation's, the batch holding the teacher's log-probs). `frozen`: the parameters that do
+    not train (a LoRA run's base weights), else None.
 
     PPO's value warm-up (`ppo.value_warmup_steps`): while state.step is below it, only the critic
     and its half of the optimizer state change; the policy's parameters and moments stay as they were.
-    Under `jax.pmap(..., axis_name=axis_name)` each device holds a slice of the rows: the loss
-    normaliser and the batch metrics come from all devices' rows (gathered, they are small),
-    gradients and loss sums are summed across devices, so every device applies the update the
-    whole batch gives, exactly as the jit path does.
+    Split over several programs (`spec.across`: the pmap mode) each holds a slice of the rows: the
+    loss normaliser and the batch metrics come from all programs' rows (gathered, they are small),
+    gradients and loss sums are summed across them, so every program applies the update the whole
+    batch gives, exactly as one program does.
 
     The gradient noise scale (`health/grad_noise_scale`) comes from the micro-batch gradients the
-    step computes anyway (their squared norms, summed in the scan), over micro-batches x devices.
+    step computes anyway (their squared norms, summed in the scan), over micro-batches x programs.
 
     group_size=G > 1 computes each group's shared prompt once in the policy pass (see
-    `completion_logprobs`); every micro-batch (of every device) must then hold whole groups.
+    `completion_logprobs`); every micro-batch (of every program) must then hold whole groups.
 
-    seed: with LoRA adapter dropout (`lora.dropout`), the masks of step s, micro-batch m (device d
-    under pmap) come from key(seed) folded with s, m and d: a resumed run draws what an
-    uninterrupted one would.
-
-    row_sharding: on a mesh, where the activations' rows live (`models.layer_scan.run_layers`).
-
-    moe_config: a mixture-of-experts policy's routing replay and load-balancing loss (the `moe`
-    section; None: its defaults), used when the batch carries the sampler's experts."""
-    check_batch(batch, micro_batches=micro_batches)
-    check_group_rows(batch.completion_ids.shape[0], micro_batches, group_size, batch.zero_std.shape[0])
-    objective = _objective(state, batch, ppo_config, distill_config, critic_graphdef, moe_config or MoEConfig())
-    ppo = objective.ppo is not None
-    whole = whole_batch(batch, config, objective, axis_name)
-    step_key = jax.random.fold_in(jax.random.key(seed), state.step)
-    if axis_name is not None:
-        step_key = jax.random.fold_in(step_key, jax.lax.axis_index(axis_name))
-    warmup = policy_frozen(state.step, objective)
-    micro_loss = micro_loss_fn(lambda params: merge_model(graphdef, params, frozen), config, objective, whole,
-                               group_size=group_size, logprob_chunk=logprob_chunk, temperature=temperature,
-                               row_sharding=row_sharding, warmup=warmup)
-    state, core, sums = update(state, micro_loss, batch.replace(zero_std=None), step_key, optimizer=optimizer,
-                               micro_batches=micro_batches, unit=group_size, axis_name=axis_name, hold_policy=warmup)
-    extra = _objective_metrics(sums, ppo, warmup)
-    metrics = {**core, **loss_metrics(sums), **_batch_metrics(whole.batch), **extra}
-    return state, metrics
-
-
-def _objective(state: TrainState, batch: Batch, ppo_config, distill_config, critic_graphdef, moe: MoEConfig
-               ) -> Objective:
-    if state.critic is not None and ppo_config is None:
-        raise ValueError("a TrainState with a critic (algorithm: ppo) needs ppo_config")
-    if distill_config is not None and batch.teacher_logprobs is None:
-        raise ValueError("algorithm: distill needs the teacher's log-probs in the batch (Batch.teacher_logprobs)")
-    return Objective(ppo=ppo_config if state.critic is not None else None, distill=distill_config,
-                     critic_graphdef=critic_graphdef, replay=moe.routing_replay == "sampler",
-                     aux_loss_coef=moe.aux_loss_coef)
-
-
-def _objective_metrics(sums: dict, ppo: bool, warmup) -> dict[str, jax.Array]:
-    """The metrics the loss's sums hold beyond `loss_metrics`' per-token means, taken out of `sums`:
-    PPO's explained variance and warm-up flag, and the `_`-prefixed whole-batch figures."""
-    extra = {}
-    if ppo:
-        extra["value/explained_variance"] = explained_variance(
-            {k[len("value/_"):]: sums.pop(k) for k in list(sums) if k.startswith("value/_")})
-        extra["value/warmup"] = jnp.asarray(warmup, jnp.float32)
-    extra.update(router_metrics(sums))
-    extra.update({k[1:]: sums.pop(k) for k in list(sums) if k.startswith("_")})
-    return extra
+    seed: with LoRA adapter dropout (`lora.dropout`), the masks of step s, micro-batch m (program p
+    under pmap) come from key(seed) folded with s, m and p: a resumed run draws what an
+    uninterrupted one would."""
+    objective = spec.objective
+    check_batch(batch, micro_batches=spec.micro_batches)
+    check_group_rows(batch.completion_ids.shape[0], spec.micro_batches, spec.group_size, batch.zero_std.shape[0])
+    objective.check(state, batch)
+    whole = objective.whole_batch(batch, spec.config, spec.across)
+    step_key = jax.random.fold_in(jax.random.key(spec.seed), state.step)
+    if (index := spec.across.index()) is not None:
+        step_key = jax.random.fold_in(step_key, index)
+    warmup = objective.warmup(state.step)
+    micro_loss = objective.micro_loss(lambda params: merge_model(spec.graphdef, params, frozen), spec.config, whole,
+                                      group_size=spec.group_size, logprob_chunk=spec.logprob_chunk,
+                                      temperature=spec.temperature, row_sharding=spec.row_sharding, warmup=warmup)
+    state, core, sums = update(state, micro_loss, batch.replace(zero_std=None), step_key, optimizer=spec.optimizer,
+                               micro_batches=spec.micro_batches, unit=spec.group_size, across=spec.across,
+                               hold_policy=warmup)
+    extra = objective.metrics(sums, warmup)
+    return state, {**core, **loss_metrics(sums), **_batch_metrics(whole.batch), **extra}
 
 
 def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
@@ -247,28 +235,19 @@ def _batch_metrics(batch: Batch) -> dict[str, jax.Array]:
     }
 
 
-def bind_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *,
-                    micro_batches: int = 1, logprob_chunk: int = 128, temperature: float = 1.0, group_size: int = 1,
-                    ppo_config: PPOConfig | None = None, seed: int = 0, axis_name: str | None = None,
-                    row_sharding=None, distill_config: DistillConfig | None = None,
-                    critic_graphdef: nnx.GraphDef | None = None, moe_config: MoEConfig | None = None):
-    """`train_step` with its static parts bound: what `make_train_step` jits and the pmap mode
-    (grpo_jax.learner.parallel) pmaps. See `train_step` for the arguments."""
-    return functools.partial(train_step, graphdef=graphdef, optimizer=optimizer, config=config,
-                             micro_batches=micro_batches, logprob_chunk=logprob_chunk, temperature=temperature,
-                             group_size=group_size, ppo_config=ppo_config, seed=seed, axis_name=axis_name,
-                             row_sharding=row_sharding, distill_config=distill_config,
-                             critic_graphdef=critic_graphdef, moe_config=moe_config)
+def bind_train_step(spec: StepSpec):
+    """`step(state, batch, frozen=None) -> (state, metrics)`: `train_step` with its static half
+    bound, what `make_train_step` jits and the pmap mode (grpo_jax.learner.pmap) pmaps."""
+    return functools.partial(train_step, spec=spec)
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, config: GRPOConfig, *, mesh: Mesh,
-                    state_shardings, frozen_shardings=None, **step_kw):
-    """`train_step` jitted once on `mesh` with explicit shardings: the state keeps `state_shardings`
-    (see `grpo_jax.runtime.sharding.place_train_state`) and its buffers are donated, the batch's rows
-    are split over (data, fsdp, expert), the frozen parameters (a LoRA base) keep `frozen_shardings`, the
-    metrics come back replicated; activations keep the batch's rows split (`row_sharding`).
-    `step_kw`: `bind_train_step`'s."""
-    step = bind_train_step(graphdef, optimizer, config, row_sharding=batch_sharding(mesh, 1), **step_kw)
+def make_train_step(spec: StepSpec, *, mesh: Mesh, state_shardings, frozen_shardings=None):
+    """`step(state, batch, frozen=None)`: `train_step` jitted once on `mesh` with explicit
+    shardings: the state keeps `state_shardings` (see `grpo_jax.runtime.sharding.place_train_state`)
+    and its buffers are donated, the batch's rows are split over (data, fsdp, expert), the frozen
+    parameters (a LoRA base) keep `frozen_shardings`, the metrics come back replicated; activations
+    keep the batch's rows split (`row_sharding`)."""
+    step = bind_train_step(dataclasses.replace(spec, row_sharding=batch_sharding(mesh, 1)))
     # One sharding for every field of the batch (a prefix: rows split, other dimensions whole), so
     # a batch with or without reference log-probs runs the same jitted function.
     jitted = sharded_jit(step, in_shardings=(state_shardings, batch_sharding(mesh, 1), frozen_shardings),

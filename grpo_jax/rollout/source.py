@@ -35,6 +35,7 @@ from grpo_jax.engine.sampling import engine_metrics, generate_with_stats, pad_pr
 from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
                                     to_global)
+from grpo_jax.engine.engines import engine_of
 
 
 
@@ -157,7 +158,7 @@ class SyncSampler(RolloutSource):
         self.shared_prompt, self.reward_control = shared_prompt, reward_control
         self.dynamic_sampling, self.max_resample_rounds = dynamic_sampling, max_resample_rounds
         # Dynamic sampling with the continuous or paged engine over-samples in one pass (`_stream`).
-        self.streaming = dynamic_sampling and self.sampling.engine in ("continuous", "paged")
+        self.streaming = dynamic_sampling and engine_of(self.sampling).slots
         self._engine_rounds: list[dict] = []
         if self.streaming and reward_control != "none":
             raise ValueError("reward_control: random compares equal batches across hosts round by round; it "

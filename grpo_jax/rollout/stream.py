@@ -31,10 +31,11 @@ from grpo_jax.engine.draw import SampleRows
 from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
-from grpo_jax.engine.continuous import engine_step, rollout_experts, start_engine
-from grpo_jax.engine.paged import paged_step, resume_paged, start_paged
+from grpo_jax.engine.continuous import engine_step, rollout_experts
+from grpo_jax.engine.paged import paged_step, resume_paged
 from grpo_jax.engine.state import resume_loop
 from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
+from grpo_jax.engine.engines import engine_of
 
 FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
 
@@ -49,11 +50,11 @@ def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
     routing(EngineState) -> a mixture-of-experts model's experts [R, M, L, Kx] and each row's
     prompt's experts [R, P, L, Kx] (`Rollout`'s; {} for a dense model)."""
 
-    paged = config.engine == "paged"
+    engine = engine_of(config)
+    paged = engine.pages
 
     def start(state, ids, mask, rng):
-        begin = start_paged if paged else start_engine
-        return begin(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh)[1]
+        return engine.start(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh)[1]
 
     def advance(state, st, steps):
         model = nnx.merge(graphdef, state)
@@ -165,7 +166,7 @@ class EngineStream:
     def engine_stats(self) -> dict:
         """The paged engine's counts so far (`engine.paged.STATS`, for `engine_metrics`); {} for the
         continuous engine."""
-        if self.config.engine != "paged":
+        if not engine_of(self.config).pages:
             return {}
         return {**self.st.counts, "pool_pages": self.st.cache.pool, "shards": self.st.seq.shape[0]}
 

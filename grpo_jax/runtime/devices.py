@@ -7,6 +7,7 @@ import jax
 
 from grpo_jax.config import ConfigError, MeshConfig, MoEConfig, RunConfig, check_micro_batches
 from grpo_jax.runtime.sharding import make_mesh, mesh_devices, mesh_shape
+from grpo_jax.config.rollout import ENGINE_TRAITS
 
 
 def initialize_distributed(config: RunConfig) -> None:
@@ -125,11 +126,12 @@ def check_capacity(config: RunConfig, model_config, *, capacity: tuple[int, str]
     (per row shard, of which there is at least one), a paged pool holds at least `kv_cache_bytes`."""
     s, d, m = config.sampling, config.data, model_config
     rows = d.prompts_per_step * s.group_size
-    held = min(rows, s.slots) if s.engine != "static" and s.slots else rows  # rows decoding at once
+    slots, pages = ENGINE_TRAITS[s.engine]
+    held = min(rows, s.slots) if slots and s.slots else rows  # rows decoding at once
     tokens = d.max_prompt_tokens + s.max_new_tokens
     itemsize = {"float32": 4, "bfloat16": 2}[config.model.dtype if config.model else "float32"]
     kv = held * tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * itemsize
-    if s.engine == "paged" and s.kv_cache_bytes:  # the pool holds what fits of them at once
+    if pages and s.kv_cache_bytes:  # the pool holds what fits of them at once
         kv = min(kv, s.kv_cache_bytes)
     logits = held * m.vocab_size * 4
     total, where = capacity or device_memory_bytes()

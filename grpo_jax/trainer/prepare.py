@@ -35,6 +35,8 @@ from grpo_jax.runtime.hosts import RowShare, row_share
 from grpo_jax.runtime.sharding import rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.trainer.side_models import check_side_model
+from grpo_jax.learner.objectives import objective_class
+from grpo_jax.engine.engines import engine_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +105,10 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
     defaults = SamplingConfig()
     paging = [k for k in ("kv_cache_bytes", "page_size", "paged_attention")
               if getattr(sampling, k) != getattr(defaults, k)]
-    notes = [f"sampling.{', '.join(paging)} not used: the {sampling.engine} engine has no pages (sampling.engine: "
-             "paged uses them)"] if paging and sampling.engine != "paged" else []
-    if sampling.engine == "static":
+    engine = engine_of(sampling)
+    notes = [f"sampling.{', '.join(paging)} not used: the {engine.name} engine has no pages (sampling.engine: "
+             "paged uses them)"] if paging and not engine.pages else []
+    if not engine.slots:
         return notes + ([f"sampling.slots={sampling.slots} is not used: the static engine decodes every row at once "
                          "(sampling.engine: continuous uses slots)"] if sampling.slots else [])
     shards = rows_per_shard(mesh)
@@ -136,8 +139,9 @@ def prepare(config: RunConfig) -> Prepared:
     check_capacity(config, model_config)
     check_moe(config, model_config)
     check_chat_template(tokenizer, config.data)
-    side = {"distill.teacher": config.distill.teacher if config.algorithm == "distill" else None,
-            "ppo.critic_path": config.ppo.critic_path if config.algorithm == "ppo" else None}
+    algorithm = objective_class(config)
+    side = {"distill.teacher": config.distill.teacher if algorithm.teacher else None,
+            "ppo.critic_path": config.ppo.critic_path if algorithm.critic else None}
     side_notes = []
     for what, path in side.items():
         if path is not None:

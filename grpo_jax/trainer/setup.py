@@ -16,8 +16,9 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.learner.learner import Learner
+from grpo_jax.learner.objectives import objective_class
+from grpo_jax.learner.modes import make_learner
 from grpo_jax.learner.optimizer import run_optimizer
-from grpo_jax.learner.parallel import make_parallel
 from grpo_jax.trainer.warm_start import warm_start
 from grpo_jax.learner.step_factory import TrainState
 from grpo_jax.learner.train_step import init_state, split_trainable
@@ -70,25 +71,24 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     place_model(model, mesh)  # the adapters too
     optimizer = run_optimizer(cfg)
     critic_graphdef, critic = None, None
-    if cfg.algorithm == "ppo":  # after the warm start: a critic copied from the policy copies the warm-started one
+    algorithm = objective_class(cfg)
+    if algorithm.critic:  # after the warm start: a critic copied from the policy copies the warm-started one
         critic_graphdef, critic = build_critic(cfg, model, mesh, model_options(cfg.model))
     graphdef, state = init_state(model, optimizer, critic=critic)
     frozen = split_trainable(model)[2]
     # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
     # is its frozen base in the structure without adapters (no copy; the base is on disk, lora_base).
     ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
-    teacher = load_teacher(cfg, mesh, model_options(cfg.model)) if cfg.algorithm == "distill" else None
-    parallel = make_parallel(cfg, mesh, graphdef, optimizer, state, temperature=prepared.sampling.temperature,
-                             frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef,
-                             teacher=teacher)
-    state = parallel.place(state)
-    for line in parallel.not_sharded:
-        log(f"not sharded (its mesh axis does not divide it): {line}")
+    teacher = load_teacher(cfg, mesh, model_options(cfg.model)) if algorithm.teacher else None
     reference = None
     if cfg.grpo.beta > 0 and frozen is None:
         reference = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-    learner = Learner(parallel, num_iterations=cfg.grpo.num_iterations, beta=cfg.grpo.beta,
-                      max_consecutive_skips=cfg.train.max_consecutive_skips, reference=reference)
+    learner = make_learner(cfg, mesh, graphdef, optimizer, state, temperature=prepared.sampling.temperature,
+                           frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef,
+                           teacher=teacher, reference=reference)
+    state = learner.place(state)
+    for line in learner.not_sharded:
+        log(f"not sharded (its mesh axis does not divide it): {line}")
     t = cfg.train
     options = dict(seed=t.seed, shared_prompt=t.shared_prompt, dynamic_sampling=t.dynamic_sampling,
                    max_resample_rounds=t.max_resample_rounds, reward_control=cfg.reward_control)
@@ -101,4 +101,4 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
                                  sampler_mesh=prepared.sampler_mesh)
     ev = prepared.eval.sampling
     return Built(learner=learner, state=state, source=source, base=base,
-                 teacher=parallel.teacher_scorer(group_size=ev.group_size, temperature=ev.temperature))
+                 teacher=learner.teacher_scorer(group_size=ev.group_size, temperature=ev.temperature))

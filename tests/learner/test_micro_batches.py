@@ -11,7 +11,7 @@ from flax import nnx
 
 from grpo_jax.config import GRPOConfig, MeshConfig
 from grpo_jax.learner.micro_batches import split_micro_batches
-from grpo_jax.learner.train_step import init_state, make_train_step
+from grpo_jax.learner.train_step import StepSpec, init_state, make_train_step
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.runtime.sharding import make_mesh, place_train_state, shard_rows
@@ -34,8 +34,8 @@ def _compiled_step(devices: int, batch):
     graphdef, state = init_state(Transformer(tiny("qwen3", num_layers=3), rngs=nnx.Rngs(0)), optimizer)
     mesh = make_mesh(MeshConfig(data=1, fsdp=devices, tensor=1), jax.devices()[:devices])
     state, shardings, _ = place_train_state(state, mesh)
-    step = make_train_step(graphdef, optimizer, GRPOConfig(), mesh=mesh, state_shardings=shardings, micro_batches=2,
-                           logprob_chunk=16)
+    spec = StepSpec(graphdef=graphdef, optimizer=optimizer, config=GRPOConfig(), micro_batches=2, logprob_chunk=16)
+    step = make_train_step(spec, mesh=mesh, state_shardings=shardings)
     batch = shard_rows(batch, mesh)
     compiled = step.lower(state, batch, None).compile()
     return compiled.memory_analysis().temp_size_in_bytes, compiled(state, batch, None)[1]

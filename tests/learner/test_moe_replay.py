@@ -17,7 +17,7 @@ from grpo_jax.learner.train_step import train_step
 from grpo_jax.models import Transformer
 from grpo_jax.models import moe
 from grpo_jax.models.presets import tiny
-from tests.batches import G, fresh, make_batch
+from tests.batches import G, fresh, make_batch, step_spec
 
 M = 6
 
@@ -119,8 +119,9 @@ def test_aux_loss_and_its_coefficient_reach_the_gradient(replay):
     batch = _moe_batch(model, 2)
     moved = {}
     for coef in (0.0, 0.5):
-        new, metrics = train_step(state, batch, graphdef=graphdef, optimizer=opt, config=GRPOConfig(beta=0.0),
-                                  group_size=G, moe_config=MoEConfig(routing_replay=replay, aux_loss_coef=coef))
+        spec = step_spec(graphdef, opt, GRPOConfig(beta=0.0), group_size=G,
+                         moe_config=MoEConfig(routing_replay=replay, aux_loss_coef=coef))
+        new, metrics = train_step(state, batch, spec=spec)
         moved[coef] = float(jnp.abs(new.params["layers"]["router"][...] - state.params["layers"]["router"][...]).max())
         assert float(metrics["moe/aux_loss"]) > 1.0  # top-2 over 8 experts: >= 2 when balanced... >= k * 1
         assert 1.0 <= float(metrics["moe/expert_load_max"]) <= 8.0
@@ -140,11 +141,11 @@ def test_moe_metrics_say_only_what_was_measured():
     routers' load figures but no mismatch figure (nothing to compare with)."""
     opt = optax.sgd(0.1)
     graphdef, state = fresh(opt)
-    _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
+    _, metrics = train_step(state, make_batch(), spec=step_spec(graphdef, opt, GRPOConfig(), group_size=G))
     assert not any(k.startswith("moe/") for k in metrics)
     graphdef, state = fresh_moe(moe_model(k=2), opt)
     with pytest.raises(ValueError, match="needs the sampler's experts"):
-        train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G)
-    _, metrics = train_step(state, make_batch(), graphdef=graphdef, optimizer=opt, config=GRPOConfig(), group_size=G,
-                            moe_config=MoEConfig(routing_replay="none"))
+        train_step(state, make_batch(), spec=step_spec(graphdef, opt, GRPOConfig(), group_size=G))
+    _, metrics = train_step(state, make_batch(), spec=step_spec(graphdef, opt, GRPOConfig(), group_size=G,
+                                                   moe_config=MoEConfig(routing_replay="none")))
     assert {"moe/aux_loss", "moe/expert_load_max"} <= set(metrics) and "moe/routing_mismatch" not in metrics

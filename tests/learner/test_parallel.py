@@ -15,8 +15,9 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import replicate, split_rows, unreplicate
-from grpo_jax.learner.train_step import Batch, bind_train_step, init_state
-from batches import one_device_step
+from grpo_jax.learner.pmap import pmap_step
+from grpo_jax.learner.train_step import Batch, init_state
+from batches import one_device_step, step_spec
 
 N, G = 8, 4
 
@@ -52,8 +53,7 @@ def test_pmap_mode_gives_the_jit_modes_update(loss_agg):
     devices = jax.local_devices()[:8]
     assert len(devices) == 8
     graphdef, state = init_state(Transformer(tiny("qwen3"), rngs=nnx.Rngs(0)), opt)
-    step = jax.pmap(bind_train_step(graphdef, opt, config, micro_batches=2, axis_name="devices"),
-                    axis_name="devices", donate_argnums=(0,), devices=devices)  # as PmapParallel builds it
+    step = pmap_step(step_spec(graphdef, opt, config, micro_batches=2), devices)  # as PmapLearner builds it
     pm_state, pm_metrics = step(replicate(state, devices), split_rows(batch, len(devices)))
 
     for a, b in zip(jax.tree.leaves(jit_state.params), jax.tree.leaves(unreplicate(pm_state).params)):
@@ -71,7 +71,7 @@ def test_pmap_mode_gives_the_jit_modes_update(loss_agg):
 def test_unknown_modes_are_refused_and_rows_must_split_over_devices():
     from grpo_jax.config import ConfigError, config_from_dict
 
-    # The mode is chosen once, from the config (learner.parallel.make_parallel): another is refused there.
+    # The mode is chosen once, from the config (learner.modes.make_learner): another is refused there.
     with pytest.raises((ConfigError, ValueError), match="pjit"):
         config_from_dict({"parallelism": "pjit"})
     with pytest.raises(ValueError, match="do not split over 3 devices"):

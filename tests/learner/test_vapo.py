@@ -18,7 +18,7 @@ from grpo_jax.learner.grpo import group_advantages
 from grpo_jax.learner.optimizer import make_optimizer, pair_optimizer
 from grpo_jax.learner.train_step import init_state, make_train_step
 from grpo_jax.runtime.sharding import make_mesh, place_train_state
-from batches import long_batch, make_batch, one_device_ref_step, one_device_step, policy, ppo_state
+from batches import long_batch, make_batch, one_device_ref_step, one_device_step, policy, ppo_state, step_spec
 
 REWARDS = [1, 0, 0, 1, 0, 1, 1, 0]
 
@@ -98,8 +98,9 @@ def _critic_model_step(shape):
     graphdef, state, critic_graphdef = ppo_state(opt, "model")
     state, shardings, left_whole = place_train_state(state, mesh)
     assert left_whole == []
-    step = make_train_step(graphdef, opt, GRPOConfig(), mesh=mesh, state_shardings=shardings, micro_batches=2,
-                           critic_graphdef=critic_graphdef, ppo_config=PPOConfig(critic="model"))
+    spec = step_spec(graphdef, opt, GRPOConfig(), micro_batches=2, critic_graphdef=critic_graphdef,
+                     ppo_config=PPOConfig(critic="model"))
+    step = make_train_step(spec, mesh=mesh, state_shardings=shardings)
     batch = mesh_batch()
     for _ in range(2):  # the second step reads the momentum of the first
         state, metrics = step(state, batch)

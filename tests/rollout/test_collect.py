@@ -173,8 +173,9 @@ def test_experts_follow_their_rows_from_rounds_to_the_train_batch():
     np.testing.assert_array_equal(back.completion_experts, t.completion_experts)
     np.testing.assert_array_equal(back.prompt_experts, t.prompt_experts)
 
-    class Parallel:  # what Learner.complete asks of its parallelism, for a plain batch
+    class Plain:  # what Learner.complete asks of the learner, for a plain batch (no reference, teacher, packing)
         frozen = teacher = None
+        beta = 0.0
 
         def advantages(self, rewards):
             from grpo_jax.learner.grpo import group_advantages
@@ -184,6 +185,6 @@ def test_experts_follow_their_rows_from_rounds_to_the_train_batch():
             return batch, None
 
     trajectories = Trajectories(rows=placed, group_size=G, tokens=0, metrics={}, log=None)
-    batch, _ = Learner(Parallel(), num_iterations=1, beta=0.0, max_consecutive_skips=1).complete(trajectories)
+    batch, _ = Learner.complete(Plain(), trajectories)
     np.testing.assert_array_equal(np.asarray(batch.completion_experts), t.completion_experts)
     np.testing.assert_array_equal(np.asarray(batch.prompt_experts), t.prompt_experts)

@@ -18,7 +18,7 @@ from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import (batch_sharding, make_mesh, mesh_shape, param_shardings, place_train_state,
                                        rows_per_shard)
-from grpo_jax.learner.train_step import Batch, init_state, make_train_step
+from grpo_jax.learner.train_step import Batch, StepSpec, init_state, make_train_step
 
 N, G = 8, 4
 SAMPLING = SamplingConfig(group_size=G, max_new_tokens=6, temperature=1.0, stop_token_ids=(2,), prompt_buckets=(8,),
@@ -62,7 +62,8 @@ def grpo_step(shape):
                   prompt_mask=jnp.repeat(rollout.prompt_mask, G, axis=0), completion_ids=rollout.tokens,
                   completion_mask=rollout.mask, rewards=rewards, advantages=adv.advantages, valid=adv.valid,
                   zero_std=adv.zero_std, truncated=rollout.truncated, old_logprobs=rollout.logprobs)
-    step = make_train_step(graphdef, opt, GRPOConfig(), micro_batches=2, mesh=mesh, state_shardings=shardings)
+    step = make_train_step(StepSpec(graphdef=graphdef, optimizer=opt, config=GRPOConfig(), micro_batches=2), mesh=mesh,
+                           state_shardings=shardings)
     state, metrics = step(state, batch)
     return mesh, state, tokens, float(metrics["train/loss"])
 

@@ -1,7 +1,7 @@
 """A run's programs on abstract shapes (`abstract_run`), for `grpo-jax bench memory`.
 
 The pieces come from the code a run is built with (`trainer.setup.build`'s order: the policy with
-the run's adapters, its train state, `make_parallel`, the sampler's `static_program`), but every
+the run's adapters, its train state, `make_learner`, the sampler's engine program), but every
 array is a `jax.ShapeDtypeStruct` (`nnx.eval_shape`, `jax.eval_shape`): nothing is initialised,
 loaded or placed, so a pod-sized model compiles on a laptop's host devices.
 
@@ -28,7 +28,9 @@ from flax import nnx
 from grpo_jax.config import RunConfig, SamplingConfig
 from grpo_jax.learner.optimizer import run_optimizer
 from grpo_jax.learner.packing import PackRows
-from grpo_jax.learner.parallel import Parallel, make_parallel
+from grpo_jax.learner.learner import Learner
+from grpo_jax.learner.modes import make_learner
+from grpo_jax.learner.objectives import objective_class
 from grpo_jax.learner.ppo import init_critic
 from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_trainable
 from grpo_jax.models import Transformer, TransformerConfig
@@ -37,9 +39,7 @@ from grpo_jax.models.moe import expert_dtype
 from grpo_jax.models.lora import strip_adapters
 from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
-from grpo_jax.engine.continuous import continuous_program
-from grpo_jax.engine.paged import paged_program
-from grpo_jax.engine.sampling import static_program
+from grpo_jax.engine.engines import engine_of
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.programs import NOT_ASKED, PROGRAMS
@@ -92,12 +92,12 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
         frozen = with_shardings(frozen, param_shardings(frozen, mesh).shardings)
     ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
     teacher = _teacher(config, mesh)
-    parallel = make_parallel(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
-                             frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
+    learner = make_learner(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
+                           frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
     batch = abstract_batch(config, model_config)
-    if parallel.packing is not None:
-        batch = batch.replace(packing=worst_packing(config, parallel, mesh))
-    resident = _resident(config, parallel, state, frozen, batch, mesh)
+    if learner.packing is not None:
+        batch = batch.replace(packing=worst_packing(config, learner, mesh))
+    resident = _resident(config, learner, state, frozen, batch, mesh)
     sampling = _sampling(config.sampling, model_config)
     eval_prompts = prompts_per_call(config.eval.num_prompts, mesh)
     # name -> (lowers it, the resident parts among its arguments), for the programs this run has.
@@ -107,13 +107,13 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
                              ("params", "frozen"))}
     not_compiled = {}
     if config.grpo.beta > 0:
-        runs["reference"] = (lambda: parallel.lower_ref_logprobs(ref_params, batch),
+        runs["reference"] = (lambda: learner.lower_ref_logprobs(ref_params, batch),
                              ("reference" if frozen is None else "frozen", "batch_ids"))
     else:
         not_compiled["reference"] = "grpo.beta = 0: the run has no reference pass (--set grpo.beta=... to see one)"
     if teacher is not None:
-        runs["teacher"] = (lambda: parallel.lower_teacher_logprobs(batch), ("teacher", "batch_ids"))
-    runs["train_step"] = (lambda: parallel.lower_step(state, batch),
+        runs["teacher"] = (lambda: learner.lower_teacher_logprobs(batch), ("teacher", "batch_ids"))
+    runs["train_step"] = (lambda: learner.lower_step(state, batch),
                           ("params", "optimizer", "frozen", "batch_ids", "batch_rest"))
     not_compiled.update({name: NOT_ASKED for name in runs if name not in asked})
     lowered = {name: (lower(), parts) for name, (lower, parts) in runs.items() if name in asked}
@@ -135,7 +135,7 @@ def _fresh_state(graphdef, optimizer, params, frozen, critic):
 def _critic(config: RunConfig, model, model_config: TransformerConfig):
     """(the critic model's structure or None, PPO's critic as jax.ShapeDtypeStructs, or None):
     `trainer.side_models.build_critic`'s shapes, nothing loaded."""
-    if config.algorithm != "ppo":
+    if not objective_class(config).critic:
         return None, None
     ppo = config.ppo
     if ppo.critic == "head":
@@ -153,7 +153,7 @@ def _critic(config: RunConfig, model, model_config: TransformerConfig):
 
 def _teacher(config: RunConfig, mesh):
     """Distillation's teacher as an abstract module placed by the rules, or None."""
-    if config.algorithm != "distill":
+    if not objective_class(config).teacher:
         return None
     teacher_config = load_model_config(config.distill.teacher)
     teacher = nnx.eval_shape(lambda: Transformer(teacher_config, rngs=nnx.Rngs(0), **model_options(config.model)))
@@ -191,11 +191,11 @@ def abstract_batch(config: RunConfig, model_config: TransformerConfig) -> Batch:
                  rewards=sds((R,), jnp.float32), advantages=sds((R,), jnp.float32), valid=sds((R,), jnp.bool_),
                  zero_std=sds((N,), jnp.bool_), truncated=sds((R,), jnp.bool_), old_logprobs=sds((R, M), jnp.float32),
                  ref_logprobs=sds((R, M), jnp.float32) if config.grpo.beta > 0 else None,
-                 teacher_logprobs=sds((R, M), jnp.float32) if config.algorithm == "distill" else None, **experts)
+                 teacher_logprobs=sds((R, M), jnp.float32) if objective_class(config).teacher else None, **experts)
 
 
-def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch, mesh) -> dict[str, int]:
-    placed = with_shardings(state, parallel.shardings)
+def _resident(config: RunConfig, learner: Learner, state, frozen, batch: Batch, mesh) -> dict[str, int]:
+    placed = with_shardings(state, learner.shardings)
     params = device_bytes(placed.params)
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
     rows = {k: sum(device_bytes(with_shardings(a, batch_sharding(mesh, a.ndim))) for a in jax.tree.leaves(v))
@@ -203,7 +203,7 @@ def _resident(config: RunConfig, parallel: Parallel, state, frozen, batch: Batch
     return {"params": params, "optimizer": device_bytes(placed) - params,
             "frozen": 0 if frozen is None else device_bytes(frozen),
             "reference": params if config.grpo.beta > 0 and frozen is None else 0,
-            "teacher": 0 if parallel.teacher is None else device_bytes(parallel.teacher),
+            "teacher": 0 if learner.teacher is None else device_bytes(learner.teacher),
             "batch_ids": sum(v for k, v in rows.items() if k in _IDS),
             "batch_rest": sum(v for k, v in rows.items() if k not in _IDS)}
 
@@ -222,12 +222,8 @@ def _sampler(model, sampling: SamplingConfig, prompts: int, mesh) -> jax.stages.
     state = with_shardings(state, param_shardings(state, mesh).shardings)
     ids = jax.ShapeDtypeStruct((prompts, max(sampling.prompt_buckets)), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    if sampling.engine == "static":
-        return static_program(graphdef, sampling, True, mesh).lower(state, ids, ids, key)
-    if sampling.engine == "continuous":
-        return continuous_program(graphdef, sampling, mesh).lower(state, ids, ids, key)
     with jax.set_mesh(mesh):  # a Pallas TPU kernel reads the chip from the ambient mesh when it is lowered
-        return paged_program(graphdef, sampling, mesh).lower(state, ids, ids, key)
+        return engine_of(sampling).program(graphdef, sampling, mesh).lower(state, ids, ids, key)
 
 
 def _model_summary(config: RunConfig, model_config: TransformerConfig, source: str, state, frozen) -> dict:
@@ -238,14 +234,14 @@ def _model_summary(config: RunConfig, model_config: TransformerConfig, source: s
             "param_dtype": m.param_dtype, "remat": m.remat, "scan_layers": m.scan_layers, "lora_rank": config.lora.rank}
 
 
-def worst_packing(config: RunConfig, parallel: Parallel, mesh) -> PackRows:
+def worst_packing(config: RunConfig, learner: Learner, mesh) -> PackRows:
     """`train.packing`'s plan (as jax.ShapeDtypeStructs split over the mesh's rows) for a step whose
     every row is as long as the run allows (the largest prompt bucket, `max_new_tokens`): one row per
     bin at the default `train.pack_length`, the most bins a step's packed passes can have, so the
     packed programs at their largest."""
     N, G = config.data.prompts_per_step, config.sampling.group_size
     R, P, M = N * G, max(config.sampling.prompt_buckets), config.sampling.max_new_tokens
-    plan = parallel.plan(np.full(R, P), np.full(R, M))
+    plan = learner.plan(np.full(R, P), np.full(R, M))
     rows = batch_sharding(mesh, 1)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.int32, sharding=rows), plan.rows)
 

@@ -1,8 +1,8 @@
 """`grpo-jax bench memory`: the device memory a run's programs need, per device, before it launches.
 
 A run's programs (the sampler, the evaluation sampler, the reference log-probs when grpo.beta > 0,
-the train step) are built by the code a run builds them with (`learner.parallel.make_parallel`,
-`engine.sampling.static_program`) on abstract shapes (`nnx.eval_shape`, `jax.eval_shape`: no
+the train step) are built by the code a run builds them with (`learner.modes.make_learner`,
+`engine.engines.Engine.program`) on abstract shapes (`nnx.eval_shape`, `jax.eval_shape`: no
 parameter is ever materialised), lowered with the run's shardings and compiled; each compiled
 program's `memory_analysis()` gives its arguments, outputs, temporaries and generated code per
 device, and its `cost_analysis()` its FLOPs and bytes accessed per device (XLA counts a loop's
@@ -46,6 +46,7 @@ GIB = 1 << 30
 # HBM per chip (Cloud TPU's system architecture pages): the budget a run's programs are set against.
 CHIPS = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB}
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_CHILD = "GRPO_JAX_BENCH_MEMORY_DEVICES"  # set in the process `_in_child` starts: it must not start another
 _HOST_DEVICES = 8  # without a topology
 TOPOLOGY_EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5e:4x8, v6e:2x2, v6e:2x4, v5p:2x2x1, v5p:2x2x2"
 INSTALL_TPU_COMPILER = "pip install 'grpo-jax[tpu-compile]' (jax[tpu]==0.10.2 with its libtpu, ~700 MB)"
@@ -97,6 +98,9 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
         chips = topology_devices(topology)
         devices = len(chips)
     if not _host_devices_ready(devices, fresh):
+        if os.environ.get(_CHILD) == str(devices):  # its own process could not set the count either: never again
+            raise ConfigError(f"bench memory: JAX was already started in its own process, so it could not run on "
+                              f"{devices} devices (something imported JAX before `bench memory` began)")
         return _in_child(config_path, overrides=overrides, devices=devices, chip=chip, topology=topology,
                          preset=preset, programs=programs)
     result = measure(config, chip=chip, preset=preset, log=log, topology=topology, chips=chips, programs=programs)
@@ -133,7 +137,7 @@ def _in_child(config_path: str, *, overrides: Sequence[str], devices: int, chip:
                *([f"--preset={preset}"] if preset else []), *([f"--programs={','.join(programs)}"] if programs else []),
                *(f"--set={o}" for o in overrides)]
         # Its table and any error go to this process's stderr; its JSON comes back in the file.
-        done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL, env={**os.environ, _CHILD: str(devices)})
         if done.returncode:
             where = f"--topology {topology}" if topology else f"{devices} devices"
             raise ConfigError(f"bench memory on {where} failed in its own process (exit status {done.returncode}; "
