@@ -54,7 +54,7 @@ def seconds_per_step(env: str | None, steps: int, data_dir: str, profile: Path |
         overrides += [f"environment.name={env}", "environment.kwargs={}"]
     cfg = load_config(Path(__file__).parent.parent / "configs/demo_cpu_tools.yaml", overrides)
     prepared = prepare(cfg)
-    model = build_model(cfg.model, prepared.model_config, cfg.train.seed, prepared.mesh)
+    model = build_model(cfg.model, prepared.model.config, cfg.train.seed, prepared.mesh)
     place_model(model, prepared.mesh)
     marks = []
 

@@ -172,6 +172,6 @@ for run in RUNS:
     np.savez(Path(out_dir) / f"{run['name']}.process{process_id}.npz",
              **{f"final/{i}": a for i, a in enumerate(final)}, **{f"warm/{i}": a for i, a in enumerate(warm)},
              metrics=np.asarray(json.dumps(seen)),
-             rows_read=np.asarray(trainer.prepared.train_stream.stats["rows_read"]), **placement)
+             rows_read=np.asarray(trainer.prepared.rollout.stream.stats["rows_read"]), **placement)
     placement = {}
     print(f"{run['name']}, process {process_id}: done", flush=True)

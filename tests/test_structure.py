@@ -281,3 +281,21 @@ def test_the_update_step_is_state_and_batch_with_its_static_half_bound_once():
     # No mode name is threaded through the objectives and the loss: the pmap mode lives in learner/pmap.py.
     for name in ("objectives.py", "train_step.py", "step_factory.py", "grpo.py", "ppo.py", "learner.py"):
         assert "axis_name" not in (PACKAGE / "learner" / name).read_text(), name
+
+
+def test_the_runs_inputs_are_typed_with_no_any_field():
+    """A run's inputs are a composition of the model's, the rollout's and evaluation's, every field
+    typed (the rollout side declares what it reads: grpo_jax.rollout.inputs)."""
+    import dataclasses
+
+    from grpo_jax.rollout.inputs import EvalInputs, RolloutInputs
+    from grpo_jax.trainer.prepare import ModelInputs, Prepared
+
+    for cls in (Prepared, ModelInputs, RolloutInputs, EvalInputs):
+        untyped = [f.name for f in dataclasses.fields(cls) if "Any" in str(f.type)]
+        assert untyped == [], (cls.__name__, untyped)
+    assert {f.name for f in dataclasses.fields(Prepared)} == {"config", "model", "rollout", "eval", "sft_stream",
+                                                              "notes"}
+    # Nothing on the actor side names the trainer's object (it reads its own inputs).
+    for path in (PACKAGE / "rollout").glob("*.py"):
+        assert "prepared" not in path.read_text().lower(), path.name

@@ -125,7 +125,7 @@ def _eval_target(args: argparse.Namespace) -> tuple[str, Path]:
 def _eval(args: argparse.Namespace) -> int:
     from grpo_jax.learner.objectives import objective_class
     from grpo_jax.models import JNP_DTYPES
-    from grpo_jax.rollout.evaluation import evaluate_run, evaluation_mesh
+    from grpo_jax.rollout.evaluation import evaluate_run
     from grpo_jax.runtime.sharding import place_model
     from grpo_jax.trainer.checkpoint import load_policy
     from grpo_jax.trainer.prepare import prepare
@@ -140,11 +140,11 @@ def _eval(args: argparse.Namespace) -> int:
               "no teacher", file=sys.stderr)
     model, _, files = load_policy(checkpoint, dtype=JNP_DTYPES[config.model.dtype],
                                   param_dtype=JNP_DTYPES[config.model.param_dtype])
-    place_model(model, evaluation_mesh(prepared))  # where the trainer evaluates
+    place_model(model, prepared.eval.mesh)  # where the trainer evaluates
     if prepared.eval.retention is not None:  # KL against the run's first policy, as the trainer measured it
         prepared.eval.retention.load(files.run_dir, log=lambda line: print(line, file=sys.stderr))
     result = {"checkpoint": str(files.checkpoints / str(files.step)), "step": files.step, "config": str(config_path),
-              **evaluate_run(model, prepared)}
+              **evaluate_run(model, prepared.eval)}
     print(json.dumps(result))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")

@@ -48,6 +48,7 @@ class GRPOObjective:
     aux_loss_coef: float | None = None
     critic: ClassVar[bool] = False  # the train state holds a critic (PPO's)
     teacher: ClassVar[bool] = False  # the batch holds a teacher's log-probs (distillation's)
+    counts_positive_tokens: ClassVar[bool] = False  # the loss reads the positive rows' tokens (VAPO's LM term)
 
     def check(self, state, batch) -> None:
         """A state or batch this objective cannot train on: a ValueError saying what is missing."""
@@ -68,8 +69,6 @@ class GRPOObjective:
         mask_RM = effective_mask(batch.completion_mask, config, valid=batch.valid, truncated=batch.truncated)
         return WholeBatch(batch=batch, normaliser=loss_weights(mask_RM, config)[1],
                           positive_tokens=positive_mask(batch).sum() if positive else jnp.float32(1.0))
-
-    counts_positive_tokens: ClassVar[bool] = False
 
     def micro_loss(self, merge, config: GRPOConfig, whole: WholeBatch, *, group_size: int, logprob_chunk: int,
                    temperature: float, row_sharding=None, warmup: jax.Array | bool = False):

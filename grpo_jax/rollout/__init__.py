@@ -6,9 +6,11 @@ health metrics (`health`). Sampling itself is grpo_jax.engine; episodes, grpo_ja
 Exported here: what the trainer and the tools use."""
 
 from grpo_jax.rollout.episode_source import EpisodeSampler
-from grpo_jax.rollout.evaluation import evaluate_run, evaluation_mesh, prompts_per_call
+from grpo_jax.rollout.evaluation import evaluate_run, prompts_per_call
+from grpo_jax.rollout.inputs import EpisodeRunner, EvalInputs, RolloutInputs, Tokenizer
 from grpo_jax.rollout.pipeline import PipelinedSource
 from grpo_jax.rollout.source import InFlight, RolloutSource, SampleLog, SyncSampler, TrainRows, Trajectories
 
 __all__ = ["EpisodeSampler", "InFlight", "PipelinedSource", "RolloutSource", "SampleLog", "SyncSampler", "TrainRows",
-           "Trajectories", "evaluate_run", "evaluation_mesh", "prompts_per_call"]
+           "Trajectories", "evaluate_run", "prompts_per_call",
+           "EpisodeRunner", "EvalInputs", "RolloutInputs", "Tokenizer"]

@@ -26,12 +26,12 @@ from grpo_jax.rollout.source import SyncSampler, Trajectories
 
 
 class EpisodeSampler(SyncSampler):
-    """A SyncSampler whose samples are episodes (`prepared.episodes`, one device). `log(line)`
+    """A SyncSampler whose samples are episodes (`inputs.episodes`, one device). `log(line)`
     reports a step's first environment error."""
 
-    def __init__(self, prepared, model, *, log=print, **kw):
-        super().__init__(prepared, model, **kw)
-        self.episodes, self.log = prepared.episodes, log
+    def __init__(self, inputs, model, *, log=print, **kw):
+        super().__init__(inputs, model, **kw)
+        self.episodes, self.log = inputs.episodes, log
         self.batch = None
 
     def next(self, step: int) -> Trajectories:
@@ -41,7 +41,7 @@ class EpisodeSampler(SyncSampler):
         return self._trajectories(c, self.batch.prompt_ids, self.batch.prompt_mask, self.batch.metrics())
 
     def _round(self, step: int, round_index: int) -> Round:
-        examples = self.prepared.train_stream.next_batch(self.share.size)
+        examples = self.inputs.stream.next_batch(self.share.size)
         t0 = time.perf_counter()
         key = step_key(self.rng, step, round_index)
         self.batch = batch = self.episodes.run(self.model, examples, self.sampling, key)
@@ -53,7 +53,7 @@ class EpisodeSampler(SyncSampler):
         G, texts = self.sampling.group_size, batch.final_turns()
         fields = {**repeat_fields(examples, G), "completion_tokens": [ep.model_tokens for ep in batch.episodes],
                   "transcript": [ep.transcript for ep in batch.episodes]}
-        result = combine_rewards(self.prepared.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts,
+        result = combine_rewards(self.inputs.rewards, [ex.prompt_text for ex in examples for _ in range(G)], texts,
                                  fields)
         env_reward = np.array([ep.env_reward or 0.0 for ep in batch.episodes], np.float64)
         with np.errstate(over="ignore"):  # a total beyond float32 (the loss's) is dropped, as a reward's is

@@ -30,6 +30,7 @@ from grpo_jax.runtime.hosts import gather_rows, local_rows, row_share
 from grpo_jax.rewards import RewardSpec, StatefulReward, combine_rewards
 from grpo_jax.engine.sampling import generate
 from grpo_jax.runtime.sharding import batch_sharding, round_to_row_shards
+from grpo_jax.rollout.inputs import EvalInputs
 
 
 def decode_completions(tokenizer, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
@@ -49,24 +50,18 @@ def prompts_per_call(num_prompts: int, mesh: Mesh, chunk: int = 64) -> int:
     return round_to_row_shards(min(chunk, num_prompts), mesh)
 
 
-def evaluation_mesh(prepared) -> Mesh:
-    """Where a run samples, and so evaluates: rollout.sampler_devices' own mesh, else the run's."""
-    return prepared.sampler_mesh or prepared.mesh
-
-
-def evaluate_run(model, prepared, *, teacher=None) -> dict[str, float]:
-    """`evaluate` of `model` (placed on `evaluation_mesh(prepared)`) as a run's config says: the
-    held-out prompts (eval.num_prompts), eval.k samples each at eval.temperature, judged by
+def evaluate_run(model, inputs: EvalInputs, *, teacher=None) -> dict[str, float]:
+    """`evaluate` of `model` (placed on `inputs.mesh`, where the run samples) as a run's config says:
+    the held-out prompts (eval.num_prompts), eval.k samples each at eval.temperature, judged by
     eval.reward and eval.verifier (with eval.verifier_kwargs), the run's episodes with an
-    environment; the rng from train.seed, so every evaluation of the same parameters samples the
-    same completions; with eval.retention, the retention metrics too (grpo_jax.rollout.retention:
-    its reference set by the run). `prepared`: the run's grpo_jax.trainer.prepare.Prepared;
-    `teacher`: as in `evaluate` (distillation's scorer)."""
-    out = evaluate(model, prepared.eval.examples, reward=prepared.eval.reward, verifier=prepared.eval.verifier,
-                   sampling=prepared.eval.sampling, tokenizer=prepared.tokenizer, mesh=evaluation_mesh(prepared),
-                   episodes=prepared.episodes, rng=jax.random.key(prepared.config.train.seed + 1), teacher=teacher)
-    if prepared.eval.retention is not None:  # eval.retention: the general corpus, teacher-forced
-        out.update(prepared.eval.retention.metrics(model))
+    environment; the rng from the run's seed, so every evaluation of the same parameters samples
+    the same completions; with eval.retention, the retention metrics too (grpo_jax.rollout.retention:
+    its reference set by the run). `teacher`: as in `evaluate` (distillation's scorer)."""
+    out = evaluate(model, inputs.examples, reward=inputs.reward, verifier=inputs.verifier, sampling=inputs.sampling,
+                   tokenizer=inputs.tokenizer, mesh=inputs.mesh, episodes=inputs.episodes,
+                   rng=jax.random.key(inputs.seed), teacher=teacher)
+    if inputs.retention is not None:  # eval.retention: the general corpus, teacher-forced
+        out.update(inputs.retention.metrics(model))
     return out
 
 

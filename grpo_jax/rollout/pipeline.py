@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.models.lora import LoRAParam, has_adapters, merge_adapters, strip_adapters
-from grpo_jax.rewards import RewardStates
+from grpo_jax.learner.feed import Stateful
 from grpo_jax.rollout.source import InFlight, RolloutSource, Trajectories
 from grpo_jax.runtime.sharding import param_shardings
 from grpo_jax.runtime.transfer import copy_to
@@ -71,7 +71,7 @@ class PipelinedSource(RolloutSource):
         # With LoRA the pipeline holds the adapted model and the sampler a plain one whose weights
         # are the adapters merged into the base, W + (alpha / r) A B, after every update.
         self.adapted = held if lora else None
-        inner.model = strip_adapters(held) if lora else held
+        inner.use_model(strip_adapters(held) if lora else held)
         if lora:
             graphdef = nnx.graphdef(held)
             self._merge = jax.jit(lambda state: nnx.state(merge_adapters(nnx.merge(graphdef, state)), nnx.Param))
@@ -115,9 +115,9 @@ class PipelinedSource(RolloutSource):
 
     def _make(self, params_step: int | None = None) -> None:
         step = self.to_make
-        p = self.inner.prepared
-        # Named as the checkpoint's components (grpo_jax.trainer.run_state): these states replace theirs.
-        self.rewind[step] = {"data": p.train_stream.state_dict(), "rewards": RewardStates(p.rewards).state_dict()}
+        # The checkpoint's components as they were before this batch: a checkpoint taken with it in flight
+        # saves these instead, and a resumed run samples it again.
+        self.rewind[step] = {name: c.state_dict() for name, c in self.inner.components().items()}
         self.params_of[step] = self._params()
         self.queue[step] = self.inner.next(step)
         self.made_with[step] = self.params_step if params_step is None else params_step
@@ -171,3 +171,6 @@ class PipelinedSource(RolloutSource):
         self.sync_s = time.perf_counter() - t0
         if self.params_step is not None:
             self.params_step += 1
+
+    def components(self) -> dict[str, Stateful]:
+        return self.inner.components()

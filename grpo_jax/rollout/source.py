@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from grpo_jax.learner.feed import StepSource
-from grpo_jax.rewards import RewardResult, combine_rewards
+from grpo_jax.learner.feed import Stateful, StepSource
+from grpo_jax.rewards import RewardResult, RewardStates, combine_rewards
 from grpo_jax.rollout.collect import Collected, Round, collect, reward_metrics, sample_records, step_key
 from grpo_jax.rollout.evaluation import decode_completions, repeat_fields
 from grpo_jax.rollout.health import distinct_answers, random_control, rollout_health
@@ -36,6 +36,7 @@ from grpo_jax.rollout.stream import EngineStream, stream_collect
 from grpo_jax.runtime.hosts import (any_host, common_bucket, gather_rows, local_rows, max_over_hosts, sum_over_shares,
                                     to_global)
 from grpo_jax.engine.engines import engine_of
+from grpo_jax.rollout.inputs import RolloutInputs
 
 
 
@@ -144,15 +145,15 @@ class RolloutSource(StepSource):
 class SyncSampler(RolloutSource):
     """Samples with the learner's current parameters on the learner's mesh (a synchronous run).
 
-    `prepared` is the run's grpo_jax.trainer.prepare.Prepared (stream, rewards, tokenizer,
-    sampling, mesh and host share); `model` is the policy the sampler reads, updated by `sync`."""
+    `inputs`: what it reads (grpo_jax.rollout.inputs.RolloutInputs: stream, rewards, tokenizer,
+    sampling, meshes and host share); `model` is the policy the sampler reads, updated by `sync`."""
 
-    def __init__(self, prepared, model: nnx.Module, *, seed: int, shared_prompt: bool, dynamic_sampling: bool,
-                 max_resample_rounds: int, reward_control: str = "none"):
-        self.prepared, self.model = prepared, model
-        self.sampling, self.mesh, self.share = prepared.sampling, prepared.mesh, prepared.share
+    def __init__(self, inputs: RolloutInputs, model: nnx.Module, *, seed: int, shared_prompt: bool,
+                 dynamic_sampling: bool, max_resample_rounds: int, reward_control: str = "none"):
+        self.inputs, self.model = inputs, model
+        self.sampling, self.mesh, self.share = inputs.sampling, inputs.mesh, inputs.share
         # Where it samples: the sampler's own mesh (rollout.sampler_devices), else the learner's.
-        self.sample_mesh = prepared.sampler_mesh or prepared.mesh
+        self.sample_mesh = inputs.sample_mesh
         self.rows = self.share.scaled(self.sampling.group_size)  # this host's rows of the rollout and batch
         self.seed, self.rng = seed, jax.random.key(seed)
         self.shared_prompt, self.reward_control = shared_prompt, reward_control
@@ -166,6 +167,13 @@ class SyncSampler(RolloutSource):
 
     def sync(self, params: nnx.State) -> None:
         nnx.update(self.model, params)
+
+    def components(self) -> dict[str, Stateful]:
+        return {"data": self.inputs.stream, "rewards": RewardStates(self.inputs.rewards)}
+
+    def use_model(self, model: nnx.Module) -> None:
+        """Sample with `model` from now on (a pipelined run's own copy on the sampler's devices)."""
+        self.model = model
 
     def next(self, step: int) -> Trajectories:
         G = self.sampling.group_size
@@ -201,7 +209,7 @@ class SyncSampler(RolloutSource):
 
     def _round(self, step: int, round_index: int) -> Round:
         """One sampling round of this host's block of prompts: sampled on the mesh, scored here."""
-        examples = self.prepared.train_stream.next_batch(self.share.size)
+        examples = self.inputs.stream.next_batch(self.share.size)
         t0 = time.perf_counter()
         rollout, stats = generate_with_stats(
             self.model, to_global(self._prompt_arrays(examples), self.sample_mesh, self.share), self.sampling,
@@ -222,7 +230,7 @@ class SyncSampler(RolloutSource):
         times the step's), and stops once every host has its informative groups."""
         G = self.sampling.group_size
         share = self.share.scaled(1 + self.max_resample_rounds)  # this host's block of the candidates
-        examples = self.prepared.train_stream.next_batch(share.size)
+        examples = self.inputs.stream.next_batch(share.size)
         rows_share = share.scaled(G)
 
         def read(out: dict) -> dict:
@@ -243,7 +251,7 @@ class SyncSampler(RolloutSource):
 
     def _score(self, step: int, round_index: int, examples, rows: SampleRows, *, sample_s: float) -> Round:
         """Decode and score sampled groups of this host (`rows`: G rows per example)."""
-        p, G = self.prepared, self.sampling.group_size
+        p, G = self.inputs, self.sampling.group_size
         t1 = time.perf_counter()
         texts = decode_completions(p.tokenizer, rows.tokens, rows.lengths)
         fields = {**repeat_fields(examples, G), "completion_tokens": rows.lengths.tolist()}
@@ -267,7 +275,7 @@ class SyncSampler(RolloutSource):
             per_fn={k: gather_rows(v, self.rows) for k, v in first.per_fn.items()},
             failures={k: int(v) for k, v in sum_over_shares(first.failures, self.share).items()},
             messages=first.messages)
-        stats = dict(self.prepared.train_stream.stats)
+        stats = dict(self.inputs.stream.stats)
         epoch = max_over_hosts(stats.pop("epoch"))
         # The same on every host, or its own time:
         local = ("dynamic/rounds", "dynamic/segments", "sample_s", "reward_s")
@@ -279,7 +287,7 @@ class SyncSampler(RolloutSource):
         health, pass_rates = rollout_health(
             everyone, gather_rows(distinct_answers(c.first.texts, G), self.share),
             gather_rows(c.first.rows.lengths, self.rows), group_size=G,
-            correct_by=self.prepared.eval.reward.name, specs=self.prepared.rewards)
+            correct_by=self.inputs.correct_by, specs=self.inputs.rewards)
         metrics = {**reward_metrics(everyone, G), **health, **counts, "data/epoch": float(epoch),
                    **{k: c.stats[k] for k in ("dynamic/rounds", "dynamic/segments") if k in c.stats},
                    "perf/sample_s": c.stats["sample_s"],

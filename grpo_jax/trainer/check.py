@@ -53,17 +53,17 @@ def _check_run(config, say: Callable[[str], None]) -> None:
     from grpo_jax.trainer.prepare import prepare
 
     prepared = prepare(config)
-    tok, model = prepared.tokenizer, config.model
+    tok, model = prepared.model.tokenizer, config.model
     say(f"check: model: {model.path or 'random initialisation from model.architecture'} "
-        f"({prepared.model_config.family}, {prepared.model_config.num_layers} layers, "
-        f"vocabulary {prepared.model_config.vocab_size})")
-    template = prepared.train_stream.formatter.use_chat
+        f"({prepared.model.config.family}, {prepared.model.config.num_layers} layers, "
+        f"vocabulary {prepared.model.config.vocab_size})")
+    template = prepared.rollout.stream.formatter.use_chat
     say(f"check: tokenizer: {len(tok)} tokens, prompts {'through its chat template' if template else 'as plain text'}")
     first = prepared.eval.examples[0]
-    batch = prepared.train_stream.next_batch(prepared.share.size)
+    batch = prepared.rollout.stream.next_batch(prepared.rollout.share.size)
     say(f"check: data: {config.data.path or config.data.name!r}, {len(prepared.eval.examples)} held-out prompts, a train batch of "
         f"{len(batch)}; the first held-out prompt is {len(first.prompt_ids)} tokens: {first.prompt_text[:80]!r}")
-    specs = [*prepared.rewards, *prepared.eval.judges()]
+    specs = [*prepared.rollout.rewards, *prepared.eval.judges()]
     few = prepared.eval.examples[:4]  # a batch of several: a reward returning the wrong number of values shows
     for spec in {s.name: s for s in specs}.values():
         # The fields a run passes (rollout.source): the examples', and the completions' token counts.

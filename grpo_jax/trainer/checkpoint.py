@@ -47,7 +47,8 @@ from grpo_jax.models.lora import LoRAParam, add_adapters
 from grpo_jax.rollout.source import RolloutSource
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.learner.step_factory import TrainState
-from grpo_jax.trainer.run_state import CheckpointMeta, Stateful, save_components
+from grpo_jax.learner.feed import Stateful
+from grpo_jax.trainer.run_state import CheckpointMeta, save_components
 
 T = TypeVar("T")
 

@@ -29,7 +29,6 @@ from grpo_jax.config import RunConfig, config_to_dict
 from grpo_jax.learner.feed import StepSource
 from grpo_jax.observe import MetricsWriter, ProgressBar, plot_run, read_metrics
 from grpo_jax.observe.trackers import open_trackers
-from grpo_jax.rewards import RewardStates
 from grpo_jax.rewards.watch import RewardWatch
 from grpo_jax.rollout.evaluation import evaluate_run
 from grpo_jax.runtime.hosts import any_host
@@ -146,12 +145,10 @@ class Trainer:
             self.writer.write(0, self.evals[0][1])
         bar = session.progress(cfg.train.steps, enabled=cfg.train.progress, initial=min(first - 1, cfg.train.steps),
                                every=cfg.log.every, start=self.evals[-1][1] if self.evals else None)
-        watch = RewardWatch(self.prepared.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
+        watch = RewardWatch(self.prepared.rollout.rewards, rows=cfg.data.prompts_per_step * cfg.sampling.group_size,
                             max_failure_steps=cfg.train.max_reward_failure_steps, log=self.log)
-        components = {"data": self.prepared.train_stream, "rewards": RewardStates(self.prepared.rewards)}
-
         def save(info: StepInfo) -> None:
-            save_step(checkpointer, info.step, b.learner.unplace(info.state), components=components,
+            save_step(checkpointer, info.step, b.learner.unplace(info.state), components=b.source.components(),
                       seed=cfg.train.seed, reference=b.learner.reference, base=b.base, source=b.source)
 
         hooks = [Hook(lambda i: signals.fail(watch.check(i.step, i.metrics, i.batch.log.first.rewards.messages,
@@ -203,7 +200,7 @@ class Trainer:
 
     # --- around the loop --------------------------------------------------------------------------
     def _evaluate(self, step: int) -> dict:
-        ev = evaluate_run(self.built.source.model, self.prepared, teacher=self.built.teacher)  # as `grpo-jax eval`
+        ev = evaluate_run(self.built.source.model, self.prepared.eval, teacher=self.built.teacher)  # as `grpo-jax eval`
         self.log(f"eval at step {step}: accuracy {ev['eval/accuracy']:.3f}, pass@{self.config.eval.k} "
                  f"{ev['eval/pass@k']:.3f}")
         return ev

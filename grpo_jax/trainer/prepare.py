@@ -24,14 +24,15 @@ from grpo_jax.models.hf_tensors import TensorReader
 from grpo_jax.models.build import architecture, build_tokenizer
 from grpo_jax.models.gguf import is_gguf
 from grpo_jax.models.lora import add_adapters
-from grpo_jax.rewards import RewardSpec, build_rewards
+from grpo_jax.rewards import build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
+from grpo_jax.rollout.inputs import EvalInputs, RolloutInputs, Tokenizer
 from grpo_jax.rollout.retention import GENERAL_CORPUS, Retention, build_corpus, read_rows
 from grpo_jax.episodes.episode import EpisodeLimits
 from grpo_jax.env.registry import environment_maker
 from grpo_jax.episodes.runner import EpisodeRunner
 from grpo_jax.runtime.devices import check_capacity, check_devices, check_moe, run_mesh, sampler_mesh
-from grpo_jax.runtime.hosts import RowShare, row_share
+from grpo_jax.runtime.hosts import row_share
 from grpo_jax.runtime.sharding import rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.trainer.side_models import check_side_model
@@ -40,37 +41,30 @@ from grpo_jax.engine.engines import engine_of
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalInputs:
-    """What the held-out evaluation reads (grpo_jax.rollout.evaluation.evaluate_run)."""
+class ModelInputs:
+    """The policy's inputs: its tokenizer and architecture."""
 
-    sampling: SamplingConfig  # the run's sampling with eval.k samples per prompt at eval.temperature
-    reward: RewardSpec  # what correctness is judged by: eval.reward, else the first training reward
-    verifier: RewardSpec | None  # eval.verifier: a second judge of the held-out samples
-    examples: list  # the first eval.num_prompts usable rows of the eval split, each once (every host has all)
-    retention: Retention | None = None  # eval.retention: the general corpus's probe (its reference set by the run)
-
-    def judges(self) -> list[RewardSpec]:
-        return [self.reward, *([self.verifier] if self.verifier is not None else [])]
+    tokenizer: Tokenizer
+    config: TransformerConfig
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A run's inputs, checked (`prepare`): the model's, the rollout source's, evaluation's (`eval`)
-    and where the run executes."""
+    """A run's inputs, checked (`prepare`): the model's, the rollout source's (`rollout`, declared by
+    grpo_jax.rollout.inputs), evaluation's (`eval`), the warm start's prompt stream and the lines the
+    run logs at start."""
 
     config: RunConfig
-    tokenizer: Any  # a transformers tokenizer, or grpo_jax.data's char tokenizer
-    model_config: TransformerConfig
-    sampling: SamplingConfig  # the run's sampling config with stop/pad ids resolved from the tokenizer
-    rewards: list[RewardSpec]
+    model: ModelInputs
+    rollout: RolloutInputs
     eval: EvalInputs
-    train_stream: PromptStream  # over the train split: this host's share of each batch
-    mesh: Mesh  # the run's device mesh (jit: data x fsdp x expert x tensor; pmap: data over the local devices)
-    share: RowShare  # this host's block of the prompts_per_step prompts of a step
     sft_stream: PromptStream | None = None  # the warm start's own stream (its own share of sft.batch_size)
     notes: tuple[str, ...] = ()  # lines a run logs at start: the code sandbox's isolation, a short eval split
-    episodes: Any = None  # with config.environment: its grpo_jax.episodes.runner.EpisodeRunner
-    sampler_mesh: Mesh | None = None  # rollout.sampler_devices: the sampler's own mesh (else it samples on `mesh`)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The run's device mesh (jit: data x fsdp x expert x tensor; pmap: data over the local devices)."""
+        return self.rollout.mesh
 
 
 def add_run_adapters(model: Transformer, config: RunConfig) -> None:
@@ -161,12 +155,17 @@ def prepare(config: RunConfig) -> Prepared:
     eval_sampling = evaluation_sampling(sampling, config)
     notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
     samplers = sampler_mesh(config)
+    episodes = episode_runner(config, tokenizer, mesh)
+    rollout = RolloutInputs(stream=streams["train_stream"], rewards=tuple(rewards), correct_by=eval_reward.name,
+                            tokenizer=tokenizer,
+                            sampling=sampling, mesh=mesh, share=streams["share"], sampler_mesh=samplers,
+                            episodes=episodes)
     evaluation = EvalInputs(sampling=eval_sampling, reward=eval_reward, verifier=eval_verifier,
-                            examples=streams.pop("eval_examples"),
-                            retention=retention_probe(config.eval, tokenizer, samplers or mesh))
-    return Prepared(config=config, tokenizer=tokenizer, model_config=model_config, sampling=sampling,
-                    rewards=rewards, eval=evaluation, mesh=mesh, notes=tuple(notes),
-                    episodes=episode_runner(config, tokenizer, mesh), sampler_mesh=samplers, **streams)
+                            examples=tuple(streams["eval_examples"]), tokenizer=tokenizer,
+                            mesh=rollout.sample_mesh, seed=config.train.seed + 1, episodes=episodes,
+                            retention=retention_probe(config.eval, tokenizer, rollout.sample_mesh))
+    return Prepared(config=config, model=ModelInputs(tokenizer=tokenizer, config=model_config), rollout=rollout,
+                    eval=evaluation, sft_stream=streams["sft_stream"], notes=tuple(notes))
 
 
 def retention_probe(ev: EvalConfig, tokenizer, mesh: Mesh) -> Retention | None:
@@ -320,11 +319,11 @@ def check_rows(source: data.FileSource, formatter, d, notes: list[str], *, limit
 
 def model_json(prepared: Prepared) -> dict:
     """The HF config.json of the run's architecture (what `write_model_files` writes)."""
-    return config_to_hf(prepared.model_config, dtype_name=prepared.config.model.param_dtype)
+    return config_to_hf(prepared.model.config, dtype_name=prepared.config.model.param_dtype)
 
 
 def write_model_files(prepared: Prepared, directory: Path) -> None:
     """The architecture (config.json) and tokenizer a checkpoint's params belong to."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model_json(prepared), indent=2))
-    prepared.tokenizer.save_pretrained(str(directory))
+    prepared.model.tokenizer.save_pretrained(str(directory))

@@ -42,7 +42,7 @@ def resumable_steps(checkpointer: Checkpointer, steps: list[int], *, prepared, r
     restores; every reason to refuse the restart (another model, data layout, seed, host count, LoRA
     base: a ConfigError) is found here, before the run directory is written."""
     def check(step: int) -> None:
-        check_resumable(checkpointer, step, stream=prepared.train_stream, run_dir=run_dir, model_json=model_json)
+        check_resumable(checkpointer, step, stream=prepared.rollout.stream, run_dir=run_dir, model_json=model_json)
         meta = checkpointer.restore_meta(step)
         check_base(prepared.config, meta, run_dir, where)
         if meta.pipeline and not prepared.config.rollout.pipelined:
@@ -62,8 +62,8 @@ def restore_state(checkpointer: Checkpointer, candidates: list[int], state, *, l
     reference, the prompt stream and the rewards' states; damaged newer steps are set aside
     (`Checkpointer.set_aside`) so the resumed run can save those steps again."""
     def attempt(step: int):
-        return resume(checkpointer, step, state, stream=prepared.train_stream, reference=learner.reference,
-                      rewards=prepared.rewards, source=source)
+        return resume(checkpointer, step, state, stream=prepared.rollout.stream, reference=learner.reference,
+                      rewards=prepared.rollout.rewards, source=source)
 
     skipped = [s for s in checkpointer.all_steps() if s > candidates[0]]  # found damaged by `resumable_steps`
     try:

@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import jax
 
 from grpo_jax.config import ConfigError
+from grpo_jax.learner.feed import Stateful
 from grpo_jax.runtime.hosts import gather_json
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """A component whose state a checkpoint keeps (JSON): a prompt stream, a pair stream, rewards."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

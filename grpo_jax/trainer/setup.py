@@ -45,7 +45,7 @@ class Built:
 
 def stateful_rewards(prepared: Prepared) -> list[StatefulReward]:
     """Every reward the run scores with that holds something (a reward model), once each."""
-    specs = [*prepared.rewards, *prepared.eval.judges()]
+    specs = [*prepared.rollout.rewards, *prepared.eval.judges()]
     return list({id(s.fn): s.fn for s in specs if isinstance(s.fn, StatefulReward)}.values())
 
 
@@ -57,7 +57,7 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     # A loaded policy goes from host memory straight onto the mesh; an initialised one is drawn the
     # same in every host's memory (init_on_host) and cut onto the mesh by the rules (pmap mode: its
     # data-only mesh, so replicated). Neither sits whole on a chip or gathers anything across hosts.
-    model = build_model(cfg.model, prepared.model_config, cfg.train.seed, mesh)
+    model = build_model(cfg.model, prepared.model.config, cfg.train.seed, mesh)
     place_model(model, mesh)
     for reward in stateful_rewards(prepared):  # a reward model: on the run's mesh, by the policy's rules
         reward.place(mesh)
@@ -83,7 +83,7 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     reference = None
     if cfg.grpo.beta > 0 and frozen is None:
         reference = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-    learner = make_learner(cfg, mesh, graphdef, optimizer, state, temperature=prepared.sampling.temperature,
+    learner = make_learner(cfg, mesh, graphdef, optimizer, state, temperature=prepared.rollout.sampling.temperature,
                            frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef,
                            teacher=teacher, reference=reference)
     state = learner.place(state)
@@ -92,13 +92,13 @@ def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resumin
     t = cfg.train
     options = dict(seed=t.seed, shared_prompt=t.shared_prompt, dynamic_sampling=t.dynamic_sampling,
                    max_resample_rounds=t.max_resample_rounds, reward_control=cfg.reward_control)
-    if prepared.episodes is None:
-        source = SyncSampler(prepared, model, **options)
+    if prepared.rollout.episodes is None:
+        source = SyncSampler(prepared.rollout, model, **options)
     else:
-        source = EpisodeSampler(prepared, model, log=log, **options)
+        source = EpisodeSampler(prepared.rollout, model, log=log, **options)
     if cfg.rollout.pipelined:  # staleness, or the sampler on its own devices
         source = PipelinedSource(source, staleness=cfg.rollout.staleness, last_step=cfg.train.steps,
-                                 sampler_mesh=prepared.sampler_mesh)
+                                 sampler_mesh=prepared.rollout.sampler_mesh)
     ev = prepared.eval.sampling
     return Built(learner=learner, state=state, source=source, base=base,
                  teacher=learner.teacher_scorer(group_size=ev.group_size, temperature=ev.temperature))

@@ -74,14 +74,14 @@ def worked_batch(prepared: Prepared, examples, counts: dict) -> tuple[list, list
     """(prompts, completions, loss masks, width) of one warm-start batch: the reference answers, or
     with an environment its worked episodes (a failed one keeps its row with an empty loss mask and
     is counted in `counts`; a batch where every episode failed raises, naming the first error)."""
-    sampling, cfg = prepared.sampling, prepared.config.sft
+    sampling, cfg = prepared.rollout.sampling, prepared.config.sft
     eos = sampling.stop_token_ids[0]
-    if prepared.episodes is None:
-        tok = prepared.tokenizer
+    if prepared.rollout.episodes is None:
+        tok = prepared.model.tokenizer
         answers = [tok.encode(cfg.answer_template.format(**ex.fields), add_special_tokens=False) + [eos]
                    for ex in examples]
         return [ex.prompt_ids for ex in examples], answers, None, sampling.max_new_tokens
-    played = worked_episodes(prepared.episodes, examples, cfg.turns, sampling.stop_token_ids)
+    played = worked_episodes(prepared.rollout.episodes, examples, cfg.turns, sampling.stop_token_ids)
     stop_point()  # a stop signal gave up on the environment's calls: stop here, not as a failed batch
     failed = [ep.error for ep in played if ep.error is not None]
     if len(failed) == len(played):
@@ -91,7 +91,7 @@ def worked_batch(prepared: Prepared, examples, counts: dict) -> tuple[list, list
     prompts = [ep.prompt_ids if ep.error is None else [sampling.pad_id] for ep in played]
     ids = [ep.ids if ep.error is None else [] for ep in played]
     masks = [ep.loss_mask if ep.error is None else [] for ep in played]
-    return prompts, ids, masks, trajectory_capacity(prepared.episodes.limits)
+    return prompts, ids, masks, trajectory_capacity(prepared.rollout.episodes.limits)
 
 
 def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[float]:
@@ -99,7 +99,7 @@ def warm_start(prepared: Prepared, model, log: Callable[[str], None]) -> list[fl
     over the run's mesh (each host builds its block of every batch); updates `model` in place and
     returns the losses. A stop signal before a step ends it there (`preemption.stop_point`: the
     run stops, nothing saved)."""
-    cfg, sampling, mesh = prepared.config.sft, prepared.sampling, prepared.mesh
+    cfg, sampling, mesh = prepared.config.sft, prepared.rollout.sampling, prepared.mesh
     share = row_share(mesh, cfg.batch_size)
     t = prepared.config.train
     optimizer = warm_start_optimizer(prepared.config)

@@ -165,7 +165,7 @@ def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_
     trainer.run()
     from flax import nnx
 
-    assert trainer.prepared.tokenizer.chat_template  # the prompts went through the file's chat template
+    assert trainer.prepared.model.tokenizer.chat_template  # the prompts went through the file's chat template
     before = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(ours, nnx.Param)))
     after = jax.tree.leaves(jax.tree.map(np.asarray, trainer.state.params))
     assert len(before) == len(after)
@@ -185,7 +185,7 @@ def test_one_grpo_step_on_smollm2_changes_the_parameters_and_its_export_runs_in_
     assert main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert hf_tokenizer.chat_template == trainer.prepared.tokenizer.chat_template
+    assert hf_tokenizer.chat_template == trainer.prepared.model.tokenizer.chat_template
     ids = chat_ids(hf_tokenizer)
     tuned, _, _ = load_policy(tmp_path / "run")
     with torch.no_grad():

@@ -142,7 +142,7 @@ def test_the_warm_start_learns_from_worked_episodes_the_environment_answers(epis
     cfg["sft"] = {"steps": 3, "batch_size": 8, "learning_rate": 0.003, "turns": ["call {answer}!", "it is {answer}"]}
     cfg["sampling"]["stop_token_ids"] = [2]  # <eos> only (the fixture's digits would end these turns early)
     prepared = prepare(load_config(write_config(tmp_path, cfg)))
-    tok = prepared.tokenizer
+    tok = prepared.model.tokenizer
     examples = prepared.sft_stream.next_batch(8)
     counts = {"failed": 0, "first": None}
     prompts, ids, masks, width = worked_batch(prepared, examples, counts)
@@ -155,7 +155,7 @@ def test_the_warm_start_learns_from_worked_episodes_the_environment_answers(epis
         assert tok.decode(p + c) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
         model_text = tok.decode([t for t, k in zip(c, m) if k])
         assert model_text == f"call {a}!<eos>it is {a}<eos>"  # the env's tokens have mask 0
-    model = build_model(prepared.config.model, prepared.model_config, 0, prepared.mesh)
+    model = build_model(prepared.config.model, prepared.model.config, 0, prepared.mesh)
     place_model(model, prepared.mesh)
     losses = warm_start(prepared, model, log=lambda line: None)
     assert len(losses) == 3 and losses[-1] < losses[0]

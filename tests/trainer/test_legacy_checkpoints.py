@@ -61,3 +61,18 @@ def test_an_untyped_reward_model_checkpoint_resumes_its_pair_stream(tmp_path):
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
     assert _newest_meta(run).components == {"pairs": ({"orders": 1, "cursor": 12},)}
     assert (run / "hf" / "config.json").exists()
+
+
+def test_the_meta_round_trips_reads_version_0_and_refuses_a_newer_one():
+    import pytest
+
+    from grpo_jax.config import ConfigError
+
+    meta = CheckpointMeta(step=4, seed=1, components={"data": ({"a": 1}, {"a": 2}), "rewards": ({}, {})},
+                          base={"path": "base"})
+    assert CheckpointMeta.from_json(meta.to_json()) == meta
+    two_hosts = {"step": 4, "seed": 1, "data": {"a": 1}, "data_by_process": [{"a": 1}, {"a": 2}],
+                 "rewards_by_process": [{}, {}], "base": {"path": "base"}}  # as version 0 wrote it
+    assert CheckpointMeta.from_json(two_hosts) == meta
+    with pytest.raises(ConfigError, match="metadata version 2; this grpo_jax reads up to 1"):
+        CheckpointMeta.from_json({**meta.to_json(), "version": 2})

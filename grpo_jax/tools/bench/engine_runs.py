@@ -86,15 +86,15 @@ def load_workload(config_path: str, overrides: Sequence[str]) -> Workload:
     must be a positive multiple of the group size (the static batches are whole groups)."""
     config = load_config(config_path, overrides)
     prepared = prepare(config)
-    s = prepared.sampling
+    s = prepared.rollout.sampling
     if s.slots <= 0 or s.slots % s.group_size:
         raise ConfigError(f"bench engine compares engines at a KV budget of sampling.slots rows: set "
                           f"sampling.slots to a positive multiple of the group size {s.group_size}, got {s.slots}")
-    examples = prepared.train_stream.next_batch(config.data.prompts_per_step)
+    examples = prepared.rollout.stream.next_batch(config.data.prompts_per_step)
     prompts = [list(e.prompt_ids) for e in examples]
     ids, mask = pad_prompts(prompts, s.prompt_buckets, s.pad_id)
-    model = build_model(config.model, prepared.model_config, config.train.seed)
-    mc = prepared.model_config
+    model = build_model(config.model, prepared.model.config, config.train.seed)
+    mc = prepared.model.config
     description = {
         "model": config.model.path or f"random {mc.family}: {mc.num_layers} layers, hidden {mc.hidden_size}, "
                                       f"vocab {mc.vocab_size} (train.seed {config.train.seed})",

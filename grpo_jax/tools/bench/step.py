@@ -10,9 +10,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpo_jax
 from grpo_jax.tools.bench.timing import peak_matmul_flops
+
+if TYPE_CHECKING:  # the trainer starts JAX; the CLI's parser imports this module
+    from grpo_jax.trainer.run_state import RunResult
 
 # What the benchmark turns off: warm start, evaluation, samples, checkpoints and the progress bar.
 _QUIET = ("train.progress=false", "train.samples_every=0", "sft.steps=0", "eval.every=0", "checkpoint.every=0")
@@ -23,7 +27,7 @@ class _Run:
     """The trainer's metrics of the timed steps, its summary, and what the step ran on."""
 
     timed: list[dict]
-    summary: dict
+    summary: RunResult
     model_config: object
     num_devices: int
     run_s: float
@@ -42,7 +46,7 @@ def _run_trainer(config, warmup: int) -> _Run:
         summary = trainer.run()
         run_s = time.perf_counter() - t0
     prepared = trainer.prepared
-    return _Run(seen[warmup:], summary, prepared.model_config, len(prepared.mesh.devices.flat), run_s)
+    return _Run(seen[warmup:], summary, prepared.model.config, len(prepared.mesh.devices.flat), run_s)
 
 
 def _step_flops(config, run: _Run, prompt_len: int):
@@ -89,7 +93,7 @@ def grpo_step(config_path: str, *, overrides: Sequence[str] = (), steps: int = 5
     step_s, train_s = median("perf/step_s"), median("perf/train_s")
     stats = jax.devices()[0].memory_stats() or {}
     memory = {  # what the run holds between steps, by part (the device's peak is backend-dependent)
-        **run.summary["learner_bytes"], "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **run.summary.learner_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     return {
         "system": "grpo_jax", "version": grpo_jax.__version__, "config": str(config_path), "overrides": list(overrides),
