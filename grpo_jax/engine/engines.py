@@ -31,6 +31,7 @@ class Engine:
     name: str
     slots: bool
     pages: bool
+    # (graphdef, config, mesh, share_prefill) -> the jitted program (each maker caches its programs).
     _program: Callable = dataclasses.field(repr=False)
     # (model, ids [N, P], mask [N, P], key, *, config, mesh) -> (loop, state): the streaming loop's start.
     start: Callable | None = dataclasses.field(default=None, repr=False)
@@ -38,16 +39,18 @@ class Engine:
     def program(self, graphdef, config: SamplingConfig, mesh: Mesh, *, share_prefill: bool = True):
         """The jitted engine: `(model state, ids [N, P], mask [N, P], key) -> (Rollout, stats)`, rows
         split over the mesh's (data, fsdp, expert); its `.lower` on abstract shapes shows its memory
-        (`grpo-jax bench memory`). `share_prefill=False`: the static engine's reference path."""
-        if self.slots:
-            return self._program(graphdef, config, mesh)
-        return static_program(graphdef, config, share_prefill, mesh)
+        (`grpo-jax bench memory`). `share_prefill=False`: the static engine's reference path (the
+        engines with slots always prefill each prompt once)."""
+        return self._program(graphdef, config, mesh, share_prefill)
 
 
-ENGINES = {"static": Engine("static", *ENGINE_TRAITS["static"], _program=static_program),
-           "continuous": Engine("continuous", *ENGINE_TRAITS["continuous"], _program=continuous_program,
-                                start=start_engine),
-           "paged": Engine("paged", *ENGINE_TRAITS["paged"], _program=paged_program, start=start_paged)}
+ENGINES = {
+    "static": Engine("static", *ENGINE_TRAITS["static"],
+                     _program=lambda graphdef, config, mesh, share: static_program(graphdef, config, share, mesh)),
+    "continuous": Engine("continuous", *ENGINE_TRAITS["continuous"], start=start_engine,
+                         _program=lambda graphdef, config, mesh, share: continuous_program(graphdef, config, mesh)),
+    "paged": Engine("paged", *ENGINE_TRAITS["paged"], start=start_paged,
+                    _program=lambda graphdef, config, mesh, share: paged_program(graphdef, config, mesh))}
 
 
 def engine_of(config: SamplingConfig) -> Engine:

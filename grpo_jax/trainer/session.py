@@ -24,13 +24,13 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 import yaml
 
 from grpo_jax.config import ConfigError, config_to_dict
 from grpo_jax.observe import MetricsWriter, ProgressBar
+from grpo_jax.observe.progress import POLICY_FIELDS
 from grpo_jax.runtime.hosts import is_primary
 from grpo_jax.runtime.run_lock import RunLock
 from grpo_jax.runtime.storage import RunDirectory
@@ -116,10 +116,11 @@ class RunSession:
         return writer
 
     def progress(self, total: int, *, initial: int, start: Mapping[str, float] | None, enabled: bool,
-                 every: int = 1, **fields: Any) -> ProgressBar:
-        """The progress bar (process 0's); the session's log lines go above it while it is open."""
+                 every: int = 1, fields: Sequence = POLICY_FIELDS) -> ProgressBar:
+        """The progress bar (process 0's); the session's log lines go above it while it is open.
+        `fields`: what it shows (observe.progress's; the policy's by default)."""
         self.bar = ProgressBar(total, enabled=enabled and self.primary, initial=initial, every=every, start=start,
-                               **fields)
+                               fields=fields)
         return self.bar
 
     def close_progress(self) -> None:
