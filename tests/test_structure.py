@@ -299,3 +299,22 @@ def test_the_runs_inputs_are_typed_with_no_any_field():
     # Nothing on the actor side names the trainer's object (it reads its own inputs).
     for path in (PACKAGE / "rollout").glob("*.py"):
         assert "prepared" not in path.read_text().lower(), path.name
+
+
+def called_names(path: Path) -> set[str]:
+    """The names a module calls (`f(...)`, `x.f(...)`)."""
+    calls = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            calls.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return calls
+
+
+def test_bench_memory_builds_the_run_through_the_runs_own_construction():
+    """One construction of a run: `bench memory`'s abstract run calls `setup.build_learner` (what
+    `build` calls) and builds none of its pieces itself."""
+    pieces = {"make_learner", "init_state", "new_state", "build_critic", "load_teacher", "run_optimizer", "init_critic"}
+    bench, setup = called_names(PACKAGE / "tools/bench/abstract_run.py"), called_names(PACKAGE / "trainer/setup.py")
+    assert "build_learner" in bench and bench & pieces == set(), bench & pieces
+    assert {"build_learner", "make_learner", "build_critic", "load_teacher"} <= setup

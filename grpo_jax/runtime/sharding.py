@@ -211,6 +211,13 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Mapping[str, str | Non
     return Sharded(shardings=shardings, replicated=replicated)
 
 
+def placed_shapes(params: nnx.State, mesh: Mesh, rules: Mapping[str, str | None] = RULES) -> nnx.State:
+    """An abstract model's parameters (jax.ShapeDtypeStructs, `nnx.eval_shape`) carrying the
+    shardings `place_model` would give them: what a program lowered on them expects."""
+    shardings = param_shardings(params, mesh, rules).shardings
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+
+
 def host_to_mesh(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A host (NumPy) array placed by `sharding`: each device receives only its own slice, cut on
     the host, so no device holds more than it shards and no host's copy is compared with another's

@@ -1,9 +1,10 @@
 """A run's programs on abstract shapes (`abstract_run`), for `grpo-jax bench memory`.
 
-The pieces come from the code a run is built with (`trainer.setup.build`'s order: the policy with
-the run's adapters, its train state, `make_learner`, the sampler's engine program), but every
-array is a `jax.ShapeDtypeStruct` (`nnx.eval_shape`, `jax.eval_shape`): nothing is initialised,
-loaded or placed, so a pod-sized model compiles on a laptop's host devices.
+The run is built by the code a run is built with: the policy with the run's adapters as
+`nnx.eval_shape` draws it, then `trainer.setup.build_learner` (the learner, its train state, PPO's
+critic, distillation's teacher, a LoRA base: what `build` calls) with `abstract=True`, and the
+sampler's engine program (`engine_of`). Every array is a `jax.ShapeDtypeStruct`: nothing is
+initialised, loaded or placed, so a pod-sized model compiles on a laptop's host devices.
 
 What a run keeps on its devices between programs, per device, in parts (`AbstractRun.resident`):
 `params` (the trainable parameters: the policy's, or a LoRA run's adapters), `optimizer` (the rest
@@ -26,18 +27,13 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import RunConfig, SamplingConfig
-from grpo_jax.learner.optimizer import run_optimizer
 from grpo_jax.learner.packing import PackRows
 from grpo_jax.learner.learner import Learner
-from grpo_jax.learner.modes import make_learner
 from grpo_jax.learner.objectives import objective_class
-from grpo_jax.learner.ppo import init_critic
-from grpo_jax.learner.train_step import Batch, init_state, merge_model, split_trainable
+from grpo_jax.learner.train_step import Batch
 from grpo_jax.models import Transformer, TransformerConfig
 from grpo_jax.models import load_config as load_model_config
 from grpo_jax.models.moe import expert_dtype
-from grpo_jax.models.lora import strip_adapters
-from grpo_jax.models.reward_model import is_sequence_classifier
 from grpo_jax.rollout.evaluation import prompts_per_call
 from grpo_jax.engine.engines import engine_of
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
@@ -46,6 +42,7 @@ from grpo_jax.tools.bench.programs import NOT_ASKED, PROGRAMS
 from grpo_jax.tools.bench.parity import preset_config
 from grpo_jax.models.build import architecture, build_tokenizer, model_options
 from grpo_jax.trainer.prepare import add_run_adapters, evaluation_sampling
+from grpo_jax.trainer.setup import build_learner
 
 # The batch's fields that the reference pass takes (the rest stay where they are meanwhile).
 _IDS = ("prompt_ids", "prompt_mask", "completion_ids")
@@ -84,16 +81,8 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
     asked = set(programs or PROGRAMS)
     model_config, source = model_shape(config.model, preset)
     model = nnx.eval_shape(functools.partial(_policy, config, model_config))
-    graphdef, params, frozen = split_trainable(model)
-    optimizer = run_optimizer(config)
-    critic_graphdef, critic = _critic(config, model, model_config)
-    state = jax.eval_shape(functools.partial(_fresh_state, graphdef, optimizer), params, frozen, critic)
-    if frozen is not None:  # placed with the model, by the rules
-        frozen = with_shardings(frozen, param_shardings(frozen, mesh).shardings)
-    ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
-    teacher = _teacher(config, mesh)
-    learner = make_learner(config, mesh, graphdef, optimizer, state, temperature=config.sampling.temperature,
-                           frozen=frozen, ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher)
+    learner, state = build_learner(config, mesh, model, temperature=config.sampling.temperature, abstract=True)
+    frozen = learner.frozen
     batch = abstract_batch(config, model_config)
     if learner.packing is not None:
         batch = batch.replace(packing=worst_packing(config, learner, mesh))
@@ -111,7 +100,7 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
                              ("reference" if frozen is None else "frozen", "batch_ids"))
     else:
         not_compiled["reference"] = "grpo.beta = 0: the run has no reference pass (--set grpo.beta=... to see one)"
-    if teacher is not None:
+    if learner.teacher is not None:
         runs["teacher"] = (lambda: learner.lower_teacher_logprobs(batch), ("teacher", "batch_ids"))
     runs["train_step"] = (lambda: learner.lower_step(state, batch),
                           ("params", "optimizer", "frozen", "batch_ids", "batch_rest"))
@@ -126,39 +115,6 @@ def _policy(config: RunConfig, model_config: TransformerConfig) -> Transformer:
     model = Transformer(model_config, rngs=nnx.Rngs(config.train.seed), **model_options(config.model))
     add_run_adapters(model, config)
     return model
-
-
-def _fresh_state(graphdef, optimizer, params, frozen, critic):
-    return init_state(merge_model(graphdef, params, frozen), optimizer, critic=critic)[1]
-
-
-def _critic(config: RunConfig, model, model_config: TransformerConfig):
-    """(the critic model's structure or None, PPO's critic as jax.ShapeDtypeStructs, or None):
-    `trainer.side_models.build_critic`'s shapes, nothing loaded."""
-    if not objective_class(config).critic:
-        return None, None
-    ppo = config.ppo
-    if ppo.critic == "head":
-        return None, jax.eval_shape(lambda: init_critic(model_config.hidden_size))
-    if ppo.critic_path is None:
-        trunk = strip_adapters(model)
-    else:
-        critic_config = load_model_config(ppo.critic_path)
-        if is_sequence_classifier(ppo.critic_path):  # a reward model's backbone: no LM head
-            critic_config = dataclasses.replace(critic_config, tie_word_embeddings=True)
-        trunk = nnx.eval_shape(lambda: Transformer(critic_config, rngs=nnx.Rngs(0), **model_options(config.model)))
-    graphdef, params = nnx.split(trunk, nnx.Param)
-    return graphdef, {**jax.eval_shape(lambda: init_critic(trunk.config.hidden_size)), "model": params}
-
-
-def _teacher(config: RunConfig, mesh):
-    """Distillation's teacher as an abstract module placed by the rules, or None."""
-    if not objective_class(config).teacher:
-        return None
-    teacher_config = load_model_config(config.distill.teacher)
-    teacher = nnx.eval_shape(lambda: Transformer(teacher_config, rngs=nnx.Rngs(0), **model_options(config.model)))
-    graphdef, state = nnx.split(teacher)
-    return nnx.merge(graphdef, with_shardings(state, param_shardings(state, mesh).shardings))
 
 
 def with_shardings(tree, shardings):
