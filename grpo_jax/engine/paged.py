@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -45,9 +44,10 @@ from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.continuous import (draw_and_record, drain_loop, every_sequence_at_once, rollout_experts,
                                         sequence_uniforms)
 from grpo_jax.engine.draw import Rollout, rollout_shardings
-from grpo_jax.engine.pages import (PagedCache, copy_pages, create_cache, page_bytes, pages_needed, pop_pages,
-                                   prompt_table, push_pages)
+from grpo_jax.engine.layouts import PoolPages, SlotPages, seat_pages
+from grpo_jax.engine.pages import PagedCache, create_cache, page_bytes, pages_needed
 from grpo_jax.engine.paged_decode import choose_attention, paged_decode_step
+from grpo_jax.engine.slots import SlotCache, slot_decode_step
 from grpo_jax.engine.routing import expert_buffer, record, stored
 from grpo_jax.engine.state import EngineLayout, engine_layout
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
@@ -62,7 +62,7 @@ class PagedState:
 
     seq: jax.Array  # int32 [Z, J]: the shard-local sequence each slot decodes, -1 = empty
     stamp: jax.Array  # int32 [Z, J]: when the slot's sequence was admitted (larger = younger)
-    cache: PagedCache
+    cache: PagedCache | SlotCache  # the pool, or one reservation per slot (engine.layouts)
     pending: jax.Array  # bool [Z, Rb]: waiting to be admitted (new, or preempted)
     started: jax.Array  # bool [Z, Rb]: admitted at least once
     prompt_logits: jax.Array  # float32 [Z, Np, V]
@@ -85,12 +85,12 @@ class PagedState:
 
 @dataclasses.dataclass(frozen=True)
 class PagedLoop:
-    """What every step reads besides the state: layout, settings, the decode step, the phases' widths."""
+    """What every step reads besides the state: the sequences' layout, the settings, the cache's
+    layout (with the decode step bound to the model) and the mesh."""
 
     lay: EngineLayout
     config: SamplingConfig
-    decode: Callable  # (tokens [Z, J], cache, write [Z, J], phase=) -> (logits [Z, J, V], cache, experts)
-    phase_columns: tuple[int, ...]
+    pages: PoolPages | SlotPages  # where the keys live and how decode reads them (engine.layouts)
     mesh: Mesh
 
     def hold(self, x):
@@ -145,18 +145,26 @@ def resume_paged(model, config: SamplingConfig, mesh: Mesh, st: PagedState) -> P
     return paged_loop(model, config, mesh, lay, st.cache)
 
 
-def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh) -> tuple[PagedLoop, PagedState]:
-    """Prefill the N prompts into the prompt region and admit each shard's first sequences."""
+def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh,
+                pool: bool = False) -> tuple[PagedLoop, PagedState]:
+    """Prefill the N prompts once each and admit each shard's first sequences. The cache: a page
+    pool, or with `sampling.kv_cache_bytes: 0` and the gather path one max-length reservation per
+    slot read in place (`engine.layouts.SlotPages`; `pool`: a pool all the same, as episodes need
+    for their parking)."""
     M = config.max_new_tokens
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
     P = ids_NP.shape[1]
-    pages = pool_pages(model.config, model.dtype, config, prompt_slots=P, prompts=Np, slots=J)
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
-    last_NV, k_LNKPD, v_LNKPD, pmask_NP, _, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
+    last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
         row_sharding=batch_sharding(mesh, 1))
-    cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
-                         max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
+    if not (pool or config.kv_cache_bytes or impl == "pallas"):
+        cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
+                                 phases=config.attend_phases)
+    else:
+        pages = pool_pages(model.config, model.dtype, config, prompt_slots=P, prompts=Np, slots=J)
+        cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
+                             max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
     loop = paged_loop(model, config, mesh, lay, cache)
     hold = loop.hold
     rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
@@ -177,15 +185,19 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     return loop, admit(loop, st)
 
 
-def paged_loop(model, config: SamplingConfig, mesh: Mesh, lay: EngineLayout, cache: PagedCache) -> PagedLoop:
-    """The loop's constants for `cache` (its layout says the attention: interleaved = the TPU
-    kernel, split = gather)."""
-    phases = max(1, min(config.attend_phases, cache.columns))
-    columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
-    impl = "pallas" if len(cache.kv[0]) == 1 else "gather"
-    decode = functools.partial(paged_decode_step, model, weights=model.layer_weights(), phase_columns=columns,
-                               impl=impl, mesh=mesh)
-    return PagedLoop(lay=lay, config=config, decode=decode, phase_columns=columns, mesh=mesh)
+def paged_loop(model, config: SamplingConfig, mesh: Mesh, lay: EngineLayout, cache) -> PagedLoop:
+    """The loop's constants for `cache`: a SlotCache is read in place (`SlotPages`); a page pool's
+    layout says the attention (interleaved = the TPU kernel, split = gather)."""
+    weights = model.layer_weights()
+    if isinstance(cache, SlotCache):
+        pages = SlotPages(decode=functools.partial(slot_decode_step, model, weights=weights, mesh=mesh))
+    else:
+        phases = max(1, min(config.attend_phases, cache.columns))
+        columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
+        impl = "pallas" if len(cache.kv[0]) == 1 else "gather"
+        pages = PoolPages(decode=functools.partial(paged_decode_step, model, weights=weights, phase_columns=columns,
+                                                   impl=impl, mesh=mesh), phase_columns=columns)
+    return PagedLoop(lay=lay, config=config, pages=pages, mesh=mesh)
 
 
 def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
@@ -214,17 +226,23 @@ def _running(loop: PagedLoop, narrower: int, st: PagedState) -> jax.Array:
 
 
 def compact_paged(loop: PagedLoop, st: PagedState, width: int) -> tuple[PagedLoop, PagedState]:
-    """The drain: every shard's sequences in flight (at most `width`) into its first `width` slots.
-    Only their table rows and counters move; the pages stay where they are."""
+    """The drain: every shard's sequences in flight (at most `width`) into its first `width` slots
+    (`pages.compact`: a pool's table rows, or a reservation's blocks)."""
     keep_Zw = jnp.argsort(st.seq < 0, axis=1, stable=True)[:, :width]  # busy slots first, in order
 
     def take(x_ZJ):
-        return loop.hold(jax.vmap(lambda a, i: a[i])(x_ZJ, keep_Zw))
+        return jax.vmap(lambda a, i: a[i])(x_ZJ, keep_Zw)
 
-    c = st.cache
-    cache = c.replace(table=take(c.table), slot_prompt=take(c.slot_prompt), slot_t=take(c.slot_t))
+    cache = jax.tree.map(loop.hold, loop.pages.compact(st.cache, take))
     loop = dataclasses.replace(loop, lay=dataclasses.replace(loop.lay, slots=width))
-    return loop, st.replace(seq=take(st.seq), stamp=take(st.stamp), cache=cache, logits=take(st.logits))
+    hold = loop.hold
+    return loop, st.replace(seq=hold(take(st.seq)), stamp=hold(take(st.stamp)), cache=cache,
+                            logits=hold(take(st.logits)))
+
+
+def pool_of(cache: PagedCache | SlotCache) -> int:
+    """Pages a cache's pool has per shard (0: one reservation per slot)."""
+    return 0 if isinstance(cache, SlotCache) else cache.pool
 
 
 def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:
@@ -235,7 +253,7 @@ def paged_rollout(st: PagedState, ids_NP, mask_NP) -> tuple[Rollout, dict]:
     rollout = Rollout(tokens=st.tokens.reshape(-1, M), logprobs=st.logprobs.reshape(-1, M), mask=mask_RM,
                       lengths=lengths_R, truncated=st.truncated.reshape(-1), prompt_ids=ids_NP, prompt_mask=mask_NP,
                       **rollout_experts(st))
-    return rollout, {**st.counts, "prefill_rows": jnp.int32(ids_NP.shape[0]), "pool_pages": jnp.int32(st.cache.pool),
+    return rollout, {**st.counts, "prefill_rows": jnp.int32(ids_NP.shape[0]), "pool_pages": jnp.int32(pool_of(st.cache)),
                      "shards": jnp.int32(Z)}
 
 
@@ -248,15 +266,16 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     active_ZJ, t_ZJ = seq_ZJ >= 0, st.cache.slot_t
     tok_ZJ, finished_ZJ, (tokens, logprobs, lengths, truncated) = draw_and_record(loop, st)
 
-    cache = push_pages(st.cache, st.cache.held_pages() & finished_ZJ[..., None])
+    pages = loop.pages
+    cache = pages.free(st.cache, finished_ZJ)
     going_ZJ = active_ZJ & ~finished_ZJ
-    cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, going_ZJ, going_ZJ)
+    cache, write_ZJ, preempted_ZJ = pages.take(st.stamp, cache, going_ZJ, going_ZJ)
     going_ZJ = going_ZJ & ~preempted_ZJ
-    logits_ZJV, cache, experts_ZJLK = feed(loop, tok_ZJ, cache, going_ZJ, write_ZJ)
+    logits_ZJV, cache, experts_ZJLK = pages.feed(tok_ZJ, cache, going_ZJ, write_ZJ)
     cache = cache.replace(slot_t=jnp.where(going_ZJ, cache.slot_t, 0))
 
     requeue_ZJ = jnp.where(preempted_ZJ, seq_ZJ, Rb)
-    counts = count_step(st.counts, cache, active_ZJ, active_ZJ, preempted_ZJ, t_ZJ + 1)
+    counts = count_step(st.counts, pages.held(cache), active_ZJ, active_ZJ, preempted_ZJ, t_ZJ + 1)
     st = st.replace(seq=hold(jnp.where(going_ZJ, seq_ZJ, -1)), cache=jax.tree.map(hold, cache),
                     pending=hold(st.pending.at[z_Z1, requeue_ZJ].set(True, mode="drop")),
                     logits=hold(logits_ZJV), done=st.done + finished_ZJ.sum(axis=1, dtype=jnp.int32),
@@ -265,76 +284,15 @@ def paged_step(loop: PagedLoop, st: PagedState) -> PagedState:
     return admit(loop, st)
 
 
-def take_pages(stamp_ZJ, cache: PagedCache, candidates_ZJ, going_ZJ,
-               idle_ZJ=None) -> tuple[PagedCache, jax.Array, jax.Array]:
-    """Pages for this step's writes: a page for every `going` slot whose next key starts a page (a
-    new sequence's first page a copy of its prompt's partial last page), preempting the youngest
-    of `candidates` (the slots whose pages may be taken back, `going` among them) when the pool is
-    short (`idle_ZJ` among them first: episodes waiting on their environment) -> (the cache, int32
-    [Z, J] the page each slot writes to (0, the null page, for the slots not going), bool [Z, J]
-    the preempted slots, whose pages are back in the pool)."""
-    Z, J = going_ZJ.shape
-    t_ZJ, pos_ZJ = cache.slot_t, cache.slot_len()
-    need_ZJ = page_needs(cache, going_ZJ)
-    preempted_ZJ = youngest_to_preempt(stamp_ZJ, cache, candidates_ZJ, need_ZJ, idle_ZJ)
-    cache = push_pages(cache, cache.held_pages() & preempted_ZJ[..., None])
-    going_ZJ, need_ZJ = going_ZJ & ~preempted_ZJ, need_ZJ & ~preempted_ZJ
-    page_ZJ, cache = pop_pages(cache, need_ZJ)
-    col_ZJ = jnp.minimum(pos_ZJ // cache.page_size, cache.columns - 1)
-    old_ZJ = jnp.take_along_axis(cache.table, col_ZJ[..., None], axis=2)[..., 0]
-    cache = copy_pages(cache, old_ZJ, page_ZJ, need_ZJ & (t_ZJ == 0) & (pos_ZJ % cache.page_size != 0))
-    z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
-    table = cache.table.at[z_Z1, jnp.arange(J)[None], jnp.where(need_ZJ, col_ZJ, cache.columns)].set(
-        page_ZJ, mode="drop")
-    return cache.replace(table=table), jnp.where(going_ZJ, jnp.where(need_ZJ, page_ZJ, old_ZJ), 0), preempted_ZJ
-
-
-def page_needs(cache: PagedCache, going_ZJ) -> jax.Array:
-    """bool [Z, J]: the `going` slots whose next key starts a page (a sequence's first fed token
-    always: its first page is its own copy of the prompt's partial last page)."""
-    return going_ZJ & ((cache.slot_len() % cache.page_size == 0) | (cache.slot_t == 0))
-
-
-def feed(loop: PagedLoop, tok_ZJ, cache: PagedCache, going_ZJ, write_ZJ) -> tuple:
-    """Decode the `going` slots' tokens into their pages (`write_ZJ`, from `take_pages`) ->
-    (logits [Z, J, V], the cache with slot_t + 1 where going, as it was elsewhere, the tokens'
-    experts int32 [Z, J, L, Kx] or None for a dense model). The other
-    slots feed at their prompt's end into the null page; attention reads the phase of the longest
-    sequence going."""
-    t_ZJ = cache.slot_t
-    cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, 0))
-    widest = -(-(jnp.max(jnp.where(going_ZJ, cache.slot_len(), 0)) + 1) // cache.page_size)
-    phase = jnp.sum(jnp.asarray(loop.phase_columns) < widest, dtype=jnp.int32)
-    logits_ZJV, cache, experts_ZJLK = loop.decode(tok_ZJ, cache, write_ZJ,
-                                                  phase=jnp.minimum(phase, len(loop.phase_columns) - 1))
-    return logits_ZJV, cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ + 1, t_ZJ)), experts_ZJLK
-
-
-def count_step(c: dict, cache: PagedCache, active_ZJ, useful_ZJ, preempted_ZJ, lost_ZJ) -> dict:
-    """The stats after a step: `useful` slots drew a token; `lost`: tokens a preempted slot's
-    sequence will recompute."""
-    held = cache.pool - cache.nfree
+def count_step(c: dict, held: jax.Array, active_ZJ, useful_ZJ, preempted_ZJ, lost_ZJ) -> dict:
+    """The stats after a step: `held` pages per shard (`pages.held`); `useful` slots drew a token;
+    `lost`: tokens a preempted slot's sequence will recompute."""
     return {**c, "steps": c["steps"] + 1, "slot_steps": c["slot_steps"] + active_ZJ.size,
             "useful_slot_steps": c["useful_slot_steps"] + useful_ZJ.sum(dtype=jnp.int32),
             "preemptions": c["preemptions"] + preempted_ZJ.sum(dtype=jnp.int32),
             "recomputed_tokens": c["recomputed_tokens"] + jnp.where(preempted_ZJ, lost_ZJ, 0).sum(dtype=jnp.int32),
             "page_steps": c["page_steps"] + held.sum(dtype=jnp.int32),
             "pages_peak": jnp.maximum(c["pages_peak"], held.max())}
-
-
-def youngest_to_preempt(stamp_ZJ, cache: PagedCache, going_ZJ, need_ZJ, idle_ZJ=None) -> jax.Array:
-    """bool [Z, J]: the fewest youngest of the `going_ZJ` sequences (the `idle_ZJ` ones before
-    the others) whose pages (and whose own need) cover the shard's shortfall of pages this step;
-    none where the pool suffices."""
-    held_ZJ = jnp.where(going_ZJ, cache.held_pages().sum(axis=2, dtype=jnp.int32), 0)
-    short_Z = need_ZJ.sum(axis=1, dtype=jnp.int32) - cache.nfree
-    key_ZJ = -stamp_ZJ if idle_ZJ is None else jnp.where(idle_ZJ, -stamp_ZJ - 2 ** 30, -stamp_ZJ)
-    order_ZJ = jnp.argsort(jnp.where(going_ZJ, key_ZJ, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
-    gain_ZJ = jnp.take_along_axis(held_ZJ + need_ZJ.astype(jnp.int32), order_ZJ, axis=1)
-    gain_ZJ = jnp.concatenate([jnp.zeros_like(gain_ZJ[:, :1]), jnp.cumsum(gain_ZJ, axis=1)], axis=1)
-    k_Z = jnp.argmax(gain_ZJ >= short_Z[:, None], axis=1)  # 0 when nothing is short
-    rank_ZJ = jnp.argsort(order_ZJ, axis=1)
-    return going_ZJ & (rank_ZJ < k_Z[:, None])
 
 
 def admit(loop: PagedLoop, st: PagedState, blocked_ZR=None) -> PagedState:
@@ -348,7 +306,7 @@ def admit(loop: PagedLoop, st: PagedState, blocked_ZR=None) -> PagedState:
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
     running_ZJ = st.seq >= 0
     ready_ZR = st.pending if blocked_ZR is None else st.pending & ~blocked_ZR
-    allowed_Z = jnp.minimum(jnp.maximum(st.cache.nfree - running_ZJ.sum(axis=1), 0), ready_ZR.sum(axis=1))
+    allowed_Z = jnp.minimum(loop.pages.room(st.cache, running_ZJ.sum(axis=1)), ready_ZR.sum(axis=1))
     rank_ZJ = jnp.cumsum(~running_ZJ, axis=1, dtype=jnp.int32) - 1
     take_ZJ = ~running_ZJ & (rank_ZJ < allowed_Z[:, None])
     order_ZR = jnp.argsort(~ready_ZR, axis=1, stable=True)  # waiting rows first, in row order
@@ -363,11 +321,9 @@ def admit(loop: PagedLoop, st: PagedState, blocked_ZR=None) -> PagedState:
 
 def seat(st: PagedState, take_ZJ, row_ZJ, group_size: int) -> PagedState:
     """Slots `take_ZJ` (empty) start sequence `row_ZJ` from its first token: its prompt's pages in
-    its table, its prompt's logits to draw from, a new (youngest) stamp."""
-    cache = st.cache
-    prompt_ZJ = jnp.where(take_ZJ, row_ZJ // group_size, cache.slot_prompt)
-    table = jnp.where(take_ZJ[..., None], prompt_table(cache, prompt_ZJ), cache.table)
-    cache = cache.replace(table=table, slot_prompt=prompt_ZJ, slot_t=jnp.where(take_ZJ, 0, cache.slot_t))
+    its table (a pool), its prompt's logits to draw from, a new (youngest) stamp."""
+    prompt_ZJ = jnp.where(take_ZJ, row_ZJ // group_size, st.cache.slot_prompt)
+    cache = seat_pages(st.cache, take_ZJ, prompt_ZJ)
     first_ZJV = jax.vmap(lambda a, i: a[i])(st.prompt_logits, prompt_ZJ)
     stamp_ZJ = st.admissions[:, None] + jnp.cumsum(take_ZJ, axis=1, dtype=jnp.int32) - 1
     return st.replace(seq=jnp.where(take_ZJ, row_ZJ, st.seq), stamp=jnp.where(take_ZJ, stamp_ZJ, st.stamp),

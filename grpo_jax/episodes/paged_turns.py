@@ -45,8 +45,8 @@ from jax.sharding import Mesh
 from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.pages import private_columns, push_pages
 from grpo_jax.engine.routing import record
-from grpo_jax.engine.paged import (PagedState, admit, count_step, feed, page_needs, resume_paged, seat, start_paged,
-                                   take_pages)
+from grpo_jax.engine.layouts import page_needs, take_pages
+from grpo_jax.engine.paged import PagedState, admit, count_step, resume_paged, seat, start_paged
 from grpo_jax.episodes.turns import FORCING, PAUSED, emit_tokens
 
 TURN = ("mode", "forced_n", "forced_i", "model_tokens")  # a slot's turn state, saved per episode
@@ -114,7 +114,7 @@ def start_paged_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
     """Prefill the prompts into pages and admit the first episodes (`start_paged` with a trajectory
     of `capacity` tokens)."""
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=dataclasses.replace(config, max_new_tokens=capacity),
-                           mesh=mesh)
+                           mesh=mesh, pool=True)
     Z, J = st.seq.shape
     Rb = st.tokens.shape[1]
     hold, zeros = loop.hold, functools.partial(jnp.zeros, dtype=jnp.int32)
@@ -145,7 +145,7 @@ def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
     waiting_ZJ = active_ZJ & ~ended_ZJ & ~feeding_ZJ  # paused: idle until the host answers
     cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, active_ZJ & ~ended_ZJ, feeding_ZJ, waiting_ZJ)
     feeding_ZJ = feeding_ZJ & ~preempted_ZJ
-    logits_ZJV, cache, experts_ZJLK = feed(loop, tok_ZJ, cache, feeding_ZJ, write_ZJ)
+    logits_ZJV, cache, experts_ZJLK = loop.pages.feed(tok_ZJ, cache, feeding_ZJ, write_ZJ)
     # Environment tokens and replayed ones too: a replay's routing is what the keys its episode's
     # later tokens attend came from (as the paged engine's recompute), so it replaces the first one.
     st = st.replace(experts=record(st.experts, experts_ZJLK, seq_ZJ, t_ZJ, feeding_ZJ))
@@ -155,7 +155,7 @@ def paged_turn_step(loop, budget: int, ts: PagedTurnState) -> PagedTurnState:
     position_ZJ = jnp.maximum(t_ZJ + emitting_ZJ, ts.replay_to)
     saved = save(ts, preempted_ZJ, position_ZJ)
     z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
-    counts = count_step(st.counts, cache, active_ZJ, emitting_ZJ, preempted_ZJ, position_ZJ)
+    counts = count_step(st.counts, loop.pages.held(cache), active_ZJ, emitting_ZJ, preempted_ZJ, position_ZJ)
     counts = {**counts, "preemptions": counts["preemptions"] + (lost_ZJ > 0).sum(dtype=jnp.int32),
               "recomputed_tokens": counts["recomputed_tokens"] + lost_ZJ.sum(dtype=jnp.int32)}
     st = st.replace(seq=hold(jnp.where(gone_ZJ, -1, seq_ZJ)), cache=jax.tree.map(hold, cache.replace(

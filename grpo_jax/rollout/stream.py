@@ -32,7 +32,7 @@ from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
 from grpo_jax.engine.continuous import engine_step, rollout_experts
-from grpo_jax.engine.paged import paged_step, resume_paged
+from grpo_jax.engine.paged import paged_step, pool_of, resume_paged
 from grpo_jax.engine.state import resume_loop
 from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
 from grpo_jax.engine.engines import engine_of
@@ -168,7 +168,7 @@ class EngineStream:
         continuous engine."""
         if not engine_of(self.config).pages:
             return {}
-        return {**self.st.counts, "pool_pages": self.st.cache.pool, "shards": self.st.seq.shape[0]}
+        return {**self.st.counts, "pool_pages": pool_of(self.st.cache), "shards": self.st.seq.shape[0]}
 
     @property
     def admitted_groups(self) -> int:

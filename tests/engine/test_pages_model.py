@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.engine.pages import create_cache, prompt_table, push_pages
-from grpo_jax.engine.paged import take_pages
+from grpo_jax.engine.layouts import take_pages
 
 Z, J, NP, P, SG, M, POOL = 2, 5, 3, 6, 4, 24, 14  # shards, slots, prompts, prompt slots, page size, max new, pool pages
 
