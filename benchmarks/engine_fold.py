@@ -4,7 +4,7 @@ against `sampling.engine: continuous`, timed in one process, interleaved (`bench
 
     python benchmarks/engine_fold.py CONFIG OUTPUT.json [key=value ...]
 
-Until the fold (commit 0f0c0f0 and before), `continuous` ran the per-slot engine's own loop
+Until the fold, `continuous` ran the per-slot engine's own loop
 (grpo_jax/engine/continuous.py); since, it names the paged engine with one reservation per slot,
 so the ratio is the same program twice. The committed results ran before the fold: their
 `source.commit` says which code they timed.

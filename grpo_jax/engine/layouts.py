@@ -15,7 +15,7 @@ The calls (every `[Z, J]` array one per slot of each row shard):
 going, idle)` -> (cache, the page each slot writes to, the preempted slots); `feed(tokens, cache,
 going, write)` -> (logits [Z, J, V], the cache with slot_t + 1 where going, experts or None);
 `room(cache, running_Z)` -> admissions the cache allows per shard; `compact(cache, take)` keeps the slots `take` picks (the drain);
-`held(cache)` -> pages held per shard (0: reserved).
+`held(cache)` -> pages held per shard (0: reserved); `preempts`: whether a sequence can lose its pages.
 
 Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Tb table columns).
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ class PoolPages:
 
     decode: Callable  # (tokens [Z, J], cache, write [Z, J], phase=) -> (logits, cache, experts)
     phase_columns: tuple[int, ...]
+    preempts: ClassVar[bool] = True
 
     def free(self, cache: PagedCache, finished_ZJ) -> PagedCache:
         return push_pages(cache, cache.held_pages() & finished_ZJ[..., None])
@@ -75,6 +77,7 @@ class SlotPages:
     the model; attention reads chunks 0..phase, the phase of the longest sequence going."""
 
     decode: Callable  # (tokens [Z, J], cache, phase=) -> (logits, cache, experts)
+    preempts: ClassVar[bool] = False  # rows are admitted in order, once each
 
     def free(self, cache: SlotCache, finished_ZJ) -> SlotCache:
         return cache  # a refilled slot starts at 0: what the last sequence left is masked, then overwritten

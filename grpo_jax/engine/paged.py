@@ -309,8 +309,11 @@ def admit(loop: PagedLoop, st: PagedState, blocked_ZR=None) -> PagedState:
     allowed_Z = jnp.minimum(loop.pages.room(st.cache, running_ZJ.sum(axis=1)), ready_ZR.sum(axis=1))
     rank_ZJ = jnp.cumsum(~running_ZJ, axis=1, dtype=jnp.int32) - 1
     take_ZJ = ~running_ZJ & (rank_ZJ < allowed_Z[:, None])
-    order_ZR = jnp.argsort(~ready_ZR, axis=1, stable=True)  # waiting rows first, in row order
-    row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
+    if loop.pages.preempts or blocked_ZR is not None:
+        order_ZR = jnp.argsort(~ready_ZR, axis=1, stable=True)  # waiting rows first, in row order
+        row_ZJ = jnp.take_along_axis(order_ZR, jnp.clip(rank_ZJ, 0, Rb - 1), axis=1)
+    else:  # nothing is ever preempted: the rows wait in order, and the k-th admission is row k
+        row_ZJ = jnp.minimum(st.admissions[:, None] + rank_ZJ, Rb - 1)
     st = seat(st, take_ZJ, row_ZJ, loop.config.group_size)
     at_ZJ = jnp.where(take_ZJ, row_ZJ, Rb)
     st = st.replace(pending=st.pending.at[z_Z1, at_ZJ].set(False, mode="drop"),

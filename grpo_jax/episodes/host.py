@@ -16,16 +16,14 @@ from grpo_jax.episodes.turns import PAUSED
 
 
 class Answers:
-    """The arrays of one poll: for `host_update` and for `move_slots`. `Rb` > 0 (the paged
-    engine): also answers by episode, for episodes the engine preempted while their environment
-    worked (`paged_turns.host_update_paged`)."""
+    """The arrays of one poll: for `host_update` and for `move_slots`, by slot, and by episode for
+    the episodes the engine preempted while their environment worked (`turns.host_update`)."""
 
-    def __init__(self, Z: int, J: int, U: int, Rb: int = 0):
+    def __init__(self, Z: int, J: int, U: int, Rb: int):
         self.release, self.forced = np.zeros((Z, J), bool), np.zeros((Z, J, U), np.int32)
         self.n, self.rewind = np.zeros((Z, J), np.int32), np.full((Z, J), -1, np.int32)
         self.park_to, self.load_from = np.full((Z, J), -1, np.int32), np.full((Z, J), -1, np.int32)
         self.ended = np.zeros((Z, J), bool)  # parked episodes the host ended, by spot
-        self.by_episode = Rb > 0
         self.ep_forced, self.ep_n = np.zeros((Z, Rb, U), np.int32), np.zeros((Z, Rb), np.int32)
         self.ep_end, self.ep_rewind = np.zeros((Z, Rb), bool), np.full((Z, Rb), -1, np.int32)
 
@@ -40,8 +38,7 @@ class Answers:
 
     @property
     def update_args(self) -> tuple:
-        by_episode = (self.ep_forced, self.ep_n, self.ep_end, self.ep_rewind) if self.by_episode else ()
-        return self.release, self.forced, self.n, self.rewind, *by_episode
+        return self.release, self.forced, self.n, self.rewind, self.ep_forced, self.ep_n, self.ep_end, self.ep_rewind
 
     @property
     def move_args(self) -> tuple | None:
@@ -117,17 +114,14 @@ class EpisodeHost:
     """Per episode: where its current turn starts, the environment call in flight and the poll it
     started at, and for a parked episode its spot, its position and its answer waiting for a slot.
     `park`: move an episode out of its slot when its environment is still working one poll after
-    its turn ended and other episodes of its shard wait for a slot. `by_episode` (the paged
-    engine): an episode preempted while its environment worked is in no slot; its answer goes to
-    the engine by episode."""
+    its turn ended and other episodes of its shard wait for a slot. An episode preempted while its
+    environment worked is in no slot; its answer goes to the engine by episode."""
 
-    def __init__(self, episodes, tokenizer, stop_ids, env_tokens: int, *, shards: int = 1, park: bool = True,
-                 by_episode: bool = False):
+    def __init__(self, episodes, tokenizer, stop_ids, env_tokens: int, *, shards: int = 1, park: bool = True):
         self.episodes, self.tokenizer, self.stop_ids, self.U = episodes, tokenizer, set(stop_ids), env_tokens
         self.Rb = len(episodes) // shards
         self.turn_start = [0] * len(episodes)
         self.calls, self.since = {}, {}
-        self.by_episode = by_episode
         self.park, self.parks, self.polls = park, 0, 0
         self.parked, self.parked_t = {}, {}
         self.searches: dict[int, TagSearch] = {}  # episode -> its turn's tool-tag search
@@ -135,12 +129,12 @@ class EpisodeHost:
 
     def answer(self, ts) -> Answers:
         """What the engine is told after a segment (`turns.host_update`, `turns.move_slots`; `ts`
-        the continuous or the paged engine's turn state, read through its `host_view`)."""
+        the engine's turn state, read through its `host_view`)."""
         self.polls += 1
         st = ts.engine
         seq, mode, t, queued = (np.asarray(x) for x in ts.host_view())
         Z, J = seq.shape
-        out = Answers(Z, J, self.U, self.Rb if self.by_episode else 0)
+        out = Answers(Z, J, self.U, self.Rb)
         self._poll_parked(out.ended)
         trajectories = []
 
@@ -166,8 +160,7 @@ class EpisodeHost:
                 out.load_from[z, j] = self.parked.pop(r)
                 out.feed(z, j, fed)
                 self.turn_start[r] = self.parked_t.pop(r) + len(fed)
-        if self.by_episode:
-            self._preempted(out, ts, rows)
+        self._preempted(out, ts, rows)
         return out
 
     def _slot(self, to: Target, r: int, t: int, paused: bool, rows, spots: list) -> None:
@@ -206,7 +199,7 @@ class EpisodeHost:
             self.calls[r], self.since[r] = call, self.polls
 
     def _preempted(self, out: Answers, ts, rows) -> None:
-        """Episodes the paged engine preempted out of their slot (waiting to be admitted again:
+        """Episodes the engine preempted out of their slot (waiting to be admitted again:
         neither in a slot nor parked), answered by episode as a slot would be (their turn's end, the
         tool call's cut, the environment's answer)."""
         ep_mode, ep_t, out_of_slot = (np.asarray(x) for x in ts.episode_view())

@@ -30,10 +30,8 @@ from grpo_jax.episodes.transcript import encode
 from grpo_jax.engine.draw import SampleRows
 from grpo_jax.engine.sampling import engine_metrics, pad_prompts
 from grpo_jax.episodes.host import EpisodeHost
-from grpo_jax.episodes.paged_turns import paged_turn_programs
 from grpo_jax.episodes.turns import turn_programs
 from grpo_jax.runtime.sharding import mesh_or_one_device
-from grpo_jax.engine.engines import engine_of
 
 
 @dataclasses.dataclass
@@ -54,7 +52,7 @@ class EpisodeBatch:
     parks: int = 0  # times an episode left its slot while its environment worked
     experts: np.ndarray | None = None
     prompt_experts: np.ndarray | None = None
-    engine: dict = dataclasses.field(default_factory=dict)  # the paged engine's counts (`engine.paged.STATS`)
+    engine: dict = dataclasses.field(default_factory=dict)  # the engine's counts (`engine.paged.STATS`)
 
     def rows(self, pad_id: int) -> SampleRows:
         """The trajectories as a rollout's rows: tokens (pad past each length), logprobs (0 off the
@@ -89,7 +87,7 @@ class EpisodeBatch:
         `episode.FAILURES`), env/time_s (environment
         seconds, summed over episodes), completion/model_tokens_mean, completion/env_tokens_mean,
         env/template_fallbacks (episodes), env/parks (episodes moved out of their slot while their
-        environment worked, counted per move), and on the paged engine `engine/preemptions` and
+        environment worked, counted per move), and the engine's `engine/preemptions` and
         `engine/pages_used_frac` (`engine.sampling.engine_metrics`)."""
         eps = self.episodes
         return {"env/turns_mean": float(np.mean([ep.turns for ep in eps])),
@@ -161,13 +159,10 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     T, U = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
     cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
-    paged = engine_of(config).pages
-    programs = paged_turn_programs if paged else turn_programs
-    start, advance, update, move = programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
+    start, advance, update, move = turn_programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
     st = start(state, ids, mask, rng)
     shards = st.engine.seq.shape[0]
-    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park,
-                       by_episode=paged)
+    host = EpisodeHost(episodes, tokenizer, config.stop_token_ids, U, shards=shards, park=park)
     while int(np.asarray(st.engine.done).sum()) < len(episodes):
         st = advance(state, st, segment_steps)
         answers = host.answer(st)
@@ -186,11 +181,9 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         ep.close()
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
-    engine = {}
-    if paged:
-        cache = st.engine.cache
-        engine = {**st.engine.counts, "pool_pages": cache.pool, "shards": shards,
-                  "pages_held_at_end": int((cache.pool - np.asarray(cache.nfree)).sum())}
+    cache = st.engine.cache
+    engine = {**st.engine.counts, "pool_pages": cache.pool, "shards": shards,
+              "pages_held_at_end": int((cache.pool - np.asarray(cache.nfree)).sum())}
     return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, parks=host.parks, engine=engine, **out)
 
 

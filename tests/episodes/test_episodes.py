@@ -188,11 +188,12 @@ def test_slow_environment_steps_overlap_with_decoding_and_free_their_slots(model
         np.testing.assert_allclose(np.array(ep.logprobs)[sampled], logp[r, :n][sampled], atol=1e-5)
 
 
-def test_episodes_on_the_paged_engine_are_the_continuous_engines(model):
-    """On pages, a slow environment's episode parks (its pages held at the spot, taken back when the
-    pool runs short: then it replays its trajectory on return), and a pool of about one trajectory
-    preempts and replays others: the trajectories, log-probs and transcripts are the continuous
-    engine's, the run counts it, and every page is back in the pool at the end."""
+def test_episodes_on_a_short_pool_are_those_of_a_whole_trajectory_per_slot(model):
+    """A slow environment's episode parks (its pages held at the spot, taken back when the pool runs
+    short: then it replays its trajectory on return), and a pool of about one trajectory preempts
+    and replays others: the trajectories, log-probs and transcripts are those of a whole
+    trajectory's pages per slot (`engine: continuous`, nothing preempted), the run counts it, and
+    every page is back in the pool at the end."""
     from grpo_jax.engine.pages import page_bytes, pages_needed
 
     cfg = model.config
@@ -210,7 +211,7 @@ def test_episodes_on_the_paged_engine_are_the_continuous_engines(model):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
         assert [ep.transcript for ep in got.episodes] == [ep.transcript for ep in want.episodes]
-    assert "engine/preemptions" not in want.metrics()
+    assert want.metrics()["engine/preemptions"] == 0 and want.engine["pages_held_at_end"] == 0
 
 
 def test_padding_examples_play_no_episode(model):

@@ -3,9 +3,9 @@ environment tokens fed through the decode steps between model turns, earlier tur
 recomputed. The trajectory's sampled log-probs equal a teacher-forced pass over prompt and whole
 trajectory, environment positions are marked and carry log-prob 0, a turn cut at a tool call
 continues from the cut, and none of it depends on the number of slots or the host's timing.
-On the paged engine (grpo_jax.episodes.paged_turns) the episodes are the continuous engine's,
-token for token, with a pool so short that episodes are preempted and replayed, paused ones too,
-and every page is back in the pool at the end."""
+With a pool so short that episodes are preempted and replayed, paused ones too, the episodes are
+token for token those of a pool with a whole trajectory per slot (`engine: continuous`, the
+per-slot engine's reservation), and every page is back in the pool at the end."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import pad_prompts
 from grpo_jax.engine.pages import page_bytes, pages_needed
-from grpo_jax.episodes.paged_turns import paged_turn_programs
 from grpo_jax.episodes.turns import PAUSED, turn_programs
 from grpo_jax.runtime.sharding import one_device_mesh
 
@@ -45,13 +44,13 @@ def pool_bytes(model, page_size: int, trajectories: float) -> int:
 def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int = 2, stops=tuple(range(3, 60)),
         **paged):
     """Episodes of `turns` model turns; with `cut_at`, a first turn longer than that is cut there
-    (as at a tool call's closing tag). `paged`: page_size and kv_cache_bytes, on the paged engine."""
+    (as at a tool call's closing tag). `paged`: page_size and kv_cache_bytes (none: engine continuous,
+    a whole trajectory per slot)."""
     cfg = SamplingConfig(group_size=2, max_new_tokens=BUDGET, temperature=1.0, stop_token_ids=stops,
                          prompt_buckets=(8,), pad_token_id=0, engine="paged" if paged else "continuous", slots=slots,
                          **paged)
     graphdef, state = nnx.split(model)
-    programs = paged_turn_programs if paged else turn_programs
-    start, advance, update, _ = programs(graphdef, cfg, one_device_mesh(), CAPACITY, ENV_TOKENS)
+    start, advance, update, _ = turn_programs(graphdef, cfg, one_device_mesh(), CAPACITY, ENV_TOKENS)
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     st = start(state, ids, mask, jax.random.key(4))
     done_turns, turn_start, off_slot = {}, {}, [0]
@@ -69,9 +68,8 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
         episode = [np.zeros((1, R), bool), np.zeros((1, R, ENV_TOKENS), np.int32), np.zeros((1, R), np.int32),
                    np.full((1, R), -1, np.int32)]
         places = [(int(seq[j]), int(t[j]), mode[j], slot, j) for j in np.flatnonzero(seq >= 0)]
-        if paged:
-            ep_mode, ep_t, out_of_slot = (np.asarray(x)[0] for x in st.episode_view())
-            places += [(int(i), int(ep_t[i]), ep_mode[i], episode, i) for i in np.flatnonzero(out_of_slot)]
+        ep_mode, ep_t, out_of_slot = (np.asarray(x)[0] for x in st.episode_view())
+        places += [(int(i), int(ep_t[i]), ep_mode[i], episode, i) for i in np.flatnonzero(out_of_slot)]
         for r, t_r, mode_r, (release, forced, n, rewind), k in places:
             start_t = turn_start.setdefault(r, 0)
             cut = cut_at is not None and done_turns.get(r, 0) == 0 and t_r - start_t > cut_at
@@ -88,16 +86,15 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
                 release[0, k] = True
         release, forced, n, rewind = slot
         ep_end, ep_forced, ep_n, ep_rewind = episode
-        st = update(st, release, forced, n, rewind, *((ep_forced, ep_n, ep_end, ep_rewind) if paged else ()))
+        st = update(st, release, forced, n, rewind, ep_forced, ep_n, ep_end, ep_rewind)
     out = {k: np.asarray(x)[0] for k, x in (("tokens", st.engine.tokens), ("logprobs", st.engine.logprobs),
                                             ("env", st.env), ("lengths", st.engine.lengths),
                                             ("experts", st.engine.experts), ("prompt_experts", st.engine.prompt_experts))
            if x is not None}
-    if paged:
-        cache = st.engine.cache
-        out["pages_back"] = int(cache.nfree[0]) == cache.pool
-        out["stats"] = {k: int(v) for k, v in st.engine.counts.items()}
-        out["answered_out_of_slot"] = off_slot[0]
+    cache = st.engine.cache
+    out["pages_back"] = int(cache.nfree[0]) == cache.pool
+    out["stats"] = {k: int(v) for k, v in st.engine.counts.items()}
+    out["answered_out_of_slot"] = off_slot[0]
     return out, ids, mask, done_turns
 
 
@@ -150,15 +147,16 @@ def assert_same_episodes(got, want):
         np.testing.assert_array_equal(np.where(live, got[key], 0), np.where(live, want[key], 0), err_msg=key)
 
 
-def test_episodes_on_pages_are_the_continuous_engines_with_preemption_and_cuts(model):
+def test_episodes_on_a_short_pool_are_those_of_a_whole_trajectory_per_slot_with_preemption_and_cuts(model):
     """A pool of one trajectory's pages for 3 slots (turns of up to 14 tokens: fewer stop tokens):
     episodes are preempted and replayed from their recorded tokens; the trajectories are token for
-    token the continuous engine's, with turns cut too (a rewind gives back the pages above the
+    token those of a trajectory's reservation per slot (nothing preempted there), with turns cut too (a rewind gives back the pages above the
     cut), and every page comes back. An episode preempted while paused is answered out of its
     slot (by episode) and admitted again only then."""
     stops = tuple(range(3, 20))
     for cut_at in (None, 2):
         want = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops)[0]
+        assert want["stats"]["preemptions"] == 0 and want["pages_back"]
         out, ids, mask, done_turns = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops, page_size=4,
                                          kv_cache_bytes=pool_bytes(model, 4, 1.0))
         assert set(done_turns.values()) == {2}
