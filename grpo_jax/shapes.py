@@ -19,7 +19,7 @@ GRPO batches (grpo_jax.rollout, grpo_jax.learner):
 - P  prompt slots (the prompt bucket, left-padded)
 - M  completion tokens (the sampler's max_new_tokens)
 
-The continuous engine (grpo_jax.engine.continuous, grpo_jax.engine.slots):
+The paged engine's slots (grpo_jax.engine.paged; the per-slot layout: grpo_jax.engine.slots):
 - Z  row shards (the mesh's data x fsdp x expert; 1 without a mesh), each with its own prompts, queue and slots
 - J  decode slots per shard; Np prompts per shard; Rb = Np*G sequences per shard
 - Mc a slot's capacity of fed tokens (max_new_tokens - 1, rounded up to whole attention phases)

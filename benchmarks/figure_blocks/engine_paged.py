@@ -236,7 +236,33 @@ def render_tools_readme() -> str:
             "step) (\"Paged engine\" in `benchmarks/RESULTS.md`). `engine/preemptions` counts the preemptions.\n")
 
 
+FOLD_RUNS = (("long_tail", "long tail (64 slots, 512 sequences, up to 256 tokens)"),
+             ("fixed_length_slots16", "fixed 128 tokens, 16 slots (64 rows: refilled)"),
+             ("fixed_length_slots64", "fixed 128 tokens, 64 slots (= rows: the lock-step loop)"))
+
+
+def render_engine_fold() -> str:
+    """RESULTS.md "Engines folded into one": the paged engine at the per-slot engine's settings
+    against that engine, in one run per workload (engine_fold/*.json, at the commit before the fold)."""
+    rows = ["| workload | per-slot engine: wall s (fastest) | paged, one reservation per slot: wall s (fastest) "
+            "| useful tok/s ratio (median) | by the fastest calls | same tokens |", "|---|---|---|---|---|---|"]
+    commits = set()
+    for name, label in FOLD_RUNS:
+        r = load(f"engine_fold/{name}.json")
+        commits.add(r["source"]["commit"][:7])
+        c, p = r["engines"]["continuous"], r["engines"]["paged_per_slot"]
+        rows.append(f"| {label} | {c['wall_s']:.2f} ({min(c['wall_s_all']):.2f}) | {p['wall_s']:.2f} "
+                    f"({min(p['wall_s_all']):.2f}) | {_x(r['paged_per_slot_vs_continuous'])} | "
+                    f"{_x(r['paged_per_slot_vs_continuous_fastest'])} | {'yes' if r['same_tokens'] else 'no'} |")
+    r = load(f"engine_fold/{FOLD_RUNS[0][0]}.json")
+    return (f"Commit {', '.join(sorted(commits))} (the last with the per-slot engine's own loop), "
+            f"{r['iters']} interleaved rounds after a first call, jax {r['jax_version']}, this project's 2-core "
+            "CPU\nmachine (its times moved by a quarter between rounds of one run: compare within a row).\n\n"
+            + "\n".join(rows) + "\n")
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "engine-fold": render_engine_fold,
     "engine-paged-run": render_paged_run,
     "engine-paged-pool": render_paged_pool,
     "engine-paged-gpu-notes": render_paged_gpu_notes,

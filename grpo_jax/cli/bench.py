@@ -64,7 +64,7 @@ def add_commands(sub) -> None:
     parser = sub.add_parser("bench", help="throughput (JSON): sampler and forward against transformers on the same "
                                           "weights; grpo-step: whole GRPO steps of a run config, with MFU; "
                                           "scaling: grpo-step against group size, completion length, prompts; "
-                                          "engine: static vs continuous rollout engines at one KV budget; "
+                                          "engine: static vs paged rollout engines at one KV budget; "
                                           "memory: a run config's compiled memory per device against a chip's HBM")
     which = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     _bench_command(which, "sampler", bench.sampler, functools.partial(_bench_parity, bench.sampler),
@@ -82,7 +82,7 @@ def add_commands(sub) -> None:
                                   "with no sweep option, every default sweep runs)")
     scaling.add_argument("--plot", default=None, help="the PNG (default: --output with .png)")
     _bench_command(which, "engine", bench.engine, functools.partial(call, bench.engine),
-                   "static (in batches of sampling.slots rows, and all rows at once) vs continuous vs paged engine (JSON, PNG)")
+                   "static (in batches of sampling.slots rows, and all rows at once) vs paged (a reservation per slot, and a pool) (JSON, PNG)")
     memory = _bench_command(which, "memory", bench.memory, functools.partial(call, bench.memory),
                             "a run config's programs compiled on abstract shapes: memory per device against a "
                             "chip's HBM (XLA:CPU on host devices, or XLA:TPU for a --topology)")

@@ -40,24 +40,25 @@ class SamplingConfig:
     # Generated slots are split into this many chunks; phase i attends the prompt and chunks 1..i,
     # not the whole cache. Each phase compiles one more decode step (4 -> 8 was slower on CPU).
     attend_phases: int = 4
-    # paged (the default): `slots` decode slots (0 = one per row) over a pool of cache pages
-    # (grpo_jax.engine.paged): a sequence holds pages for the tokens it has, not for max_new_tokens,
-    # so the same cache bytes run more sequences at once; with a slot and max-length cache for every
-    # row (slots 0, kv_cache_bytes 0) it runs the lock-step loop. continuous: `slots` slots, each
-    # reserving max_new_tokens of cache and refilled with the next waiting sequence as soon as its own
-    # stops (grpo_jax.engine.continuous). static: every row of a call decodes in lock-step until the
+    # paged (the default): `slots` decode slots (0 = one per row), each refilled with the next waiting
+    # sequence as soon as its own stops, over a pool of cache pages (grpo_jax.engine.paged): a
+    # sequence holds pages for the tokens it has, not for max_new_tokens, so the same cache bytes run
+    # more sequences at once; kv_cache_bytes 0: one max-length reservation per slot, read in place;
+    # with a slot and max-length cache for every row (slots 0, kv_cache_bytes 0) it runs the lock-step
+    # loop. continuous: the paged engine with one max-length reservation per slot whatever
+    # kv_cache_bytes says (the per-slot engine of earlier releases). static: every row of a call decodes in lock-step until the
     # longest is done, one uniform per step for all rows (how runs before round 4 sampled).
     engine: Engine = "paged"
     slots: int = 0
     # The paged engine's cache per row shard (data x fsdp x expert), in bytes: every page, the prompts' and the
-    # sequences'. 0 = what the continuous engine reserves (every slot can hold a max-length sequence).
+    # sequences'. 0 = one max-length reservation per slot, read in place (the per-slot engine's).
     # Bytes, not pages, so two models or page sizes compare at equal memory.
     kv_cache_bytes: int = 0
     page_size: int = 16  # tokens per page (the TPU kernel prefers 64-256)
     # gather: pure-JAX attention over each sequence's pages (any backend); pallas: JAX's TPU kernel
     # ragged_paged_attention (head_dim % 128 == 0); auto: pallas on TPU where it applies, else gather.
     paged_attention: PagedAttention = "auto"
-    # With dynamic sampling, the continuous engine returns to the host every this many decode steps
+    # With dynamic sampling, the paged engine returns to the host every this many decode steps
     # to score the groups that finished (grpo_jax.rollout.stream).
     segment_steps: int = 16
 

@@ -1,8 +1,8 @@
 """The decode engine (the actor's device side): `generate(model, prompts, config, rng) -> Rollout`
 with one shared prefill per group, the engines as objects chosen once by `sampling.engine`
-(`engines`), the static lock-step loop (`lockstep`), the continuous engine
-(`continuous`: decode slots refilled on device, the drain), its typed loop state (`state`) and slot
-cache (`slots`), how a token is drawn (`draw`) and which experts a mixture-of-experts model sent each
+(`engines`), the static lock-step loop (`lockstep`), the production engine (`paged`: decode slots
+refilled on device, the drain) over its two cache layouts (`layouts`: a page pool, `pages`, read by
+`paged_decode`; or one reservation per slot, `slots`), its layout of rows (`state`), how a token is drawn (`draw`) and which experts a mixture-of-experts model sent each
 token to (`routing`). A call without a mesh runs on a 1x1x1 mesh,
 through the same code. It knows nothing of rewards, environments or the learner."""
 

@@ -1,5 +1,7 @@
 """What a sampler returns (`Rollout`) and how it draws a token (`sample_tokens`), shared by the
-static engine (grpo_jax.engine.sampling) and the continuous one (grpo_jax.engine.continuous).
+static engine (grpo_jax.engine.sampling) and the paged one (grpo_jax.engine.paged), and how a
+sequence of the paged engine draws from its own uniforms wherever and whenever it runs
+(`sequence_uniforms`, `draw_next`, `draw_and_record`).
 
 Shape letters: grpo_jax.shapes.
 """
@@ -104,7 +106,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array | None, *, temperature: floa
 
     `key`: one key for the whole batch (row b takes the b-th of B uniforms); or instead the rows'
     own `uniforms` [B] in [0, 1) (row b's draw then depends on its own number alone; the
-    continuous engine draws them from each sequence's key). `banned` (bool [V], or [B, V] per row)
+    paged engine draws them from each sequence's key). `banned` (bool [V], or [B, V] per row)
     removes tokens from the draw only, like top-k / top-p: the reported log-prob stays that of the
     untruncated distribution, which the trainer recomputes."""
     chex.assert_rank(logits, 2)
@@ -159,3 +161,54 @@ def _truncate(scaled_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
         cutoff_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
         scaled_BV = jnp.where(scaled_BV < cutoff_B1, -jnp.inf, scaled_BV)
     return scaled_BV
+
+
+def sequence_uniforms(rng: jax.Array, rows: jax.Array, max_new_tokens: int) -> jax.Array:
+    """float32 [..., M]: the uniforms that draw tokens 0..M-1 of the sequences in `rows` (int, any
+    shape; a row of the whole rollout): row r's are uniform(fold_in(rng, r), (M,)), its own, so a
+    sequence's draws do not depend on where or when it runs."""
+    draw = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(rng, r), (max_new_tokens,)))
+    return draw(rows.reshape(-1)).reshape(*rows.shape, max_new_tokens)
+
+
+def draw_next(loop, st) -> tuple[jax.Array, jax.Array]:
+    """Every slot's next token and its log-prob [Z, J] (`loop`, `st`: the paged engine's loop
+    constants and state): a sequence's token t takes the t-th of its
+    own uniforms (`sequence_uniforms`, drawn once per call: no random program runs per step)."""
+    config = loop.config
+    Z, J = st.seq.shape
+    V = st.logits.shape[-1]
+    t_ZJ = st.cache.slot_t
+    uniforms_X = None
+    if config.temperature > 0:
+        at_ZJ = jnp.maximum(st.seq, 0)
+        uniforms_X = jax.vmap(lambda u, s, t: u[s, jnp.minimum(t, u.shape[-1] - 1)])(st.uniforms, at_ZJ, t_ZJ)
+    banned_XV = None
+    if config.min_new_tokens:
+        stop_V = jnp.isin(jnp.arange(V), jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
+        banned_XV = stop_V[None] & (t_ZJ.reshape(-1, 1) < config.min_new_tokens)
+    tok_X, logp_X = sample_tokens(st.logits.reshape(-1, V), None, temperature=config.temperature,
+                                  top_k=config.top_k, top_p=config.top_p, banned=banned_XV,
+                                  uniforms=None if uniforms_X is None else uniforms_X.reshape(-1))
+    return tok_X.reshape(Z, J), logp_X.reshape(Z, J)
+
+
+def draw_and_record(loop, st) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """Draw every occupied slot's next token and record it in its sequence's row -> (tokens
+    [Z, J], finished [Z, J] (a stop token, or max_new_tokens reached), the outputs tokens,
+    logprobs, lengths and truncated with the draws written). `st`: the paged engine's state (seq,
+    cache.slot_t, the outputs), or the episodes' (grpo_jax.episodes.turns)."""
+    config, Rb = loop.config, loop.lay.sequences
+    seq_ZJ, t_ZJ = st.seq, st.cache.slot_t
+    z_Z1 = jnp.arange(seq_ZJ.shape[0], dtype=jnp.int32)[:, None]
+    active_ZJ = seq_ZJ >= 0
+    tok_ZJ, logp_ZJ = draw_next(loop, st)
+    at_ZJ = jnp.where(active_ZJ, seq_ZJ, Rb)  # an empty slot's writes fall outside and are dropped
+    tokens = st.tokens.at[z_Z1, at_ZJ, t_ZJ].set(tok_ZJ, mode="drop")
+    logprobs = st.logprobs.at[z_Z1, at_ZJ, t_ZJ].set(logp_ZJ, mode="drop")
+    stopped_ZJ = jnp.isin(tok_ZJ, jnp.asarray(config.stop_token_ids or (-1,), jnp.int32))
+    finished_ZJ = active_ZJ & (stopped_ZJ | (t_ZJ + 1 >= config.max_new_tokens))
+    ended_ZJ = jnp.where(finished_ZJ, seq_ZJ, Rb)
+    lengths = st.lengths.at[z_Z1, ended_ZJ].set(t_ZJ + 1, mode="drop")
+    truncated = st.truncated.at[z_Z1, ended_ZJ].set(~stopped_ZJ, mode="drop")
+    return tok_ZJ, finished_ZJ, (tokens, logprobs, lengths, truncated)

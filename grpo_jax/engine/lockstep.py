@@ -1,11 +1,12 @@
 """The lock-step decode loop: every row of a call decodes together until the longest is done.
 
 The static engine (`sampling.engine: static`) is this loop with one uniform per step for all rows
-(`fold_in(rng, t)`). The continuous engine runs it too when every sequence has its own decode slot
-from the start (slots >= sequences on every shard): nothing can then be refilled, and the lock-step
-loop reads each prompt's keys and values once per group of G rows where the slot loop reads them
-once per slot. It then passes each sequence's own uniforms (`uniforms`), so its rollout is the one
-the slot loop draws (see grpo_jax.engine.continuous).
+(`fold_in(rng, t)`). The paged engine runs it too when every sequence has its own decode slot
+from the start (slots >= sequences on every shard) and the cache bytes hold them all at
+max_new_tokens: nothing can then be refilled or paged, and the lock-step loop reads each prompt's
+keys and values once per group of G rows where the slot loop reads them once per slot. It then
+passes each sequence's own uniforms (`every_sequence_at_once`), so its rollout is the one the slot
+loop draws (see grpo_jax.engine.paged).
 
 Shape suffixes: N prompts, P prompt bucket, G group size, R = N*G rows, M max_new_tokens, V vocab.
 """
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.draw import Rollout, rollout_shardings, sample_tokens
+from grpo_jax.engine.draw import Rollout, rollout_shardings, sample_tokens, sequence_uniforms
 from grpo_jax.engine.routing import expert_buffer, stored
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
 
@@ -147,3 +148,19 @@ def _static(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, sh
             mesh: Mesh) -> tuple[Rollout, dict]:
     return lockstep_decode(nnx.merge(graphdef, state), ids_NP, mask_NP, rng, config=config,
                            share_prefill=share_prefill, mesh=mesh)[0], {}
+
+
+def every_sequence_at_once(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh):
+    """Every sequence has a slot from the start (slots >= sequences on every shard): nothing can be
+    refilled, so the engine is the lock-step loop (grpo_jax.engine.lockstep), which reads each
+    prompt once per group of G rows instead of once per slot, drawing with each sequence's own
+    uniforms: the rollout the slot loop would draw."""
+    R = ids_NP.shape[0] * config.group_size
+    uniforms_RM = None
+    if config.temperature > 0:
+        uniforms_RM = constrain_rows(sequence_uniforms(rng, jnp.arange(R, dtype=jnp.int32), config.max_new_tokens),
+                                     mesh)
+    rollout, steps = lockstep_decode(model, ids_NP, mask_NP, rng, config=config, mesh=mesh, uniforms_RM=uniforms_RM)
+    stats = {"steps": steps, "slot_steps": steps * R, "useful_slot_steps": rollout.lengths.sum(),
+             "prefill_rows": jnp.int32(ids_NP.shape[0])}
+    return rollout, stats

@@ -1,10 +1,14 @@
-"""The paged engine (`sampling.engine: paged`): the continuous engine's slots over a pool of cache
-pages (grpo_jax.engine.pages). A sequence holds pages for the keys it has, not for max_new_tokens,
-so the same cache bytes hold more sequences at once on a long-tailed workload.
+"""The paged engine (`sampling.engine: paged`, and `continuous`: the production engine): a fixed
+number of decode slots (`sampling.slots`), each refilled on device with the next waiting sequence
+as soon as its own stops, over one of two cache layouts (grpo_jax.engine.layouts): a pool of cache
+pages (grpo_jax.engine.pages; `sampling.kv_cache_bytes`), where a sequence holds pages for the keys
+it has, not for max_new_tokens, so the same cache bytes hold more sequences at once on a
+long-tailed workload; or, with 0 bytes, one max-length reservation per slot, contiguous and read in
+place (grpo_jax.engine.slots), which never runs short.
 
-One jitted program per call, all on device: the N prompts are prefilled once each into the prompt
-region, then one `lax.while_loop` whose step
-1. draws the next token of every occupied slot (each sequence's own uniforms, as `continuous`),
+One jitted program per call, all on device: the N prompts are prefilled once each (the G sequences
+of a prompt read one copy of its keys), then one `lax.while_loop` whose step
+1. draws the next token of every occupied slot (each sequence's own uniforms, `draw.sequence_uniforms`),
 2. records it and marks the sequences that stopped; their pages go back to the pool,
 3. takes a page for every continuing sequence whose next key starts a page (a new sequence's first
    page is a copy of its prompt's partial last page); when the pool is short, **preempts the
@@ -16,14 +20,17 @@ region, then one `lax.while_loop` whose step
    the free slots while the pool keeps a page for every admission and one for every running
    sequence: admitting never forces a preemption within the next page_size steps.
 Stopping admission alone would deadlock once the running sequences outgrow the pool, unless each
-reserved max_new_tokens up front (today's slot cache); hence both.
+reserved max_new_tokens up front (the per-slot layout); hence both. The drain: once every queue
+is empty and no shard has more than half its slots busy, the sequences in flight move into half
+the slots (`drain_widths`, `compact_paged`), so the last long sequences do not carry idle slots.
 
 With a slot for every sequence and cache bytes for all of them at max_new_tokens (`lockstep_fits`),
-nothing is paged: the call runs the lock-step loop, as the continuous engine does, with the same draws.
+nothing is paged: the call runs the lock-step loop (grpo_jax.engine.lockstep) with the same draws.
 
-Exact: a recomputed sequence re-draws with its own uniforms, so it regenerates the same tokens
-(greedy: identical; sampled: up to logit rounding) and a rollout does not depend on the number of
-pages, slots or preemptions. Its sampled rollout is the continuous engine's.
+Exact: each sequence draws token t with the t-th of its own uniforms, whatever slot it runs in and
+whenever, and a recomputed sequence re-draws with them, so it regenerates the same tokens (greedy:
+identical; sampled: up to logit rounding) and a rollout does not depend on the cache's layout, the
+number of pages, slots or preemptions, or the mesh. With temperature 0 it is the static engine's.
 
 Shape letters: grpo_jax.shapes (Z row shards, J slots per shard, Np prompts, Rb sequences per
 shard, M max new tokens, V vocabulary).
@@ -41,14 +48,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.continuous import (draw_and_record, drain_loop, every_sequence_at_once, rollout_experts,
-                                        sequence_uniforms)
-from grpo_jax.engine.draw import Rollout, rollout_shardings
+from grpo_jax.engine.draw import Rollout, draw_and_record, rollout_shardings, sequence_uniforms
+from grpo_jax.engine.lockstep import every_sequence_at_once
 from grpo_jax.engine.layouts import PoolPages, SlotPages, seat_pages
 from grpo_jax.engine.pages import PagedCache, create_cache, page_bytes, pages_needed
 from grpo_jax.engine.paged_decode import choose_attention, paged_decode_step
 from grpo_jax.engine.slots import SlotCache, slot_decode_step
-from grpo_jax.engine.routing import expert_buffer, record, stored
+from grpo_jax.engine.routing import expert_buffer, fed_only, record, stored
 from grpo_jax.engine.state import EngineLayout, engine_layout
 from grpo_jax.runtime.sharding import BATCH, batch_sharding, replicated
 
@@ -76,7 +82,8 @@ class PagedState:
     truncated: jax.Array  # bool [Z, Rb]
     counts: dict  # int32 scalars: steps, slot_steps, useful_slot_steps, preemptions, recomputed_tokens,
     #               page_steps (pool pages held, summed over steps and shards), pages_peak
-    # A mixture-of-experts model (as EngineState's): [Z, Np, P, L, Kx] and [Z, Rb, M, L, Kx]. A
+    # A mixture-of-experts model (engine.routing; None for a dense one): each prompt's prefill experts
+    # [Z, Np, P, L, Kx] and each sequence's fed tokens' experts [Z, Rb, M, L, Kx]. A
     # preempted sequence's recompute writes its experts again over what it recorded before: the
     # recompute's keys are the ones its later tokens attend, so its routing is the one that stands.
     prompt_experts: jax.Array | None = None
@@ -109,7 +116,7 @@ def paged_program(graphdef, config: SamplingConfig, mesh: Mesh):
 
 def pool_pages(model_config, dtype, config: SamplingConfig, *, prompt_slots: int, prompts: int, slots: int) -> int:
     """Page ids per row shard for `sampling.kv_cache_bytes` (0: every slot can hold a max-length
-    sequence, the continuous engine's reservation). Raises ValueError below one max-length sequence."""
+    sequence, the per-slot reservation). Raises ValueError below one max-length sequence."""
     Tp, most = pages_needed(prompt_slots, config.max_new_tokens, config.page_size)
     fixed = 1 + prompts * Tp
     if not config.kv_cache_bytes:
@@ -127,7 +134,7 @@ def pool_pages(model_config, dtype, config: SamplingConfig, *, prompt_slots: int
 def lockstep_fits(model, config: SamplingConfig, *, prompt_slots: int, lay: EngineLayout) -> bool:
     """Whether `sampling.kv_cache_bytes` (0: yes) holds what the lock-step loop keeps per row shard:
     every prompt's block and every sequence's max_new_tokens - 1 fed tokens (in whole attention
-    phases), the continuous engine's cache with a slot per sequence."""
+    phases), the per-slot reservation's cache with a slot per sequence."""
     if not config.kv_cache_bytes:
         return True
     mc = model.config
@@ -205,20 +212,50 @@ def _engine(graphdef, state, ids_NP, mask_NP, rng, *, config: SamplingConfig, me
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     if lay.slots >= lay.sequences and lockstep_fits(model, config, prompt_slots=ids_NP.shape[1], lay=lay):
         # Every sequence has a slot and the bytes hold the lock-step loop's cache (each sequence's
-        # max_new_tokens): nothing to page, nothing to wait for. The lock-step loop (as the
-        # continuous engine's) draws the same rollout, faster. It has no pages: pool_pages 0.
+        # max_new_tokens): nothing to page, nothing to wait for. The lock-step loop draws the same
+        # rollout, faster (it reads each prompt once per group). It has no pages: pool_pages 0.
         rollout, stats = every_sequence_at_once(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
         none = {k: jnp.int32(0) for k in ("preemptions", "recomputed_tokens", "page_steps", "pages_peak",
                                           "pool_pages")}
         return rollout, {**stats, **none, "shards": jnp.int32(lay.shards)}
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=config, mesh=mesh)
-    st = drain_loop(loop, st, step=paged_step, running=_running, compact=compact_paged)
+    st = drain_loop(loop, st)
     return paged_rollout(st, ids_NP, mask_NP)
+
+
+def drain_loop(loop: PagedLoop, st: PagedState) -> PagedState:
+    """The engine's loop to its end: `paged_step` while `_running`, at each width of `drain_widths`
+    in turn, `compact_paged` moving the sequences in flight into the narrower slots between them."""
+    widths = drain_widths(loop.lay.slots)
+    for i, width in enumerate(widths):
+        if width < loop.lay.slots:
+            loop, st = compact_paged(loop, st, width)
+        narrower = widths[i + 1] if i + 1 < len(widths) else 0
+        st = jax.lax.while_loop(functools.partial(_running, loop, narrower), functools.partial(paged_step, loop), st)
+    return st
+
+
+DRAIN_HALVINGS, DRAIN_MIN_SLOTS = 1, 8
+
+
+def drain_widths(slots: int) -> tuple[int, ...]:
+    """The slots per shard the loop runs with, in turn: all of them, then (from `DRAIN_MIN_SLOTS`
+    slots up, at most `DRAIN_HALVINGS` times) half as many, rounded up, once every queue is empty
+    and no shard has more sequences in flight than that (`compact`): the drain at the end of a
+    call, when the last long sequences run nearly alone, does not pay for the idle slots. Each
+    width compiles its own decode step (SmolLM2's compile: 14 s without the drain, 28 s with one
+    halving), so one halving only: a second one took utilisation on the long-tailed benchmark from
+    91.5% to 94.9% but SmolLM2's compile to 55 s; below 8 slots the drain is too short to pay for a
+    compile (benchmarks/RESULTS.md)."""
+    widths = [slots]
+    while slots >= DRAIN_MIN_SLOTS and len(widths) <= DRAIN_HALVINGS:
+        widths.append(-(-widths[-1] // 2))
+    return tuple(widths)
 
 
 def _running(loop: PagedLoop, narrower: int, st: PagedState) -> jax.Array:
     """Go on at this width: sequences are left, and (when a `narrower` width follows) some are still
-    waiting or some shard has more than `narrower` in flight (`continuous.drain_widths`)."""
+    waiting or some shard has more than `narrower` in flight (`drain_widths`)."""
     left = jnp.any(st.done < loop.lay.sequences)
     if not narrower:
         return left
@@ -238,6 +275,17 @@ def compact_paged(loop: PagedLoop, st: PagedState, width: int) -> tuple[PagedLoo
     hold = loop.hold
     return loop, st.replace(seq=hold(take(st.seq)), stamp=hold(take(st.stamp)), cache=cache,
                             logits=hold(take(st.logits)))
+
+
+def rollout_experts(st) -> dict:
+    """A loop state's experts  as the Rollout's fields:
+    prompt_experts [N, P, L, Kx], experts [R, M, L, Kx] (0 where no token was fed); {} for a dense model."""
+    if st.experts is None:
+        return {}
+    Z, Rb, M = st.tokens.shape
+    p = st.prompt_experts
+    return {"prompt_experts": p.reshape(-1, *p.shape[2:]),
+            "experts": fed_only(st.experts.reshape(Z * Rb, M, *st.experts.shape[3:]), st.lengths.reshape(Z * Rb))}
 
 
 def pool_of(cache: PagedCache | SlotCache) -> int:

@@ -1,5 +1,6 @@
-"""The continuous engine's key/value cache: decode slots with their own generated blocks, and the
-prompts' blocks shared through an indirection (grpo_jax.engine.continuous runs the loop).
+"""The paged engine's per-slot layout (`sampling.kv_cache_bytes: 0`, grpo_jax.engine.layouts'
+`SlotPages`): decode slots with their own generated blocks, one max-length reservation each, and the
+prompts' blocks shared through an indirection (grpo_jax.engine.paged runs the loop).
 
 Layout. The engine's rows are split into Z shards (the mesh's data x fsdp x expert row shards; 1 without a
 mesh), each with its own J decode slots and its own Np prompts, so every index below is local to a

@@ -31,6 +31,7 @@ from grpo_jax.engine.draw import SampleRows
 from grpo_jax.engine.sampling import engine_metrics, pad_prompts
 from grpo_jax.episodes.host import EpisodeHost
 from grpo_jax.episodes.turns import turn_programs
+from grpo_jax.engine.engines import engine_of
 from grpo_jax.runtime.sharding import mesh_or_one_device
 
 
@@ -158,7 +159,7 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
     ids, mask = pad_prompts(prompts, config.prompt_buckets, config.pad_id)
     T, U = trajectory_capacity(limits), limits.max_env_tokens
     graphdef, state = nnx.split(model)
-    cfg = dataclasses.replace(config, max_new_tokens=limits.max_model_tokens)
+    cfg = dataclasses.replace(engine_of(config).settings(config), max_new_tokens=limits.max_model_tokens)
     start, advance, update, move = turn_programs(graphdef, cfg, mesh_or_one_device(mesh, state), T, U)
     st = start(state, ids, mask, rng)
     shards = st.engine.seq.shape[0]

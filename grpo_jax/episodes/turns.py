@@ -62,7 +62,7 @@ from grpo_jax.engine.pages import private_columns, push_pages
 from grpo_jax.engine.routing import record
 from grpo_jax.engine.layouts import page_needs, take_pages
 from grpo_jax.engine.paged import PagedState, admit, count_step, resume_paged, seat, start_paged
-from grpo_jax.engine.continuous import draw_next
+from grpo_jax.engine.draw import draw_next
 
 SAMPLING, FORCING, PAUSED = 0, 1, 2
 TURN = ("mode", "forced_n", "forced_i", "model_tokens")  # a slot's turn state, saved per episode

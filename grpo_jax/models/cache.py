@@ -1,5 +1,5 @@
 """The static engine's key/value cache: built by `Transformer.prefill`, read and written by
-`Transformer.decode_step`, carried by the sampler's lock-step decode loop (the continuous engine's
+`Transformer.decode_step`, carried by the sampler's lock-step decode loop (the paged engine's
 cache, with per-slot blocks, is `models.slots.SlotCache`).
 
 Slots. Row r's slot s holds the s-th input of that row, padding included: the P (left-padded)
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 class ChunkedKeys:
     """Generated keys and values held as `keys`/`values` tuples of chunk buffers of C slots each
     (chunk c attends only once the decode reaches it): what the sampler's KVCache and the
-    continuous engine's SlotCache (grpo_jax.engine.slots) share."""
+    paged engine's per-slot SlotCache (grpo_jax.engine.slots) share."""
 
     @property
     def num_chunks(self) -> int:

@@ -270,7 +270,7 @@ class Transformer(nnx.Module):
 
     def prefill_kv(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, *,
                    with_routing: bool = False, row_sharding=None) -> tuple[jax.Array, ...]:
-        """The prompts' pass for a cache laid out by the caller (the continuous engine's
+        """The prompts' pass for a cache laid out by the caller (the paged engine's
         `models.slots.SlotCache`): input_ids int [N, P], attention_mask [N, P] -> (float32 logits
         [N, V] of the last position, keys and values [L, N, K, P, D], mask bool [N, P], rotary
         positions int32 [N, P]), and with `with_routing` the prompts' experts int32 [N, P, L, Kx].

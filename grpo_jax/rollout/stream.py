@@ -1,4 +1,4 @@
-"""The continuous (or paged) engine driven from the host in segments, for over-sampling: DAPO's
+"""The paged engine driven from the host in segments, for over-sampling: DAPO's
 dynamic sampling in one pass instead of resampling rounds.
 
 `EngineStream` prefills a step's candidate prompts once (more than the step needs), then runs the
@@ -9,7 +9,7 @@ stop as soon as it has enough informative groups. What is still in flight then i
 pass, no second round trip, and candidates never admitted cost only their prefill.
 
 `stream_collect` is that caller for a training step (grpo_jax.rollout.source uses it when
-`sampling.engine` is continuous or paged and `train.dynamic_sampling` is set). On the paged engine
+`sampling.engine` is continuous or paged and `train.dynamic_sampling` is set). On a page pool
 the candidates' sequences are admitted by free pages and may be preempted and recomputed, as in a
 whole call (grpo_jax.engine.paged); a group has finished when all G sequences have.
 """
@@ -31,9 +31,7 @@ from grpo_jax.engine.draw import SampleRows
 from grpo_jax.groups import uniform_groups
 from grpo_jax.rewards import RewardResult
 from grpo_jax.rollout.collect import Collected, Round, assemble
-from grpo_jax.engine.continuous import engine_step, rollout_experts
-from grpo_jax.engine.paged import paged_step, pool_of, resume_paged
-from grpo_jax.engine.state import resume_loop
+from grpo_jax.engine.paged import paged_step, pool_of, resume_paged, rollout_experts
 from grpo_jax.runtime.sharding import batch_sharding, mesh_or_one_device, replicated
 from grpo_jax.engine.engines import engine_of
 
@@ -42,46 +40,31 @@ FIELDS = ("tokens", "logprobs", "lengths", "truncated", "admitted")
 
 @functools.lru_cache(maxsize=16)
 def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
-    """(start, advance, outputs, routing), jitted: start(state, ids [N, P], mask, key) -> EngineState (the
-    paged engine's PagedState with `sampling.engine: paged`); advance(state, EngineState, steps) ->
-    the EngineState after up to `steps` more steps (fewer
-    when every sequence is done); outputs(EngineState) -> tokens, logprobs [R, M], lengths,
-    truncated, admitted [R] (rows split over the mesh's batch axes) and the useful slot-steps;
-    routing(EngineState) -> a mixture-of-experts model's experts [R, M, L, Kx] and each row's
-    prompt's experts [R, P, L, Kx] (`Rollout`'s; {} for a dense model)."""
+    """(start, advance, outputs, routing), jitted: start(state, ids [N, P], mask, key) -> the paged
+    engine's PagedState; advance(state, PagedState, steps) -> the state after up to `steps` more
+    steps (fewer when every sequence is done); outputs(PagedState) -> tokens, logprobs [R, M],
+    lengths, truncated, admitted [R] (rows split over the mesh's batch axes) and the useful
+    slot-steps; routing(PagedState) -> a mixture-of-experts model's experts [R, M, L, Kx] and each
+    row's prompt's experts [R, P, L, Kx] (`Rollout`'s; {} for a dense model)."""
 
     engine = engine_of(config)
-    paged = engine.pages
+    config = engine.settings(config)
 
     def start(state, ids, mask, rng):
         return engine.start(nnx.merge(graphdef, state), ids, mask, rng, config=config, mesh=mesh)[1]
 
     def advance(state, st, steps):
-        model = nnx.merge(graphdef, state)
-        if paged:
-            loop, step = resume_paged(model, config, mesh, st), paged_step
-
-            def steps_of(s):
-                return s.counts["steps"]
-        else:
-            loop, step = resume_loop(model, config, mesh, st), engine_step
-
-            def steps_of(s):
-                return s.steps
-        end = steps_of(st) + steps
-        return jax.lax.while_loop(lambda s: jnp.any(s.done < loop.lay.sequences) & (steps_of(s) < end),
-                                  functools.partial(step, loop), st)
+        loop = resume_paged(nnx.merge(graphdef, state), config, mesh, st)
+        end = st.counts["steps"] + steps
+        return jax.lax.while_loop(lambda s: jnp.any(s.done < loop.lay.sequences) & (s.counts["steps"] < end),
+                                  functools.partial(paged_step, loop), st)
 
     def outputs(st):
         Z, Rb, M = st.tokens.shape
-        if paged:
-            admitted_ZR, useful = st.started, st.counts["useful_slot_steps"]
-        else:
-            admitted_ZR, useful = jnp.arange(Rb)[None] < st.admitted[:, None], st.useful  # has entered a slot
         rows = {"tokens": st.tokens.reshape(Z * Rb, M), "logprobs": st.logprobs.reshape(Z * Rb, M),
                 "lengths": st.lengths.reshape(Z * Rb), "truncated": st.truncated.reshape(Z * Rb),
-                "admitted": admitted_ZR.reshape(Z * Rb)}
-        return rows, useful
+                "admitted": st.started.reshape(Z * Rb)}  # has entered a slot
+        return rows, st.counts["useful_slot_steps"]
 
     def routing(st):
         out = rollout_experts(st)
@@ -97,7 +80,7 @@ def stream_programs(graphdef, config: SamplingConfig, mesh: Mesh):
 
 
 class EngineStream:
-    """One step's candidates in the continuous (or paged) engine, advanced a segment at a time from the host.
+    """One step's candidates in the paged engine, advanced a segment at a time from the host.
 
     `prompts`: (ids [N, P], mask [N, P]) as `generate` takes them (global arrays on several hosts);
     `read(rows) -> dict` turns the engine's outputs (a dict of `FIELDS`, rows split over the
@@ -164,10 +147,7 @@ class EngineStream:
 
     @property
     def engine_stats(self) -> dict:
-        """The paged engine's counts so far (`engine.paged.STATS`, for `engine_metrics`); {} for the
-        continuous engine."""
-        if not engine_of(self.config).pages:
-            return {}
+        """The engine's counts so far (`engine.paged.STATS`, for `engine_metrics`)."""
         return {**self.st.counts, "pool_pages": pool_of(self.st.cache), "shards": self.st.seq.shape[0]}
 
     @property

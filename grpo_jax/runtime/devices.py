@@ -122,7 +122,7 @@ def check_capacity(config: RunConfig, model_config, *, capacity: tuple[int, str]
     """Refuse, before XLA is asked to allocate it, a batch whose sampler needs more memory than every
     device together holds: a lower bound (the keys and values of the sequences decoding at once at
     full length, and one step's logits) that XLA could only meet by aborting the process. A lower
-    bound whatever the mesh: the continuous and paged engines decode at least `slots` rows at once
+    bound whatever the mesh: the paged engine (and continuous) decodes at least `slots` rows at once
     (per row shard, of which there is at least one), a paged pool holds at least `kv_cache_bytes`."""
     s, d, m = config.sampling, config.data, model_config
     rows = d.prompts_per_step * s.group_size

@@ -100,11 +100,11 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
     paging = [k for k in ("kv_cache_bytes", "page_size", "paged_attention")
               if getattr(sampling, k) != getattr(defaults, k)]
     engine = engine_of(sampling)
-    notes = [f"sampling.{', '.join(paging)} not used: the {engine.name} engine has no pages (sampling.engine: "
+    notes = [f"sampling.{', '.join(paging)} not used: the {engine.name} engine has no page pool (sampling.engine: "
              "paged uses them)"] if paging and not engine.pages else []
     if not engine.slots:
         return notes + ([f"sampling.slots={sampling.slots} is not used: the static engine decodes every row at once "
-                         "(sampling.engine: continuous uses slots)"] if sampling.slots else [])
+                         "(sampling.engine: paged uses slots)"] if sampling.slots else [])
     shards = rows_per_shard(mesh)
     if sampling.slots % shards:
         notes.append(f"sampling.slots={sampling.slots} -> {-(-sampling.slots // shards) * shards}: an equal "

@@ -1,5 +1,6 @@
-"""The continuous engine (`sampling.engine: continuous`): fewer slots than sequences, so slots are
-refilled mid-loop, and still every sequence is what it would be alone.
+"""The paged engine with one max-length reservation per slot (`sampling.kv_cache_bytes: 0`, the
+per-slot engine's settings, which `sampling.engine: continuous` names): fewer slots than sequences,
+so slots are refilled mid-loop, and still every sequence is what it would be alone.
 
 - greedy: every sequence equals the static engine's (ragged prompts, G = 1 and 4, stops at
   different steps, sequences that reach max_new_tokens);
@@ -22,7 +23,7 @@ from teacher_forcing import teacher_forced
 from grpo_jax.config import MeshConfig, SamplingConfig
 from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
-from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.engines import engine_of
 from grpo_jax.engine.sampling import generate, pad_prompts
 from grpo_jax.runtime.sharding import make_mesh, one_device_mesh, place_model
 
@@ -56,7 +57,7 @@ def test_greedy_sequences_equal_the_static_engines(model, group_size):
     assert len(set(static["lengths"].tolist())) >= 3 and 0 < static["truncated"].sum() < len(static["truncated"])
     R = len(PROMPTS) * group_size
     for slots in (3, R - 1):  # refills happen: fewer slots than sequences
-        got = arrays(generate(model, PROMPTS, dataclasses.replace(cfg, engine="continuous", slots=slots),
+        got = arrays(generate(model, PROMPTS, dataclasses.replace(cfg, engine="paged", slots=slots),
                               jax.random.key(0)))
         for key in ("tokens", "mask", "lengths", "truncated"):
             np.testing.assert_array_equal(got[key], static[key], err_msg=f"{key}, {slots} slots")
@@ -68,7 +69,7 @@ def test_sliding_window_layers_in_slots_equal_the_static_engine():
     gemma = Transformer(tiny("gemma3_text"), rngs=nnx.Rngs(1))
     for temperature in (0.0, 1.0):
         cfg = config(group_size=4, temperature=temperature, stop_token_ids=(7, 8, 9))
-        rollout = generate(gemma, PROMPTS, dataclasses.replace(cfg, engine="continuous", slots=5), jax.random.key(0))
+        rollout = generate(gemma, PROMPTS, dataclasses.replace(cfg, engine="paged", slots=5), jax.random.key(0))
         got = arrays(rollout)
         assert got["lengths"].max() > 8  # with any prompt, prompt + completion outrun the window of 8
         if temperature == 0:
@@ -99,7 +100,7 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
 
     counting("prefill_kv")  # the slot loop's prompt pass
     counting("prefill")  # the lock-step loop's
-    cfg = config(group_size=4, temperature=0.8, stop_token_ids=tuple(range(3, 30)), engine="continuous")
+    cfg = config(group_size=4, temperature=0.8, stop_token_ids=tuple(range(3, 30)), engine="paged")
     ids, mask = pad_prompts(PROMPTS, (8,), 0)
     graphdef, state = nnx.split(model)
     runs = {}
@@ -107,7 +108,7 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
     # sequences' own uniforms, and draws the same rollout.
     for slots in (2, 3, 8, 0):
         prefills.clear()
-        rollout, stats = continuous_program(graphdef, dataclasses.replace(cfg, slots=slots), one_device_mesh())(
+        rollout, stats = engine_of(cfg).program(graphdef, dataclasses.replace(cfg, slots=slots), one_device_mesh())(
             state, ids, mask, jax.random.key(7))
         assert prefills == [(len(PROMPTS), 8)]  # one pass over the N prompts, not N x G rows
         runs[slots] = arrays(rollout)
@@ -116,7 +117,8 @@ def test_a_sampled_rollout_does_not_depend_on_the_slots_and_its_logprobs_are_exa
         assert int(stats["useful_slot_steps"]) == lengths.sum()
         width = slots or len(lengths)
         assert int(stats["steps"]) >= -(-lengths.sum() // width)
-        if slots == 8:  # the drain ran on 4 slots once the queue was empty (engine.compact)
+        assert int(stats["pool_pages"]) == 0 and int(stats["preemptions"]) == 0  # a reservation per slot: no pool
+        if slots == 8:  # the drain ran on 4 slots once the queue was empty (paged.compact_paged)
             assert lengths.sum() <= int(stats["slot_steps"]) < int(stats["steps"]) * width
         else:
             assert int(stats["slot_steps"]) == int(stats["steps"]) * width
@@ -164,7 +166,7 @@ def test_a_run_says_which_engine_settings_it_does_not_use_as_written():
     (segments,) = engine_notes(config(engine="continuous", segment_steps=4), mesh, dynamic_sampling=False)
     assert "over-sampling only" in segments
     (pages,) = engine_notes(config(engine="continuous", slots=8, page_size=64), mesh, dynamic_sampling=False)
-    assert "sampling.page_size not used: the continuous engine has no pages" in pages
+    assert "sampling.page_size not used: the continuous engine has no page pool" in pages
     assert engine_notes(config(engine="paged", slots=8, page_size=64), mesh, dynamic_sampling=True) == []
 
 
@@ -258,3 +260,20 @@ def test_over_sampling_that_runs_out_of_candidates_fills_without_rewards(model):
     assert s["dynamic/kept_groups"] == 1 and s["dynamic/dropped_groups"] == 7 and s["dynamic/filled_groups"] == 2
     assert s["dynamic/in_flight_dropped"] == 0
     assert np.isnan(c.rewards[G:]).all() and not np.isnan(c.rewards[:G]).any()
+
+
+def test_the_continuous_engine_is_the_paged_one_with_a_reservation_per_slot(model):
+    """`engine: continuous` (the per-slot engine of earlier releases) runs the paged engine's
+    program with one max-length reservation per slot whatever `kv_cache_bytes` says: no pool, and
+    the rollout of `paged` at `kv_cache_bytes: 0`, token for token."""
+    cfg = config(group_size=4, temperature=0.9, stop_token_ids=tuple(range(3, 30)), slots=5)
+    ids, mask = pad_prompts(PROMPTS, (8,), 0)
+    graphdef, state = nnx.split(model)
+    runs = {}
+    for name, kw in (("paged", {}), ("continuous", {"kv_cache_bytes": 1 << 20, "paged_attention": "gather"})):
+        c = dataclasses.replace(cfg, engine=name, **kw)
+        rollout, stats = engine_of(c).program(graphdef, c, one_device_mesh())(state, ids, mask, jax.random.key(3))
+        assert int(stats["pool_pages"]) == 0 and int(stats["steps"]) > 0, (name, stats)
+        runs[name] = arrays(rollout)
+    for key in ("tokens", "logprobs", "lengths"):
+        np.testing.assert_array_equal(runs["continuous"][key], runs["paged"][key], err_msg=key)

@@ -4,8 +4,9 @@ pages, preemption and recompute of the youngest when the pool runs short.
 - greedy: every sequence equals the static engine's with fewer pages than all sequences need at
   once (admission waits, pages are reused), with preemption forced, page sizes 4 and 16, G 1 and 4,
   and Gemma 3's sliding layers and soft caps;
-- sampled: the same rollout whatever the pages, slots and page size, token for token the continuous
-  engine's, log-probs equal to a teacher-forced pass;
+- sampled: the same rollout whatever the pages, slots and page size, token for token that of one
+  max-length reservation per slot (no pool: `kv_cache_bytes: 0`), log-probs equal to a
+  teacher-forced pass;
 - accounting, step by step: no page in two tables except a prompt's shared pages, free and held
   pages disjoint and together the pool, every page back at the end;
 - prompt pages do not grow with G; a cache below one max-length sequence is refused;
@@ -26,7 +27,6 @@ import pytest
 from flax import nnx
 from test_engine import PROMPTS, M, arrays, config, teacher_forced_rollout
 
-from grpo_jax.engine.continuous import continuous_program
 from grpo_jax.engine.pages import page_bytes, pages_needed
 from grpo_jax.engine.paged import paged_program, paged_step, start_paged
 from grpo_jax.engine.paged_decode import gather_attention
@@ -96,13 +96,11 @@ def test_sliding_window_layers_on_pages_equal_the_static_engine():
     np.testing.assert_allclose(got["logprobs"], static["logprobs"], atol=1e-5)
 
 
-def test_a_sampled_rollout_does_not_depend_on_pages_or_slots_and_is_the_continuous_engines(model):
+def test_a_sampled_rollout_does_not_depend_on_pages_or_slots_and_is_a_reservation_per_slots(model):
     cfg = config(group_size=4, temperature=0.8, stop_token_ids=tuple(range(3, 30)))
-    ids, mask = pad_prompts(PROMPTS, (8,), 0)
-    graphdef, state = nnx.split(model)
-    continuous, _ = continuous_program(graphdef, dataclasses.replace(cfg, engine="continuous", slots=5),
-                                       one_device_mesh())(state, ids, mask, jax.random.key(7))
-    want = arrays(continuous)
+    reserved, stats = run(model, dataclasses.replace(cfg, engine="paged", slots=5), key=7)
+    assert stats["pool_pages"] == 0 and stats["steps"] > 0  # the slot loop over one reservation per slot
+    want = arrays(reserved)
     assert len(set(want["lengths"].tolist())) >= 4 and want["truncated"].any()
     preempted = 0
     # (4, 0, 0): a slot and max_new_tokens of pages for every sequence: the lock-step loop.

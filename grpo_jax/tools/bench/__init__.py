@@ -3,7 +3,8 @@
 - `sampler`, `forward` (parity.py): grpo_jax against transformers on the same weights;
 - `grpo_step` (step.py): whole GRPO steps of a run config through the trainer, with MFU;
 - `scaling` (scaling.py): `grpo_step` against group size, completion length and prompts per step;
-- `engine` (engine.py): the static and continuous rollout engines at one KV-cache budget, and
+- `engine` (engine.py): the static and paged rollout engines at one KV-cache budget (the paged one
+  with a reservation per slot, `continuous`, and over a page pool), and
   transformers' continuous batching on the same weights;
 - `memory` (memory.py): a run config's programs compiled on abstract shapes, their memory per
   device against a chip's HBM.
@@ -27,7 +28,7 @@ OPTIONS = {"preset": "model shape", "dtype": "compute and parameter dtype", "ite
            "steps": "timed steps", "warmup": "untimed steps before them",
            "devices": "host devices to compile for, one per chip", "chip": "the chip whose HBM the programs must fit",
            "peer": "also time another system's engines on the same weights and prompts",
-           "paged_slots": "the paged engine's decode slots (0: 3 x sampling.slots) over the continuous engine's bytes"}
+           "paged_slots": "the paged engine's decode slots (0: 3 x sampling.slots) over the per-slot reservations' bytes"}
 CHOICES = {"preset": list(PRESETS), "dtype": ["float32", "bfloat16"], "chip": list(CHIPS), "peer": list(PEERS)}
 
 __all__ = ["CHIPS", "CHOICES", "OPTIONS", "PEERS", "PRESETS", "SCALING_AXES", "engine", "forward", "grpo_step", "memory",

@@ -3,8 +3,9 @@ and prompts, at the same KV-cache budget, as JSON (and a PNG next to it).
 
 The comparison a memory-bound chip faces: with a KV budget of `sampling.slots` rows, the static
 engine runs `slots / G` prompts at a time, one batch after another (`static_batched`), and the
-continuous engine keeps `slots` slots busy over all sequences (`continuous`), the paged engine
-runs `paged_slots` slots over a page pool of the continuous engine's cache bytes (`paged`:
+paged engine keeps `slots` slots busy over all sequences with one max-length reservation each
+(`continuous`: `sampling.engine: continuous`, the per-slot engine's settings), and runs
+`paged_slots` slots over a page pool of those cache bytes (`paged`:
 concurrent sequences, preemptions and page use reported); beside them, the
 static engine with every row at once (`static_all`, what a run does when the cache fits). Per
 engine: wall seconds (median of `iters` interleaved calls after a first call, whose compile is

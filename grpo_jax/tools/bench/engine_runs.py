@@ -4,8 +4,9 @@ prompts), each as a callable that runs the whole workload once and returns its `
 - `static_batched`: the static engine on `slots / G` prompts (`slots` rows) at a time, one batch
   after another: the most a chip holds when its KV-cache budget is that of `slots` rows;
 - `static_all`: the static engine on every row at once (the default engine before round 4);
-- `continuous`: the continuous engine with `slots` decode slots over all sequences;
-- `paged`: the paged engine with the continuous engine's cache bytes as its page pool and
+- `continuous`: the paged engine with `slots` decode slots over all sequences, each with one
+  max-length reservation (`sampling.engine: continuous`, the per-slot engine's settings);
+- `paged`: the paged engine with those reservations' cache bytes as its page pool and
   `paged_slots` decode slots (the pool, not the slots, bounds how many run at once).
 
 Beside them, what the figures need: each engine's prompt pass as a jitted prefill-only call, and
@@ -28,7 +29,7 @@ from flax import nnx
 from grpo_jax.config import ConfigError, SamplingConfig, load_config
 from grpo_jax.models import Transformer
 from grpo_jax.engine.slots import SlotCache
-from grpo_jax.engine.continuous import continuous_program
+from grpo_jax.engine.engines import engine_of
 from grpo_jax.engine.pages import page_bytes, pages_needed
 from grpo_jax.engine.paged import paged_program
 from grpo_jax.engine.state import engine_layout
@@ -75,7 +76,7 @@ class EngineRun:
     truncated: np.ndarray
     draw_steps: int
     slot_steps: int | None
-    engine_useful_slot_steps: int | None = None  # the continuous engine's own count
+    engine_useful_slot_steps: int | None = None  # the paged engine's own count
     prefill_rows: int | None = None
     paging: dict | None = None  # the paged engine's: preemptions, recomputed tokens, pages used
 
@@ -129,13 +130,14 @@ def _static(w: Workload, prompts_per_call: int) -> Callable[[], EngineRun]:
 
 
 def _continuous(w: Workload) -> Callable[[], EngineRun]:
-    """The continuous engine's jitted program (what `generate` runs for engine continuous), for its stats."""
+    """The jitted program `generate` runs for engine continuous (the paged engine, one reservation per
+    slot), for its stats."""
     config = dataclasses.replace(w.sampling, engine="continuous")
     ids, mask = jnp.asarray(w.ids), jnp.asarray(w.mask)
 
     def run() -> EngineRun:
         graphdef, state = nnx.split(w.model)  # as generate does on every call
-        program = continuous_program(graphdef, config, one_device_mesh())
+        program = engine_of(config).program(graphdef, config, one_device_mesh())
         rollout, stats = jax.block_until_ready(program(state, ids, mask, w.key))
         return EngineRun(lengths=np.asarray(rollout.lengths), truncated=np.asarray(rollout.truncated),
                          draw_steps=int(stats["steps"]), slot_steps=int(stats["slot_steps"]),
@@ -239,7 +241,7 @@ def kv_cache_bytes(w: Workload) -> dict[str, dict[str, int]]:
     def slot_cache():
         ids = jax.ShapeDtypeStruct((N, P), jnp.int32)
         slots = engine_layout(N, s, one_device_mesh()).slots
-        # The cache grpo_jax.engine.continuous builds (its decode_steps: max_new_tokens - 1, at least 1).
+        # The per-slot cache grpo_jax.engine.paged builds (its decode_steps: max_new_tokens - 1, at least 1).
         cache = jax.eval_shape(lambda st, i: SlotCache.create(
             *nnx.merge(graphdef, st).prefill_kv(i, i)[1:], shards=1, slots=slots,
             decode_steps=max(s.max_new_tokens - 1, 1), phases=s.attend_phases), state, ids)
