@@ -43,7 +43,7 @@ class SamplingConfig:
     # paged (the default): `slots` decode slots (0 = one per row), each refilled with the next waiting
     # sequence as soon as its own stops, over a pool of cache pages (grpo_jax.engine.paged): a
     # sequence holds pages for the tokens it has, not for max_new_tokens, so the same cache bytes run
-    # more sequences at once; kv_cache_bytes 0: one max-length reservation per slot, read in place;
+    # more sequences at once; kv_cache_bytes 0 (gather path): one max-length reservation per slot, read in place;
     # with a slot and max-length cache for every row (slots 0, kv_cache_bytes 0) it runs the lock-step
     # loop. continuous: the paged engine with one max-length reservation per slot whatever
     # kv_cache_bytes says (the per-slot engine of earlier releases). static: every row of a call decodes in lock-step until the

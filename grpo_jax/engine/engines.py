@@ -5,7 +5,8 @@ traits) and its program. The rest of the package asks the engine object, never i
   the reference the others are tested against.
 - `paged` (the production engine, grpo_jax.engine.paged): `sampling.slots` rows decode at once,
   refilled on device as rows finish, over a page pool that preempts when full
-  (`sampling.kv_cache_bytes`), or with 0 bytes one max-length reservation per slot read in place;
+  (`sampling.kv_cache_bytes`), or with 0 bytes on the gather path (not JAX's TPU kernel) one
+  max-length reservation per slot read in place;
   the lock-step loop inside it when every sequence has a slot and the bytes hold them all.
 - `continuous`: the paged engine with one max-length reservation per slot, whatever
   `kv_cache_bytes` says (the per-slot engine of earlier releases, folded into the paged one; its
@@ -28,7 +29,7 @@ from grpo_jax.engine.paged import paged_program, start_paged
 @dataclasses.dataclass(frozen=True)
 class Engine:
     """A decode engine. `slots`: it decodes `sampling.slots` rows at once, admitting new ones as rows
-    finish (so a run can over-sample in one pass: `start`); `pages`: its cache is a page pool
+    finish (so a run can over-sample in one pass: `start`); `pages`: its cache can be a page pool
     (`sampling.kv_cache_bytes`, `page_size`, `paged_attention`) that preempts when full; `fixed`:
     the sampling settings the engine sets whatever the config says (`settings`)."""
 

@@ -86,9 +86,10 @@ class SlotPages:
         return cache, None, jnp.zeros_like(going_ZJ)
 
     def feed(self, tok_ZJ, cache: SlotCache, going_ZJ, write_ZJ) -> tuple:
-        """The other slots feed into position 0 of their block, which nobody reads."""
+        """The other slots feed past their block's end: the write is dropped (a paused episode's
+        block stays as it is)."""
         t_ZJ = cache.slot_t
-        cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, 0))
+        cache = cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ, cache.capacity))
         phase = jnp.max(jnp.where(going_ZJ, t_ZJ, 0)) // cache.chunk_size
         logits_ZJV, cache, experts_ZJLK = self.decode(tok_ZJ, cache, phase=phase)
         return logits_ZJV, cache.replace(slot_t=jnp.where(going_ZJ, t_ZJ + 1, t_ZJ)), experts_ZJLK

@@ -278,7 +278,7 @@ def compact_paged(loop: PagedLoop, st: PagedState, width: int) -> tuple[PagedLoo
 
 
 def rollout_experts(st) -> dict:
-    """A loop state's experts  as the Rollout's fields:
+    """A loop state's experts as the Rollout's fields:
     prompt_experts [N, P, L, Kx], experts [R, M, L, Kx] (0 where no token was fed); {} for a dense model."""
     if st.experts is None:
         return {}

@@ -32,6 +32,7 @@ from grpo_jax.engine.sampling import engine_metrics, pad_prompts
 from grpo_jax.episodes.host import EpisodeHost
 from grpo_jax.episodes.turns import turn_programs
 from grpo_jax.engine.engines import engine_of
+from grpo_jax.engine.paged import pool_of
 from grpo_jax.runtime.sharding import mesh_or_one_device
 
 
@@ -182,9 +183,9 @@ def run_episodes(model, examples: list[dict], tokenizer, make_env, config: Sampl
         ep.close()
         if not ep.done:  # the engine ended it: the trajectory's capacity
             ep.done = ep.truncated = True
-    cache = st.engine.cache
-    engine = {**st.engine.counts, "pool_pages": cache.pool, "shards": shards,
-              "pages_held_at_end": int((cache.pool - np.asarray(cache.nfree)).sum())}
+    cache, pool = st.engine.cache, pool_of(st.engine.cache)  # pool 0: one reservation per slot
+    engine = {**st.engine.counts, "pool_pages": pool, "shards": shards,
+              "pages_held_at_end": int((pool - np.asarray(cache.nfree)).sum()) if pool else 0}
     return EpisodeBatch(episodes=episodes, prompt_ids=ids, prompt_mask=mask, parks=host.parks, engine=engine, **out)
 
 

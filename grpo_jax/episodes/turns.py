@@ -2,9 +2,11 @@
 continuous or paged: continuous is the pool at one max-length trajectory per slot): a slot's
 sequence is an episode's trajectory, model turns and environment tokens in one generated block, and
 the host's environment answers are fed through the same decode steps as sampled tokens, so earlier
-turns are never recomputed. An episode holds cache pages for the tokens its trajectory has, not for
-the trajectory's capacity (`engine.layouts.PoolPages`: episodes always use the pool, which their
-parking needs).
+turns are never recomputed. Either cache layout of the engine (grpo_jax.engine.layouts): one
+reservation of the whole trajectory per slot (`sampling.kv_cache_bytes: 0`, and `engine:
+continuous`: read in place, never short), or a page pool, where an episode holds cache pages for
+the tokens its trajectory has, not for the trajectory's capacity; what below says of pages,
+preemption and replay is the pool's (grpo_jax.episodes.parking: where a parked episode waits).
 
 Per slot, besides the engine's state, a mode:
 - 0, sampling: the slot draws the model's next token (its own uniforms, as the engine's);
@@ -22,7 +24,7 @@ by the environment's tokens), and parks an episode whose environment is slow whi
 
 - **Parking costs no memory.** A parked episode's turn state (mode, the environment tokens still
   to feed, its model-token count, its trajectory position) is saved per episode (`Saved`) and its
-  table row goes to the spot (`spot_table`, `spot_t`); its pages stay where they are, so loading it
+  table row goes to the spot (`spot_store`, `spot_t`); its pages stay where they are, so loading it
   back is a table-row move, not a copy.
 - **Running short.** When a step needs more pages than are free, the parked episodes' pages go
   back first (idle work, the fewest spots that cover the shortfall), then episodes in slots are
@@ -58,9 +60,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax.config import SamplingConfig
-from grpo_jax.engine.pages import private_columns, push_pages
+from grpo_jax.engine.pages import push_pages
 from grpo_jax.engine.routing import record
-from grpo_jax.engine.layouts import page_needs, take_pages
+from grpo_jax.engine.slots import SlotCache
+from grpo_jax.episodes.parking import free_ended, load_store, park_store, reclaim_parked, spot_store
 from grpo_jax.engine.paged import PagedState, admit, count_step, resume_paged, seat, start_paged
 from grpo_jax.engine.draw import draw_next
 
@@ -82,8 +85,8 @@ class Saved:
 
 @flax.struct.dataclass
 class TurnState:
-    """The loop state of episodes on pages: the paged engine's (its M the trajectory capacity),
-    each slot's turn (as `turns.TurnState`), how far it replays, the saved turns and the spots."""
+    """The loop state of episodes in the engine's slots: the paged engine's (its M the trajectory
+    capacity), each slot's turn, how far it replays, the saved turns and the spots."""
 
     engine: PagedState
     mode: jax.Array  # int32 [Z, J]: SAMPLING, FORCING or PAUSED (after the replay, if one runs)
@@ -96,7 +99,7 @@ class TurnState:
     env: jax.Array  # bool [Z, Rb, M]
     saved: Saved
     spots: jax.Array  # int32 [Z, J]: the episode the host parked at each spot, -1 = free
-    spot_table: jax.Array  # int32 [Z, J, Tb]: its table row when it left its slot
+    spot_store: object  # its table row when it left its slot [Z, J, Tb], or its block (episodes.parking)
     spot_t: jax.Array  # int32 [Z, J]: the fed tokens its pages hold (0: none, taken back or never)
 
     def position(self) -> jax.Array:
@@ -109,7 +112,9 @@ class TurnState:
         return blocked(self.engine.pending, self.saved)
 
     def host_view(self) -> tuple:
-        """As `turns.TurnState.host_view`: a replaying slot shows where it left and the mode it resumes in."""
+        """What the host reads after a segment (grpo_jax.episodes.host): per slot its episode (-1:
+        empty), mode and trajectory position (a replaying slot shows where it left and the mode it
+        resumes in), and per shard whether episodes wait for a slot."""
         e = self.engine
         return e.seq, self.mode, self.position(), jnp.any(e.pending & ~self.blocked(), axis=1)
 
@@ -130,7 +135,7 @@ def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     """Prefill the prompts into pages and admit the first episodes (`start_paged` with a trajectory
     of `capacity` tokens)."""
     loop, st = start_paged(model, ids_NP, mask_NP, rng, config=dataclasses.replace(config, max_new_tokens=capacity),
-                           mesh=mesh, pool=True)
+                           mesh=mesh)
     Z, J = st.seq.shape
     Rb = st.tokens.shape[1]
     hold, zeros = loop.hold, functools.partial(jnp.zeros, dtype=jnp.int32)
@@ -141,7 +146,7 @@ def start_turns(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
                           model_tokens=hold(zeros((Z, J))), release=hold(jnp.zeros((Z, J), jnp.bool_)),
                           replay_to=hold(zeros((Z, J))), env=hold(jnp.zeros(st.tokens.shape, jnp.bool_)),
                           saved=saved, spots=hold(jnp.full((Z, J), -1, jnp.int32)),
-                          spot_table=hold(jnp.zeros_like(st.cache.table)), spot_t=hold(zeros((Z, J))))
+                          spot_store=jax.tree.map(hold, spot_store(st.cache)), spot_t=hold(zeros((Z, J))))
 
 
 def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
@@ -156,10 +161,14 @@ def turn_step(loop, budget: int, ts: TurnState) -> TurnState:
     st = ts.engine
 
     feeding_ZJ = (emitting_ZJ | replaying_ZJ) & ~ended_ZJ
-    cache = push_pages(st.cache, st.cache.held_pages() & ended_ZJ[..., None])
-    cache, lost_ZJ, ts = reclaim_parked(ts, cache, feeding_ZJ, loop.config.group_size)
+    cache = loop.pages.free(st.cache, ended_ZJ)
+    lost_ZJ = jnp.zeros_like(t_ZJ)
+    if loop.pages.preempts:  # a pool: parked episodes' pages go back first when it runs short
+        cache, lost_ZJ, spot_t = reclaim_parked(cache, ts.spot_store, ts.spots, ts.spot_t, feeding_ZJ,
+                                                loop.config.group_size)
+        ts = ts.replace(spot_t=spot_t)
     waiting_ZJ = active_ZJ & ~ended_ZJ & ~feeding_ZJ  # paused: idle until the host answers
-    cache, write_ZJ, preempted_ZJ = take_pages(st.stamp, cache, active_ZJ & ~ended_ZJ, feeding_ZJ, waiting_ZJ)
+    cache, write_ZJ, preempted_ZJ = loop.pages.take(st.stamp, cache, active_ZJ & ~ended_ZJ, feeding_ZJ, waiting_ZJ)
     feeding_ZJ = feeding_ZJ & ~preempted_ZJ
     logits_ZJV, cache, experts_ZJLK = loop.pages.feed(tok_ZJ, cache, feeding_ZJ, write_ZJ)
     # Environment tokens and replayed ones too: a replay's routing is what the keys its episode's
@@ -194,7 +203,7 @@ def emit_tokens(loop, budget: int, ts, replaying_ZJ=None) -> tuple:
     model's tokens and ends turns (a stop token or `budget` model tokens: paused) -> (tokens
     [Z, J], emitting [Z, J] (drawn or forced), ended [Z, J] (the trajectory's capacity, or the
     host released it), the state with outputs, env, mode, model_tokens and forced_i updated).
-    `ts`: this module's TurnState or the paged engine's (grpo_jax.episodes.turns)."""
+    `ts`: the TurnState."""
     config, hold, Rb = loop.config, loop.hold, loop.lay.sequences
     st = ts.engine
     seq_ZJ, mode_ZJ, t_ZJ = st.seq, ts.mode, st.cache.slot_t
@@ -230,26 +239,6 @@ def emit_tokens(loop, budget: int, ts, replaying_ZJ=None) -> tuple:
                                                      model_tokens=model_tokens_ZJ, forced_i=forced_i_ZJ)
 
 
-def spot_pages(ts: TurnState, cache, group_size: int) -> jax.Array:
-    """bool [Z, J, Tb]: the entries of each spot's table that are its parked episode's own pages."""
-    prompt_ZJ = jnp.maximum(ts.spots, 0) // group_size
-    n_ZJ = jax.vmap(lambda n, i: n[i])(cache.prompt_len, prompt_ZJ)
-    return private_columns(n_ZJ, jnp.where(ts.spots >= 0, ts.spot_t, 0), cache.page_size, cache.columns)
-
-
-def reclaim_parked(ts: TurnState, cache, feeding_ZJ, group_size: int) -> tuple:
-    """When this step needs more pages than are free, the parked episodes' pages go back first, the
-    fewest spots (in spot order) that cover the shortfall, or all of them -> (the cache, int32
-    [Z, J] the tokens each spot's episode now replays on return (0: not taken), the turn state
-    with those spots' pages gone)."""
-    short_Z = page_needs(cache, feeding_ZJ).sum(axis=1, dtype=jnp.int32) - cache.nfree
-    held_ZJT = spot_pages(ts, cache, group_size)
-    gain_ZJ = held_ZJT.sum(axis=2, dtype=jnp.int32)
-    take_ZJ = (gain_ZJ > 0) & (jnp.cumsum(gain_ZJ, axis=1) - gain_ZJ < short_Z[:, None])
-    cache = push_pages(cache, held_ZJT & take_ZJ[..., None], ts.spot_table)
-    return cache, jnp.where(take_ZJ, ts.spot_t, 0), ts.replace(spot_t=jnp.where(take_ZJ, 0, ts.spot_t))
-
-
 def save(ts: TurnState, leaving_ZJ, position_ZJ) -> Saved:
     """The saved turns with those of the `leaving_ZJ` slots' episodes written (`position_ZJ`: the
     trajectory tokens each one replays on return)."""
@@ -280,8 +269,10 @@ def restore(ts: TurnState, take_ZJ) -> TurnState:
 
 def host_update(ts: TurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ, ep_forced_ZRU,
                       ep_n_ZR, ep_end_ZR, ep_rewind_ZR) -> TurnState:
-    """`turns.host_update` on pages: a rewind (a turn cut at the tool call's closing tag) also gives
-    back the pages above the cut and ends a replay there. And the same by episode [Z, Rb], for
+    """The host's answers, by slot: `release` ends an episode, `forced` [Z, J, U] (its first
+    `forced_n`) are the environment's tokens to feed, `rewind` cuts a turn at the tool call's
+    closing tag (on a pool it also gives back the pages above the cut and ends a replay there).
+    And the same by episode [Z, Rb], for
     episodes preempted out of their slot (`episode_view`): `ep_rewind` cuts one's turn (it then
     waits on its environment), `ep_n` > 0 gives one the first ep_n of `ep_forced` [Z, Rb, U] to
     feed once it is back in a slot (which unblocks its admission), `ep_end` ends one (counted done,
@@ -291,11 +282,14 @@ def host_update(ts: TurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ, e
     position_ZJ = ts.position()
     rewound_ZJ = rewind_ZJ >= 0
     t_ZJ = jnp.where(rewound_ZJ, rewind_ZJ, position_ZJ)
-    held_ZJT = cache.held_pages()
-    cache = cache.replace(slot_t=jnp.minimum(cache.slot_t, t_ZJ))
-    drop_ZJT = held_ZJT & ~cache.held_pages()
-    cache = push_pages(cache, drop_ZJT)
-    cache = cache.replace(table=jnp.where(drop_ZJT, 0, cache.table))
+    if isinstance(cache, SlotCache):
+        cache = cache.replace(slot_t=jnp.minimum(cache.slot_t, t_ZJ))
+    else:
+        held_ZJT = cache.held_pages()
+        cache = cache.replace(slot_t=jnp.minimum(cache.slot_t, t_ZJ))
+        drop_ZJT = held_ZJT & ~cache.held_pages()
+        cache = push_pages(cache, drop_ZJT)
+        cache = cache.replace(table=jnp.where(drop_ZJT, 0, cache.table))
     inject_ZJ = forced_n_ZJ > 0
     z_Z1 = jnp.arange(t_ZJ.shape[0], dtype=jnp.int32)[:, None]
     at_ZJ = jnp.where(rewound_ZJ, st.seq, st.tokens.shape[1])
@@ -317,36 +311,38 @@ def host_update(ts: TurnState, release_ZJ, forced_ZJU, forced_n_ZJ, rewind_ZJ, e
 
 
 def move_slots(ts: TurnState, park_to_ZJ, load_from_ZJ, ended_ZJ, *, group_size: int) -> TurnState:
-    """`turns.move_slots` on pages: a parked episode saves its turn and leaves its table row at its
-    spot, its pages held; a loaded one takes the row back (and replays whatever its pages no longer
-    hold: all of it if the pool took them back). A parked episode the host ended (`ended_ZJ`, by
-    spot) gives its pages back. The host parks only paused episodes and feeds each loaded one the
+    """Park and load, between segments: slot j with `park_to[j]` = p >= 0 moves its episode to spot
+    p (it saves its turn; its table row, its pages held, or its block goes to the spot:
+    grpo_jax.episodes.parking) and is left free for the next waiting episode; a free slot with
+    `load_from[j]` = p >= 0 takes the episode parked at p back (and replays whatever its pages no
+    longer hold: all of it if the pool took them back). A parked episode the host ended
+    (`ended_ZJ`, by spot) gives its pages back. The host parks only paused episodes and feeds each loaded one the
     environment's tokens at once, so no loaded slot draws from stale logits."""
     st = ts.engine
     cache = st.cache
     Z, J = st.seq.shape
     z_Z1 = jnp.arange(Z, dtype=jnp.int32)[:, None]
     parking_ZJ, loading_ZJ = park_to_ZJ >= 0, load_from_ZJ >= 0
-    cache = push_pages(cache, spot_pages(ts, cache, group_size) & ended_ZJ[..., None], ts.spot_table)
+    cache = free_ended(cache, ts.spot_store, ts.spots, ts.spot_t, ended_ZJ, group_size)
     spot_ZJ = jnp.where(parking_ZJ, park_to_ZJ, J)  # J: dropped
 
     def park(spots, x):
         return spots.at[z_Z1, spot_ZJ].set(x, mode="drop")
 
     ts = ts.replace(saved=save(ts, parking_ZJ, ts.position()), spots=park(jnp.where(ended_ZJ, -1, ts.spots), st.seq),
-                    spot_table=park(ts.spot_table, cache.table), spot_t=park(jnp.where(ended_ZJ, 0, ts.spot_t), cache.slot_t))
+                    spot_store=park_store(ts.spot_store, cache, spot_ZJ),
+                    spot_t=park(jnp.where(ended_ZJ, 0, ts.spot_t), cache.slot_t))
 
     def back(spots):  # what the spot each loading slot loads from holds
         return jax.vmap(lambda a, i: a[i])(spots, jnp.maximum(load_from_ZJ, 0))
 
-    row_ZJ, table_ZJT, t_ZJ = back(ts.spots), back(ts.spot_table), back(ts.spot_t)
+    row_ZJ, t_ZJ = back(ts.spots), back(ts.spot_t)
     st = st.replace(seq=jnp.where(parking_ZJ, -1, st.seq), cache=cache.replace(
         slot_t=jnp.where(parking_ZJ, 0, cache.slot_t)), done=st.done + ended_ZJ.sum(axis=1, dtype=jnp.int32))
     st = seat(st, loading_ZJ, row_ZJ, group_size)
     kept_ZJ = loading_ZJ & (t_ZJ > 0)  # its pages are still its own
-    c = st.cache
-    st = st.replace(cache=c.replace(table=jnp.where(kept_ZJ[..., None], table_ZJT, c.table),
-                                    slot_t=jnp.where(kept_ZJ, t_ZJ, c.slot_t)))
+    c = load_store(st.cache, ts.spot_store, kept_ZJ, load_from_ZJ)
+    st = st.replace(cache=c.replace(slot_t=jnp.where(kept_ZJ, t_ZJ, c.slot_t)))
     freed_ZJ = jnp.zeros((Z, J), jnp.bool_).at[z_Z1, jnp.where(loading_ZJ, load_from_ZJ, J)].set(True, mode="drop")
     ts = ts.replace(engine=st, spots=jnp.where(freed_ZJ, -1, ts.spots), spot_t=jnp.where(freed_ZJ, 0, ts.spot_t))
     return restore(ts, loading_ZJ)
@@ -375,7 +371,7 @@ def turn_programs(graphdef, config: SamplingConfig, mesh: Mesh, capacity: int, e
             busy = (e.seq >= 0) & ((s.mode != PAUSED) | (e.cache.slot_t < s.replay_to))
             running = jnp.sum(e.seq >= 0, axis=1)
             admissible = jnp.any(e.seq < 0, axis=1) & jnp.any(e.pending & ~s.blocked(), axis=1) & (
-                e.cache.nfree > running)
+                loop.pages.room(e.cache, running) > 0)
             progress = jnp.any(busy) | jnp.any(admissible) | jnp.any(s.release)
             return jnp.any(e.done < Rb) & (e.counts["steps"] < end) & progress
         return jax.lax.while_loop(going, functools.partial(turn_step, loop, budget), ts)

@@ -95,13 +95,18 @@ def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: Transfor
 
 def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool) -> list[str]:
     """What a run says at start about engine settings it does not use as written: slots with the
-    static engine, slots rounded up to the mesh's row shards, segment steps without over-sampling."""
+    static engine, page settings without a page pool, slots rounded up to the mesh's row shards,
+    segment steps without over-sampling."""
     defaults = SamplingConfig()
     paging = [k for k in ("kv_cache_bytes", "page_size", "paged_attention")
               if getattr(sampling, k) != getattr(defaults, k)]
     engine = engine_of(sampling)
     notes = [f"sampling.{', '.join(paging)} not used: the {engine.name} engine has no page pool (sampling.engine: "
              "paged uses them)"] if paging and not engine.pages else []
+    on_tpu = mesh.devices.flat[0].platform == "tpu"
+    if engine.pages and "page_size" in paging and not sampling.kv_cache_bytes and not on_tpu:
+        notes.append("sampling.page_size not used: with kv_cache_bytes 0 each slot reserves max_new_tokens of "
+                     "cache, read in place (set sampling.kv_cache_bytes for a page pool)")
     if not engine.slots:
         return notes + ([f"sampling.slots={sampling.slots} is not used: the static engine decodes every row at once "
                          "(sampling.engine: paged uses slots)"] if sampling.slots else [])

@@ -167,7 +167,10 @@ def test_a_run_says_which_engine_settings_it_does_not_use_as_written():
     assert "over-sampling only" in segments
     (pages,) = engine_notes(config(engine="continuous", slots=8, page_size=64), mesh, dynamic_sampling=False)
     assert "sampling.page_size not used: the continuous engine has no page pool" in pages
-    assert engine_notes(config(engine="paged", slots=8, page_size=64), mesh, dynamic_sampling=True) == []
+    (reserved,) = engine_notes(config(engine="paged", slots=8, page_size=64), mesh, dynamic_sampling=True)
+    assert "page_size not used: with kv_cache_bytes 0 each slot reserves" in reserved
+    assert engine_notes(config(engine="paged", slots=8, page_size=64, kv_cache_bytes=1 << 20), mesh,
+                        dynamic_sampling=True) == []
 
 
 def test_engine_settings_are_checked():

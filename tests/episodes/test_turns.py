@@ -4,8 +4,8 @@ recomputed. The trajectory's sampled log-probs equal a teacher-forced pass over 
 trajectory, environment positions are marked and carry log-prob 0, a turn cut at a tool call
 continues from the cut, and none of it depends on the number of slots or the host's timing.
 With a pool so short that episodes are preempted and replayed, paused ones too, the episodes are
-token for token those of a pool with a whole trajectory per slot (`engine: continuous`, the
-per-slot engine's reservation), and every page is back in the pool at the end."""
+token for token those of one whole trajectory's reservation per slot (`engine: continuous`, read in
+place, never short), and every page is back in the pool at the end."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from grpo_jax.models import Transformer
 from grpo_jax.models.presets import tiny
 from grpo_jax.engine.sampling import pad_prompts
 from grpo_jax.engine.pages import page_bytes, pages_needed
+from grpo_jax.engine.paged import pool_of
 from grpo_jax.episodes.turns import PAUSED, turn_programs
 from grpo_jax.runtime.sharding import one_device_mesh
 
@@ -92,7 +93,8 @@ def run(model, slots: int, segment: int, cut_at: int | None = None, turns: int =
                                             ("experts", st.engine.experts), ("prompt_experts", st.engine.prompt_experts))
            if x is not None}
     cache = st.engine.cache
-    out["pages_back"] = int(cache.nfree[0]) == cache.pool
+    out["pooled"] = pool_of(cache) > 0  # else one reservation per slot: nothing to give back
+    out["pages_back"] = not out["pooled"] or int(cache.nfree[0]) == cache.pool
     out["stats"] = {k: int(v) for k, v in st.engine.counts.items()}
     out["answered_out_of_slot"] = off_slot[0]
     return out, ids, mask, done_turns
@@ -156,12 +158,12 @@ def test_episodes_on_a_short_pool_are_those_of_a_whole_trajectory_per_slot_with_
     stops = tuple(range(3, 20))
     for cut_at in (None, 2):
         want = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops)[0]
-        assert want["stats"]["preemptions"] == 0 and want["pages_back"]
+        assert want["stats"]["preemptions"] == 0 and not want["pooled"]
         out, ids, mask, done_turns = run(model, slots=3, segment=3, cut_at=cut_at, stops=stops, page_size=4,
                                          kv_cache_bytes=pool_bytes(model, 4, 1.0))
         assert set(done_turns.values()) == {2}
         assert out["stats"]["preemptions"] > 0 and out["stats"]["recomputed_tokens"] > 0, out["stats"]
-        assert out["pages_back"]
+        assert out["pooled"] and out["pages_back"]
         if cut_at is None:
             assert out["answered_out_of_slot"] > 0
         assert_same_episodes(out, want)

@@ -52,9 +52,9 @@ def episode_config(tmp_path_factory):
     # Turns end at a digit or <eos> (about 1 draw in 9 of the untrained model): most episodes reach
     # a second turn after the tool's answer.
     stops = [tok.convert_tokens_to_ids(c) for c in "0123456789"] + [tok.eos_token_id]
-    # A short pool (its episodes are token for token those of a whole trajectory per slot: tests/episodes).
+    # A page pool (its episodes are token for token those of a whole trajectory per slot: tests/episodes).
     cfg["sampling"].update(group_size=4, max_new_tokens=16, prompt_buckets=[32], engine="paged", page_size=8,
-                           slots=8, stop_token_ids=stops)
+                           kv_cache_bytes=1 << 22, slots=8, stop_token_ids=stops)
     cfg["sft"] = {"steps": 0}
     cfg["train"].update(steps=4, samples_every=1)
     cfg["eval"] = {"every": 0, "num_prompts": 4, "k": 2}
