@@ -258,7 +258,17 @@ def render_engine_fold() -> str:
     return (f"Commit {', '.join(sorted(commits))} (the last with the per-slot engine's own loop), "
             f"{r['iters']} interleaved rounds after a first call, jax {r['jax_version']}, this project's 2-core "
             "CPU\nmachine (its times moved by a quarter between rounds of one run: compare within a row).\n\n"
-            + "\n".join(rows) + "\n")
+            + "\n".join(rows) + "\n\n" + _fold_episodes())
+
+
+def _fold_episodes() -> str:
+    """The multi-turn line under the table (engine_fold/tools_episodes.json)."""
+    e = load("engine_fold/tools_episodes.json")
+    same = "the same metrics step for step" if e["other_metrics_equal"] else "other metrics"
+    return (f"Multi-turn episodes (`configs/demo_cpu_tools.yaml`, `engine: continuous`, {len(e['sample_s_median_per_run'])} "
+            f"runs of 12 steps, alternately by the tree before the fold and by {e['new_tree']}):\nsampling took "
+            f"{e['sample_s_new']:.3f} s a step against {e['sample_s_old']:.3f} s ({_x(e['new_over_old'])}), with "
+            f"{same} (`benchmarks/engine_fold_episodes.py`).\n")
 
 
 BLOCKS: dict[str, Callable[[], str]] = {
