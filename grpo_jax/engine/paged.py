@@ -152,12 +152,10 @@ def resume_paged(model, config: SamplingConfig, mesh: Mesh, st: PagedState) -> P
     return paged_loop(model, config, mesh, lay, st.cache)
 
 
-def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh,
-                pool: bool = False) -> tuple[PagedLoop, PagedState]:
+def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Mesh) -> tuple[PagedLoop, PagedState]:
     """Prefill the N prompts once each and admit each shard's first sequences. The cache: a page
     pool, or with `sampling.kv_cache_bytes: 0` and the gather path one max-length reservation per
-    slot read in place (`engine.layouts.SlotPages`; `pool`: a pool all the same, as episodes need
-    for their parking)."""
+    slot read in place (`engine.layouts.SlotPages`)."""
     M = config.max_new_tokens
     lay = engine_layout(ids_NP.shape[0], config, mesh)
     Z, Np, Rb, J = lay.shards, lay.prompts, lay.sequences, lay.slots
@@ -165,7 +163,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
         row_sharding=batch_sharding(mesh, 1))
-    if not (pool or config.kv_cache_bytes or impl == "pallas"):
+    if not (config.kv_cache_bytes or impl == "pallas"):
         cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                                  phases=config.attend_phases)
     else:

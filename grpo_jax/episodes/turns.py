@@ -22,10 +22,11 @@ by the environment's tokens), and parks an episode whose environment is slow whi
 (`move_slots`). Trajectory capacity: the engine's max_new_tokens is the whole trajectory
 (`capacity`, model and environment tokens); `budget`: model tokens per episode.
 
-- **Parking costs no memory.** A parked episode's turn state (mode, the environment tokens still
-  to feed, its model-token count, its trajectory position) is saved per episode (`Saved`) and its
-  table row goes to the spot (`spot_store`, `spot_t`); its pages stay where they are, so loading it
-  back is a table-row move, not a copy.
+- **Parking costs no memory on a pool.** A parked episode's turn state (mode, the environment
+  tokens still to feed, its model-token count, its trajectory position) is saved per episode
+  (`Saved`) and its table row goes to the spot (`spot_store`, `spot_t`); its pages stay where they
+  are, so loading it back is a table-row move, not a copy. (With a reservation per slot the spots
+  hold a copy of the slots' blocks: twice the generated cache, as the per-slot engine's parking did.)
 - **Running short.** When a step needs more pages than are free, the parked episodes' pages go
   back first (idle work, the fewest spots that cover the shortfall), then episodes in slots are
   preempted: those waiting on their environment (paused) first, then the youngest running ones,

@@ -17,7 +17,6 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.config import RunConfig
-
 from grpo_jax.learner.learner import Learner
 from grpo_jax.learner.objectives import objective_class
 from grpo_jax.learner.modes import make_learner
@@ -67,8 +66,10 @@ def build_learner(cfg: RunConfig, mesh, model, *, temperature: float,
         critic_graphdef, critic = build_critic(cfg, model, mesh, model_options(cfg.model), abstract=abstract)
     graphdef, params, frozen = split_trainable(model)
     fresh = functools.partial(new_state, optimizer=optimizer)
-    state = jax.eval_shape(lambda p, c: fresh(p, critic=c), params, critic) if abstract else fresh(params,
-                                                                                                    critic=critic)
+    if abstract:
+        state = jax.eval_shape(lambda p, c: fresh(p, critic=c), params, critic)
+    else:
+        state = fresh(params, critic=critic)
     if abstract and frozen is not None:  # placed with the model, by the rules
         frozen = placed_shapes(frozen, mesh)
     # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
