@@ -1,6 +1,6 @@
 """Attention by length on this machine: plain XLA attention (today's, and round 3's) against the chunked
 (flash-style) path, forward + backward of one causal layer's attention, the same inputs, in one run; what
-`model.attention: auto` picks on CPU (`models.layers.AUTO_XLA_MAX_KEYS`) and issue 41's target
+`model.attention: auto` picks on CPU (`models.dispatch.AUTO_XLA_MAX_KEYS`) and issue 41's target
 ("chunked attention on CPU at 4k tokens: no slower than today's XLA attention at equal results").
 
     python benchmarks/attention.py --output benchmarks/results/attention/cpu.json

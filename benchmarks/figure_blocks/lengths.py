@@ -92,7 +92,7 @@ def render_attention() -> str:
             f"results\": {met}, {top['speedup_vs_round3_xla']:.1f}x faster than round 3's and "
             f"{top['speedup_vs_xla']:.1f}x than today's XLA path, outputs and gradients\n"
             f"within {_e(top['max_abs_diff'])}. `model.attention: auto` on CPU therefore runs XLA up to 256 key "
-            "slots and chunked\n(256-token blocks) above (`models.layers.AUTO_XLA_MAX_KEYS`, `CHUNK_BLOCK`). The "
+            "slots and chunked\n(256-token blocks) above (`models.dispatch.AUTO_XLA_MAX_KEYS`, `models.layers.CHUNK_BLOCK`). The "
             "chunked path's\ncompiled temporaries grow with T x block, not T^2 (tests/models/test_attention.py checks "
             "it at\n2,048 tokens against an O(T^2) bound that the XLA path exceeds).\n")
 

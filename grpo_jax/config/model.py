@@ -77,8 +77,10 @@ class ModelConfig:
     # its cache its own way). xla: plain XLA, scores [B, H, T, T] (short sequences, tests); chunked:
     # flash-style online softmax in pure JAX, O(T x block) memory, any backend; splash: JAX's Pallas
     # TPU kernel (splash attention, under shard_map); gpu: JAX's Pallas GPU kernel (no sliding
-    # window or soft-capping); auto: splash on TPU, gpu on GPU where the model allows, on CPU xla up
-    # to 1,024 key slots and chunked above (grpo_jax.models.layers.attention_impl).
+    # window or soft-capping, plain passes only); auto: for each pass the fastest implementation
+    # that supports it (grpo_jax.models.dispatch): splash on TPU, gpu on GPU where the pass and
+    # model allow (chunked else), on CPU xla up to 256 key slots and chunked above. An explicit
+    # choice that cannot run some pass of the run is refused at start and by `grpo-jax check`.
     attention: Attention = "auto"
 
     def __post_init__(self):

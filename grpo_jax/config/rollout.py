@@ -12,7 +12,7 @@ from grpo_jax.config.checks import choice_in, non_negative, positive
 ChatTemplate = Literal["auto", "always", "never"]
 Overlong = Literal["skip", "truncate"]
 Engine = Literal["static", "continuous", "paged"]
-PagedAttention = Literal["auto", "gather", "pallas"]
+PagedAttention = Literal["auto", "gather", "pallas", "gpu"]
 PAGED_ATTENTION: tuple[str, ...] = get_args(PagedAttention)
 ENGINES: tuple[str, ...] = get_args(Engine)
 # What each engine is, the one table of it (grpo_jax.engine.engines builds its engines from it):
@@ -56,7 +56,9 @@ class SamplingConfig:
     kv_cache_bytes: int = 0
     page_size: int = 16  # tokens per page (the TPU kernel prefers 64-256)
     # gather: pure-JAX attention over each sequence's pages (any backend); pallas: JAX's TPU kernel
-    # ragged_paged_attention (head_dim % 128 == 0); auto: pallas on TPU where it applies, else gather.
+    # ragged_paged_attention (head_dim % 128 == 0); gpu: JAX's Pallas GPU paged kernel, pages read in
+    # place (no sliding window); auto: the kernel of the platform where it applies, else gather
+    # (grpo_jax.models.dispatch.DECODE says what each can run).
     paged_attention: PagedAttention = "auto"
     # With dynamic sampling, the paged engine returns to the host every this many decode steps
     # to score the groups that finished (grpo_jax.rollout.stream).

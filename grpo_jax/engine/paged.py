@@ -51,7 +51,7 @@ from grpo_jax.config import SamplingConfig
 from grpo_jax.engine.draw import Rollout, draw_and_record, rollout_shardings, sequence_uniforms
 from grpo_jax.engine.lockstep import every_sequence_at_once
 from grpo_jax.engine.layouts import PoolPages, SlotPages, seat_pages
-from grpo_jax.engine.pages import PagedCache, create_cache, page_bytes, pages_needed
+from grpo_jax.engine.pages import LAYOUT_OF, PagedCache, create_cache, page_bytes, pages_needed
 from grpo_jax.engine.paged_decode import choose_attention, paged_decode_step
 from grpo_jax.engine.slots import SlotCache, slot_decode_step
 from grpo_jax.engine.routing import expert_buffer, fed_only, record, stored
@@ -163,13 +163,13 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
         row_sharding=batch_sharding(mesh, 1))
-    if not (config.kv_cache_bytes or impl == "pallas"):
+    if not config.kv_cache_bytes and impl == "gather":
         cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                                  phases=config.attend_phases)
     else:
         pages = pool_pages(model.config, model.dtype, config, prompt_slots=P, prompts=Np, slots=J)
         cache = create_cache(k_LNKPD, v_LNKPD, pmask_NP, shards=Z, slots=J, pages=pages, page_size=config.page_size,
-                             max_new_tokens=M, layout="interleaved" if impl == "pallas" else "split")
+                             max_new_tokens=M, layout=LAYOUT_OF[impl])
     loop = paged_loop(model, config, mesh, lay, cache)
     hold = loop.hold
     rows_ZR = jnp.arange(Z * Rb, dtype=jnp.int32).reshape(Z, Rb)
@@ -192,14 +192,14 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
 
 def paged_loop(model, config: SamplingConfig, mesh: Mesh, lay: EngineLayout, cache) -> PagedLoop:
     """The loop's constants for `cache`: a SlotCache is read in place (`SlotPages`); a page pool's
-    layout says the attention (interleaved = the TPU kernel, split = gather)."""
+    layout says the attention (engine.pages.LAYOUT_OF)."""
     weights = model.layer_weights()
     if isinstance(cache, SlotCache):
         pages = SlotPages(decode=functools.partial(slot_decode_step, model, weights=weights, mesh=mesh))
     else:
         phases = max(1, min(config.attend_phases, cache.columns))
         columns = tuple(-(-cache.columns * (i + 1) // phases) for i in range(phases))
-        impl = "pallas" if len(cache.kv[0]) == 1 else "gather"
+        impl = {layout: impl for impl, layout in LAYOUT_OF.items()}[cache.layout]
         pages = PoolPages(decode=functools.partial(paged_decode_step, model, weights=weights, phase_columns=columns,
                                                    impl=impl, mesh=mesh), phase_columns=columns)
     return PagedLoop(lay=lay, config=config, pages=pages, mesh=mesh)

@@ -3,13 +3,14 @@ decode slot, and the allocator that hands pages out and takes them back, all on 
 (grpo_jax.engine.paged runs the loop; grpo_jax.engine.paged_decode attends over the pages).
 
 Layout, per row shard (every index is local to its shard, as in `engine.slots`):
-- `kv`: per layer, the pages in one of two layouts (`LAYOUTS`), page id on axis 1 of every array:
-  "interleaved", one array [Z, Pg, Sg, 2K, D] with key and value heads interleaved on the third
-  axis (even = key head k/2, odd = value head), the layout of JAX's TPU kernel
-  `ragged_paged_attention`; "split", keys [Z, Pg, K, D, Sg] and values [Z, Pg, K, Sg, D], what
-  the gather path reads without a transpose (on XLA:CPU a decode step's attention took half the
-  time of the interleaved layout's: 3.3 against 6.9 ms per layer at 32 slots x 320 keys).
-  One page id covers every layer.
+- `kv`: per layer, the pages in one of three layouts (`LAYOUTS`, by the decode step's attention),
+  page id on axis 1 of every array: "interleaved", one array [Z, Pg, Sg, 2K, D] with key and value
+  heads interleaved on the third axis (even = key head k/2, odd = value head), the layout of JAX's
+  TPU kernel `ragged_paged_attention`; "split", keys [Z, Pg, K, D, Sg] and values [Z, Pg, K, Sg, D],
+  what the gather path reads without a transpose (on XLA:CPU a decode step's attention took half
+  the time of the interleaved layout's: 3.3 against 6.9 ms per layer at 32 slots x 320 keys);
+  "heads", keys and values [Z, Pg, K, Sg, D], what the GPU kernel reads one key/value head at a
+  time (grpo_jax.engine.paged_decode.gpu_kernel_attention). One page id covers every layer.
 - page 0 is the null page: never handed out; an empty slot writes there and nothing reads it
   unmasked.
 - pages 1 .. Np*Tp: the prompt region, written once from the prefill with each prompt's real tokens
@@ -36,12 +37,14 @@ import jax
 import jax.numpy as jnp
 
 
-LAYOUTS = ("interleaved", "split")
+LAYOUTS = ("interleaved", "split", "heads")
+LAYOUT_OF = {"pallas": "interleaved", "gather": "split", "gpu": "heads"}
+"""The pages' layout each decode attention (`sampling.paged_attention`) reads."""
 
 
 @flax.struct.dataclass
 class PagedCache:
-    kv: tuple[tuple[jax.Array, ...], ...]  # L x ((interleaved [Z, Pg, Sg, 2K, D],) or (keys, values) split)
+    kv: tuple[tuple[jax.Array, ...], ...]  # L x ((interleaved [Z, Pg, Sg, 2K, D],) or (keys, values))
     free: jax.Array  # int32 [Z, Pg]: the free stack (entries 0 .. nfree-1)
     nfree: jax.Array  # int32 [Z]
     table: jax.Array  # int32 [Z, J, Tb]: each slot's page per column (0 = none)
@@ -49,10 +52,11 @@ class PagedCache:
     slot_prompt: jax.Array  # int32 [Z, J]: the prompt each slot decodes from
     slot_t: jax.Array  # int32 [Z, J]: tokens fed to the slot's sequence so far (t)
     prompt_pages: int = flax.struct.field(pytree_node=False, default=1)  # Tp
+    layout: str = flax.struct.field(pytree_node=False, default="split")  # one of LAYOUTS
 
     @property
     def page_size(self) -> int:
-        return self.kv[0][-1].shape[-2]  # values: [.., Sg, D] in both layouts
+        return self.kv[0][-1].shape[-2]  # values: [.., Sg, D] in every layout
 
     @property
     def pages(self) -> int:
@@ -100,6 +104,8 @@ def create_cache(keys_LNKPD: jax.Array, values_LNKPD: jax.Array, mask_NP: jax.Ar
     """The page cache of N prefilled, left-padded prompts (keys/values [L, N, K, P, D], mask [N, P]):
     `pages` page ids per shard (null page, prompt region, pool) in `layout`, `slots` empty slots
     per shard."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown page layout {layout!r}: one of {LAYOUTS}")
     L, N, K, P, D = keys_LNKPD.shape
     Z, J, Sg = shards, slots, page_size
     Np = N // Z
@@ -123,6 +129,8 @@ def create_cache(keys_LNKPD: jax.Array, values_LNKPD: jax.Array, mask_NP: jax.Ar
         k, v = region(keys_LNKPD[l]), region(values_LNKPD[l])
         if layout == "interleaved":
             return (with_pool(jnp.stack([k, v], axis=4).reshape(Z, Np * Tp, Sg, 2 * K, D)),)
+        if layout == "heads":
+            return with_pool(k.transpose(0, 1, 3, 2, 4)), with_pool(v.transpose(0, 1, 3, 2, 4))
         return with_pool(k.transpose(0, 1, 3, 4, 2)), with_pool(v.transpose(0, 1, 3, 2, 4))
 
     first_pool = 1 + Np * Tp
@@ -131,22 +139,29 @@ def create_cache(keys_LNKPD: jax.Array, values_LNKPD: jax.Array, mask_NP: jax.Ar
                       free=jnp.where(jnp.arange(pages) < pool, free, 0), nfree=jnp.full((Z,), pool, jnp.int32),
                       table=jnp.zeros((Z, J, -(-(P + max_new_tokens) // Sg)), jnp.int32),
                       prompt_len=n_N.reshape(Z, Np), slot_prompt=jnp.zeros((Z, J), jnp.int32),
-                      slot_t=jnp.zeros((Z, J), jnp.int32), prompt_pages=Tp)
+                      slot_t=jnp.zeros((Z, J), jnp.int32), prompt_pages=Tp, layout=layout)
 
 
-def write_token(pages: tuple[jax.Array, ...], page_ZJ, offset_ZJ, k_ZJKD, v_ZJKD) -> tuple[jax.Array, ...]:
-    """One layer's pages with each slot's new key/value [Z, J, K, D] at (page, offset)."""
+def write_token(pages: tuple[jax.Array, ...], page_ZJ, offset_ZJ, k_ZJKD, v_ZJKD, *,
+                layout: str) -> tuple[jax.Array, ...]:
+    """One layer's pages (in `layout`) with each slot's new key/value [Z, J, K, D] at (page, offset)."""
     def put(a, p, o, x):
         return a.at[p, o].set(x)
 
-    if len(pages) == 1:
+    def put_heads(a, p, o, x):  # a [Pg, K, Sg, D], x [J, K, D]
+        return a.at[p, :, o].set(x)
+
+    if layout == "interleaved":
         Z, J, K, D = k_ZJKD.shape
         new = jnp.stack([k_ZJKD, v_ZJKD], axis=3).reshape(Z, J, 2 * K, D).astype(pages[0].dtype)
         return (jax.vmap(put)(pages[0], page_ZJ, offset_ZJ, new),)
     keys, values = pages
-    keys = jax.vmap(lambda a, p, o, x: a.at[p, :, :, o].set(x))(keys, page_ZJ, offset_ZJ, k_ZJKD.astype(keys.dtype))
-    values = jax.vmap(lambda a, p, o, x: a.at[p, :, o].set(x))(values, page_ZJ, offset_ZJ,
-                                                               v_ZJKD.astype(values.dtype))
+    if layout == "heads":
+        keys = jax.vmap(put_heads)(keys, page_ZJ, offset_ZJ, k_ZJKD.astype(keys.dtype))
+    else:
+        keys = jax.vmap(lambda a, p, o, x: a.at[p, :, :, o].set(x))(keys, page_ZJ, offset_ZJ,
+                                                                   k_ZJKD.astype(keys.dtype))
+    values = jax.vmap(put_heads)(values, page_ZJ, offset_ZJ, v_ZJKD.astype(values.dtype))
     return keys, values
 
 

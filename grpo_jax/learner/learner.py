@@ -50,14 +50,16 @@ class Learner(abc.ABC):
     def __init__(self, config: RunConfig, mesh: Mesh, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                  state: TrainState, *, temperature: float, frozen: nnx.State | None = None,
                  ref_graphdef: nnx.GraphDef | None = None, critic_graphdef: nnx.GraphDef | None = None,
-                 teacher: nnx.Module | None = None, reference: nnx.State | None = None):
+                 teacher: nnx.Module | None = None, reference: nnx.State | None = None, model_config=None):
         """`state`: the run's initial train state (its structure and the params' logical axes fix
         every sharding); `frozen`: the parameters that do not train (a LoRA run's base, placed
         with the model), else None; `ref_graphdef`: the KL reference's structure (a LoRA run's base
         without its adapters: no adapter matmuls, no copy of the weights), else the policy's;
         `critic_graphdef`: a separate critic model's structure (`ppo.critic: model`); `teacher`:
         on-policy distillation's teacher, placed on `mesh`; `reference`: the KL reference's
-        parameters when `grpo.beta` > 0 and the policy has no frozen base (a copy of its own)."""
+        parameters when `grpo.beta` > 0 and the policy has no frozen base (a copy of its own);
+        `model_config`: the policy's TransformerConfig (what its attention can run decides packing's
+        layout; needed with train.packing)."""
         self.mesh, self.frozen = mesh, frozen
         t, g = config.train, config.grpo
         self.num_iterations, self.beta, self.max_consecutive_skips = g.num_iterations, g.beta, t.max_consecutive_skips
@@ -78,7 +80,8 @@ class Learner(abc.ABC):
                                  f"{jax.process_count()} processes set train.packing: false (not supported yet)")
             self.packing = dict(length=config.pack_length, micro_batches=t.micro_batches,
                                 unit=self.spec.group_size, group_size=config.sampling.group_size,
-                                shared=t.shared_prompt and parents_supported(config.model.attention, mesh))
+                                shared=t.shared_prompt and parents_supported(config.model.attention, model_config,
+                                                                                     mesh))
         self._advantages = make_advantages_step(config.sampling.group_size, g, mesh=mesh)
         self._ref = None
         if g.beta > 0:

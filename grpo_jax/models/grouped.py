@@ -59,7 +59,7 @@ def grouped_routed_hidden_states(model, prompt_ids: jax.Array, prompt_mask: jax.
     mesh = None if row_sharding is None else row_sharding.mesh
     moe_kw = dict(follow=replay, mesh=mesh)
     prompt_impl = attention_impl(model.attention, cfg, keys=P, mesh=mesh)
-    completion_impl = attention_impl(model.attention, cfg, keys=P + T, mesh=mesh)
+    completion_impl = attention_impl(model.attention, cfg, keys=P + T, mesh=mesh, pass_name="shared_prompt")
     replay_L = _replay(cfg, prompt_routing, completion_routing, (N, P), (R, T))
     real_NP, real_RT = pmask_NP.reshape(-1), as_mask(completion_mask, (R, T)).reshape(-1)
 

@@ -19,7 +19,9 @@ import numpy as np
 from grpo_jax.models import lora, rope
 from grpo_jax.models.activations import activation as _activation
 from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.dispatch import model_need, pick, supports_parents
 from grpo_jax.models.moe import moe_mlp
+from grpo_jax.runtime.platform import interpret_kernels, platform_of
 
 NEG = float(np.finfo(np.float32).min)
 """The score of a masked key: the float32 minimum, so a softmax gives it exactly 0 weight."""
@@ -92,44 +94,28 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     return index_BT - jax.lax.cummax(jnp.where(starts, index_BT, 0), axis=1)
 
 
-AUTO_XLA_MAX_KEYS = 256
-"""`attention: auto` on CPU runs plain XLA attention up to this many key slots, the chunked
-(flash-style) path above it: the two are even at 256 tokens, and chunked is 1.9x faster at 512
-and 2.6x at 4,096 (forward + backward; benchmarks/results/attention/cpu.json)."""
 CHUNK_BLOCK = 256
 """The chunked path's query and key block: the fastest of 256 / 512 on CPU from 512 tokens up
 (benchmarks/results/attention/cpu.json)."""
 
 
-def attention_impl(choice: str, cfg: TransformerConfig, *, keys: int, mesh=None) -> str:
-    """The attention implementation a pass over `keys` key slots runs: `choice` itself (a
-    `model.attention` name other than "auto"), or for "auto" by the platform of the devices it runs
-    on (`mesh`'s, else JAX's default backend): TPU -> splash (the Pallas kernel), GPU -> the Pallas
-    GPU kernel where the model needs no sliding window or soft-capping (else chunked), CPU -> plain
-    XLA for up to `AUTO_XLA_MAX_KEYS` key slots and chunked above. A Pallas kernel runs per device
-    under shard_map over the mesh, so a pass that is not given its mesh (a prefill called without
-    `row_sharding`) runs the chunked path instead on an accelerator."""
+def attention_impl(choice: str, cfg: TransformerConfig, *, keys: int, mesh=None, pass_name: str = "plain") -> str:
+    """The attention implementation pass `pass_name` ("plain", "shared_prompt" or "packed";
+    grpo_jax.models.dispatch) over `keys` key slots runs: `choice` itself (a `model.attention`
+    name other than "auto": a run's start refuses one that cannot run its passes), or for "auto"
+    the fastest implementation that supports the pass on the platform of the devices it runs on
+    (`mesh`'s, else JAX's default backend; `dispatch.auto_order`). A Pallas kernel runs per device
+    under shard_map over the mesh, so a pass not given its mesh runs a pure-JAX path."""
     if choice != "auto":
         return choice
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    if platform == "tpu":
-        return "splash" if mesh is not None else "chunked"
-    if platform in ("gpu", "cuda", "rocm"):
-        if mesh is None:
-            return "chunked"
-        plain = cfg.attn_logit_softcap is None and all(cfg.window_of(k) is None for k in cfg.kinds)
-        return "gpu" if plain else "chunked"
-    return "xla" if keys <= AUTO_XLA_MAX_KEYS else "chunked"
+    return pick("auto", model_need(pass_name, cfg, platform_of(mesh), keys=keys, mesh=mesh is not None))
 
 
-def parents_supported(choice: str, mesh=None) -> bool:
-    """Whether `model.attention`'s implementation on `mesh`'s platform sees parent segments (a
-    packed completion's shared prompt): the XLA and chunked paths do; the Pallas kernels compare
-    segment ids only, so packing lays a prompt copy before each completion there."""
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    impl = choice if choice != "auto" else ("splash" if platform == "tpu" else
-                                            "gpu" if platform in ("gpu", "cuda", "rocm") else "chunked")
-    return impl in ("xla", "chunked")
+def parents_supported(choice: str, cfg: TransformerConfig, mesh=None) -> bool:
+    """Whether `model.attention`'s implementation for a plain pass on `mesh`'s platform sees parent
+    segments (a packed completion's shared prompt): the XLA and chunked paths do; the Pallas kernels
+    compare segment ids only, so packing lays a prompt copy before each completion there."""
+    return supports_parents(choice, model_need("plain", cfg, platform_of(mesh), mesh=mesh is not None))
 
 
 def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, q_segment_ids: jax.Array,
@@ -148,12 +134,14 @@ def attention(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *, q_segm
     """
     from grpo_jax.models.attention import attend
 
+    interpret = impl in ("splash", "gpu") and interpret_kernels(mesh)  # a kernel on CPU devices (a faked platform)
+
     def one(window):
         def run(q, k, v):
             return attend(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                           q_positions=q_positions, kv_positions=kv_positions, q_parent_ids=q_parent_ids, causal=True,
                           window=window, softcap=cfg.attn_logit_softcap, scale=cfg.query_scale, impl=impl, mesh=mesh,
-                          block_q=CHUNK_BLOCK, block_k=CHUNK_BLOCK)
+                          block_q=CHUNK_BLOCK, block_k=CHUNK_BLOCK, interpret=interpret)
         return run
 
     branches = [one(cfg.window_of(k)) for k in cfg.kinds]

@@ -365,7 +365,8 @@ class Transformer(nnx.Module):
         real_X = (segments_BT > 0 if counted is None else counted).reshape(-1)
         cos_YBTD, sin_YBTD = rope_tables(cfg, positions_BT, dtype)
         mesh = None if row_sharding is None else row_sharding.mesh
-        impl = attention_impl(self.attention, cfg, keys=T, mesh=mesh)
+        impl = attention_impl(self.attention, cfg, keys=T, mesh=mesh,
+                              pass_name="plain" if parents_BT is None else "packed")
 
         def body(x, xs):
             p, kind, replay_XK = xs

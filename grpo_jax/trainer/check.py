@@ -50,13 +50,16 @@ def check(config: str | Path, overrides: Sequence[str] = (), *, for_command: str
 
 def _check_run(config, say: Callable[[str], None]) -> None:
     from grpo_jax.rewards import combine_rewards
-    from grpo_jax.trainer.prepare import prepare
+    from grpo_jax.runtime.platform import platform_of
+    from grpo_jax.trainer.prepare import check_attention, prepare
 
     prepared = prepare(config)
     tok, model = prepared.model.tokenizer, config.model
     say(f"check: model: {model.path or 'random initialisation from model.architecture'} "
         f"({prepared.model.config.family}, {prepared.model.config.num_layers} layers, "
         f"vocabulary {prepared.model.config.vocab_size})")
+    picks = check_attention(config, prepared.model.config, prepared.rollout.mesh)
+    say(f"check: attention ({platform_of(prepared.rollout.mesh)}): {', '.join(picks)}")
     template = prepared.rollout.stream.formatter.use_chat
     say(f"check: tokenizer: {len(tok)} tokens, prompts {'through its chat template' if template else 'as plain text'}")
     first = prepared.eval.examples[0]

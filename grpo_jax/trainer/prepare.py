@@ -33,6 +33,8 @@ from grpo_jax.env.registry import environment_maker
 from grpo_jax.episodes.runner import EpisodeRunner
 from grpo_jax.runtime.devices import check_capacity, check_devices, check_moe, run_mesh, sampler_mesh
 from grpo_jax.runtime.hosts import row_share
+from grpo_jax.runtime.platform import platform_of
+from grpo_jax.models.dispatch import check_run
 from grpo_jax.runtime.sharding import rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.trainer.side_models import check_side_model
@@ -103,8 +105,7 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
     engine = engine_of(sampling)
     notes = [f"sampling.{', '.join(paging)} not used: the {engine.name} engine has no page pool (sampling.engine: "
              "paged uses them)"] if paging and not engine.pages else []
-    on_tpu = mesh.devices.flat[0].platform == "tpu"
-    if engine.pages and "page_size" in paging and not sampling.kv_cache_bytes and not on_tpu:
+    if engine.pages and "page_size" in paging and not sampling.kv_cache_bytes and platform_of(mesh) == "cpu":
         notes.append("sampling.page_size not used: with kv_cache_bytes 0 each slot reserves max_new_tokens of "
                      "cache, read in place (set sampling.kv_cache_bytes for a page pool)")
     if not engine.slots:
@@ -117,6 +118,16 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
     if not dynamic_sampling and sampling.segment_steps != SamplingConfig.segment_steps:
         notes.append("sampling.segment_steps is used by over-sampling only (train.dynamic_sampling)")
     return notes
+
+
+def check_attention(config: RunConfig, model_config, mesh: Mesh) -> list[str]:
+    """Every attention pass of the run (grpo_jax.models.dispatch.run_needs) has an implementation
+    on the mesh's platform: an explicit `model.attention` or `sampling.paged_attention` that cannot
+    run one is a ConfigError in one line naming a choice that can. Returns "pass: implementation"."""
+    try:
+        return check_run(config, model_config, platform_of(mesh))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def evaluation_sampling(sampling: SamplingConfig, config: RunConfig) -> SamplingConfig:
@@ -159,6 +170,7 @@ def prepare(config: RunConfig) -> Prepared:
     sampling = resolve_sampling(config.sampling, tokenizer, model_config)
     eval_sampling = evaluation_sampling(sampling, config)
     notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
+    check_attention(config, model_config, mesh)
     samplers = sampler_mesh(config)
     episodes = episode_runner(config, tokenizer, mesh)
     rollout = RolloutInputs(stream=streams["train_stream"], rewards=tuple(rewards), correct_by=eval_reward.name,

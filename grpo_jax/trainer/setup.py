@@ -81,7 +81,7 @@ def build_learner(cfg: RunConfig, mesh, model, *, temperature: float,
         reference = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
     learner = make_learner(cfg, mesh, graphdef, optimizer, state, temperature=temperature, frozen=frozen,
                            ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher,
-                           reference=reference)
+                           reference=reference, model_config=model.config)
     return learner, state
 
 
