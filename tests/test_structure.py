@@ -312,9 +312,10 @@ def called_names(path: Path) -> set[str]:
 
 
 def test_bench_memory_builds_the_run_through_the_runs_own_construction():
-    """One construction of a run: `bench memory`'s abstract run calls `setup.build_learner` (what
-    `build` calls) and builds none of its pieces itself."""
+    """One construction of a run: `bench memory`'s abstract run calls `construct.build_learner` (what
+    `setup.build` and the start's KV sizing call) and builds none of its pieces itself."""
     pieces = {"make_learner", "init_state", "new_state", "build_critic", "load_teacher", "run_optimizer", "init_critic"}
-    bench, setup = called_names(PACKAGE / "tools/bench/abstract_run.py"), called_names(PACKAGE / "trainer/setup.py")
+    bench, setup = called_names(PACKAGE / "tools/bench/abstract_run.py"), called_names(PACKAGE / "trainer/construct.py")
     assert "build_learner" in bench and bench & pieces == set(), bench & pieces
     assert {"build_learner", "make_learner", "build_critic", "load_teacher"} <= setup
+    assert "build_learner" in called_names(PACKAGE / "trainer/setup.py")

@@ -151,6 +151,17 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from grpo_jax.tools.plan import plan
+
+    result = plan(args.config, topology=args.topology, overrides=args.set or [], preset=args.preset,
+                  max_compiles=args.max_compiles)
+    print(json.dumps(result))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result.get("fits") else 1
+
+
 def _training_command(sub, name: str, func, about: str, *, example: str, output: str) -> None:
     """A command that trains from a config: --config, --set and --output (default runs/<config name>)."""
     command = sub.add_parser(name, help=about)
@@ -177,6 +188,18 @@ def add_commands(sub) -> None:
     check.add_argument("--for", dest="for_command", choices=check_tool.COMMANDS, default="train",
                        help="the command the config is for (default train)")
     check.set_defaults(func=_check, prog=check.prog)
+
+    plan = sub.add_parser("plan", help="the fastest settings (micro-batches, remat, KV pool fraction) that fit a TPU "
+                                       "slice with 20%% of HBM to spare, compiled with XLA:TPU (libtpu, no TPU), step "
+                                       "time by a roofline estimate")
+    plan.add_argument("--config", required=True, help="YAML file, e.g. configs/qwen3_0.6b_gsm8k_v5e8.yaml")
+    plan.add_argument("--topology", required=True, metavar="NAME", help="the TPU slice, e.g. v5e:2x4 (a v5e-8)")
+    plan.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    plan.add_argument("--preset", default="", help="the model's shape by name (bench.PRESETS, e.g. qwen3-1.7b) where "
+                                                    "its files are not on this machine")
+    plan.add_argument("--max-compiles", type=int, default=12, help="compile at most this many programs (default 12)")
+    plan.add_argument("--output", default=None, help="also write the JSON result here")
+    plan.set_defaults(func=_plan, prog=plan.prog)
 
     ev = sub.add_parser("eval", help="accuracy and pass@k (and eval.verifier's accuracy) of a run's newest checkpoint "
                                      "on the held-out split, evaluated as the trainer evaluates")

@@ -51,9 +51,12 @@ class SamplingConfig:
     engine: Engine = "paged"
     slots: int = 0
     # The paged engine's cache per row shard (data x fsdp x expert), in bytes: every page, the prompts' and the
-    # sequences'. 0 = one max-length reservation per slot, read in place (the per-slot engine's).
-    # Bytes, not pages, so two models or page sizes compare at equal memory.
-    kv_cache_bytes: int = 0
+    # sequences'. Bytes, not pages, so two models or page sizes compare at equal memory. auto: sized
+    # at a run's start from the chip's memory, kv_cache_fraction of what the run does not hold
+    # (grpo_jax.engine.sizing), with slots 0 then as many as the pool keeps busy; on CPU auto is 0.
+    # 0: one max-length reservation per slot, read in place (the per-slot engine's).
+    kv_cache_bytes: int | Literal["auto"] = "auto"
+    kv_cache_fraction: float = 0.9  # of what is left of a chip (vLLM's gpu_memory_utilization)
     page_size: int = 16  # tokens per page (the TPU kernel prefers 64-256)
     # gather: pure-JAX attention over each sequence's pages (any backend); pallas: JAX's TPU kernel
     # ragged_paged_attention (head_dim % 128 == 0); gpu: JAX's Pallas GPU paged kernel, pages read in
@@ -64,11 +67,20 @@ class SamplingConfig:
     # to score the groups that finished (grpo_jax.rollout.stream).
     segment_steps: int = 16
 
+    @property
+    def kv_bytes(self) -> int:
+        """`kv_cache_bytes` as the engine reads it: an unresolved `auto` (an engine called outside a
+        run, or on CPU) is 0."""
+        return 0 if self.kv_cache_bytes == "auto" else self.kv_cache_bytes
+
     def __post_init__(self):
         choice_in("sampling", "engine", self.engine, ENGINES)
         positive("sampling", "segment_steps", self.segment_steps)
         positive("sampling", "page_size", self.page_size)
-        non_negative("sampling", "kv_cache_bytes", self.kv_cache_bytes)
+        if self.kv_cache_bytes != "auto":
+            non_negative("sampling", "kv_cache_bytes", self.kv_cache_bytes)
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"sampling.kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         choice_in("sampling", "paged_attention", self.paged_attention, PAGED_ATTENTION)
         if self.slots < 0:
             raise ValueError(f"sampling.slots must be >= 0 (0 = one per sequence), got {self.slots}")

@@ -119,13 +119,13 @@ def pool_pages(model_config, dtype, config: SamplingConfig, *, prompt_slots: int
     sequence, the per-slot reservation). Raises ValueError below one max-length sequence."""
     Tp, most = pages_needed(prompt_slots, config.max_new_tokens, config.page_size)
     fixed = 1 + prompts * Tp
-    if not config.kv_cache_bytes:
+    if not config.kv_bytes:
         return fixed + slots * most
     each = page_bytes(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, config.page_size,
                       jnp.dtype(dtype).itemsize)
-    pages = config.kv_cache_bytes // each
+    pages = config.kv_bytes // each
     if pages < fixed + most:
-        raise ValueError(f"sampling.kv_cache_bytes={config.kv_cache_bytes} holds {pages} pages of {each} bytes per row "
+        raise ValueError(f"sampling.kv_cache_bytes={config.kv_bytes} holds {pages} pages of {each} bytes per row "
                          f"shard; the prompts take {fixed} and one sequence of max_new_tokens="
                          f"{config.max_new_tokens} up to {most}: raise it to at least {(fixed + most) * each}")
     return pages
@@ -135,14 +135,14 @@ def lockstep_fits(model, config: SamplingConfig, *, prompt_slots: int, lay: Engi
     """Whether `sampling.kv_cache_bytes` (0: yes) holds what the lock-step loop keeps per row shard:
     every prompt's block and every sequence's max_new_tokens - 1 fed tokens (in whole attention
     phases), the per-slot reservation's cache with a slot per sequence."""
-    if not config.kv_cache_bytes:
+    if not config.kv_bytes:
         return True
     mc = model.config
     M1 = max(config.max_new_tokens - 1, 1)
     phases = max(1, min(config.attend_phases, M1))
     fed = -(-M1 // phases) * phases
     per_token = page_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, 1, jnp.dtype(model.dtype).itemsize)
-    return config.kv_cache_bytes >= per_token * (lay.prompts * prompt_slots + lay.sequences * fed)
+    return config.kv_bytes >= per_token * (lay.prompts * prompt_slots + lay.sequences * fed)
 
 
 def resume_paged(model, config: SamplingConfig, mesh: Mesh, st: PagedState) -> PagedLoop:
@@ -163,7 +163,7 @@ def start_paged(model, ids_NP, mask_NP, rng, *, config: SamplingConfig, mesh: Me
     impl = choose_attention(config.paged_attention, model.config, model.dtype, config.page_size, mesh)
     last_NV, k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, experts_NPLK = model.prefill_kv(ids_NP, mask_NP, with_routing=True,
         row_sharding=batch_sharding(mesh, 1))
-    if not config.kv_cache_bytes and impl == "gather":
+    if not config.kv_bytes and impl == "gather":
         cache = SlotCache.create(k_LNKPD, v_LNKPD, pmask_NP, ppos_NP, shards=Z, slots=J, decode_steps=max(M - 1, 1),
                                  phases=config.attend_phases)
     else:

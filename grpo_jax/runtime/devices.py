@@ -131,8 +131,8 @@ def check_capacity(config: RunConfig, model_config, *, capacity: tuple[int, str]
     tokens = d.max_prompt_tokens + s.max_new_tokens
     itemsize = {"float32": 4, "bfloat16": 2}[config.model.dtype if config.model else "float32"]
     kv = held * tokens * m.num_layers * 2 * m.num_kv_heads * m.head_dim * itemsize
-    if pages and s.kv_cache_bytes:  # the pool holds what fits of them at once
-        kv = min(kv, s.kv_cache_bytes)
+    if pages and s.kv_bytes:  # the pool holds what fits of them at once
+        kv = min(kv, s.kv_bytes)
     logits = held * m.vocab_size * 4
     total, where = capacity or device_memory_bytes()
     if kv + logits > total:

@@ -19,11 +19,10 @@ from grpo_jax import data
 from grpo_jax.config import ConfigError, EvalConfig, ModelConfig, RunConfig, SamplingConfig
 from grpo_jax.data.stream import PromptStream
 from grpo_jax.engine.sampling import greedy_completions
-from grpo_jax.models import Transformer, TransformerConfig, config_to_hf, load_config
+from grpo_jax.models import TransformerConfig, config_to_hf, load_config
 from grpo_jax.models.hf_tensors import TensorReader
 from grpo_jax.models.build import architecture, build_tokenizer
 from grpo_jax.models.gguf import is_gguf
-from grpo_jax.models.lora import add_adapters
 from grpo_jax.rewards import build_rewards
 from grpo_jax.rewards.registry import sandbox_notes
 from grpo_jax.rollout.inputs import EvalInputs, RolloutInputs, Tokenizer
@@ -40,6 +39,8 @@ from grpo_jax.runtime.storage import is_remote
 from grpo_jax.trainer.side_models import check_side_model
 from grpo_jax.learner.objectives import objective_class
 from grpo_jax.engine.engines import engine_of
+from grpo_jax.engine.sizing import resolve_kv_cache
+from grpo_jax.trainer.construct import held_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +68,6 @@ class Prepared:
     def mesh(self) -> Mesh:
         """The run's device mesh (jit: data x fsdp x expert x tensor; pmap: data over the local devices)."""
         return self.rollout.mesh
-
-
-def add_run_adapters(model: Transformer, config: RunConfig) -> None:
-    """The run's LoRA adapters (`lora.rank` > 0), drawn from the seed; nothing without."""
-    lo = config.lora
-    if lo.enabled:
-        add_adapters(model, rank=lo.rank, alpha=lo.alpha, targets=lo.targets, dropout=lo.dropout,
-                     key=jax.random.fold_in(jax.random.key(config.train.seed), 16))
 
 
 def resolve_sampling(sampling: SamplingConfig, tokenizer, model_config: TransformerConfig) -> SamplingConfig:
@@ -105,7 +98,7 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
     engine = engine_of(sampling)
     notes = [f"sampling.{', '.join(paging)} not used: the {engine.name} engine has no page pool (sampling.engine: "
              "paged uses them)"] if paging and not engine.pages else []
-    if engine.pages and "page_size" in paging and not sampling.kv_cache_bytes and platform_of(mesh) == "cpu":
+    if engine.pages and "page_size" in paging and not sampling.kv_bytes and platform_of(mesh) == "cpu":
         notes.append("sampling.page_size not used: with kv_cache_bytes 0 each slot reserves max_new_tokens of "
                      "cache, read in place (set sampling.kv_cache_bytes for a page pool)")
     if not engine.slots:
@@ -118,6 +111,15 @@ def engine_notes(sampling: SamplingConfig, mesh: Mesh, *, dynamic_sampling: bool
     if not dynamic_sampling and sampling.segment_steps != SamplingConfig.segment_steps:
         notes.append("sampling.segment_steps is used by over-sampling only (train.dynamic_sampling)")
     return notes
+
+
+def size_cache(config: RunConfig, model_config, mesh: Mesh, samplers: Mesh | None, sampling: SamplingConfig):
+    """`sampling.kv_cache_bytes: auto` resolved for the chips the run samples on (grpo_jax.engine.
+    sizing): on the learner's mesh the run holds its train state there; on a sampler mesh of its own,
+    a replicated copy of the weights. A chip too small for one sequence is a ConfigError."""
+    where = samplers if samplers is not None else mesh
+    return resolve_kv_cache(config, model_config, where, sampling, held=lambda: held_bytes(
+        config, model_config, mesh, samples_apart=samplers is not None))
 
 
 def check_attention(config: RunConfig, model_config, mesh: Mesh) -> list[str]:
@@ -167,11 +169,13 @@ def prepare(config: RunConfig) -> Prepared:
     notes = side_notes + sandbox_notes(rewards)
     mesh = run_mesh(config)
     streams = _streams(config, tokenizer, mesh, notes)
-    sampling = resolve_sampling(config.sampling, tokenizer, model_config)
-    eval_sampling = evaluation_sampling(sampling, config)
-    notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
-    check_attention(config, model_config, mesh)
     samplers = sampler_mesh(config)
+    sampling = resolve_sampling(config.sampling, tokenizer, model_config)
+    notes += engine_notes(sampling, mesh, dynamic_sampling=config.train.dynamic_sampling)
+    sampling, sized = size_cache(config, model_config, mesh, samplers, sampling)
+    notes += [sized.line()] if sized is not None else []
+    eval_sampling = evaluation_sampling(sampling, config)
+    check_attention(config, model_config, mesh)
     episodes = episode_runner(config, tokenizer, mesh)
     rollout = RolloutInputs(stream=streams["train_stream"], rewards=tuple(rewards), correct_by=eval_reward.name,
                             tokenizer=tokenizer,

@@ -6,34 +6,24 @@ the parallelism and the learner around it, and the rollout source that samples w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from grpo_jax.config import RunConfig
 from grpo_jax.learner.learner import Learner
-from grpo_jax.learner.objectives import objective_class
-from grpo_jax.learner.modes import make_learner
-from grpo_jax.learner.optimizer import run_optimizer
 from grpo_jax.trainer.warm_start import warm_start
-from grpo_jax.learner.step_factory import TrainState, new_state
-from grpo_jax.learner.train_step import split_trainable
-from grpo_jax.models.lora import strip_adapters
+from grpo_jax.learner.step_factory import TrainState
 from grpo_jax.rewards import StatefulReward
 from grpo_jax.rollout.episode_source import EpisodeSampler
 from grpo_jax.rollout.pipeline import PipelinedSource
 from grpo_jax.rollout.source import SyncSampler
-from grpo_jax.runtime.sharding import place_model, placed_shapes
+from grpo_jax.runtime.sharding import place_model
 from grpo_jax.trainer import lora_base
-from grpo_jax.models.build import build_model, model_options
-from grpo_jax.trainer.prepare import Prepared, add_run_adapters
-from grpo_jax.trainer.side_models import build_critic, load_teacher
+from grpo_jax.models.build import build_model
+from grpo_jax.trainer.construct import add_run_adapters, build_learner
+from grpo_jax.trainer.prepare import Prepared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,40 +39,6 @@ def stateful_rewards(prepared: Prepared) -> list[StatefulReward]:
     """Every reward the run scores with that holds something (a reward model), once each."""
     specs = [*prepared.rollout.rewards, *prepared.eval.judges()]
     return list({id(s.fn): s.fn for s in specs if isinstance(s.fn, StatefulReward)}.values())
-
-
-def build_learner(cfg: RunConfig, mesh, model, *, temperature: float,
-                  abstract: bool = False) -> tuple[Learner, TrainState]:
-    """The learner around `model` (the policy with the run's adapters) and its fresh train state,
-    not yet placed: the optimizer, PPO's critic, distillation's teacher, a LoRA run's frozen base,
-    the KL reference. `abstract`: `model` holds jax.ShapeDtypeStructs (`nnx.eval_shape`) and so
-    does everything built here, nothing loaded, drawn or placed (`grpo-jax bench memory` lowers
-    the run's programs on them); the learner is the one a run gets, but it holds no reference copy
-    (the programs take theirs as arguments)."""
-    optimizer = run_optimizer(cfg)
-    critic_graphdef, critic = None, None
-    algorithm = objective_class(cfg)
-    if algorithm.critic:  # after the warm start: a critic copied from the policy copies the warm-started one
-        critic_graphdef, critic = build_critic(cfg, model, mesh, model_options(cfg.model), abstract=abstract)
-    graphdef, params, frozen = split_trainable(model)
-    fresh = functools.partial(new_state, optimizer=optimizer)
-    if abstract:
-        state = jax.eval_shape(lambda p, c: fresh(p, critic=c), params, critic)
-    else:
-        state = fresh(params, critic=critic)
-    if abstract and frozen is not None:  # placed with the model, by the rules
-        frozen = placed_shapes(frozen, mesh)
-    # The KL reference (beta > 0): a copy of the params, saved with each checkpoint; a LoRA run's
-    # is its frozen base in the structure without adapters (no copy; the base is on disk, lora_base).
-    ref_graphdef = None if frozen is None else nnx.split(strip_adapters(model), nnx.Param)[0]
-    teacher = load_teacher(cfg, mesh, model_options(cfg.model), abstract=abstract) if algorithm.teacher else None
-    reference = None
-    if cfg.grpo.beta > 0 and frozen is None and not abstract:
-        reference = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-    learner = make_learner(cfg, mesh, graphdef, optimizer, state, temperature=temperature, frozen=frozen,
-                           ref_graphdef=ref_graphdef, critic_graphdef=critic_graphdef, teacher=teacher,
-                           reference=reference, model_config=model.config)
-    return learner, state
 
 
 def build(prepared: Prepared, *, run_dir: Path, saved_base: dict | None, resuming: bool,

@@ -1,7 +1,7 @@
 """A run's programs on abstract shapes (`abstract_run`), for `grpo-jax bench memory`.
 
 The run is built by the code a run is built with: the policy with the run's adapters as
-`nnx.eval_shape` draws it, then `trainer.setup.build_learner` (the learner, its train state, PPO's
+`nnx.eval_shape` draws it, then `trainer.construct.build_learner` (the learner, its train state, PPO's
 critic, distillation's teacher, a LoRA base: what `build` calls) with `abstract=True`, and the
 sampler's engine program (`engine_of`). Every array is a `jax.ShapeDtypeStruct`: nothing is
 initialised, loaded or placed, so a pod-sized model compiles on a laptop's host devices.
@@ -17,8 +17,6 @@ fields).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Collection
 
 import jax
@@ -26,23 +24,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from grpo_jax.config import RunConfig, SamplingConfig
+from grpo_jax.config import ConfigError, RunConfig, SamplingConfig
 from grpo_jax.learner.packing import PackRows
 from grpo_jax.learner.learner import Learner
 from grpo_jax.learner.objectives import objective_class
 from grpo_jax.learner.train_step import Batch
-from grpo_jax.models import Transformer, TransformerConfig
+from grpo_jax.models import TransformerConfig
 from grpo_jax.models import load_config as load_model_config
 from grpo_jax.models.moe import expert_dtype
 from grpo_jax.rollout.evaluation import prompts_per_call
 from grpo_jax.engine.engines import engine_of
+from grpo_jax.engine.sizing import per_chip, resolve_kv_cache
 from grpo_jax.runtime.sharding import batch_sharding, param_shardings, rows_per_shard
 from grpo_jax.runtime.storage import is_remote
 from grpo_jax.tools.bench.programs import NOT_ASKED, PROGRAMS
 from grpo_jax.tools.bench.parity import preset_config
-from grpo_jax.models.build import architecture, build_tokenizer, model_options
-from grpo_jax.trainer.prepare import add_run_adapters, evaluation_sampling
-from grpo_jax.trainer.setup import build_learner
+from grpo_jax.models.build import architecture, build_tokenizer
+from grpo_jax.trainer.prepare import evaluation_sampling
+from grpo_jax.trainer.construct import abstract_policy, build_learner
 
 # The batch's fields that the reference pass takes (the rest stay where they are meanwhile).
 _IDS = ("prompt_ids", "prompt_mask", "completion_ids")
@@ -71,23 +70,33 @@ def model_shape(cfg, preset: str = "") -> tuple[TransformerConfig, str]:
     return load_model_config(cfg.path), str(cfg.path)
 
 
-def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collection[str] = ()) -> AbstractRun:
+def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collection[str] = (),
+                 chip_bytes: int | None = None) -> AbstractRun:
     """The run's programs lowered on abstract shapes over `mesh` (see the module docstring); with
     `programs` (names of `PROGRAMS`), only those: the others the run has are in `not_compiled` as
-    `NOT_ASKED` (a sampler at tens of thousands of tokens costs minutes to compile)."""
+    `NOT_ASKED` (a sampler at tens of thousands of tokens costs minutes to compile).
+    `chip_bytes`: one chip's memory, which sizes `sampling.kv_cache_bytes: auto` as a run on that
+    chip sizes it (grpo_jax.engine.sizing, from the resident parts); else auto is resolved for
+    `mesh`'s devices (0 on CPU)."""
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
         raise ValueError(f"unknown program(s) {', '.join(unknown)}: choose among {', '.join(PROGRAMS)}")
     asked = set(programs or PROGRAMS)
     model_config, source = model_shape(config.model, preset)
-    model = nnx.eval_shape(functools.partial(_policy, config, model_config))
+    model = abstract_policy(config, model_config)
     learner, state = build_learner(config, mesh, model, temperature=config.sampling.temperature, abstract=True)
     frozen = learner.frozen
     batch = abstract_batch(config, model_config)
     if learner.packing is not None:
         batch = batch.replace(packing=worst_packing(config, learner, mesh))
     resident = _resident(config, learner, state, frozen, batch, mesh)
-    sampling = _sampling(config.sampling, model_config)
+    sampling, sized, refused = _sampling(config.sampling, model_config), None, None
+    try:
+        sampling, sized = resolve_kv_cache(
+            config, model_config, mesh, sampling, chip=chip_bytes,
+            held=lambda: (sum(v for k, v in resident.items() if not k.startswith("batch")), resident["params"]))
+    except ConfigError as e:  # the run would stop at its start; its programs are still measured, without a pool
+        refused = str(e)
     eval_prompts = prompts_per_call(config.eval.num_prompts, mesh)
     # name -> (lowers it, the resident parts among its arguments), for the programs this run has.
     ref_params = state.params if frozen is None else frozen
@@ -108,23 +117,15 @@ def abstract_run(config: RunConfig, mesh, *, preset: str = "", programs: Collect
     lowered = {name: (lower(), parts) for name, (lower, parts) in runs.items() if name in asked}
     return AbstractRun(programs=lowered, resident=resident, model=_model_summary(config, model_config, source, state,
                                                                                  frozen),
-                       workload=_workload(config, mesh, eval_prompts, batch.packing), not_compiled=not_compiled)
-
-
-def _policy(config: RunConfig, model_config: TransformerConfig) -> Transformer:
-    model = Transformer(model_config, rngs=nnx.Rngs(config.train.seed), **model_options(config.model))
-    add_run_adapters(model, config)
-    return model
+                       workload={**_workload(config, mesh, eval_prompts, batch.packing),
+                                 **({"kv_cache": dataclasses.asdict(sized)} if sized is not None else {}),
+                                 **({"kv_cache_refused": refused} if refused else {})},
+                       not_compiled=not_compiled)
 
 
 def with_shardings(tree, shardings):
     """`tree`'s arrays (or jax.ShapeDtypeStructs) as jax.ShapeDtypeStructs carrying `shardings`."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of jax.ShapeDtypeStructs carrying shardings (the largest shard)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def abstract_batch(config: RunConfig, model_config: TransformerConfig) -> Batch:
@@ -152,14 +153,14 @@ def abstract_batch(config: RunConfig, model_config: TransformerConfig) -> Batch:
 
 def _resident(config: RunConfig, learner: Learner, state, frozen, batch: Batch, mesh) -> dict[str, int]:
     placed = with_shardings(state, learner.shardings)
-    params = device_bytes(placed.params)
+    params = per_chip(placed.params)
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if getattr(batch, f.name) is not None}
-    rows = {k: sum(device_bytes(with_shardings(a, batch_sharding(mesh, a.ndim))) for a in jax.tree.leaves(v))
+    rows = {k: sum(per_chip(with_shardings(a, batch_sharding(mesh, a.ndim))) for a in jax.tree.leaves(v))
             for k, v in fields.items()}  # the packing plan: a few int32 per row
-    return {"params": params, "optimizer": device_bytes(placed) - params,
-            "frozen": 0 if frozen is None else device_bytes(frozen),
+    return {"params": params, "optimizer": per_chip(placed) - params,
+            "frozen": 0 if frozen is None else per_chip(frozen),
             "reference": params if config.grpo.beta > 0 and frozen is None else 0,
-            "teacher": 0 if learner.teacher is None else device_bytes(learner.teacher),
+            "teacher": 0 if learner.teacher is None else per_chip(learner.teacher),
             "batch_ids": sum(v for k, v in rows.items() if k in _IDS),
             "batch_rest": sum(v for k, v in rows.items() if k not in _IDS)}
 

@@ -52,13 +52,13 @@ TOPOLOGY_EXAMPLES = "v5e:2x2, v5e:2x4, v5e:4x4, v5e:4x8, v6e:2x2, v6e:2x4, v5p:2
 INSTALL_TPU_COMPILER = "pip install 'grpo-jax[tpu-compile]' (jax[tpu]==0.10.2 with its libtpu, ~700 MB)"
 
 
-def _to_stderr(line: str) -> None:
+def to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0, chip: str = "",
            topology: str = "", preset: str = "", programs: Sequence[str] = (),
-           log: Callable[[str], None] = _to_stderr) -> dict:
+           log: Callable[[str], None] = to_stderr) -> dict:
     """Compile a run config's programs on abstract shapes and return each one's memory per device
     against a chip's HBM, with a verdict and the margin.
 
@@ -79,7 +79,7 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
         if devices:
             raise ConfigError(f"bench memory: --devices and --topology both give the device count; --topology "
                               f"{topology} has its own, leave --devices out")
-        chip = _topology_chip(topology, chip)
+        chip = topology_chip(topology, chip)
     chip = chip or "v5e"
     if chip not in CHIPS:
         raise ConfigError(f"bench memory: unknown chip {chip!r}; choose one of {list(CHIPS)}")
@@ -97,7 +97,7 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
     if topology:
         chips = topology_devices(topology)
         devices = len(chips)
-    if not _host_devices_ready(devices, fresh):
+    if not host_devices_ready(devices, fresh):
         if os.environ.get(_CHILD) == str(devices):  # its own process could not set the count either: never again
             raise ConfigError(f"bench memory: JAX was already started in its own process, so it could not run on "
                               f"{devices} devices (something imported JAX before `bench memory` began)")
@@ -108,7 +108,7 @@ def memory(config_path: str, *, overrides: Sequence[str] = (), devices: int = 0,
             "overrides": list(overrides), **result}
 
 
-def _host_devices_ready(devices: int, fresh: bool) -> bool:
+def host_devices_ready(devices: int, fresh: bool) -> bool:
     """Whether this process runs JAX on `devices` CPU devices, starting it so if it is `fresh` (JAX
     was not imported when `memory` was called: its CPU backend reads XLA_FLAGS when it starts)."""
     if fresh:
@@ -166,8 +166,9 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
     if topology:
         log(f"{topology}: {len(chips)} chips from libtpu (no TPU attached: its warnings above about "
             "TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES are harmless)")
-        mesh = _topology_mesh(config, mesh, topology, chips)
-    run = abstract_run(config, mesh, preset=preset, programs=programs)
+        mesh = topology_mesh(config, mesh, topology, chips)
+    run = abstract_run(config, mesh, preset=preset, programs=programs, chip_bytes=CHIPS[chip])
+    _log_sizing(run.workload, log)
     if not run.programs:
         raise ConfigError(f"bench memory --programs {','.join(programs)}: the run has none of them ("
                           + "; ".join(f"{k}: {v}" for k, v in run.not_compiled.items() if v != NOT_ASKED) + ")")
@@ -201,6 +202,16 @@ def measure(config, *, chip: str, preset: str = "", log: Callable[[str], None] =
             "programs": results, "not_compiled": run.not_compiled, "peak_program": peak_program, "peak_bytes": peak,
             "margin_bytes": hbm - peak, "margin_frac": (hbm - peak) / hbm, "verdict": verdict, "verdict_line": why,
             "backend": backend, "note": note}
+
+
+def _log_sizing(workload: dict, log: Callable[[str], None]) -> None:
+    """How `sampling.kv_cache_bytes: auto` was sized for the chip, or why a run would stop."""
+    from grpo_jax.engine.sizing import CacheSizing
+
+    if "kv_cache" in workload:
+        log(CacheSizing(**workload["kv_cache"]).line())
+    if "kv_cache_refused" in workload:
+        log(f"a run would stop at its start: {workload['kv_cache_refused']} (its sampler is measured without a pool)")
 
 
 def _verdict(programs: dict, chip: str) -> tuple[str, str, int, str]:
@@ -299,7 +310,7 @@ def _line(name: str, f: dict) -> str:
     return f"{name:<14}{gib[0]:>11.3f}{gib[1]:>10.3f}{gib[2]:>10.3f}{gib[3]:>8.3f}{gib[4]:>10.3f}{gib[5]:>10.3f}"
 
 
-def _topology_chip(topology: str, chip: str) -> str:
+def topology_chip(topology: str, chip: str) -> str:
     """The chip a topology name is of (its part before ':'), which `chip`, if given, must be."""
     from grpo_jax.config import ConfigError
 
@@ -336,7 +347,7 @@ def topology_devices(topology: str) -> list:
                           f"{INSTALL_TPU_COMPILER}") from None
 
 
-def _topology_mesh(config, host_mesh, topology: str, chips: Sequence):
+def topology_mesh(config, host_mesh, topology: str, chips: Sequence):
     """The run's mesh over `topology`'s chips: the shape the config's checks gave `host_mesh` (over
     as many host devices), which must use every chip."""
     from grpo_jax.config import ConfigError
