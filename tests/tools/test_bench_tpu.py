@@ -117,3 +117,45 @@ def _has_libtpu() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.slow
+def test_the_planner_returns_settings_that_compile_and_fit(tmp_path, capsys):
+    """`grpo-jax plan` on a tiny config for a v5e-8 (conftest's 8 host devices stand in for its
+    chips): the settings it prints were compiled by XLA:TPU and every program of them fits 80% of
+    the chip; the candidates were tried fastest estimate first; the `--set` lines and the YAML
+    snippet are the same settings and load as a config; a compile budget too small to find a plan
+    says so (exit 1)."""
+    import yaml
+
+    from grpo_jax.config import load_config
+
+    _libtpu()
+    config = _config(tmp_path)
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--config", config, "--topology", "v5e:2x4", "--output", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["fits"] and got["chip"] == "v5e" and got["chips"] == 8 and got["margin"] == 0.2
+    budget = 0.8 * CHIPS["v5e"]
+    picked = [next(c for c in got[k] if c["fits"]) for k in ("sampler_candidates", "update_candidates")]
+    for cand in picked:
+        assert cand["programs"] and all(p["compiled"] and 0 < p["peak_bytes"] <= budget
+                                        for p in cand["programs"].values()), cand
+    assert set(picked[0]["programs"]) == {"sampler", "eval_sampler"}
+    assert set(picked[1]["programs"]) == {"train_step", "reference"}  # CONFIG has grpo.beta > 0
+    assert got["sets"] == picked[0]["sets"] + picked[1]["sets"]
+    assert got["estimated_step_s"] == pytest.approx(picked[0]["sampler_s"] + picked[1]["update_s"]
+                                                    + picked[1]["reference_s"])
+    times = [c["update_s"] for c in got["update_candidates"]]
+    assert times == sorted(times)
+    snippet = yaml.safe_load(got["snippet"])
+    flat = {f"{section}.{k}": v for section, keys in snippet.items() for k, v in keys.items()}
+    assert {s.split("=")[0] for s in got["sets"]} == set(flat)
+    loaded = load_config(config, got["sets"])
+    assert loaded.train.micro_batches == flat["train.micro_batches"] and loaded.model.remat == flat["model.remat"]
+    assert "(roofline estimate)" in capsys.readouterr().err
+    # One compile cannot cover the sampler and the update: no plan, said in one line, exit 1.
+    assert cli.main(["plan", "--config", config, "--topology", "v5e:2x4", "--max-compiles", "1",
+                     "--output", str(out)]) == 1
+    assert json.loads(out.read_text())["fits"] is False
+    assert "plan: no candidate compiled for the train step" in capsys.readouterr().err
