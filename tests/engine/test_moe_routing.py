@@ -115,7 +115,8 @@ def test_a_mixed_dense_and_moe_stack_with_expert_parallelism_equals_one_device()
     """Layers 0 and 2 dense, 1 and 3 experts (Qwen3-MoE's decoder_sparse_step=2): the paged engine
     on a mesh with an expert axis draws what one device draws, its routing recorded for the sparse
     layers (0 in the dense layers' slots), and the teacher-forced log-probs on the mesh equal one
-    device's; the scanned pass equals the unrolled one."""
+    device's; the scanned pass equals the unrolled one, and so do their gradients (the scan's MLP
+    stacks are closed over, each layer's cond slicing its own)."""
     from grpo_jax.models import Transformer
     from grpo_jax.models.presets import tiny
 
@@ -137,3 +138,15 @@ def test_a_mixed_dense_and_moe_stack_with_expert_parallelism_equals_one_device()
     unrolled = Transformer(cfg, rngs=nnx.Rngs(1), scan_layers=False)
     np.testing.assert_allclose(np.asarray(unrolled(ids, attention_mask=mask)), np.asarray(model(ids, attention_mask=mask)),
                                atol=1e-5)
+
+    def loss(m):
+        return jax.nn.log_softmax(m(ids, attention_mask=mask))[..., 5].sum()
+
+    grads = [nnx.state(nnx.grad(loss)(m), nnx.Param) for m in (model, unrolled)]
+    flat = [dict(nnx.to_flat_state(g)) for g in grads]
+    assert flat[0].keys() == flat[1].keys()
+    for k in flat[0]:
+        np.testing.assert_allclose(np.asarray(flat[0][k][...]), np.asarray(flat[1][k][...]), rtol=1e-5, atol=1e-5,
+                                   err_msg=str(k))
+    assert np.abs(np.asarray(flat[0][("layers", "expert_gate")][...])).max() > 0
+    assert np.abs(np.asarray(flat[0][("layers", "gate_proj")][...])).max() > 0
