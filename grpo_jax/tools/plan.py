@@ -218,6 +218,8 @@ def plan_in_process(config, *, chip: str, topology: str, chips: Sequence, log: C
                     preset: str = "", max_compiles: int = 12) -> dict:
     """The plan for `config` on `topology`'s compile-only `chips` (this process runs JAX on as many
     host devices): see the module docstring. Returns the JSON fields."""
+    import jax
+
     from grpo_jax.config import ConfigError
     from grpo_jax.runtime.devices import check_devices, run_mesh
     from grpo_jax.tools.bench.abstract_run import model_shape
@@ -228,8 +230,15 @@ def plan_in_process(config, *, chip: str, topology: str, chips: Sequence, log: C
     check_devices(config)
     planner = _Planner(config=config, chip=chip, mesh=topology_mesh(config, run_mesh(config), topology, chips),
                        cfg=model_shape(config.model, preset)[0], preset=preset, log=log, max_compiles=max_compiles)
-    samplers = planner.search_sampler()
-    updates = planner.search_update()
+    # A compile-only topology's executables cannot be loaded back from JAX's persistent cache (no
+    # client): reading an entry a run of the same settings wrote only warns, so none is read here.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        samplers = planner.search_sampler()
+        updates = planner.search_update()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     hbm = CHIPS[chip]
     result = {"topology": topology, "chip": chip, "chips": len(chips), "hbm_bytes": hbm, "margin": MARGIN,
               "estimate": "roofline (grpo_jax.tools.plan): max(FLOPs / peak, bytes / HBM bandwidth) per program, "
