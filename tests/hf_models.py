@@ -33,6 +33,11 @@ CASES: dict[str, tuple[type, dict]] = {
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=False, rope_theta=1_000_000.0)),
+    # A mixed dense/MoE stack (Qwen3-MoE's mlp_only_layers): layer 0 keeps the dense MLP.
+    "qwen3_moe_mixed": (transformers.Qwen3MoeConfig, dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0], rope_theta=1_000_000.0)),
     "mixtral": (transformers.MixtralConfig, dict(
         vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=5)),

@@ -22,6 +22,12 @@ Activation = Literal["silu", "gelu_pytorch_tanh", "gelu"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+"""A dense MLP's per-layer parameters."""
+EXPERT_PARAMS = ("router", "expert_gate", "expert_up", "expert_down")
+"""A mixture-of-experts layer's MLP parameters."""
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; choose one of {list(choices)}")
@@ -102,6 +108,9 @@ class TransformerConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
+    # A mixed stack (Qwen3-MoE's mlp_only_layers / decoder_sparse_step): the layers whose MLP is
+    # the dense one of width `intermediate_size`; the others' are experts. () = every layer sparse.
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.rope, dict):
@@ -143,6 +152,17 @@ class TransformerConfig:
                 raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         elif self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        object.__setattr__(self, "dense_layers", tuple(sorted({int(i) for i in self.dense_layers})))
+        if self.dense_layers:
+            if not self.num_experts:
+                raise ValueError("dense_layers names the dense layers of a mixture of experts; this model has no "
+                                 "experts (every layer is dense)")
+            outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ValueError(f"dense_layers {outside} are not layers of a {self.num_layers}-layer model")
+            if len(self.dense_layers) == self.num_layers:
+                raise ValueError("dense_layers names every layer: the model has no expert layer (num_experts 0 is "
+                                 "the dense model)")
         for cap_name in ("attn_logit_softcap", "final_logit_softcap"):
             cap = getattr(self, cap_name)
             if cap is not None and cap <= 0:
@@ -151,6 +171,24 @@ class TransformerConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def mixed(self) -> bool:
+        """A mixture of experts with some dense layers (`dense_layers`)."""
+        return bool(self.dense_layers)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is experts (none for a dense model)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers) if self.is_moe else ()
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    def mlp_slot(self, layer: int) -> int:
+        """Layer `layer`'s index in its MLP's stack: among the sparse layers, or among the dense ones."""
+        group = self.sparse_layers if self.layer_is_sparse(layer) else self.dense_layers or range(self.num_layers)
+        return list(group).index(layer)
 
     @property
     def query_scale(self) -> float:

@@ -29,6 +29,7 @@ from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.gguf import hf_dir, is_gguf
 from grpo_jax.models.hf_config import config_from_hf, config_to_hf
 from grpo_jax.models.hf_moe import MOE_PARAMS, expert_tensors, read_experts
+from grpo_jax.models.layer_scan import mlp_stack
 from grpo_jax.models.hf_tensors import TensorReader, read_tensor
 from grpo_jax.models.transformer import Transformer, layer_param_specs
 from grpo_jax.runtime.sharding import RULES, host_to_mesh, param_shardings
@@ -91,6 +92,14 @@ def _layer_table(config: TransformerConfig) -> dict[str, tuple[tuple[int, ...], 
         names.update(_SANDWICH_NAMES)
     return {name: (shape, *names[name]) for name, (shape, _) in layer_param_specs(config).items()
             if name not in MOE_PARAMS}
+
+
+def _stack_layers(config: TransformerConfig, name: str) -> tuple[int, ...]:
+    """The layers (HF indices) a parameter's stack holds, in order: every layer, or in a mixed
+    dense/MoE stack its MLP's layers."""
+    stack = mlp_stack(config, name)
+    return {"layers": tuple(range(config.num_layers)), "experts": config.sparse_layers,
+            "dense": config.dense_layers}[stack]
 
 
 def model_dir(path: str | os.PathLike) -> Path:
@@ -186,15 +195,16 @@ def read_values(reader: TensorReader, config: TransformerConfig, path: Path, np_
     used: set[str] = set(consumed)
     E, V = config.hidden_size, config.vocab_size
 
-    def stacked(shape, suffix, n_in):
+    def stacked(name, shape, suffix, n_in):
         # Filled in place: one layer's tensor at a time beside the result, not a list of all layers.
         hf = _hf_shape(shape, n_in)
-        out = np.empty((config.num_layers, *shape), np_dtype)
-        for i in range(config.num_layers):
-            out[i] = _to_ours(read_tensor(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in)
+        layers = _stack_layers(config, name)
+        out = np.empty((len(layers), *shape), np_dtype)
+        for j, i in enumerate(layers):
+            out[j] = _to_ours(read_tensor(reader, f"{prefix}layers.{i}.{suffix}", hf, used), shape, n_in)
         return out
 
-    values = {("layers", name): stacked(*spec) for name, spec in _layer_table(config).items()}
+    values = {("layers", name): stacked(name, *spec) for name, spec in _layer_table(config).items()}
     if config.is_moe:
         values.update(read_experts(reader, config, prefix, np_dtype, used))
     embed = read_tensor(reader, f"{prefix}embed_tokens.weight", (V, E), used)
@@ -222,11 +232,11 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
     config = model.config
     out: dict[str, np.ndarray] = {"model.embed_tokens.weight": np.asarray(jax.device_get(model.embed[...]))}
     layer_arrays = {k: np.asarray(jax.device_get(v)) for k, v in model.layers.arrays().items()}
-    for i in range(config.num_layers):
-        for name, (_, suffix, n_in) in _layer_table(config).items():
-            out[f"model.layers.{i}.{suffix}"] = _to_hf(layer_arrays[name][i], n_in)
-        if config.is_moe:
-            out.update((f"model.layers.{i}.{k}", v) for k, v in expert_tensors(config, layer_arrays, i).items())
+    for name, (_, suffix, n_in) in _layer_table(config).items():
+        for j, i in enumerate(_stack_layers(config, name)):
+            out[f"model.layers.{i}.{suffix}"] = _to_hf(layer_arrays[name][j], n_in)
+    for j, i in enumerate(config.sparse_layers):
+        out.update((f"model.layers.{i}.{k}", v) for k, v in expert_tensors(config, layer_arrays, j).items())
     out["model.norm.weight"] = np.asarray(jax.device_get(model.final_norm[...]))
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(jax.device_get(model.lm_head[...])).T)

@@ -202,7 +202,8 @@ def _sliding_layers(d: dict, family: str, L: int) -> tuple[int | None, tuple[str
 
 def _moe_fields(d: dict, family: str, L: int) -> dict[str, Any]:
     """The mixture-of-experts fields of TransformerConfig for Qwen3-MoE and Mixtral (none for dense
-    families). Every layer must be sparse: a Qwen3-MoE config that leaves some layers dense is refused."""
+    families). A Qwen3-MoE config's dense layers (mlp_only_layers, decoder_sparse_step) are
+    `dense_layers`; one with no expert layer at all is refused."""
     if family == "mixtral":
         return dict(num_experts=int(d.get("num_local_experts", 8)),
                     num_experts_per_tok=int(d.get("num_experts_per_tok", 2)),
@@ -213,17 +214,17 @@ def _moe_fields(d: dict, family: str, L: int) -> dict[str, Any]:
     # Published checkpoints say num_experts; transformers 5 writes its alias num_local_experts.
     experts = int(d.get("num_experts", d.get("num_local_experts", 128)))
     step, only = int(d.get("decoder_sparse_step", 1)), list(d.get("mlp_only_layers") or [])
+    # transformers' rule (Qwen3MoeDecoderLayer): experts where not listed in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0; the other layers keep the dense MLP of intermediate_size.
     dense = [i for i in range(L) if i in only or not (experts > 0 and step > 0 and (i + 1) % step == 0)]
-    if dense:
+    if len(dense) == L:
         raise UnsupportedModelError(
-            f"config.json makes layers {dense} dense MLPs (decoder_sparse_step={step}, mlp_only_layers={only}, "
-            f"num_experts={experts}): mixed dense/MoE stacks are not supported yet; grpo_jax needs every layer "
-            "sparse (decoder_sparse_step 1, mlp_only_layers [], num_experts > 0), as in all published Qwen3-MoE "
-            "checkpoints")
+            f"config.json makes every layer a dense MLP (decoder_sparse_step={step}, mlp_only_layers={only}, "
+            f"num_experts={experts}): a Qwen3-MoE with no expert layer; use the dense family (qwen3)")
     return dict(num_experts=experts, num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
                 moe_intermediate_size=int(d.get("moe_intermediate_size", 768)),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)))
+                router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)), dense_layers=tuple(dense))
 
 
 def _rope_to_dict(r: RopeConfig) -> dict | None:
@@ -299,6 +300,8 @@ def _moe_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
                          f"{list(cfg.layer_types)} mix the two")
     window = cfg.sliding_window if sliding else None
     if cfg.family == "mixtral":
+        if cfg.dense_layers:
+            raise ValueError(f"Mixtral has no dense layers: dense_layers={list(cfg.dense_layers)} needs family qwen3_moe")
         if not cfg.norm_topk_prob:
             raise ValueError("Mixtral always renormalises its top-k router weights: a mixtral config needs "
                              "norm_topk_prob=True (or family qwen3_moe)")
@@ -307,5 +310,5 @@ def _moe_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
                     sliding_window=window)
     return dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                 moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-                router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
-                use_sliding_window=sliding, sliding_window=window)
+                router_aux_loss_coef=cfg.router_aux_loss_coef, decoder_sparse_step=1,
+                mlp_only_layers=list(cfg.dense_layers), use_sliding_window=sliding, sliding_window=window)

@@ -46,14 +46,15 @@ def _block_names(config: TransformerConfig) -> tuple[str, dict[str, str]]:
 
 def read_experts(reader: TensorReader, config: TransformerConfig, prefix: str, np_dtype,
                  used: set[str]) -> dict[tuple[str, str], np.ndarray]:
-    """Every layer's expert parameters from `reader` (names under `{prefix}layers.{i}.`), each as
-    one array [L, ...] of `np_dtype` in our layout, keyed by NNX state path; the tensors read are
+    """Every expert layer's parameters from `reader` (names under `{prefix}layers.{i}.`), each as
+    one array [Lm, ...] (the sparse layers, in order) of `np_dtype` in our layout, keyed by NNX state path; the tensors read are
     added to `used`. A missing or mis-shaped tensor is a ValueError naming it (`read_tensor`)."""
-    L, E, Ex, Fx = config.num_layers, config.hidden_size, config.num_experts, config.moe_intermediate_size
+    E, Ex, Fx = config.hidden_size, config.num_experts, config.moe_intermediate_size
     shapes = {"router": (E, Ex), "expert_gate": (Ex, E, Fx), "expert_up": (Ex, E, Fx), "expert_down": (Ex, Fx, E)}
-    out = {name: np.empty((L, *shape), np_dtype) for name, shape in shapes.items()}
-    for i in range(L):
-        layer = {name: array[i] for name, array in out.items()}
+    sparse = config.sparse_layers  # every layer, or a mixed stack's expert layers
+    out = {name: np.empty((len(sparse), *shape), np_dtype) for name, shape in shapes.items()}
+    for j, i in enumerate(sparse):
+        layer = {name: array[j] for name, array in out.items()}
         if f"{prefix}layers.{i}.mlp.experts.gate_up_proj" in reader.location:
             _read_fused(reader, config, f"{prefix}layers.{i}.", layer, used)
         else:
@@ -86,7 +87,7 @@ def _read_per_expert(reader: TensorReader, config: TransformerConfig, p: str, la
 
 
 def expert_tensors(config: TransformerConfig, arrays: Mapping[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
-    """Layer `i`'s expert parameters (`arrays`: our per-layer parameters, stacked [L, ...]) under
+    """The `i`-th expert layer's parameters (`arrays`: our parameters, the experts' stacked [Lm, ...]) under
     their per-expert Hugging Face names after `model.layers.{i}.`, as published checkpoints have them."""
     block, names = _block_names(config)
     out = {f"{block}.gate.weight": np.ascontiguousarray(arrays["router"][i].T)}

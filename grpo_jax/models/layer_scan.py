@@ -5,12 +5,14 @@ from the layer bodies, "layer_input" from `run_layers` itself). Used by the plai
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from grpo_jax.config import REMATS
-from grpo_jax.models.config import TransformerConfig
+from grpo_jax.models.config import DENSE_MLP, EXPERT_PARAMS, TransformerConfig
 
 # model.remat -> what a layer keeps for its backward pass (a jax.checkpoint policy; "none": no
 # checkpoint at all). `dots_with_no_batch_dims_saveable` keeps the weight matmuls' outputs (the
@@ -27,9 +29,46 @@ REMAT_POLICIES = {"none": None, "block": jax.checkpoint_policies.nothing_saveabl
 assert tuple(REMAT_POLICIES) == REMATS, "one policy per model.remat choice"
 
 
-def compute_dtype(p: dict[str, jax.Array], dtype) -> dict[str, jax.Array]:
-    """One layer's arrays with the floating ones cast to the compute dtype (dropout keys stay as they are)."""
-    return {n: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a for n, a in p.items()}
+class MixedMLP(NamedTuple):
+    """A scanned layer's MLP in a mixed dense/MoE stack: whether it is experts (a traced bool),
+    its index in that MLP's stack, and both stacks whole ([Lm, ...] and [Ld, ...]); the layer
+    slices the one it runs (`layers.finish_layer`), in the compute dtype."""
+
+    sparse: jax.Array
+    slot: jax.Array
+    experts: dict
+    dense: dict
+
+
+def compute_dtype(p: dict, dtype) -> dict:
+    """One layer's arrays with the floating ones cast to the compute dtype (dropout keys stay as
+    they are; a mixed stack's `MixedMLP` is cast where it is sliced)."""
+    return {n: a.astype(dtype) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating) else a
+            for n, a in p.items()}
+
+
+def mlp_stack(cfg: TransformerConfig, name: str) -> str:
+    """Which stack a layer parameter (or LoRA adapter) `name` of a mixed model is in: "experts",
+    "dense" (the MLP's of those layers) or "layers" (every layer's)."""
+    base = name.split("_lora_")[0]
+    if cfg.mixed and base in EXPERT_PARAMS:
+        return "experts"
+    if cfg.mixed and base in DENSE_MLP:
+        return "dense"
+    return "layers"
+
+
+def layer_params(cfg: TransformerConfig, arrays: dict, layer: int) -> dict:
+    """Layer `layer`'s parameters from the stacked `arrays`: every layer's slice, and in a mixed
+    stack the slice of its own MLP's stack (the other MLP's parameters are not its)."""
+    out = {}
+    for name, a in arrays.items():
+        stack = mlp_stack(cfg, name)
+        if stack == "layers":
+            out[name] = a[layer]
+        elif (stack == "experts") == cfg.layer_is_sparse(layer):
+            out[name] = a[cfg.mlp_slot(layer)]
+    return out
 
 
 def run_layers(model, body, x0, *, dropout_key: jax.Array | None = None, row_sharding=None, extra=None):
@@ -53,14 +92,34 @@ def run_layers(model, body, x0, *, dropout_key: jax.Array | None = None, row_sha
         body = jax.checkpoint(_inputs_named(body), prevent_cse=False, policy=REMAT_POLICIES[model.remat])
     cfg, arrays = model.config, model.layers.arrays(dropout_key)
     if model.scan_layers:
-        return jax.lax.scan(body, x0, (arrays, _kind_index(cfg), extra))
-    per_layer = {n: jnp.split(a, cfg.num_layers) for n, a in arrays.items()}
+        if not cfg.mixed:
+            return jax.lax.scan(body, x0, (arrays, _kind_index(cfg), extra))
+        return _scan_mixed(cfg, body, x0, arrays, extra)
+    per_layer = {n: jnp.split(a, a.shape[0]) for n, a in arrays.items()}
     x, ys = x0, []
     for l, kind in enumerate(cfg.layer_types):
         extra_l = jax.tree.map(lambda a: a[l], extra)
-        x, y = body(x, ({n: a[l][0] for n, a in per_layer.items()}, cfg.kinds.index(kind), extra_l))
+        x, y = body(x, ({n: a[0] for n, a in layer_params(cfg, per_layer, l).items()}, cfg.kinds.index(kind),
+                        extra_l))
         ys.append(y)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys[0] is not None else None
+
+
+def _scan_mixed(cfg: TransformerConfig, body, x0, arrays: dict, extra):
+    """`run_layers`' scan over a mixed dense/MoE stack: every layer's parameters are scanned; the
+    two MLP stacks are passed whole in a `MixedMLP` with the layer's kind and slot (loop-invariant:
+    JAX keeps them out of the scan's saved residuals)."""
+    groups = {"layers": {}, "experts": {}, "dense": {}}
+    for name, a in arrays.items():
+        groups[mlp_stack(cfg, name)][name] = a
+    sparse = jnp.asarray([cfg.layer_is_sparse(l) for l in range(cfg.num_layers)])
+    slots = jnp.asarray([cfg.mlp_slot(l) for l in range(cfg.num_layers)], jnp.int32)
+
+    def step(x, xs):
+        p, kind, extra_l, (is_sparse, slot) = xs
+        return body(x, ({**p, "mlp": MixedMLP(is_sparse, slot, groups["experts"], groups["dense"])}, kind, extra_l))
+
+    return jax.lax.scan(step, x0, (groups["layers"], _kind_index(cfg), extra, (sparse, slots)))
 
 
 def _inputs_named(body):

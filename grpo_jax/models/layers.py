@@ -20,7 +20,8 @@ from grpo_jax.models import lora, rope
 from grpo_jax.models.activations import activation as _activation
 from grpo_jax.models.config import TransformerConfig
 from grpo_jax.models.dispatch import model_need, pick, supports_parents
-from grpo_jax.models.moe import moe_mlp
+from grpo_jax.models.layer_scan import MixedMLP
+from grpo_jax.models.moe import moe_mlp, no_routing
 from grpo_jax.runtime.platform import interpret_kernels, platform_of
 
 NEG = float(np.finfo(np.float32).min)
@@ -207,11 +208,29 @@ def finish_layer(x_BTE: jax.Array, attn_BTHD: jax.Array, p: dict[str, jax.Array]
     if cfg.post_norms:
         a = rms_norm(a, p["attn_post_norm"], cfg)
     x_BTE = x_BTE + a.reshape(B, T, E)
-    if cfg.is_moe:
+
+    def sparse(x_BTE, p):
         m_XE, routing = moe_mlp(rms_norm(x_BTE.reshape(B * T, E), p["mlp_norm"], cfg), p, cfg, replay_XK=replay_XK,
                                 real_X=real_X, follow=follow, mesh=mesh)
-        return x_BTE + m_XE.reshape(B, T, E), routing
-    return x_BTE + mlp_block(x_BTE, p, cfg), None
+        return m_XE.reshape(B, T, E), routing
+
+    mixed = p.get("mlp")
+    if isinstance(mixed, MixedMLP):  # a scanned layer of a mixed stack: its MLP's kind is traced
+        def sliced(stack):
+            return {**p, **{n: jax.lax.dynamic_index_in_dim(a, mixed.slot, keepdims=False).astype(x_BTE.dtype)
+                            for n, a in stack.items()}}
+
+        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda x: sparse(x, sliced(mixed.experts))[1], x_BTE))
+        m_BTE, routing = jax.lax.cond(mixed.sparse, lambda x: sparse(x, sliced(mixed.experts)),
+                                      lambda x: (mlp_block(x, sliced(mixed.dense), cfg), zero), x_BTE)
+        return x_BTE + m_BTE, routing
+    if "router" in p:
+        m_BTE, routing = sparse(x_BTE, p)
+        return x_BTE + m_BTE, routing
+    m_BTE = mlp_block(x_BTE, p, cfg)
+    if cfg.is_moe:  # a dense layer of a mixed stack: no routing (zeros, as the scan's dense layers give)
+        return x_BTE + m_BTE, no_routing(cfg, B * T)
+    return x_BTE + m_BTE, None
 
 
 # A layer's MLP over more than this many tokens of sequence runs in chunks of it (`mlp_block`).

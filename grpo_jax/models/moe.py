@@ -82,6 +82,15 @@ def route(h_XE: jax.Array, router_EEx: jax.Array, cfg: TransformerConfig, *, rep
     return experts, vals.astype(h_XE.dtype), stats
 
 
+def no_routing(cfg: TransformerConfig, tokens: int) -> Routing:
+    """A dense layer's Routing in a mixed stack: expert 0 for every token (never used, never
+    replayed into a dense layer) and no counts, so the statistics pool the sparse layers only."""
+    f32 = jnp.float32
+    return Routing(experts=jnp.zeros((tokens, cfg.num_experts_per_tok), jnp.int32),
+                   counts=jnp.zeros((cfg.num_experts,), f32), prob_sums=jnp.zeros((cfg.num_experts,), f32),
+                   tokens=jnp.zeros((), f32), mismatch=jnp.zeros((), f32))
+
+
 def moe_mlp(h_XE: jax.Array, p: dict[str, jax.Array], cfg: TransformerConfig, *, replay_XK: jax.Array | None = None,
             real_X: jax.Array | None = None, follow: bool = True, mesh=None) -> tuple[jax.Array, Routing]:
     """The MoE MLP of normed hidden states h [X, E] with one layer's params `p` -> (output [X, E],

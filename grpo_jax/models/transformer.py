@@ -31,7 +31,7 @@ from grpo_jax.models import lora
 from grpo_jax.models.attention import IMPLS
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.layer_scan import REMAT_POLICIES, compute_dtype, run_layers
+from grpo_jax.models.layer_scan import REMAT_POLICIES, compute_dtype, layer_params, mlp_stack, run_layers
 from grpo_jax.models.moe import replay_per_layer, stack_layers
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, decode_attention, default_positions,
                                     finish_layer, qkv, rms_norm, rope_tables, segment_positions, softcap)
@@ -60,7 +60,7 @@ def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, .
         specs["expert_gate"] = ((Ex, E, Fx), ("experts", "embed", "expert_mlp"))
         specs["expert_up"] = ((Ex, E, Fx), ("experts", "embed", "expert_mlp"))
         specs["expert_down"] = ((Ex, Fx, E), ("experts", "expert_mlp", "embed"))
-    else:
+    if not config.is_moe or config.mixed:
         specs["gate_proj"] = ((E, F), ("embed", "mlp"))
         specs["up_proj"] = ((E, F), ("embed", "mlp"))
         specs["down_proj"] = ((F, E), ("mlp", "embed"))
@@ -83,6 +83,14 @@ def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, .
     return specs
 
 
+def stack_size(config: TransformerConfig, name: str) -> int:
+    """How many layers parameter `name` (a `layer_param_specs` name, or a LoRA adapter's) is stacked
+    over: every layer, or in a mixed stack its MLP's layers (the sparse or the dense ones)."""
+    stack = mlp_stack(config, name)
+    return {"layers": config.num_layers, "experts": len(config.sparse_layers),
+            "dense": len(config.dense_layers)}[stack]
+
+
 def _is_norm(name: str) -> bool:
     return name.endswith("norm")
 
@@ -92,7 +100,7 @@ def param_specs(config: TransformerConfig) -> dict[tuple[str, ...], tuple[tuple[
     E, V = config.hidden_size, config.vocab_size
     specs = {("embed",): ((V, E), ("vocab", "embed"))}
     for name, (shape, axes) in layer_param_specs(config).items():
-        specs[("layers", name)] = ((config.num_layers, *shape), ("layers", *axes))
+        specs[("layers", name)] = ((stack_size(config, name), *shape), ("layers", *axes))
     specs[("final_norm",)] = ((E,), ("embed",))
     if not config.tie_word_embeddings:
         specs[("lm_head",)] = ((E, V), ("embed", "vocab"))
@@ -339,7 +347,7 @@ class Transformer(nnx.Module):
         """Per-layer parameter dicts in the compute dtype (for `decode_step`): L separate buffers each."""
         arrays = self.layers.arrays()
         # Adapters are folded into their weights once here, outside the decode loop.
-        return [{n: a.astype(self.dtype) for n, a in lora.merged({n: a[l] for n, a in arrays.items()}).items()}
+        return [{n: a.astype(self.dtype) for n, a in lora.merged(layer_params(self.config, arrays, l)).items()}
                 for l in range(self.config.num_layers)]
 
     def embed_tokens(self, input_ids: jax.Array) -> jax.Array:

@@ -38,12 +38,14 @@ def forward_flops(cfg: TransformerConfig, *, rows: int, start: int, count: int, 
     first `start` positions already cached), with logits computed at `logits` positions per row."""
     E, H, K, D, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                         cfg.vocab_size)
-    # A mixture of experts: each token's top-k experts' MLPs, and the router.
-    mlp = (3 * 2 * E * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 2 * E * cfg.num_experts if cfg.is_moe
-           else 3 * 2 * E * F)
-    per_token_layer = 2 * E * (H + 2 * K) * D + 2 * H * D * E + mlp
+    # A mixture of experts: each token's top-k experts' MLPs, and the router (a mixed stack's dense
+    # layers: the dense MLP).
+    sparse = len(cfg.sparse_layers)
+    moe = 3 * 2 * E * cfg.moe_intermediate_size * cfg.num_experts_per_tok + 2 * E * cfg.num_experts
+    mlp = sparse * moe + (cfg.num_layers - sparse) * 3 * 2 * E * F
+    per_token = cfg.num_layers * (2 * E * (H + 2 * K) * D + 2 * H * D * E) + mlp
     attention = sum(4 * H * D * _attended(start, count, w) for w in _layer_windows(cfg))
-    return float(rows * (count * cfg.num_layers * per_token_layer + attention + logits * 2 * E * V))
+    return float(rows * (count * per_token + attention + logits * 2 * E * V))
 
 
 @dataclasses.dataclass(frozen=True)

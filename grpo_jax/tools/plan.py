@@ -84,7 +84,9 @@ def _peak(chip: str, dtype: str) -> tuple[float, float]:
 def _recompute(cfg, remat: str) -> float:
     """The forward FLOPs the backward pass recomputes, as a share of the forward's layers."""
     H, K, D, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    mlp = (3 * cfg.moe_intermediate_size * cfg.num_experts_per_tok) if cfg.is_moe else 3 * F
+    sparse = len(cfg.sparse_layers)
+    mlp = (sparse * 3 * cfg.moe_intermediate_size * cfg.num_experts_per_tok + (cfg.num_layers - sparse) * 3 * F
+           ) / cfg.num_layers
     projections = (H + 2 * K) * D + H * D
     return {"none": 0.0, "dots": 0.0, "attention": mlp / (mlp + projections), "block": 1.0, "offload": 1.0}[remat]
 
@@ -146,9 +148,10 @@ def _weights(cfg) -> int:
     """Parameters of the model (embeddings, layers, head)."""
     E, H, K, D, F, V, L = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                            cfg.vocab_size, cfg.num_layers)
-    mlp = 3 * E * cfg.moe_intermediate_size * cfg.num_experts + E * cfg.num_experts if cfg.is_moe else 3 * E * F
+    sparse = len(cfg.sparse_layers)
+    mlp = sparse * (3 * E * cfg.moe_intermediate_size * cfg.num_experts + E * cfg.num_experts) + (L - sparse) * 3 * E * F
     head = 0 if cfg.tie_word_embeddings else V * E
-    return V * E + head + L * (E * (H + 2 * K) * D + H * D * E + mlp)
+    return V * E + head + L * (E * (H + 2 * K) * D + H * D * E) + mlp
 
 
 def plan(config_path: str, *, topology: str, overrides: Sequence[str] = (), preset: str = "", max_compiles: int = 12,
@@ -215,6 +218,8 @@ def plan_in_process(config, *, chip: str, topology: str, chips: Sequence, log: C
                     preset: str = "", max_compiles: int = 12) -> dict:
     """The plan for `config` on `topology`'s compile-only `chips` (this process runs JAX on as many
     host devices): see the module docstring. Returns the JSON fields."""
+    import jax
+
     from grpo_jax.config import ConfigError
     from grpo_jax.runtime.devices import check_devices, run_mesh
     from grpo_jax.tools.bench.abstract_run import model_shape
@@ -225,8 +230,15 @@ def plan_in_process(config, *, chip: str, topology: str, chips: Sequence, log: C
     check_devices(config)
     planner = _Planner(config=config, chip=chip, mesh=topology_mesh(config, run_mesh(config), topology, chips),
                        cfg=model_shape(config.model, preset)[0], preset=preset, log=log, max_compiles=max_compiles)
-    samplers = planner.search_sampler()
-    updates = planner.search_update()
+    # A compile-only topology's executables cannot be loaded back from JAX's persistent cache (no
+    # client): reading an entry a run of the same settings wrote only warns, so none is read here.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        samplers = planner.search_sampler()
+        updates = planner.search_update()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     hbm = CHIPS[chip]
     result = {"topology": topology, "chip": chip, "chips": len(chips), "hbm_bytes": hbm, "margin": MARGIN,
               "estimate": "roofline (grpo_jax.tools.plan): max(FLOPs / peak, bytes / HBM bandwidth) per program, "

@@ -156,17 +156,58 @@ def _qwen3_moe_config_json(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes,dense", [
-    (dict(mlp_only_layers=[1]), [1]),
-    (dict(decoder_sparse_step=2), [0]),
-    (dict(num_experts=0, num_local_experts=0), [0, 1]),
+    (dict(mlp_only_layers=[1]), (1,)),
+    (dict(decoder_sparse_step=2), (0,)),
+    (dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3]), (0, 2, 3)),
 ])
-def test_a_qwen3_moe_stack_with_dense_layers_is_refused(changes, dense):
+def test_a_qwen3_moe_stacks_dense_layers_are_read_and_written(changes, dense):
+    """transformers' rule: experts where a layer is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0; ours writes the same stack back (as mlp_only_layers, step 1)."""
+    cfg = config_from_hf(_qwen3_moe_config_json(**changes))
+    assert cfg.dense_layers == dense and set(cfg.sparse_layers) == set(range(cfg.num_layers)) - set(dense)
+    written = config_to_hf(cfg, dtype_name="float32")
+    assert written["mlp_only_layers"] == list(dense) and written["decoder_sparse_step"] == 1
+    assert config_from_hf(written) == cfg
+
+
+def test_a_qwen3_moe_stack_without_an_expert_layer_is_refused():
     with pytest.raises(UnsupportedModelError) as e:
-        config_from_hf(_qwen3_moe_config_json(**changes))
-    assert isinstance(e.value, ConfigError)
-    message = str(e.value)
-    assert f"layers {dense} dense" in message and "mixed dense/MoE stacks are not supported" in message
-    assert "decoder_sparse_step" in message and "mlp_only_layers" in message
+        config_from_hf(_qwen3_moe_config_json(num_experts=0, num_local_experts=0))
+    assert isinstance(e.value, ConfigError) and "every layer a dense MLP" in str(e.value)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_a_sparse_step_stack_matches_transformers_and_round_trips(norm_topk_prob, tmp_path):
+    """decoder_sparse_step=2 over 4 layers (dense 0 and 2): logits within 1e-4 of transformers'
+    (left-padded rows), ours saved and loaded back by transformers, and the unrolled layers equal
+    the scan. (The mlp_only_layers stack runs the whole parity suite: hf_models' qwen3_moe_mixed.)"""
+    from hf_models import randomize_
+
+    cls, kwargs = CASES["qwen3_moe"]
+    config = cls(**{**kwargs, "num_hidden_layers": 4, "decoder_sparse_step": 2, "norm_topk_prob": norm_topk_prob},
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    hf_model = randomize_(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+                          .float().eval())
+    hf_model.save_pretrained(tmp_path / "hf")
+    ours = from_pretrained(tmp_path / "hf")
+    assert ours.config.dense_layers == (0, 2) and ours.config.norm_topk_prob is norm_topk_prob
+    ids, mask = left_padded_batch(config.vocab_size, [12, 7, 3])
+
+    def torch_out(model):
+        with torch.no_grad():
+            return model(input_ids=torch.as_tensor(ids, dtype=torch.long),
+                         attention_mask=torch.as_tensor(mask)).logits.numpy()
+
+    want, real = torch_out(hf_model), mask.astype(bool)
+    got = np.asarray(ours(ids, attention_mask=mask))
+    assert np.abs(got - want)[real].max() <= 1e-4 * max(1.0, np.abs(want[real]).max())
+    unrolled = from_pretrained(tmp_path / "hf", scan_layers=False)
+    np.testing.assert_allclose(np.asarray(unrolled(ids, attention_mask=mask))[real], got[real], atol=1e-5)
+    save_pretrained(ours, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").float().eval()
+    np.testing.assert_allclose(torch_out(back)[real], want[real], atol=1e-4)
+    assert_same_params(from_pretrained(tmp_path / "ours"), ours)
 
 
 def test_mixtral_router_jitter_is_refused():
