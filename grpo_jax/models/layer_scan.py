@@ -58,6 +58,14 @@ def mlp_stack(cfg: TransformerConfig, name: str) -> str:
     return "layers"
 
 
+def stack_size(config: TransformerConfig, name: str) -> int:
+    """How many layers parameter `name` (a `layer_param_specs` name, or a LoRA adapter's) is stacked
+    over: every layer, or in a mixed stack its MLP's layers (the sparse or the dense ones)."""
+    stack = mlp_stack(config, name)
+    return {"layers": config.num_layers, "experts": len(config.sparse_layers),
+            "dense": len(config.dense_layers)}[stack]
+
+
 def layer_params(cfg: TransformerConfig, arrays: dict, layer: int) -> dict:
     """Layer `layer`'s parameters from the stacked `arrays`: every layer's slice, and in a mixed
     stack the slice of its own MLP's stack (the other MLP's parameters are not its)."""

@@ -31,7 +31,7 @@ from grpo_jax.models import lora
 from grpo_jax.models.attention import IMPLS
 from grpo_jax.models.cache import KVCache, write_slot
 from grpo_jax.models.config import TransformerConfig
-from grpo_jax.models.layer_scan import REMAT_POLICIES, compute_dtype, layer_params, mlp_stack, run_layers
+from grpo_jax.models.layer_scan import REMAT_POLICIES, compute_dtype, layer_params, run_layers, stack_size
 from grpo_jax.models.moe import replay_per_layer, stack_layers
 from grpo_jax.models.layers import (as_mask, attention, attention_impl, decode_attention, default_positions,
                                     finish_layer, qkv, rms_norm, rope_tables, segment_positions, softcap)
@@ -81,14 +81,6 @@ def layer_param_specs(config: TransformerConfig) -> dict[str, tuple[tuple[int, .
         specs["attn_post_norm"] = ((E,), ("embed",))
         specs["mlp_post_norm"] = ((E,), ("embed",))
     return specs
-
-
-def stack_size(config: TransformerConfig, name: str) -> int:
-    """How many layers parameter `name` (a `layer_param_specs` name, or a LoRA adapter's) is stacked
-    over: every layer, or in a mixed stack its MLP's layers (the sparse or the dense ones)."""
-    stack = mlp_stack(config, name)
-    return {"layers": config.num_layers, "experts": len(config.sparse_layers),
-            "dense": len(config.dense_layers)}[stack]
 
 
 def _is_norm(name: str) -> bool:
