@@ -31,6 +31,13 @@ def run_config(tmp_path, **sampling):
                              "sampling": {**CONFIG["sampling"], "max_new_tokens": 24, "engine": "paged", **sampling}})
 
 
+def other_buffers(m, params: int, dtype: str = "float32") -> int:
+    """The sampler's other buffers the pool leaves room for: the larger of the step's sampler (8
+    prompts x 8) and evaluation's (CONFIG's 20 held-out prompts x 8)."""
+    return max(sampler_bytes(m, dtype=dtype, param_dtype="float32", params_per_chip=params, prompts=n, prompt_slots=8,
+                             sequences=n * 8, slots=n * 8, max_new_tokens=24) for n in (8, 20))
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     return prepare(run_config(tmp_path_factory.mktemp("tfds")))
@@ -42,8 +49,9 @@ def test_auto_is_the_formula_over_what_is_left_of_the_chip(prepared):
     assert s.kv_cache_bytes == 0 and config.sampling.kv_cache_bytes == "auto"  # CPU: no chip, today's behaviour
     s = dataclasses.replace(s, kv_cache_bytes="auto")
     held = (5 * MIB, MIB)
-    other = sampler_bytes(m, dtype="float32", param_dtype="float32", params_per_chip=MIB, prompts=8,
-                          prompt_slots=8, sequences=64, slots=64, max_new_tokens=24)
+    other = other_buffers(m, MIB)
+    assert other > sampler_bytes(m, dtype="float32", param_dtype="float32", params_per_chip=MIB, prompts=8,
+                                 prompt_slots=8, sequences=64, slots=64, max_new_tokens=24)  # evaluation's are larger
     got, sized = resolve_kv_cache(config, m, mesh, s, held=lambda: held, chip=64 * MIB)
     assert got.kv_cache_bytes == sized.pool == int(0.9 * (64 * MIB - 5 * MIB - other)) > 0
     assert sized.held == 5 * MIB and sized.sampler == other and "auto ->" in sized.line()
@@ -67,8 +75,7 @@ def test_auto_is_the_formula_over_what_is_left_of_the_chip(prepared):
 def test_slots_follow_what_the_pool_keeps_busy_and_a_chip_too_small_is_refused(prepared):
     config, m, mesh = prepared.config, prepared.model.config, one_device_mesh()
     s = dataclasses.replace(prepared.rollout.sampling, kv_cache_bytes="auto")
-    other = sampler_bytes(m, dtype="float32", param_dtype="float32", params_per_chip=0, prompts=8, prompt_slots=8,
-                          sequences=64, slots=64, max_new_tokens=24)
+    other = other_buffers(m, 0)
     roomy, _ = resolve_kv_cache(config, m, mesh, s, held=lambda: (0, 0), chip=other + 256 * MIB)
     assert roomy.slots == 64  # every sequence
     each = sizing.page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, s.page_size, 4)
@@ -99,8 +106,7 @@ def test_a_run_sized_from_a_small_chip_preempts_and_samples_the_lockstep_tokens(
     base = prepare(config)
     m = base.model.config
     held, params = held_bytes(config, m, mesh)
-    other = sampler_bytes(m, dtype="float32", param_dtype="float32", params_per_chip=params, prompts=8,
-                          prompt_slots=8, sequences=64, slots=64, max_new_tokens=24)
+    other = other_buffers(m, params)
     each = sizing.page_bytes(m.num_layers, m.num_kv_heads, m.head_dim, 4, 4)
     monkeypatch.setattr(sizing, "chip_bytes", lambda mesh: held + other + int(40 * each / 0.9) + 1)
     prepared = prepare(config)
