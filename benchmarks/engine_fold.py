@@ -24,7 +24,7 @@ from flax import nnx
 
 from grpo_jax.engine.engines import engine_of
 from grpo_jax.runtime.sharding import one_device_mesh
-from grpo_jax.tools.bench.engine import _source
+from grpo_jax.tools.bench.engine import source_commit
 from grpo_jax.tools.bench.engine_runs import length_stats, load_workload, median, time_interleaved
 
 
@@ -64,7 +64,7 @@ def main(config: str, output: str, *overrides: str, iters: int = 5) -> dict:
                                                     / out["continuous"]["useful_tokens_per_s"], 3),
               "paged_per_slot_vs_continuous_fastest": round(min(timing["continuous"]["times"])
                                                             / min(timing["paged_per_slot"]["times"]), 3),
-              "device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__, "source": _source()}
+              "device": str(jax.devices()[0].device_kind), "jax_version": jax.__version__, "source": source_commit()}
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     Path(output).write_text(json.dumps(result, indent=1) + "\n")
     print(f"paged per slot / continuous: {result['paged_per_slot_vs_continuous']} (fastest calls "

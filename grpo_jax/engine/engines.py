@@ -55,6 +55,9 @@ class Engine:
 
     def start(self, model, ids, mask, key, *, config: SamplingConfig, mesh: Mesh):
         """The streaming loop's start (an engine with slots): `(loop constants, loop state)`."""
+        if self._start is None:
+            raise ValueError(f"the {self.name} engine decodes every row at once and has no streaming loop to start "
+                             "(sampling.engine: paged or continuous has one)")
         return self._start(model, ids, mask, key, config=self.settings(config), mesh=mesh)
 
 

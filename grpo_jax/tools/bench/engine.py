@@ -32,7 +32,7 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _source() -> dict | None:
+def source_commit() -> dict | None:
     """The commit this code runs from, and whether the engines' files differ from it (other work
     in progress in the same tree changes what is measured); None outside a git checkout."""
     import subprocess
@@ -110,7 +110,7 @@ def engine(config_path: str, *, overrides: Sequence[str] = (), iters: int = 3, p
     if iters < 1 or peer not in PEERS or paged_slots < 0:
         raise ConfigError(f"bench engine needs --iters >= 1, --peer in {PEERS} and --paged-slots >= 0, got {iters}, "
                           f"{peer!r} and {paged_slots}")
-    source = _source()
+    before = source_commit()
     w = er.load_workload(config_path, overrides)
     log(f"bench engine: {w.description['prompts']} prompts x {w.sampling.group_size}, {w.slots} slots, "
         f"max_new_tokens {w.sampling.max_new_tokens}; {w.description['model']}")
@@ -136,7 +136,7 @@ def engine(config_path: str, *, overrides: Sequence[str] = (), iters: int = 3, p
               "ratios": ratios(engines), "ratios_by_fastest_call": ratios(engines, "wall_s_min"),
               "peer": {k: v for k, v in (peer_info or {}).items() if k not in engines},
               "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-              "jax_version": jax.__version__, "source": source, "source_after": _source()}
+              "jax_version": jax.__version__, "source": before, "source_after": source_commit()}
     if output:
         from pathlib import Path
 
