@@ -60,7 +60,8 @@ class SamplingConfig:
     page_size: int = 16  # tokens per page (the TPU kernel prefers 64-256)
     # gather: pure-JAX attention over each sequence's pages (any backend); pallas: JAX's TPU kernel
     # ragged_paged_attention (head_dim % 128 == 0); gpu: JAX's Pallas GPU paged kernel, pages read in
-    # place (no sliding window); auto: the kernel of the platform where it applies, else gather
+    # place (no sliding window; asked for by name until it has run on a GPU); auto: pallas on TPU
+    # where it applies, else gather
     # (grpo_jax.models.dispatch.DECODE says what each can run).
     paged_attention: PagedAttention = "auto"
     # With dynamic sampling, the paged engine returns to the host every this many decode steps

@@ -140,12 +140,14 @@ def resolve_kv_cache(config, model_config, mesh, sampling, *, held: Callable[[],
     Z = rows_per_shard(mesh)
     P = max(sampling.prompt_buckets)
 
+    def slots_for(rows: int) -> int:  # per row shard: one per row, or the configured slots
+        return rows if sampling.slots == 0 else min(rows, -(-sampling.slots // Z))
+
     def other_of(prompts_per_call: int, group_size: int) -> int:
         prompts = -(-prompts_per_call // Z)
         rows = prompts * group_size
-        slots = rows if sampling.slots == 0 else min(rows, -(-sampling.slots // Z))
         return sampler_bytes(model_config, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                             params_per_chip=params, prompts=prompts, prompt_slots=P, sequences=rows, slots=slots,
+                             params_per_chip=params, prompts=prompts, prompt_slots=P, sequences=rows, slots=slots_for(rows),
                              max_new_tokens=sampling.max_new_tokens)
 
     # The step's sampler and evaluation's (calls of at most 64 prompts, rollout.evaluation.prompts_per_call)
@@ -154,7 +156,7 @@ def resolve_kv_cache(config, model_config, mesh, sampling, *, held: Callable[[],
                 other_of(min(64, config.eval.num_prompts), config.eval.k))
     prompts = -(-config.data.prompts_per_step // Z)
     sequences = prompts * sampling.group_size
-    slots = sequences if sampling.slots == 0 else min(sequences, -(-sampling.slots // Z))
+    slots = slots_for(sequences)
     pool = pool_bytes(chip=chip, held=total, sampler=other, fraction=sampling.kv_cache_fraction)
     each = page_bytes(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, sampling.page_size,
                       jnp.dtype(config.model.dtype).itemsize)

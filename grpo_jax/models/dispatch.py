@@ -145,7 +145,10 @@ FAMILIES = {"model.attention": MODEL, "sampling.paged_attention": DECODE}
 def auto_order(need: Need) -> tuple[str, ...]:
     """`auto`'s candidates for `need`, fastest first."""
     if need.name == "decode":
-        return {"tpu": ("pallas", "gather"), "gpu": ("gpu", "gather"), "cpu": ("gather",)}[need.platform]
+        # The GPU paged kernel ("gpu") has run interpreted on CPU only, never compiled by Triton on a
+        # GPU: until a device run shows it works, auto keeps the gather path there and the kernel
+        # is `sampling.paged_attention: gpu`, asked for by name.
+        return {"tpu": ("pallas", "gather"), "gpu": ("gather",), "cpu": ("gather",)}[need.platform]
     if need.platform == "cpu":
         return ("xla", "chunked") if need.keys <= AUTO_XLA_MAX_KEYS else ("chunked", "xla")
     return ({"tpu": "splash", "gpu": "gpu"}[need.platform], "chunked", "xla")

@@ -8,7 +8,6 @@ engine, equal to the same run on CPU's own choices."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -45,8 +44,8 @@ TABLE = [
     ("gpu", "plain", {"window": True}, "chunked"),
     ("gpu", "plain", {"softcap": True}, "chunked"),
     ("gpu", "plain", {"mesh": False}, "chunked"),
-    ("gpu", "decode", {}, "gpu"),
-    ("gpu", "decode", {"softcap": True}, "gpu"),
+    ("gpu", "decode", {}, "gather"),  # the GPU paged kernel is asked for by name until it has run on a GPU
+    ("gpu", "decode", {"softcap": True}, "gather"),
     ("gpu", "decode", {"window": True}, "gather"),
     ("gpu", "decode", {"head_dim": 24}, "gather"),
     ("gpu", "decode", {"page_size": 8}, "gather"),
@@ -89,6 +88,8 @@ def test_an_explicit_choice_that_cannot_run_a_pass_is_refused_naming_one_that_ca
     # Choices that can run are returned as given (chunked is slower than splash on TPU, and allowed).
     assert pick("chunked", Need(name="plain", platform="tpu")) == "chunked"
     assert pick("gpu", Need(name="plain", platform="gpu")) == "gpu"
+    assert pick("gpu", Need(name="decode", platform="gpu")) == "gpu"
+    assert pick("gpu", Need(name="decode", platform="gpu", softcap=True)) == "gpu"
 
 
 def test_the_model_passes_ask_by_platform_and_model_features():
@@ -103,7 +104,8 @@ def test_the_model_passes_ask_by_platform_and_model_features():
         assert attention_impl("auto", gemma, keys=64, mesh=mesh) == "chunked"  # sliding layers
         assert attention_impl("auto", qwen, keys=64, mesh=None) == "chunked"
         assert not parents_supported("auto", qwen, mesh) and parents_supported("auto", gemma, mesh)
-        assert paged_decode.choose_attention("auto", qwen, jnp.float32, 16, mesh) == "gpu"
+        assert paged_decode.choose_attention("auto", qwen, jnp.float32, 16, mesh) == "gather"
+        assert paged_decode.choose_attention("gpu", qwen, jnp.float32, 16, mesh) == "gpu"
         assert paged_decode.choose_attention("auto", gemma, jnp.float32, 16, mesh) == "gather"
     with faked_platform("tpu"):
         assert attention_impl("auto", gemma, keys=64, mesh=mesh, pass_name="shared_prompt") == "splash"
@@ -190,7 +192,7 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_a_pass(tmp_path):
     assert any(line.startswith("check: attention (gpu): plain: gpu") for line in lines), lines
 
 
-def _gpu_shaped(tmp_path, packing: bool):
+def _gpu_shaped(tmp_path, packing: bool, platform: str):
     arch = CONFIG["model"]["architecture"]
     return config_from_dict({
         **CONFIG, "model": {**CONFIG["model"], "architecture": {**arch, "num_layers": 1}},
@@ -198,7 +200,8 @@ def _gpu_shaped(tmp_path, packing: bool):
         "sft": {"steps": 0}, "eval": {"every": 0}, "checkpoint": {},
         # A page pool of 16-token pages (the GPU kernel's smallest), sequences beyond one page.
         "sampling": {**CONFIG["sampling"], "group_size": 4, "max_new_tokens": 12, "engine": "paged", "slots": 8,
-                     "page_size": 16, "kv_cache_bytes": 64 * 16 * 2 * 2 * 16 * 4},
+                     "page_size": 16, "kv_cache_bytes": 64 * 16 * 2 * 2 * 16 * 4,
+                     **({"paged_attention": "gpu"} if platform == "gpu" else {})},
         "train": {**CONFIG["train"], "steps": 1, "samples_every": 0, "packing": packing}})
 
 
@@ -226,7 +229,7 @@ def test_a_gpu_shaped_run_trains_on_cpu_with_the_kernels_interpreted(tmp_path, m
     for platform, packing in (("gpu", False), ("gpu", True), ("cpu", False)):
         seen, before = [], dict(calls)
         with faked_platform(platform):
-            train(_gpu_shaped(tmp_path, packing), tmp_path / f"{platform}-{packing}",
+            train(_gpu_shaped(tmp_path, packing, platform), tmp_path / f"{platform}-{packing}",
                   hooks=[lambda step, m: seen.append(m)], log=lambda s: None)
         runs[platform, packing] = seen[0]
         traced = {k: calls[k] - before[k] for k in calls}
